@@ -1,0 +1,1 @@
+"""The ``kvstore`` command-line application (click). Parses options, calls the library, prints."""

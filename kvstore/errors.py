@@ -1,0 +1,68 @@
+"""Every error kvstore raises on purpose derives from :class:`KVStoreError`.
+
+Messages are one line and say what to do next; the CLI prints them as they are.
+"""
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Root of kvstore's own errors."""
+
+
+class StoreError(KVStoreError):
+    """The store cannot be opened or written (path, permissions, disk)."""
+
+
+class StoreNotFoundError(StoreError, FileNotFoundError):
+    """A read command was pointed at a store that does not exist."""
+
+
+class ReadOnlyStoreError(StoreError, PermissionError):
+    """A write was attempted on a store opened read-only or on an unwritable path."""
+
+
+class StoreFullError(StoreError, OSError):
+    """The disk (not the LMDB map, which grows by itself) is full."""
+
+
+class FormatVersionError(KVStoreError):
+    """A store or entry was written by a newer kvstore format than this one reads."""
+
+
+class EntryNotFoundError(KVStoreError, KeyError):
+    """No entry under that key."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the sentence
+        return str(self.args[0]) if self.args else "entry not found"
+
+
+class CorruptEntryError(KVStoreError, ValueError):
+    """A stored value failed its checksum or does not decode to a well-formed entry."""
+
+
+class ForeignEntryError(KVStoreError, ValueError):
+    """A stored entry belongs to another model, dtype or token sequence than the one asked for."""
+
+
+class CodecError(KVStoreError, ValueError):
+    """Unknown codec name or invalid codec options."""
+
+
+class ModelNotFoundError(KVStoreError, LookupError):
+    """A model name resolved to nothing loadable."""
+
+
+class ModelError(KVStoreError):
+    """A model cannot be used as asked (unsupported architecture, bad dtype or device)."""
+
+
+class ContextTooLongError(KVStoreError, ValueError):
+    """A context (plus question and answer) is longer than the model's positions."""
+
+
+class DatasetError(KVStoreError, ValueError):
+    """A dataset file is unreadable or a row is malformed; the message names file and line."""
+
+
+class CorruptEntryWarning(UserWarning):
+    """A stored entry failed verification on load and was treated as a miss."""
