@@ -1,0 +1,179 @@
+"""LMDB backend: the embedded default.
+
+One store is one directory holding an LMDB environment (``data.mdb``, ``lock.mdb``). Many reader
+processes may open it at once; writes are transactions, so a put is atomic and a crash keeps every
+committed entry. Puts are durable (``sync=True``: the commit returns after the data reached the
+disk) unless ``sync=False`` is passed. The memory map starts at ``map_size`` and doubles whenever it
+fills; other processes adopt the new size on their next transaction.
+
+Reads through :meth:`LMDBBackend.view` are zero-copy: the memoryview points into the map and stays
+valid until the ``with`` block ends.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import lmdb
+
+from kvstore.backends import BackendBase
+from kvstore.errors import ReadOnlyStoreError, StoreError, StoreFullError, StoreNotFoundError
+
+DEFAULT_MAP_SIZE = 1 << 30  # 1 GiB of address space to start; grows by doubling
+
+
+class LMDBBackend(BackendBase):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        readonly: bool = False,
+        create: bool = True,
+        map_size: int | None = None,
+        sync: bool = True,
+        max_readers: int = 512,
+    ):
+        self.path = Path(path).expanduser()
+        self.readonly = readonly
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreError(f"store path {self.path} is a file; give a directory (a store is a directory)")
+        if not (self.path / "data.mdb").exists():
+            if readonly or not create:
+                raise StoreNotFoundError(f"no store at {self.path}; build one first with `kvstore build`")
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ReadOnlyStoreError(f"cannot create store directory {self.path}: {exc.strerror}") from None
+        if not readonly and not os.access(self.path, os.W_OK):
+            raise ReadOnlyStoreError(f"store {self.path} is not writable; fix its permissions or use another --store")
+        size = map_size or DEFAULT_MAP_SIZE
+        data = self.path / "data.mdb"
+        if data.exists():
+            size = max(size, data.stat().st_size)
+        self._grow_lock = threading.Lock()
+        try:
+            self.env = lmdb.open(
+                str(self.path),
+                map_size=size,
+                subdir=True,
+                readonly=readonly,
+                lock=True,
+                sync=sync,
+                metasync=sync,
+                readahead=False,
+                meminit=False,
+                max_readers=max_readers,
+                max_spare_txns=4,
+            )
+        except lmdb.Error as exc:
+            if readonly and isinstance(exc, (lmdb.ReadonlyError, lmdb.Error)) and not os.access(self.path, os.W_OK):
+                # a read-only directory cannot hold the lock file: read without LMDB's reader table
+                self.env = lmdb.open(str(self.path), readonly=True, lock=False, subdir=True, readahead=False)
+            else:
+                raise StoreError(f"cannot open store {self.path}: {exc}") from None
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _writable(self) -> None:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
+
+    def _read_txn(self, buffers: bool = False):
+        try:
+            return self.env.begin(buffers=buffers)
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)  # another process grew the map: adopt its size
+            return self.env.begin(buffers=buffers)
+
+    def _write(self, fn) -> None:
+        """Run ``fn(txn)`` in a write transaction, growing the map and retrying when it is full."""
+        self._writable()
+        while True:
+            try:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        fn(txn)
+                    return
+                except lmdb.MapResizedError:
+                    self.env.set_mapsize(0)
+                    continue
+            except lmdb.MapFullError:
+                with self._grow_lock:
+                    self.env.set_mapsize(self.env.info()["map_size"] * 2)
+            except lmdb.Error as exc:
+                text = str(exc)
+                if "No space left" in text or getattr(exc, "errno", None) == errno.ENOSPC:
+                    raise StoreFullError(
+                        f"disk full while writing to {self.path}; the entries stored before are intact - free space and re-run"
+                    ) from None
+                if "Permission denied" in text or "read-only" in text.lower():
+                    raise ReadOnlyStoreError(f"store {self.path} is not writable ({text})") from None
+                raise StoreError(f"LMDB write failed in {self.path}: {text}") from None
+
+    # -- protocol -----------------------------------------------------------------------------
+    def get(self, key: bytes) -> bytes | None:
+        with self._read_txn() as txn:
+            return txn.get(key)
+
+    @contextlib.contextmanager
+    def view(self, key: bytes) -> Iterator[memoryview | None]:
+        txn = self._read_txn(buffers=True)
+        try:
+            buf = txn.get(key)
+            yield None if buf is None else memoryview(buf)
+        finally:
+            txn.abort()
+
+    def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
+        with self._read_txn() as txn:
+            return [txn.get(k) for k in keys]
+
+    def put(self, key: bytes, value: bytes | memoryview) -> None:
+        self._write(lambda txn: txn.put(key, value))
+
+    def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
+        items = list(items)
+
+        def fn(txn):
+            for k, v in items:
+                txn.put(k, v)
+
+        self._write(fn)
+
+    def delete(self, key: bytes) -> bool:
+        result = []
+        self._write(lambda txn: result.append(txn.delete(key)))
+        return bool(result and result[-1])
+
+    def delete_many(self, keys: Iterable[bytes]) -> int:
+        keys = list(keys)
+        result = []
+        self._write(lambda txn: result.append(sum(bool(txn.delete(k)) for k in keys)))
+        return result[-1] if result else 0
+
+    def contains(self, key: bytes) -> bool:
+        with self._read_txn(buffers=True) as txn:
+            return txn.get(key) is not None
+
+    def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
+        with self._read_txn() as txn:
+            cur = txn.cursor()
+            found = []
+            if cur.set_range(prefix):
+                for k in cur.iternext(keys=True, values=False):
+                    if not k.startswith(prefix):
+                        break
+                    found.append(k)
+        return iter(found)
+
+    def disk_bytes(self) -> int:
+        """Bytes the environment occupies on disk (LMDB files never shrink; freed pages are reused)."""
+        data = self.path / "data.mdb"
+        return data.stat().st_size if data.exists() else 0
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.env.close()
