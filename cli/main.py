@@ -14,8 +14,8 @@ import click
 
 # command name -> (module, attribute, one-line help shown by `kvstore --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "build": ("cli.build", "build", "Prefill every distinct context of a dataset and store its KV cache."),
-    "sample": ("cli.sample", "sample", "Answer a dataset's questions with greedy decoding from stored caches."),
+    "build": ("cli.workflow", "build", "Prefill every distinct context of a dataset and store its KV cache."),
+    "sample": ("cli.workflow", "sample", "Answer a dataset's questions with greedy decoding from stored caches."),
     "ls": ("cli.manage", "ls", "List the entries of a store."),
     "stats": ("cli.manage", "stats", "Totals of a store per model and dtype."),
     "verify": ("cli.manage", "verify", "Check every entry's checksum and structure."),
@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning kvstore's errors into one line and an exit code."""
     debug = os.environ.get("KVSTORE_DEBUG", "") not in ("", "0")
     try:
-        app.main(args=argv, prog_name="kvstore", standalone_mode=False)
+        rc = app.main(args=argv, prog_name="kvstore", standalone_mode=False)
+        if isinstance(rc, int) and rc:  # ctx.exit(n) returns n when standalone_mode is off
+            sys.exit(rc)
     except click.exceptions.Abort:
         click.echo("kvstore: interrupted; everything committed so far is kept.", err=True)
         sys.exit(130)

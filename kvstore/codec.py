@@ -118,7 +118,7 @@ def _parse_st_header(head: memoryview | bytes, data_len: int) -> tuple[list[tupl
         raise CorruptEntryError(f"safetensors header declares {n} bytes, more than the payload holds")
     try:
         parsed = json.loads(bytes(head[8 : 8 + n]))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: hostile nesting
         raise CorruptEntryError(f"safetensors header is not valid JSON ({exc})") from None
     if not isinstance(parsed, dict):
         raise CorruptEntryError("safetensors header is not a JSON object")
@@ -131,7 +131,7 @@ def _parse_st_header(head: memoryview | bytes, data_len: int) -> tuple[list[tupl
             dtype = ST_DTYPES[spec["dtype"]]
             shape = tuple(int(d) for d in spec["shape"])
             begin, end = (int(x) for x in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(1e999)
             raise CorruptEntryError(f"safetensors entry {name!r} is malformed or has an unsupported dtype") from None
         if any(d < 0 for d in shape) or not 0 <= begin <= end <= data_len:
             raise CorruptEntryError(f"tensor {name!r}: offsets {begin}..{end} fall outside {data_len} data bytes")
@@ -235,7 +235,7 @@ def decode_payload(payload: memoryview | bytes, params: Mapping, raw_bytes: int,
         raise CorruptEntryError("zstd entry lists no frames")
     try:
         sizes = [(int(c), int(d)) for c, d in frames]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise CorruptEntryError("zstd frame table is malformed") from None
     if any(c <= 0 or d < 0 for c, d in sizes) or sum(c for c, _ in sizes) != len(payload):
         raise CorruptEntryError("zstd frame sizes do not add up to the payload")
@@ -247,6 +247,16 @@ def decode_payload(payload: memoryview | bytes, params: Mapping, raw_bytes: int,
     for c, _ in sizes:
         views.append(payload[pos : pos + c])
         pos += c
+    # ZstdDecompressor.decompress sizes its output from the frame's own content-size field and
+    # ignores max_output_size when that field is present: a small frame claiming (and holding)
+    # gigabytes of zeros would be allocated in full. Check every frame's claim against the table.
+    for v, (_, d) in zip(views, sizes):
+        try:
+            claimed = zstandard.frame_content_size(v)
+        except zstandard.ZstdError:
+            raise CorruptEntryError("zstd frame has an unreadable header") from None
+        if claimed != d:
+            raise CorruptEntryError(f"a zstd frame declares {claimed} bytes, the entry header {d}")
     dctx = zstandard.ZstdDecompressor()
     try:
         if threads > 1 and len(views) > 2:

@@ -165,7 +165,7 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
         raise CorruptEntryError("entry header length is out of range")
     try:
         h = json.loads(bytes(buf[_PREFIX : _PREFIX + hlen]))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: hostile "[[[[..."
         raise CorruptEntryError("entry header is not valid JSON") from None
     if not isinstance(h, dict):
         raise CorruptEntryError("entry header is not a JSON object")
@@ -180,7 +180,8 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
     if h["dtype"] not in DTYPES or not isinstance(h.get("codec"), dict):
         raise CorruptEntryError("entry header has an unknown dtype or no codec")
     created = h.get("created")
-    if not isinstance(created, (int, float)):
+    # a printable date (json.loads also accepts NaN, Infinity and 10**400; datetime stops at 9999)
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < 2.5e11:
         raise CorruptEntryError("entry header field 'created' is missing or invalid")
     header = EntryHeader(
         key=h["key"],

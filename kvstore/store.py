@@ -206,24 +206,25 @@ class KVStore:
         self.readonly = readonly
         self._touched: dict[str, float] = {}
         try:
-            self.meta = self._load_meta()
+            self.meta = self._load_meta(codec)
             self.codec = get_codec(codec or self.meta.get("codec"))
         except BaseException:
             self.backend.close()
             raise
 
     # -- description --------------------------------------------------------------------------
-    def _load_meta(self) -> dict:
+    def _load_meta(self, codec: str | Codec | None = None) -> dict:
         raw = self.backend.get(_META)
         if raw is None:
-            meta = {"format": FORMAT_VERSION, "codec": get_codec(None).spec, "created": time.time()}
+            # a new store records the codec it was created with, so a reopen uses it again
+            meta = {"format": FORMAT_VERSION, "codec": get_codec(codec).spec, "created": time.time()}
             if not self.readonly:
                 self.backend.put(_META, json.dumps(meta, sort_keys=True).encode())
             return meta
         try:
             meta = json.loads(raw)
             fmt = int(meta["format"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
             raise KVStoreError(f"store {self.url} has an unreadable description record; is it a kvstore store?") from None
         if fmt > FORMAT_VERSION:
             raise FormatVersionError(
@@ -407,7 +408,7 @@ class GcPlan:
     """Entries to remove and why; nothing is removed until :func:`execute_plan`."""
 
     remove: tuple[tuple[str, str, int], ...]  # (key, reason, stored_bytes)
-    keep_bytes: int
+    keep_bytes: int  # stored bytes of the intact entries left afterwards
 
     @property
     def n(self) -> int:
@@ -416,6 +417,14 @@ class GcPlan:
     @property
     def freed_bytes(self) -> int:
         return sum(r[2] for r in self.remove)
+
+
+def _age_str(seconds: float) -> str:
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} minutes"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} hours"
+    return f"{seconds / 86400:.1f} days"
 
 
 def plan_gc(
@@ -428,43 +437,55 @@ def plan_gc(
     keys: Sequence[str] = (),
     now: float | None = None,
 ) -> GcPlan:
-    """Choose entries to remove from a scan.
+    """Choose entries to remove from a scan (nothing is removed here; see :func:`execute_plan`).
 
-    ``corrupt``: entries that failed the scan. ``model``: entries whose fingerprint starts with it
-    or whose model name equals it. ``older_than``: seconds since last use. ``max_bytes``: then
-    drop least-recently-used entries until the rest fit. ``keys``: entries by key or key prefix.
+    ``model`` and ``keys`` narrow what may be removed (the *scope*): entries whose fingerprint
+    starts with ``model`` or whose model name equals it, and entries whose key starts with one of
+    ``keys``; both given means both must match. Within the scope, ``older_than`` (seconds since
+    last use) removes old entries, then ``max_bytes`` removes least-recently-used entries until
+    the scope's remaining entries fit in that many stored bytes. ``corrupt`` removes the entries
+    that failed the scan (those matching ``keys`` when keys are given; a corrupt entry's model is
+    unknown). With a scope but none of ``older_than``/``max_bytes``/``corrupt``, the whole scope
+    is removed (``kvstore rm``), corrupt entries named by ``keys`` included. With nothing at all,
+    nothing is removed.
+
+    Raises EntryNotFoundError when a key prefix matches no entry.
     """
     now = time.time() if now is None else now
-    remove: dict[str, tuple[str, str, int]] = {}
-    if corrupt:
-        for c in info.corrupt:
-            remove[c.key] = (c.key, f"corrupt: {c.reason}", c.stored_bytes)
-    for e in info.entries:
-        if e.key in remove:
-            continue
-        if model and (e.model.startswith(model) or e.model_name == model):
-            remove[e.key] = (e.key, f"model {e.model_name}", e.stored_bytes)
-        elif older_than is not None and now - e.last_used > older_than:
-            remove[e.key] = (e.key, f"unused for {(now - e.last_used) / 86400:.1f} days", e.stored_bytes)
-        elif any(e.key.startswith(k) for k in keys):
-            remove[e.key] = (e.key, "asked for", e.stored_bytes)
     for k in keys:
-        if not any(r.startswith(k) for r in remove) and not any(c.key.startswith(k) for c in info.corrupt):
-            if not any(e.key.startswith(k) for e in info.entries):
-                raise EntryNotFoundError(f"no entry matches key {k!r} in {info.url}")
-    if corrupt is False:
-        for c in info.corrupt:
-            if any(c.key.startswith(k) for k in keys):
-                remove[c.key] = (c.key, f"corrupt: {c.reason}", c.stored_bytes)
-    kept = sorted((e for e in info.entries if e.key not in remove), key=lambda e: e.last_used)
-    total = sum(e.stored_bytes for e in kept)
+        if not any(e.key.startswith(k) for e in info.entries) and not any(c.key.startswith(k) for c in info.corrupt):
+            raise EntryNotFoundError(f"no entry matches key {k!r} in {info.url}")
+
+    def in_keys(key: str) -> bool:
+        return not keys or any(key.startswith(k) for k in keys)
+
+    def in_scope(e: EntryInfo) -> bool:
+        return in_keys(e.key) and (not model or e.model.startswith(model) or e.model_name == model)
+
+    has_scope = bool(model) or bool(keys)
+    has_criterion = corrupt or older_than is not None or max_bytes is not None
+    remove: dict[str, tuple[str, str, int]] = {}
+    for c in info.corrupt:
+        if (corrupt and in_keys(c.key)) or (keys and not has_criterion and in_keys(c.key)):
+            remove[c.key] = (c.key, f"corrupt: {c.reason}", c.stored_bytes)
+    scope = [e for e in info.entries if in_scope(e)]
+    if has_scope and not has_criterion:
+        for e in scope:
+            remove[e.key] = (e.key, f"model {e.model_name}" if model else "asked for", e.stored_bytes)
+    if older_than is not None:
+        for e in scope:
+            if now - e.last_used > older_than:
+                remove[e.key] = (e.key, f"unused for {_age_str(now - e.last_used)}", e.stored_bytes)
     if max_bytes is not None:
+        kept = sorted((e for e in scope if e.key not in remove), key=lambda e: (e.last_used, e.key))
+        total = sum(e.stored_bytes for e in kept)
         for e in kept:
             if total <= max_bytes:
                 break
             remove[e.key] = (e.key, "least recently used over the size budget", e.stored_bytes)
             total -= e.stored_bytes
-    return GcPlan(tuple(remove.values()), total)
+    keep_bytes = sum(e.stored_bytes for e in info.entries if e.key not in remove)
+    return GcPlan(tuple(remove.values()), keep_bytes)
 
 
 def execute_plan(store: KVStore, plan: GcPlan) -> int:

@@ -1,0 +1,362 @@
+"""Helpers shared by the CLI commands: common options, output formats, progress, errors.
+
+Importing this module must stay cheap (click and the standard library only): ``kvstore --help``
+and every ``kvstore CMD --help`` import it. Heavy modules (torch via ``kvstore.store``, tqdm) are
+imported inside the functions that need them.
+
+Conventions for command modules:
+
+* results go to stdout (``emit`` for anything tabular: ``--format table|json|csv``); warnings
+  (``warn``) and progress bars (``progress_bar``) go to stderr;
+* a library :class:`kvstore.errors.KVStoreError` may simply propagate: ``cli.main.main`` prints
+  it as one line (``kvstore: error: ...``) and exits 1;
+* a failure the command itself detects is ``raise CLIError("what happened; what to do")``: one
+  line, exit 1 (never ``ctx.exit(1)``: ``cli.main.main`` runs click with
+  ``standalone_mode=False``, which turns ``ctx.exit(n)`` into a return value);
+* a bad option value is a ``click.BadParameter`` (usage error, exit 2); the ``SIZE`` and
+  ``DURATION`` parameter types do that for sizes and durations;
+* destructive commands plan first, print the plan, then ``confirm(...)`` unless ``--yes``.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import IO, Any
+
+import click
+
+STORE_DEFAULT_HELP = "$KVSTORE_STORE or cache/store"
+
+
+# -- errors -----------------------------------------------------------------------------------
+class CLIError(click.ClickException):
+    """A one-line failure detected by a command: printed as ``kvstore: error: MESSAGE``, exit 1."""
+
+    exit_code = 1
+
+    def show(self, file: IO[str] | None = None) -> None:
+        click.echo(f"kvstore: error: {self.format_message()}", err=True, file=file)
+
+
+def warn(message: str) -> None:
+    """Print ``kvstore: warning: MESSAGE`` on stderr."""
+    click.echo(f"kvstore: warning: {message}", err=True)
+
+
+# -- common options ---------------------------------------------------------------------------
+def _resolve_store(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
+    if value:
+        return value
+    from kvstore.paths import default_store  # cheap (os, pathlib); read at call time, not import
+
+    return default_store()
+
+
+def store_option(fn: Callable) -> Callable:
+    """``--store PATH``: the store directory (or ``lmdb://DIR``, ``memory://NAME``).
+
+    The command receives ``store: str``, already resolved: the option's value, else
+    ``$KVSTORE_STORE``, else ``<kvstore home>/store`` (see :func:`kvstore.paths.default_store`)."""
+    return click.option(
+        "--store",
+        "store",
+        metavar="PATH",
+        default=None,
+        callback=_resolve_store,
+        show_default=STORE_DEFAULT_HELP,
+        help="Store directory.",
+    )(fn)
+
+
+def format_option(fn: Callable | None = None, *, choices: Sequence[str] = ("table", "json", "csv"), default: str = "table"):
+    """``--format table|json|csv`` (the command receives ``fmt: str``). Use bare
+    (``@format_option``) or with other ``choices``/``default``."""
+
+    def deco(f: Callable) -> Callable:
+        return click.option(
+            "--format",
+            "fmt",
+            type=click.Choice(list(choices)),
+            default=default,
+            show_default=True,
+            help="Output format.",
+        )(f)
+
+    return deco(fn) if fn is not None else deco
+
+
+def quiet_option(fn: Callable) -> Callable:
+    """``-q/--quiet``: hide progress bars (the command receives ``quiet: bool``)."""
+    return click.option("-q", "--quiet", is_flag=True, help="Hide progress bars.")(fn)
+
+
+def dry_run_option(fn: Callable) -> Callable:
+    """``--dry-run``: print the plan, change nothing (the command receives ``dry_run: bool``)."""
+    return click.option("--dry-run", is_flag=True, help="Print what would be removed; change nothing.")(fn)
+
+
+def yes_option(fn: Callable) -> Callable:
+    """``-y/--yes``: skip the confirmation prompt (the command receives ``yes: bool``)."""
+    return click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation (needed without a terminal).")(fn)
+
+
+# -- stores -----------------------------------------------------------------------------------
+def open_store(store: str, *, readonly: bool, create: bool = False):
+    """Open a :class:`kvstore.store.KVStore` (imports torch). ``readonly`` for commands that only
+    read; ``create`` for commands that may start a new store. Unless ``create``, a missing store
+    raises ``StoreNotFoundError``; a path that is a file raises ``StoreError``: ``cli.main``
+    prints either as one line."""
+    from kvstore.store import KVStore
+
+    if readonly:
+        return KVStore(store, readonly=True)
+    return KVStore(store, create=create)
+
+
+# -- confirmation -------------------------------------------------------------------------------
+def stdin_is_tty() -> bool:
+    """Whether a person can answer a prompt (tests monkeypatch this)."""
+    try:
+        return sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def confirm(question: str, *, yes: bool, hint: str = "") -> bool:
+    """Whether to go ahead: True with ``yes`` (``--yes``) or when the user answers yes; False
+    (after printing "Nothing changed.") when they answer no. Without a terminal to ask on (and
+    without ``--yes``) raises :class:`CLIError` telling them to pass ``--yes``, then ``hint``
+    (e.g. ``"or --dry-run to see the plan"``)."""
+    if yes:
+        return True
+    if not stdin_is_tty():
+        raise CLIError("no terminal to ask for confirmation on; pass --yes to go ahead" + (f" ({hint})" if hint else ""))
+    if click.confirm(question, default=False, err=True):
+        return True
+    click.echo("Nothing changed.", err=True)
+    return False
+
+
+# -- parsing ----------------------------------------------------------------------------------
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size: ``10GiB``, ``512 MiB``, ``1.5G`` (binary: K/M/G/T, KiB...), ``10GB``
+    (decimal: kB/MB/GB/TB), ``4096`` (bytes). Case-insensitive. Raises ValueError."""
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size; use e.g. 10GiB, 500MiB, 2GB or a byte count")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION_PART = r"(\d+(?:\.\d*)?|\.\d+)\s*([smhdw])"
+_DURATION_RE = re.compile(rf"^\s*(?:{_DURATION_PART}\s*)+$", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from a duration: ``30d``, ``12h``, ``90m``, ``45s``, ``2w``, ``1.5d``, ``1d12h``
+    (s/m/h/d/w, case-insensitive). A unit is required: a bare ``30`` is ambiguous, and guessing
+    seconds would make ``rm --older-than 30`` remove almost everything. Raises ValueError."""
+    if not _DURATION_RE.match(str(text)):
+        raise ValueError(f"{text!r} is not a duration; use a number and a unit: 45s, 90m, 12h, 30d, 2w")
+    return sum(float(n) * _DURATION_UNITS[u.lower()] for n, u in re.findall(_DURATION_PART, str(text), re.IGNORECASE))
+
+
+class _Parsed(click.ParamType):
+    def __init__(self, name: str, parse: Callable[[str], Any]):
+        self.name = name
+        self._parse = parse
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return self._parse(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+SIZE = _Parsed("size", parse_size)
+"""click type for sizes (``--max-size 10GiB`` -> int bytes); bad input is a usage error."""
+DURATION = _Parsed("duration", parse_duration)
+"""click type for durations (``--older-than 30d`` -> float seconds); bad input is a usage error."""
+
+
+# -- output -----------------------------------------------------------------------------------
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def render_table(rows: Iterable[Sequence[Any]], columns: Sequence[str], align: str | Sequence[str] | None = None) -> str:
+    """An aligned plain-text table: a header line, then one line per row (no trailing newline).
+
+    ``rows``: sequences of cells, in ``columns`` order (``None`` shows as ``-``, floats with 2
+    decimals). ``align``: one ``"l"`` or ``"r"`` per column (a string like ``"llrr"`` works);
+    by default a column of numbers aligns right and anything else left."""
+    rows = [list(r) for r in rows]
+    if align is None:
+        align = []
+        for i in range(len(columns)):
+            values = [r[i] for r in rows if r[i] is not None]
+            align.append("r" if values and all(map(_is_number, values)) else "l")
+    cells = [[_cell(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(columns)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(values, widths, align)).rstrip()
+
+    return "\n".join([line(list(columns))] + [line(r) for r in cells])
+
+
+def emit(
+    rows: Sequence[Mapping[str, Any]],
+    fmt: str,
+    *,
+    columns: Mapping[str, str] | Sequence[str] | None = None,
+    formatters: Mapping[str, Callable[[Any], Any]] | None = None,
+    align: str | Sequence[str] | None = None,
+    file: IO[str] | None = None,
+) -> None:
+    """Print records as ``table``, ``json`` or ``csv`` on stdout (or ``file``).
+
+    ``rows``: dicts of raw, JSON-serialisable values (bytes as ints, times as epoch seconds).
+    ``json`` prints the list as it is; ``csv`` prints every field with a header line. ``table``
+    shows only ``columns`` (field names, or a mapping field -> header), each value passed through
+    ``formatters[field]`` when given (e.g. ``human_bytes``), aligned by :func:`render_table`."""
+    out = file if file is not None else sys.stdout
+    if fmt == "json":
+        click.echo(json.dumps(list(map(dict, rows)), indent=2), file=out)
+        return
+    if fmt == "csv":
+        fields: list[str] = []
+        for r in rows:
+            fields += [k for k in r if k not in fields]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        click.echo(buf.getvalue(), file=out, nl=False)
+        return
+    if fmt != "table":
+        raise ValueError(f"unknown output format {fmt!r}")
+    if columns is None:
+        columns = list(rows[0]) if rows else []
+    headers = dict(columns) if isinstance(columns, Mapping) else {c: c for c in columns}
+    formatters = formatters or {}
+    table = [[formatters[k](r.get(k)) if k in formatters else r.get(k) for k in headers] for r in rows]
+    click.echo(render_table(table, list(headers.values()), align), file=out)
+
+
+def echo_json(obj: Any, file: IO[str] | None = None) -> None:
+    """Print one JSON document (indented) on stdout (or ``file``)."""
+    click.echo(json.dumps(obj, indent=2), file=file if file is not None else sys.stdout)
+
+
+# -- progress ---------------------------------------------------------------------------------
+class Progress:
+    """A tqdm bar on stderr that is also a library progress callback: ``bar(n_done, n_total)``
+    sets the position (what ``KVStore.scan(progress=...)`` calls); ``bar.update(n)`` advances.
+    Use as a context manager, or call :meth:`close`. With ``quiet`` no bar is shown (and tqdm is
+    not imported); :meth:`write` still prints."""
+
+    def __init__(self, total: int | None, desc: str, quiet: bool = False, unit: str = "it", leave: bool = False):
+        self._bar = None
+        if not quiet:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=leave, dynamic_ncols=True)
+
+    def __call__(self, n_done: int, n_total: int | None = None) -> None:
+        if self._bar is None:
+            return
+        if n_total is not None and n_total != self._bar.total:
+            self._bar.total = n_total
+        self._bar.update(n_done - self._bar.n)
+
+    def update(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def set_description(self, desc: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description(desc)
+
+    def set_postfix(self, **values: Any) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(**values)
+
+    def write(self, message: str) -> None:
+        """Print a line on stderr without breaking the bar (printed even when quiet)."""
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            click.echo(message, err=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def progress_bar(total: int | None, desc: str, quiet: bool = False, unit: str = "it", *, leave: bool = False) -> Progress:
+    """A :class:`Progress` bar (tqdm on stderr, imported only when shown); hidden with ``quiet``.
+    ``total`` may be None (unknown); ``leave`` keeps the finished bar on screen."""
+    return Progress(total, desc, quiet, unit, leave)
+
+
+def short(text: str | None, n: int = 12) -> str:
+    """The first ``n`` characters of a key or fingerprint (``-`` for None)."""
+    return "-" if text is None else text[:n]
+
+
+__all__ = [
+    "CLIError",
+    "DURATION",
+    "Progress",
+    "SIZE",
+    "STORE_DEFAULT_HELP",
+    "confirm",
+    "dry_run_option",
+    "echo_json",
+    "emit",
+    "format_option",
+    "open_store",
+    "parse_duration",
+    "parse_size",
+    "progress_bar",
+    "quiet_option",
+    "render_table",
+    "short",
+    "stdin_is_tty",
+    "store_option",
+    "warn",
+    "yes_option",
+]

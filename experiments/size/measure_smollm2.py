@@ -1,0 +1,55 @@
+"""Measured beside estimated: the bundled SmolLM2-135M-Instruct's caches of the demo contexts,
+stored in float32 and bfloat16 with each codec, then reported by ``kvstore size --store``.
+
+Command (from the repository root; writes experiments/size/smollm2_measured.{txt,json})::
+
+    .venv/bin/python experiments/size/measure_smollm2.py
+
+Deterministic: the same contexts and weights give the same stored bytes on every run.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kvstore.adapter import Adapter
+from kvstore.store import KVStore
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+CODECS = ("raw", "zstd:1", "zstd-shuffle:1")
+
+
+def main() -> None:
+    contexts = list(dict.fromkeys(json.loads(line)["context"] for line in (ROOT / "experiments/data/demo.jsonl").open()))
+    with tempfile.TemporaryDirectory() as tmp:
+        stores = []
+        for dtype in ("float32", "bfloat16"):
+            adapter = Adapter.from_pretrained(None, dtype=dtype)
+            for codec in CODECS:
+                path = Path(tmp) / f"{dtype}-{codec.replace(':', '')}"
+                with KVStore(str(path), codec=codec) as store:
+                    adapter.generate_kv_cache(contexts, store)
+                stores.append((dtype, codec, path))
+        table, docs = [], {}
+        for dtype, codec, path in stores:
+            cmd = [sys.executable, "-m", "cli.main", "size", "default", "--dtype", dtype, "--seq-len", "2048", "--store", str(path)]
+            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+            measured = out[out.index("Measured in store") :].split("\n", 1)[1].strip("\n")
+            table.append(f"# {dtype}, codec {codec}\n{measured}\n")
+            docs[f"{dtype} {codec}"] = json.loads(
+                subprocess.run(cmd + ["--format", "json"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+            )["measured"]
+    (HERE / "smollm2_measured.txt").write_text(
+        f"SmolLM2-135M-Instruct, {len(contexts)} demo contexts (experiments/data/demo.jsonl); "
+        "stored bytes include entry headers, token ids and checksums.\n\n" + "\n".join(table)
+    )
+    (HERE / "smollm2_measured.json").write_text(json.dumps(docs, indent=2) + "\n")
+    print((HERE / "smollm2_measured.txt").read_text())
+
+
+if __name__ == "__main__":
+    main()
