@@ -39,6 +39,11 @@ Progress = Callable[[int, int], None]  # (items done since last call, tokens don
 TextOrIds = str | Sequence[int]
 
 
+def _label(labels: Sequence[str] | None, i: int) -> str:
+    """How errors name row ``i``: the caller's label (e.g. ``file.jsonl:12``) or ``row i``."""
+    return labels[i] if labels is not None else f"row {i}"
+
+
 class PreallocatedLayer(DynamicLayer):
     """A cache layer over preallocated ``[B, kv_heads, capacity, head_dim]`` buffers.
 
@@ -262,25 +267,27 @@ class Adapter:
             return [int(t) for t in question]
         return list(self.tokenizer(question, add_special_tokens=False)["input_ids"])
 
-    def _limit_context(self, ids: list[int], row: int, reserve: int, truncate: bool, max_context_tokens: int | None) -> list[int]:
+    def _limit_context(self, ids: list[int], row: str, reserve: int, truncate: bool, max_context_tokens: int | None) -> list[int]:
         limits = [x for x in (max_context_tokens, (self.max_positions - reserve) if self.max_positions else None) if x]
         limit = min(limits) if limits else None
         if limit is not None and len(ids) > limit:
             if limit <= 0:
-                raise ContextTooLongError(f"row {row}: the question and answer alone exceed the model's {self.max_positions} positions")
+                raise ContextTooLongError(f"{row}: the question and answer alone exceed the model's {self.max_positions} positions")
             if not truncate:
                 raise ContextTooLongError(
-                    f"row {row}: context has {len(ids)} tokens but at most {limit} fit "
+                    f"{row}: context has {len(ids)} tokens but at most {limit} fit "
                     f"(model positions {self.max_positions}); shorten it or ask for left-truncation (truncate=True / --truncate)"
                 )
             ids = ids[len(ids) - limit :]
         if not ids:
-            raise ContextTooLongError(f"row {row}: context is empty after tokenization")
+            raise ContextTooLongError(f"{row}: context is empty after tokenization")
         return ids
 
-    def _contexts_ids(self, contexts, special_tokens, reserve, truncate, max_context_tokens) -> list[list[int]]:
+    def _contexts_ids(self, contexts, special_tokens, reserve, truncate, max_context_tokens, labels) -> list[list[int]]:
         return [
-            self._limit_context(self.encode_context(c, special_tokens=special_tokens), i, reserve, truncate, max_context_tokens)
+            self._limit_context(
+                self.encode_context(c, special_tokens=special_tokens), _label(labels, i), reserve, truncate, max_context_tokens
+            )
             for i, c in enumerate(contexts)
         ]
 
@@ -332,6 +339,8 @@ class Adapter:
         truncate: bool = False,
         max_context_tokens: int | None = None,
         reserve_tokens: int = 0,
+        skip_errors: bool = False,
+        labels: Sequence[str] | None = None,
         progress: Progress | None = None,
     ) -> BuildReport:
         """Prefill every distinct context not yet in ``store`` and store its KV cache.
@@ -342,18 +351,35 @@ class Adapter:
         tokens. Encoding and writing happen on a background thread. ``reserve_tokens`` keeps room
         for questions and answers below the model's position limit.
 
+        ``labels`` name the rows in error messages (default ``row i``).
+
         Raises ContextTooLongError (naming the row) unless ``truncate`` is set, which keeps the
-        last tokens of a context that is too long.
+        last tokens of a context that is too long, or ``skip_errors`` is set, which counts the row
+        in ``report.failed`` (with its message in ``report.errors``) and builds the others.
         """
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         t_start = time.perf_counter()
         report = BuildReport(contexts=len(contexts))
-        ids = self._contexts_ids(contexts, special_tokens, reserve_tokens, truncate, max_context_tokens)
-        report.keys = [self.key(x) for x in ids]
+        ids: list[list[int]] = []
+        for i, c in enumerate(contexts):
+            try:
+                ids.append(
+                    self._limit_context(
+                        self.encode_context(c, special_tokens=special_tokens), _label(labels, i), reserve_tokens, truncate, max_context_tokens
+                    )
+                )
+            except ContextTooLongError as exc:
+                if not skip_errors:
+                    raise
+                report.errors.append(str(exc))
+                ids.append([])
+        report.keys = [self.key(x) if x else "" for x in ids]
         first: dict[str, int] = {}
         for i, k in enumerate(report.keys):
-            first.setdefault(k, i)
+            if k:
+                first.setdefault(k, i)
+        report.failed = sum(1 for x in ids if not x)
         report.distinct = len(first)
         todo = [i for k, i in first.items() if not store.contains(k)]
         report.skipped = report.distinct - len(todo)
@@ -393,6 +419,7 @@ class Adapter:
         max_context_tokens: int | None = None,
         return_details: bool = False,
         return_scores: bool = False,
+        labels: Sequence[str] | None = None,
         progress: Progress | None = None,
     ) -> torch.Tensor | SampleResult:
         """Greedy answers to ``questions[i]`` about ``contexts[i]``.
@@ -412,7 +439,7 @@ class Adapter:
             raise ValueError("num_new_tokens and batch_size must be at least 1")
         q_ids = [self.encode_question(q) for q in questions]
         reserve = max((len(q) for q in q_ids), default=0) + num_new_tokens
-        c_ids = self._contexts_ids(contexts, special_tokens, reserve, truncate, max_context_tokens)
+        c_ids = self._contexts_ids(contexts, special_tokens, reserve, truncate, max_context_tokens, labels)
         n = len(c_ids)
         out = torch.full((n, num_new_tokens), self.pad_id, dtype=torch.long)
         lengths = [0] * n

@@ -3,7 +3,9 @@
 ``$KVSTORE_HOME`` wins. Otherwise, when kvstore runs from a source checkout that has the
 ``cache/`` directory (marked by ``CACHEDIR.TAG``), that directory is used; an installed copy
 falls back to ``~/.cache/kvstore``. The default store is ``<home>/store`` unless
-``$KVSTORE_STORE`` names another; converted models live under ``<home>/models``.
+``$KVSTORE_STORE`` names another; converted models live under ``<home>/models`` unless
+``$KVSTORE_MODELS`` names another directory (tests use it to share one converted model while
+everything else goes to a temporary home).
 """
 from __future__ import annotations
 
@@ -29,5 +31,9 @@ def default_store() -> str:
 
 
 def models_dir() -> Path:
-    """Directory for models converted to safetensors (e.g. the bundled GGUF)."""
+    """Directory for models converted to safetensors (e.g. the bundled GGUF): ``$KVSTORE_MODELS``
+    or ``<home>/models``."""
+    env = os.environ.get("KVSTORE_MODELS")
+    if env:
+        return Path(env).expanduser()
     return home() / "models"

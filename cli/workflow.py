@@ -1,0 +1,286 @@
+"""``kvstore build`` and ``kvstore sample``: the main job, end to end.
+
+Both commands load the dataset, the model and the prompt format the same way, so that the
+contexts ``build`` stores are exactly the ones ``sample`` looks up.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from cli.common import echo_json, progress_bar, quiet_option, store_option
+
+
+def _advance(bar):
+    """Adapt a progress bar to the Adapter's callback: ``cb(items, tokens)`` with increments;
+    the bar shows items and tokens per second."""
+    state = {"tokens": 0, "t0": time.perf_counter()}
+
+    def cb(items: int, tokens: int) -> None:
+        state["tokens"] += tokens
+        bar.update(items)
+        elapsed = time.perf_counter() - state["t0"]
+        if elapsed > 0:
+            bar.set_postfix(tok_s=f"{state['tokens'] / elapsed:,.0f}")
+
+    return cb
+
+
+@contextlib.contextmanager
+def _corrupt_entries_as_warnings(bar):
+    """Show each :class:`kvstore.errors.CorruptEntryWarning` (a stored entry that failed
+    verification and was treated as a miss) as one ``kvstore: warning: ...`` line on stderr,
+    every time; Python's default would print two lines with a source excerpt, once per place."""
+    import warnings
+
+    from kvstore.errors import CorruptEntryWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", CorruptEntryWarning)
+        show = warnings.showwarning
+
+        def one_line(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, CorruptEntryWarning):
+                bar.write(f"kvstore: warning: {str(message).removeprefix('kvstore: ')}")
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = one_line
+        yield
+
+
+def emit_summary(title: str, summary: dict, fmt: str) -> None:
+    """The closing summary: JSON on stdout with ``--format json``, else aligned lines."""
+    if fmt == "json":
+        echo_json(summary)
+        return
+    click.echo(f"{title} summary")
+    width = max(len(k) for k in summary)
+    for k, v in summary.items():
+        if v is None:
+            continue
+        if isinstance(v, int) and k.endswith("bytes"):
+            from kvstore.units import human_bytes
+
+            v = f"{v:,} ({human_bytes(v)})"
+        elif isinstance(v, float) and k in ("accuracy", "exact_match", "f1", "cache_hit_rate"):
+            v = f"{v:.1%}"
+        elif isinstance(v, int):
+            v = f"{v:,}"
+        click.echo(f"  {k.replace('_', ' '):<{width}}  {v}")
+
+
+def _dataset_options(fn):
+    for deco in reversed(
+        [
+            click.argument("dataset"),
+            click.option("--context-field", default="context", show_default=True, help="Field holding the context."),
+            click.option("--question-field", default="question", show_default=True, help="Field holding the question."),
+            click.option("--answers-field", default="answers", show_default=True, help="Field holding the answer(s)."),
+            click.option("--id-field", default="id", show_default=True, help="Field holding the row id (optional)."),
+            click.option("--skip-bad-rows", is_flag=True, help="Skip malformed rows (counted) instead of stopping."),
+            click.option("--limit", type=click.IntRange(min=1), help="Use only the first N rows."),
+        ]
+    ):
+        fn = deco(fn)
+    return fn
+
+
+def _model_options(fn):
+    for deco in reversed(
+        [
+            click.option("--model", "-m", default=None, help="Hub id, local directory or .gguf file [default: bundled SmolLM2-135M-Instruct]."),
+            click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16", "float64", "auto"]), help="Dtype to run the model (and store KV) in."),
+            click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto."),
+            click.option("--batch-size", "-b", default=8, show_default=True, type=click.IntRange(min=1), help="Rows per forward pass."),
+            click.option("--chat/--no-chat", default=None, help="Wrap prompts in the model's chat template [default: on when the tokenizer has one]."),
+            click.option("--template", default=None, help="Prompt template with {question} (and optionally {context} before it) [default: '{context}\\nQuestion: {question}\\nAnswer:']."),
+            click.option("--system", default=None, help="System prompt for --chat."),
+            click.option("--truncate", is_flag=True, help="Left-truncate contexts longer than the model allows instead of failing."),
+            store_option,
+            quiet_option,
+            click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Summary format."),
+        ]
+    ):
+        fn = deco(fn)
+    return fn
+
+
+def _load_everything(dataset, fields, skip_bad_rows, limit, model, dtype, device, chat, template, system, require_question, quiet):
+    from kvstore.datasets import load_dataset
+
+    data = load_dataset(
+        dataset,
+        context_field=fields[0],
+        question_field=fields[1],
+        answers_field=fields[2],
+        id_field=fields[3],
+        skip_bad_rows=skip_bad_rows,
+        require_question=require_question,
+        limit=limit,
+    )
+    if not data.examples:
+        raise click.ClickException(f"{dataset}: no usable rows")
+    if not quiet:
+        click.echo(f"kvstore: loading model {model or 'SmolLM2-135M-Instruct (bundled)'} ...", err=True)
+    from kvstore.adapter import Adapter
+    from kvstore.prompts import PromptFormat
+
+    adapter = Adapter.from_pretrained(model, dtype=dtype, device=device)
+    if chat is None:
+        chat = bool(getattr(adapter.tokenizer, "chat_template", None))
+    kwargs = {"template": template} if template else {}
+    fmt = PromptFormat.from_chat_template(adapter.tokenizer, system=system, **kwargs) if chat else PromptFormat.plain(**kwargs)
+    return data, adapter, fmt
+
+
+@click.command()
+@_dataset_options
+@_model_options
+@click.option("--codec", default=None, help="Codec for new entries: raw, zstd[:LEVEL], zstd-shuffle[:LEVEL] [default: the store's, zstd-shuffle:1].")
+@click.option("--max-new-tokens", default=20, show_default=True, type=click.IntRange(min=1), help="Room kept for answers when checking context length.")
+def build(dataset, context_field, question_field, answers_field, id_field, skip_bad_rows, limit, model, dtype, device,
+          batch_size, chat, template, system, truncate, store, quiet, fmt, codec, max_new_tokens):
+    """Prefill every distinct context of DATASET once and store its KV cache.
+
+    Contexts already in the store are skipped, so an interrupted build resumes where it stopped.
+    DATASET is a .jsonl, .csv or SQuAD-style .json file.
+    """
+    from kvstore.codec import get_codec
+    from kvstore.store import KVStore
+
+    get_codec(codec)  # reject a bad codec before loading anything
+    data, adapter, prompt = _load_everything(
+        dataset, (context_field, question_field, answers_field, id_field), skip_bad_rows, limit,
+        model, dtype, device, chat, template, system, False, quiet,
+    )
+    contexts = data.contexts()
+    first_id = {}
+    for ex in data.examples:
+        first_id.setdefault(ex.context, ex.id)
+    labels = [f"{dataset}: context of row {first_id[c]}" for c in contexts]
+    texts = [prompt.context_part(c) for c in contexts]
+    with KVStore(store, codec=codec) as kv:
+        bar = progress_bar(len(texts), "build", quiet, unit="ctx")
+        try:
+            report = adapter.generate_kv_cache(
+                texts, kv, batch_size=batch_size, special_tokens=prompt.add_special_tokens, truncate=truncate,
+                reserve_tokens=max_new_tokens + 64, skip_errors=skip_bad_rows, labels=labels, progress=_advance(bar),
+            )
+        finally:
+            bar.close()
+    summary = {
+        "dataset": dataset,
+        "store": str(kv.url),
+        "model": adapter.name,
+        "dtype": str(adapter.dtype).removeprefix("torch."),
+        "codec": kv.codec.spec,
+        "rows": len(data.examples),
+        "bad_rows_skipped": data.skipped,
+        "contexts": report.distinct,
+        "built": report.built,
+        "skipped": report.skipped,
+        "failed": report.failed,
+        "tokens": report.tokens,
+        "raw_bytes": report.raw_bytes,
+        "stored_bytes": report.stored_bytes,
+        "ratio": round(report.ratio, 4),
+        "seconds": round(report.seconds, 3),
+        "store_seconds": round(report.store_seconds, 3),
+        "tokens_per_second": round(report.tokens_per_second, 1),
+    }
+    for problem in list(data.problems) + report.errors:
+        click.echo(f"kvstore: skipped: {problem}", err=True)
+    emit_summary("build", summary, fmt)
+
+
+@click.command()
+@_dataset_options
+@_model_options
+@click.option("--max-new-tokens", "-n", default=20, show_default=True, type=click.IntRange(min=1), help="Tokens to generate per answer.")
+@click.option("--no-cache", is_flag=True, help="Reference path: run context + question through the model, ignore the store.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per question here.")
+@click.option("--readonly-store", is_flag=True, help="Do not store contexts computed for missing entries.")
+def sample(dataset, context_field, question_field, answers_field, id_field, skip_bad_rows, limit, model, dtype, device,
+           batch_size, chat, template, system, truncate, store, quiet, fmt, max_new_tokens, no_cache, output, readonly_store):
+    """Answer every question of DATASET with greedy decoding from stored context caches.
+
+    Missing contexts are computed, stored and used. --no-cache runs the same decoding without
+    the store (the reference): both give the same predictions.
+    """
+    from kvstore.metrics import clean_prediction, exact_match, f1_score, lenient_match
+    from kvstore.store import KVStore
+
+    data, adapter, prompt = _load_everything(
+        dataset, (context_field, question_field, answers_field, id_field), skip_bad_rows, limit,
+        model, dtype, device, chat, template, system, True, quiet,
+    )
+    examples = data.examples
+    contexts = [prompt.context_part(ex.context) for ex in examples]
+    questions = [prompt.question_part(ex.question) for ex in examples]
+    labels = [f"{dataset}: row {ex.id}" for ex in examples]
+    kv = None if no_cache else KVStore(store, readonly=readonly_store)
+    bar = progress_bar(len(examples), "sample", quiet, unit="q")
+    t0 = time.perf_counter()
+    try:
+        with _corrupt_entries_as_warnings(bar):
+            result = adapter.greedy_sample(
+                contexts, questions, max_new_tokens, use_cache=not no_cache, store=kv, batch_size=batch_size,
+                special_tokens=prompt.add_special_tokens, truncate=truncate, labels=labels,
+                return_details=True, progress=_advance(bar),
+            )
+    finally:
+        bar.close()
+        if kv is not None:
+            kv.close()
+    seconds = time.perf_counter() - t0
+    rows = []
+    for i, ex in enumerate(examples):
+        text = adapter.decode(result.tokens[i])
+        pred = clean_prediction(text)
+        rows.append(
+            {
+                "id": ex.id,
+                "question": ex.question,
+                "prediction": pred,
+                "answers": list(ex.answers),
+                "correct": bool(ex.answers) and lenient_match(pred, ex.answers),
+                "exact_match": exact_match(pred, ex.answers) if ex.answers else 0.0,
+                "f1": f1_score(pred, ex.answers) if ex.answers else 0.0,
+                "cache_hit": bool(result.cache_hit[i]),
+                "raw_output": text,
+            }
+        )
+    if output:
+        out = Path(output)
+        with out.open("w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    answered = [r for r in rows if r["answers"]]
+    n = len(rows)
+    summary = {
+        "dataset": dataset,
+        "model": adapter.name,
+        "mode": "no-cache" if no_cache else "cache",
+        "questions": n,
+        "bad_rows_skipped": data.skipped,
+        "accuracy": round(sum(r["correct"] for r in answered) / len(answered), 4) if answered else None,
+        "exact_match": round(sum(r["exact_match"] for r in answered) / len(answered), 4) if answered else None,
+        "f1": round(sum(r["f1"] for r in answered) / len(answered), 4) if answered else None,
+        "seconds": round(seconds, 3),
+        "questions_per_second": round(n / seconds, 3) if seconds else None,
+        "cache_hit_rate": round(sum(result.cache_hit) / n, 4) if n else None,
+        "prefill_tokens_saved": result.prefill_tokens_saved,
+        "prefill_tokens_computed": result.prefill_tokens_computed,
+        "output": output,
+    }
+    if not output and fmt == "text" and not quiet:
+        for r in rows[:5]:
+            click.echo(f"  {r['id']}: {r['question']!r} -> {r['prediction']!r} ({'correct' if r['correct'] else 'wrong'})", err=True)
+    emit_summary("sample", summary, fmt)
+    sys.stdout.flush()
