@@ -68,7 +68,7 @@ def emit_summary(title: str, summary: dict, fmt: str) -> None:
             from kvstore.units import human_bytes
 
             v = f"{v:,} ({human_bytes(v)})"
-        elif isinstance(v, float) and k in ("accuracy", "exact_match", "f1", "cache_hit_rate"):
+        elif isinstance(v, float) and k in ("accuracy", "contains", "exact_match", "f1", "cache_hit_rate"):
             v = f"{v:.1%}"
         elif isinstance(v, int):
             v = f"{v:,}"
@@ -101,7 +101,8 @@ def _model_options(fn):
             click.option("--chat/--no-chat", default=None, help="Wrap prompts in the model's chat template [default: on when the tokenizer has one]."),
             click.option("--template", default=None, help="Prompt template with {question} (and optionally {context} before it) [default: '{context}\\nQuestion: {question}\\nAnswer:']."),
             click.option("--system", default=None, help="System prompt for --chat."),
-            click.option("--truncate", is_flag=True, help="Left-truncate contexts longer than the model allows instead of failing."),
+            click.option("--truncate", is_flag=True, help="Left-truncate contexts longer than the limit instead of failing."),
+            click.option("--max-context-tokens", type=click.IntRange(min=1), default=None, help="Context length limit [default: model positions - 256]; use the same value for build and sample."),
             store_option,
             quiet_option,
             click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Summary format."),
@@ -143,9 +144,8 @@ def _load_everything(dataset, fields, skip_bad_rows, limit, model, dtype, device
 @_dataset_options
 @_model_options
 @click.option("--codec", default=None, help="Codec for new entries: raw, zstd[:LEVEL], zstd-shuffle[:LEVEL] [default: the store's, zstd-shuffle:1].")
-@click.option("--max-new-tokens", default=20, show_default=True, type=click.IntRange(min=1), help="Room kept for answers when checking context length.")
 def build(dataset, context_field, question_field, answers_field, id_field, skip_bad_rows, limit, model, dtype, device,
-          batch_size, chat, template, system, truncate, store, quiet, fmt, codec, max_new_tokens):
+          batch_size, chat, template, system, truncate, max_context_tokens, store, quiet, fmt, codec):
     """Prefill every distinct context of DATASET once and store its KV cache.
 
     Contexts already in the store are skipped, so an interrupted build resumes where it stopped.
@@ -170,7 +170,7 @@ def build(dataset, context_field, question_field, answers_field, id_field, skip_
         try:
             report = adapter.generate_kv_cache(
                 texts, kv, batch_size=batch_size, special_tokens=prompt.add_special_tokens, truncate=truncate,
-                reserve_tokens=max_new_tokens + 64, skip_errors=skip_bad_rows, labels=labels, progress=_advance(bar),
+                max_context_tokens=max_context_tokens, skip_errors=skip_bad_rows, labels=labels, progress=_advance(bar),
             )
         finally:
             bar.close()
@@ -207,13 +207,14 @@ def build(dataset, context_field, question_field, answers_field, id_field, skip_
 @click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per question here.")
 @click.option("--readonly-store", is_flag=True, help="Do not store contexts computed for missing entries.")
 def sample(dataset, context_field, question_field, answers_field, id_field, skip_bad_rows, limit, model, dtype, device,
-           batch_size, chat, template, system, truncate, store, quiet, fmt, max_new_tokens, no_cache, output, readonly_store):
+           batch_size, chat, template, system, truncate, max_context_tokens, store, quiet, fmt, max_new_tokens, no_cache, output,
+           readonly_store):
     """Answer every question of DATASET with greedy decoding from stored context caches.
 
     Missing contexts are computed, stored and used. --no-cache runs the same decoding without
     the store (the reference): both give the same predictions.
     """
-    from kvstore.metrics import clean_prediction, exact_match, f1_score, lenient_match
+    from kvstore.metrics import clean_prediction, contains_match, lenient_match, score
     from kvstore.store import KVStore
 
     data, adapter, prompt = _load_everything(
@@ -231,7 +232,7 @@ def sample(dataset, context_field, question_field, answers_field, id_field, skip
         with _corrupt_entries_as_warnings(bar):
             result = adapter.greedy_sample(
                 contexts, questions, max_new_tokens, use_cache=not no_cache, store=kv, batch_size=batch_size,
-                special_tokens=prompt.add_special_tokens, truncate=truncate, labels=labels,
+                special_tokens=prompt.add_special_tokens, truncate=truncate, max_context_tokens=max_context_tokens, labels=labels,
                 return_details=True, progress=_advance(bar),
             )
     finally:
@@ -250,8 +251,7 @@ def sample(dataset, context_field, question_field, answers_field, id_field, skip
                 "prediction": pred,
                 "answers": list(ex.answers),
                 "correct": bool(ex.answers) and lenient_match(pred, ex.answers),
-                "exact_match": exact_match(pred, ex.answers) if ex.answers else 0.0,
-                "f1": f1_score(pred, ex.answers) if ex.answers else 0.0,
+                "contains_answer": bool(ex.answers) and contains_match(pred, ex.answers),
                 "cache_hit": bool(result.cache_hit[i]),
                 "raw_output": text,
             }
@@ -262,6 +262,7 @@ def sample(dataset, context_field, question_field, answers_field, id_field, skip
             for r in rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
     answered = [r for r in rows if r["answers"]]
+    scores = score([r["prediction"] for r in answered], [r["answers"] for r in answered]) if answered else {}
     n = len(rows)
     summary = {
         "dataset": dataset,
@@ -269,9 +270,7 @@ def sample(dataset, context_field, question_field, answers_field, id_field, skip
         "mode": "no-cache" if no_cache else "cache",
         "questions": n,
         "bad_rows_skipped": data.skipped,
-        "accuracy": round(sum(r["correct"] for r in answered) / len(answered), 4) if answered else None,
-        "exact_match": round(sum(r["exact_match"] for r in answered) / len(answered), 4) if answered else None,
-        "f1": round(sum(r["f1"] for r in answered) / len(answered), 4) if answered else None,
+        **{k: (round(scores[k], 4) if answered else None) for k in ("accuracy", "contains", "exact_match", "f1")},
         "seconds": round(seconds, 3),
         "questions_per_second": round(n / seconds, 3) if seconds else None,
         "cache_hit_rate": round(sum(result.cache_hit) / n, 4) if n else None,

@@ -37,6 +37,7 @@ from kvstore.store import Entry, KVStore
 
 Progress = Callable[[int, int], None]  # (items done since last call, tokens done since last call)
 TextOrIds = str | Sequence[int]
+DEFAULT_RESERVE_TOKENS = 256
 
 
 def _label(labels: Sequence[str] | None, i: int) -> str:
@@ -186,6 +187,7 @@ class Adapter:
 
     ``Adapter(model, tokenizer)`` takes any loaded model; :meth:`from_pretrained` loads one by name
     (default: the bundled SmolLM2-135M-Instruct). The model is put in eval mode.
+    ``reserve_tokens``: positions kept free for question and answer when limiting contexts.
     """
 
     def __init__(
@@ -196,11 +198,13 @@ class Adapter:
         name: str | None = None,
         weight_files: Sequence = (),
         fingerprint: str | None = None,
+        reserve_tokens: int = DEFAULT_RESERVE_TOKENS,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._weight_files = tuple(weight_files)
+        self.reserve_tokens = reserve_tokens
         self._fingerprint = fingerprint
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
@@ -267,27 +271,33 @@ class Adapter:
             return [int(t) for t in question]
         return list(self.tokenizer(question, add_special_tokens=False)["input_ids"])
 
-    def _limit_context(self, ids: list[int], row: str, reserve: int, truncate: bool, max_context_tokens: int | None) -> list[int]:
-        limits = [x for x in (max_context_tokens, (self.max_positions - reserve) if self.max_positions else None) if x]
-        limit = min(limits) if limits else None
+    def context_limit(self, max_context_tokens: int | None = None) -> int | None:
+        """Most tokens a context may have: ``max_context_tokens`` if given, else the model's
+        positions minus :attr:`reserve_tokens` (room for a question and its answer). It depends
+        on the context alone, so build and sample truncate (and key) a context the same way."""
+        if max_context_tokens is not None:
+            return max_context_tokens
+        if self.max_positions:
+            return max(1, self.max_positions - self.reserve_tokens)
+        return None
+
+    def _limit_context(self, ids: list[int], row: str, truncate: bool, max_context_tokens: int | None) -> list[int]:
+        limit = self.context_limit(max_context_tokens)
         if limit is not None and len(ids) > limit:
-            if limit <= 0:
-                raise ContextTooLongError(f"{row}: the question and answer alone exceed the model's {self.max_positions} positions")
             if not truncate:
                 raise ContextTooLongError(
                     f"{row}: context has {len(ids)} tokens but at most {limit} fit "
-                    f"(model positions {self.max_positions}); shorten it or ask for left-truncation (truncate=True / --truncate)"
+                    f"(model positions {self.max_positions}, {self.reserve_tokens} kept for question and answer); "
+                    "shorten it or ask for left-truncation (truncate=True / --truncate)"
                 )
             ids = ids[len(ids) - limit :]
         if not ids:
             raise ContextTooLongError(f"{row}: context is empty after tokenization")
         return ids
 
-    def _contexts_ids(self, contexts, special_tokens, reserve, truncate, max_context_tokens, labels) -> list[list[int]]:
+    def _contexts_ids(self, contexts, special_tokens, truncate, max_context_tokens, labels) -> list[list[int]]:
         return [
-            self._limit_context(
-                self.encode_context(c, special_tokens=special_tokens), _label(labels, i), reserve, truncate, max_context_tokens
-            )
+            self._limit_context(self.encode_context(c, special_tokens=special_tokens), _label(labels, i), truncate, max_context_tokens)
             for i, c in enumerate(contexts)
         ]
 
@@ -338,7 +348,6 @@ class Adapter:
         special_tokens: bool = True,
         truncate: bool = False,
         max_context_tokens: int | None = None,
-        reserve_tokens: int = 0,
         skip_errors: bool = False,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
@@ -348,8 +357,8 @@ class Adapter:
         Contexts are tokenized with the model's special tokens (``special_tokens=False`` when the
         text already contains them, as a rendered chat template does), deduplicated by key, sorted
         by length and run in batches of up to ``batch_size`` rows and ``max_batch_tokens`` padded
-        tokens. Encoding and writing happen on a background thread. ``reserve_tokens`` keeps room
-        for questions and answers below the model's position limit.
+        tokens. Encoding and writing happen on a background thread. Contexts longer than
+        :meth:`context_limit` are an error.
 
         ``labels`` name the rows in error messages (default ``row i``).
 
@@ -365,9 +374,7 @@ class Adapter:
         for i, c in enumerate(contexts):
             try:
                 ids.append(
-                    self._limit_context(
-                        self.encode_context(c, special_tokens=special_tokens), _label(labels, i), reserve_tokens, truncate, max_context_tokens
-                    )
+                    self._limit_context(self.encode_context(c, special_tokens=special_tokens), _label(labels, i), truncate, max_context_tokens)
                 )
             except ContextTooLongError as exc:
                 if not skip_errors:
@@ -438,9 +445,15 @@ class Adapter:
         if num_new_tokens < 1 or batch_size < 1:
             raise ValueError("num_new_tokens and batch_size must be at least 1")
         q_ids = [self.encode_question(q) for q in questions]
-        reserve = max((len(q) for q in q_ids), default=0) + num_new_tokens
-        c_ids = self._contexts_ids(contexts, special_tokens, reserve, truncate, max_context_tokens, labels)
+        c_ids = self._contexts_ids(contexts, special_tokens, truncate, max_context_tokens, labels)
         n = len(c_ids)
+        if self.max_positions:
+            for i in range(n):
+                if len(c_ids[i]) + len(q_ids[i]) + num_new_tokens > self.max_positions:
+                    raise ContextTooLongError(
+                        f"{_label(labels, i)}: context ({len(c_ids[i])}) + question ({len(q_ids[i])}) + {num_new_tokens} new tokens "
+                        f"exceed the model's {self.max_positions} positions; use a shorter question, fewer new tokens or a lower max_context_tokens"
+                    )
         out = torch.full((n, num_new_tokens), self.pad_id, dtype=torch.long)
         lengths = [0] * n
         hits = [False] * n
@@ -527,7 +540,7 @@ class Adapter:
             got = False
             if store is not None:
                 with store.open_entry(k) as view:
-                    if view is not None and self._fits(view.header, c, shapes):
+                    if view is not None and self._fits(view, c_ids[rs[0]], shapes):
                         r0 = rs[0]
                         for li, (kb, vb) in enumerate(bufs):
                             kr, vr = view.layer(li)
@@ -581,13 +594,18 @@ class Adapter:
         tokens, scores = self._greedy_loop(cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop_at_eos, return_scores)
         return tokens, scores, hits
 
-    @staticmethod
-    def _fits(header, n_tokens: int, shapes) -> bool:
-        """A stored entry must match the layout this model produces (else: treat as a miss)."""
+    def _fits(self, view, ids: Sequence[int], shapes) -> bool:
+        """A stored entry must be this model's, in its dtype, of these tokens, in the layout it
+        produces (else: treat as a miss). The key already says all that; the entry must agree, so
+        that a misfiled or forged entry never feeds another model's tensors to this one."""
+        header = view.header
         return (
-            header.n_tokens == n_tokens
+            header.n_tokens == len(ids)
+            and header.model == self.fingerprint
+            and header.dtype == str(self.dtype).removeprefix("torch.")
             and header.n_layers == len(shapes)
             and all(s == (header.kv_heads, header.head_dim, header.head_dim) for s in shapes)
+            and view.records["token_ids"].materialize().tolist() == list(ids)
         )
 
     @torch.inference_mode()

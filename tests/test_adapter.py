@@ -216,7 +216,9 @@ def test_stop_at_eos_fills_rows_with_pad():
 def test_context_too_long_names_row_or_truncates(tiny_llama):
     model, tok = tiny_llama
     adapter = Adapter(model, tok)
-    limit = model.config.max_position_embeddings
+    positions = model.config.max_position_embeddings
+    limit = adapter.context_limit()
+    assert limit == positions - adapter.reserve_tokens
     long_ids = [10 + i % 50 for i in range(limit + 5)]
     with KVStore("memory://") as store:
         with pytest.raises(ContextTooLongError, match="row 1"):
@@ -224,10 +226,15 @@ def test_context_too_long_names_row_or_truncates(tiny_llama):
         assert len(store) == 0  # checked before computing anything
         report = adapter.generate_kv_cache([[11, 12], long_ids], store, truncate=True)
         assert store.get(report.keys[1]).token_ids.tolist() == long_ids[-limit:]
+        # sample truncates the same way, so the truncated context is a hit
+        got = adapter.greedy_sample([long_ids], [[5, 6]], 3, store=store, truncate=True, return_details=True)
+        assert got.cache_hit == [True]
         report = adapter.generate_kv_cache([long_ids], store, skip_errors=True, labels=["data.jsonl:7"])
         assert report.failed == 1 and "data.jsonl:7" in report.errors[0]
+        # a context that fits but leaves no room for question + answer is named too
+        roomy = Adapter(model, tok, reserve_tokens=0)
         with pytest.raises(ContextTooLongError, match="row 0"):
-            adapter.greedy_sample([long_ids[:limit]], [[5, 6, 7]], 4, store=store)
+            roomy.greedy_sample([long_ids[:1] * (positions - 2)], [[5, 6, 7]], 4, store=store)
 
 
 def test_without_store_computes_in_memory():
