@@ -27,6 +27,12 @@ _LAZY = {
     "cache_key": "kvstore.keys",
     "model_fingerprint": "kvstore.keys",
     "load_model": "kvstore.models",
+    "load_dataset": "kvstore.datasets",
+    "Dataset": "kvstore.datasets",
+    "Example": "kvstore.datasets",
+    "PromptFormat": "kvstore.prompts",
+    "score": "kvstore.metrics",
+    "estimate_size": "kvstore.size",
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]
@@ -34,6 +40,10 @@ __all__ = ["__version__", *sorted(_LAZY)]
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.adapter import Adapter, BuildReport
     from kvstore.codec import get_codec
+    from kvstore.datasets import Dataset, Example, load_dataset
+    from kvstore.metrics import score
+    from kvstore.prompts import PromptFormat
+    from kvstore.size import estimate_size
     from kvstore.entry import FORMAT_VERSION
     from kvstore.keys import cache_key, model_fingerprint
     from kvstore.models import load_model
