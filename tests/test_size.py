@@ -14,10 +14,10 @@ from click.testing import CliRunner
 
 from cli.main import app, main
 from kvstore.errors import ModelError, ModelNotFoundError
+from kvstore.models import bundled_gguf_path
 from kvstore.size import (
     PYTHIA,
     ModelShape,
-    bundled_gguf,
     estimate_size,
     kv_bytes_per_example,
     kv_bytes_per_token,
@@ -44,7 +44,7 @@ SMOLLM2_CONFIG = {
 
 def _bundled() -> Path | None:
     try:
-        return bundled_gguf()
+        return bundled_gguf_path()
     except ModelNotFoundError:
         return None
 
