@@ -1,14 +1,15 @@
 """Codecs: named tensors <-> payload bytes.
 
-A payload is a safetensors file, optionally with each tensor's bytes split into byte planes
-("shuffle": byte 0 of every element, then byte 1, ...; floats compress better that way because
-sign/exponent bytes repeat), optionally compressed with zstandard.
+A payload is a safetensors file, optionally compressed with zstandard, optionally with each
+tensor's bytes split into byte planes first ("shuffle": byte 0 of every element, then byte 1,
+...). Sign and exponent bytes of neighbouring floats repeat; mantissa bytes look random. Apart,
+zstd compresses the first well and passes the second through at memory speed.
 
 Compressed payloads are a sequence of zstd frames aligned with the safetensors layout: frame 0
-holds the safetensors header, frame *i* holds tensor *i*'s bytes, in file order. Concatenated zstd
-frames decompress to the concatenation of their contents, so ``zstd -d`` of a payload gives the
-safetensors file back; the alignment lets each tensor decompress on its own (in parallel threads)
-straight into its own buffer, and be copied once into its destination.
+holds the safetensors header, then each tensor in file order takes one frame, or, shuffled, one
+frame per byte plane. Concatenated zstd frames decompress to the concatenation of their contents,
+so ``zstd -d`` of a payload gives the (plane-split) safetensors file back; the alignment lets each
+frame decompress on its own (in parallel threads) and be copied once into its destination.
 
 The codec never sees keys or stores, and the store never sees tensors.
 """
@@ -44,33 +45,43 @@ DEFAULT_CODEC = "zstd-shuffle:1"
 
 @dataclass(frozen=True)
 class TensorRecord:
-    """Where one tensor lives inside a decoded payload."""
+    """Where one tensor lives inside a decoded payload: ``source`` (its bytes, 1-D uint8) or,
+    for a shuffled tensor, ``planes`` (one 1-D uint8 buffer per byte of the element)."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    source: torch.Tensor  # 1-D uint8 view of the tensor's (possibly shuffled) bytes
-    shuffled: bool
+    source: torch.Tensor | None
+    planes: tuple[torch.Tensor, ...] | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     def copy_into(self, dest: torch.Tensor) -> None:
-        """Copy the tensor into ``dest`` (same shape and dtype; any device, may be a strided view)."""
+        """Copy the tensor into ``dest`` (same shape and dtype; any device; may be a strided view,
+        such as one row of a padded batch buffer)."""
         if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
             raise ValueError(f"{self.name}: destination {tuple(dest.shape)}/{dest.dtype} != {self.shape}/{self.dtype}")
-        size = self.dtype.itemsize
-        if not self.shuffled:
-            src = self.source.view(self.dtype).view(self.shape)
-            dest.copy_(src, non_blocking=False)
+        if self.planes is None:
+            dest.copy_(self.source.view(self.dtype).view(self.shape))
             return
-        planes = self.source.view(size, self.numel)
-        if dest.is_contiguous() and dest.device.type == "cpu":
-            # Unshuffle straight into the destination: a strided copy, no temporary.
-            dest.view(torch.uint8).view(self.numel, size).copy_(planes.t())
-        else:
-            dest.copy_(planes.t().contiguous().view(self.dtype).view(self.shape))
+        size, rows = self.dtype.itemsize, (self.shape[0] if len(self.shape) > 1 else 1)
+        target = None
+        if dest.device.type == "cpu" and self.numel:
+            try:  # rows of contiguous elements, e.g. [kv_heads, n, head_dim] inside a batch buffer
+                target = dest.view(rows, -1).view(torch.uint8).view(rows, -1, size)
+            except RuntimeError:
+                target = None
+        if target is not None:
+            # Unshuffle straight into the destination: one strided copy per byte plane.
+            for j, plane in enumerate(self.planes):
+                target[:, :, j].copy_(plane.view(rows, -1))
+            return
+        tmp = torch.empty((self.numel, size), dtype=torch.uint8)
+        for j, plane in enumerate(self.planes):
+            tmp[:, j].copy_(plane)
+        dest.copy_(tmp.view(self.dtype).view(self.shape))
 
     def materialize(self) -> torch.Tensor:
         """A fresh, writable CPU tensor holding this record's values."""
@@ -145,13 +156,9 @@ def _parse_st_header(head: memoryview | bytes, data_len: int) -> tuple[list[tupl
     return records, metadata
 
 
-def _shuffled_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Byte planes of ``t`` (contiguous CPU) as a 1-D uint8 tensor."""
-    size = t.element_size()
-    u8 = t.reshape(-1).view(torch.uint8)
-    if size == 1:
-        return u8
-    return u8.view(-1, size).t().contiguous().view(-1)
+def _planes(t: torch.Tensor) -> torch.Tensor:
+    """Byte planes of ``t`` as a ``[itemsize, numel]`` uint8 tensor (row j = byte j of each element)."""
+    return t.reshape(-1).view(torch.uint8).view(-1, t.element_size()).t().contiguous()
 
 
 @dataclass(frozen=True)
@@ -186,11 +193,13 @@ class Codec:
         parts: list[bytes | memoryview] = [header]
         for _, t in tensors:
             t = t.detach().to("cpu").contiguous()
-            data = _shuffled_bytes(t) if self.shuffle else t.reshape(-1).view(torch.uint8)
-            parts.append(memoryview(data.numpy()))
+            if self.shuffle and self.name == "zstd" and t.element_size() > 1:
+                parts += [memoryview(plane.numpy()) for plane in _planes(t)]
+            else:
+                parts.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
         raw_bytes = sum(len(p) for p in parts)
         if self.name == "raw":
-            return b"".join(parts), {"name": "raw", "shuffle": self.shuffle}, raw_bytes
+            return b"".join(parts), {"name": "raw"}, raw_bytes
         import zstandard
 
         cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
@@ -213,7 +222,6 @@ class Codec:
 def decode_payload(payload: memoryview | bytes, params: Mapping, raw_bytes: int, threads: int = 1) -> DecodedPayload:
     """Decode a payload described by the header's codec ``params`` (see :meth:`Codec.encode`)."""
     name = params.get("name") if isinstance(params, Mapping) else None
-    shuffle = bool(params.get("shuffle", False)) if name else False
     if name == "raw":
         if len(payload) != raw_bytes:
             raise CorruptEntryError(f"raw payload is {len(payload)} bytes, header says {raw_bytes}")
@@ -224,7 +232,7 @@ def decode_payload(payload: memoryview | bytes, params: Mapping, raw_bytes: int,
         records, metadata = _parse_st_header(payload, len(payload) - 8 - n)
         base = 8 + n
         out = {
-            r[0]: TensorRecord(r[0], r[1], r[2], whole[base + r[3] : base + r[4]], shuffle and r[1].itemsize > 1)
+            r[0]: TensorRecord(r[0], r[1], r[2], whole[base + r[3] : base + r[4]])
             for r in records
         }
         return DecodedPayload(out, metadata)
@@ -277,15 +285,28 @@ def decode_payload(payload: memoryview | bytes, params: Mapping, raw_bytes: int,
     if n is None or len(head) != 8 + n:
         raise CorruptEntryError("first zstd frame is not exactly the safetensors header")
     records, metadata = _parse_st_header(head, raw_bytes - len(head))
-    if len(records) != len(chunks) - 1:
+    shuffle = params.get("shuffle") is True
+    wanted = 1 + sum(r[1].itemsize if shuffle and r[1].itemsize > 1 else 1 for r in records)
+    if wanted != len(chunks):
         raise CorruptEntryError("zstd frames are not aligned with the tensors")
     out = {}
-    expected = 0
-    for (tname, dtype, shape, begin, end), chunk in zip(records, chunks[1:]):
-        if begin != expected or end - begin != len(chunk):
+    expected, i = 0, 1
+    for tname, dtype, shape, begin, end in records:
+        if begin != expected:
             raise CorruptEntryError("zstd frames are not aligned with the tensors")
         expected = end
-        out[tname] = TensorRecord(tname, dtype, shape, _buffer_view(chunk), shuffle and dtype.itemsize > 1)
+        if shuffle and dtype.itemsize > 1:
+            planes = chunks[i : i + dtype.itemsize]
+            i += dtype.itemsize
+            if any(len(p) * dtype.itemsize != end - begin for p in planes):
+                raise CorruptEntryError("zstd frames are not aligned with the tensors")
+            out[tname] = TensorRecord(tname, dtype, shape, None, tuple(_buffer_view(p) for p in planes))
+        else:
+            chunk = chunks[i]
+            i += 1
+            if len(chunk) != end - begin:
+                raise CorruptEntryError("zstd frames are not aligned with the tensors")
+            out[tname] = TensorRecord(tname, dtype, shape, _buffer_view(chunk))
     return DecodedPayload(out, metadata)
 
 
