@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from kvstore.backends import BackendBase
 from kvstore.errors import ReadOnlyStoreError, StoreError, StoreFullError, StoreNotFoundError
 
 DEFAULT_MAP_SIZE = 1 << 30  # 1 GiB of address space to start; grows by doubling
+DISK_FULL_BYTES = 16 << 20  # a failed write with less free space than this is a full disk
 
 
 class LMDBBackend(BackendBase):
@@ -105,13 +107,22 @@ class LMDBBackend(BackendBase):
                     self.env.set_mapsize(self.env.info()["map_size"] * 2)
             except lmdb.Error as exc:
                 text = str(exc)
-                if "No space left" in text or getattr(exc, "errno", None) == errno.ENOSPC:
+                full = "No space left" in text or getattr(exc, "errno", None) == errno.ENOSPC
+                if not full and ("Permission denied" in text or "read-only" in text.lower()):
+                    raise ReadOnlyStoreError(f"store {self.path} is not writable ({text})") from None
+                # A disk that fills mid-commit makes write() return short, which LMDB reports as
+                # EIO ("Input/output error"), not ENOSPC: ask the filesystem whether it is full.
+                if full or self._disk_full():
                     raise StoreFullError(
                         f"disk full while writing to {self.path}; the entries stored before are intact - free space and re-run"
                     ) from None
-                if "Permission denied" in text or "read-only" in text.lower():
-                    raise ReadOnlyStoreError(f"store {self.path} is not writable ({text})") from None
                 raise StoreError(f"LMDB write failed in {self.path}: {text}") from None
+
+    def _disk_full(self) -> bool:
+        try:
+            return shutil.disk_usage(self.path).free < DISK_FULL_BYTES
+        except OSError:
+            return False
 
     # -- protocol -----------------------------------------------------------------------------
     def get(self, key: bytes) -> bytes | None:
