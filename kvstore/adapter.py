@@ -121,6 +121,9 @@ class SampleResult:
     ``tokens``: ``[n_rows, num_new_tokens]`` int64; after a row's EOS the rest is ``fill_id``.
     ``scores``: per step ``[n_rows, vocab]`` float32 logits (only with ``return_scores``).
     ``cache_hit``: per row, whether its context came from the store.
+    ``prefill_tokens_computed``: context tokens run through the model (each missing context once
+    per batch; with ``use_cache=False``, every row's context). ``prefill_tokens_saved``: context
+    tokens the no-cache path would have computed and this run did not.
     """
 
     tokens: torch.Tensor
@@ -388,7 +391,7 @@ class Adapter:
                 first.setdefault(k, i)
         report.failed = sum(1 for x in ids if not x)
         report.distinct = len(first)
-        todo = [i for k, i in first.items() if not store.contains(k)]
+        todo = [i for k, i in first.items() if not store.is_intact(k)]  # corrupt entries are rebuilt
         report.skipped = report.distinct - len(todo)
         if progress and report.skipped:
             progress(report.skipped, 0)
@@ -473,10 +476,9 @@ class Adapter:
                     )
                     for i, hit in zip(rows, row_hits):
                         hits[i] = hit
-                    distinct = {keys[i]: len(c_ids[i]) for i in rows}
-                    hit_keys = {keys[i] for i, h in zip(rows, row_hits) if h}
-                    saved += sum(v for k, v in distinct.items() if k in hit_keys)
-                    computed += sum(v for k, v in distinct.items() if k not in hit_keys)
+                    missing = {keys[i]: len(c_ids[i]) for i, h in zip(rows, row_hits) if not h}
+                    computed += sum(missing.values())
+                    saved += sum(len(c_ids[i]) for i in rows) - sum(missing.values())
                 else:
                     tokens, step_scores = self._decode_reference(
                         [c_ids[i] + q_ids[i] for i in rows], num_new_tokens, stop_at_eos, return_scores

@@ -310,6 +310,12 @@ class KVStore:
             self._touched[key] = time.time()
             yield EntryView(header, dict(decoded.tensors))
 
+    def is_intact(self, key: str) -> bool:
+        """True when ``key`` holds an entry that verifies and decodes; False when it is missing or
+        corrupt (a corrupt one also warns). Builds use it so that they redo broken entries."""
+        with self.open_entry(key) as view:
+            return view is not None
+
     def get(self, key: str, default=None) -> Entry | None:
         """The verified entry under ``key``, or ``default`` if it is missing or corrupt."""
         with self.open_entry(key) as view:

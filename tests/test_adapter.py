@@ -304,3 +304,24 @@ def test_real_model_cached_equals_no_cache(real_model):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     answers = [adapter.decode(t) for t in cached.tokens]
     assert any(r.answers[0].lower() in a.lower() for r, a in zip(rows, answers))  # it reads the context
+
+
+def test_build_rebuilds_corrupt_entries_and_counts_saved_tokens():
+    import warnings
+
+    model, tok = make_tiny_model("llama", seed=0)
+    adapter = Adapter(model, tok)
+    contexts = [[10 + i] * (20 + i) for i in range(3)]
+    with KVStore("memory://") as store:
+        keys = adapter.generate_kv_cache(contexts, store).keys
+        raw = bytearray(store.backend.get(b"e/" + keys[1].encode()))
+        raw[len(raw) // 2] ^= 0xFF
+        store.backend.put(b"e/" + keys[1].encode(), bytes(raw))
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            again = adapter.generate_kv_cache(contexts, store)
+        assert (again.built, again.skipped) == (1, 2)
+        assert all(store.is_intact(k) for k in keys)
+        # two questions per context: the no-cache path would prefill every row's context
+        got = adapter.greedy_sample(contexts * 2, [[7, 8]] * 6, 2, store=store, batch_size=4, return_details=True)
+        assert got.prefill_tokens_computed == 0 and got.prefill_tokens_saved == 2 * sum(map(len, contexts))
