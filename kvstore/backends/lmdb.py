@@ -51,7 +51,10 @@ class LMDBBackend(BackendBase):
             except OSError as exc:
                 raise ReadOnlyStoreError(f"cannot create store directory {self.path}: {exc.strerror}") from None
         if not readonly and not os.access(self.path, os.W_OK):
-            raise ReadOnlyStoreError(f"store {self.path} is not writable; fix its permissions or use another --store")
+            raise ReadOnlyStoreError(
+                f"store {self.path} is not writable; fix its permissions, use another --store, "
+                "or read it without storing anything (kvstore sample --readonly-store)"
+            )
         size = map_size or DEFAULT_MAP_SIZE
         data = self.path / "data.mdb"
         if data.exists():
