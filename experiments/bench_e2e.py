@@ -1,0 +1,253 @@
+"""End to end on a TriviaQA-shaped workload, through the CLI as a user runs it.
+
+A synthetic dataset with TriviaQA's shape (``--contexts`` documents of ~1.5k tokens each, 1-3
+questions per document, 2 on average, one-word answers; deterministic word salad, since shapes
+matter here and content does not) is written to ``cache/bench/e2e/trivia.jsonl``. Then, each
+command a subprocess under ``/usr/bin/time`` (peak RSS) with ``--format json``:
+
+``main``
+    ``kvstore build`` into a fresh store (wall time, the build's own ``seconds`` and its
+    ``store_seconds``: encode + write time on the writer thread), then ``kvstore sample -n 16``
+    from the warm store (``--cache-repeats`` times) and ``kvstore sample -n 16 --no-cache`` (once
+    by default: it is the slow one). Questions per second come from each summary's ``seconds``
+    (answering only; model loading excluded); the CLI wall time is reported beside it. The
+    predictions of both runs are compared.
+``sweep``
+    How the speed-up moves with answer length: the first ``--sweep-rows`` questions, cached vs
+    ``--no-cache``, for ``-n`` in ``--sweep-lengths`` (EOS stops a row early, as in real use;
+    the mean generated length is reported).
+``overhead``
+    Build's store overhead, paired in one process: the first ``--overhead-contexts`` contexts
+    prefilled in the same batches with and without storing (``Adapter.prefill`` alone vs
+    ``Adapter.generate_kv_cache`` into a fresh store), alternating, ``--overhead-repeats`` times.
+
+Command (from the repository root; writes experiments/results/e2e.json and e2e_*.csv)::
+
+    .venv/bin/python experiments/bench_e2e.py --parts main                 # 40 contexts (~80 questions)
+    .venv/bin/python experiments/bench_e2e.py --parts sweep,overhead
+    .venv/bin/python experiments/bench_e2e.py --quick                      # smoke test: 4 short contexts
+
+The issue's full size is ``--contexts 225`` (~450 questions): about 10 minutes of build and as long
+again without a cache on this 2-core machine, so the committed run is scaled down; the ratios are
+what matter.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import benchlib as bl
+
+WORK = bl.SCRATCH / "e2e"
+QUESTIONS_PER_CONTEXT = (2, 1, 3, 2, 2, 1, 3, 2)  # mean 2, TriviaQA-like spread
+
+
+def make_dataset(path: Path, n_contexts: int, words: int, seed: int = 0) -> dict:
+    """Write the synthetic TriviaQA-shaped JSONL; returns its shape."""
+    rng = random.Random(seed)
+    rows = []
+    for c in range(n_contexts):
+        text = bl.synthetic_text(words, seed=seed * 100_003 + c)
+        vocab = text.replace(".", "").lower().split()
+        for q in range(QUESTIONS_PER_CONTEXT[c % len(QUESTIONS_PER_CONTEXT)]):
+            a, b, d = rng.choice(vocab), rng.choice(vocab), rng.choice(vocab)
+            rows.append({"id": f"doc{c}-q{q}", "context": text,
+                         "question": f"Which word comes right after '{a} {b}' in the passage about the {d}?",
+                         "answers": [rng.choice(vocab)]})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return {"contexts": n_contexts, "questions": len(rows), "words_per_context": words}
+
+
+def kvstore(*args: str) -> dict:
+    """Run one ``kvstore`` command (``python -m cli.main``) under /usr/bin/time; its JSON summary
+    plus ``wall_seconds`` and ``peak_rss_mib``."""
+    rss_file = WORK / "time.txt"
+    cmd = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), sys.executable, "-m", "cli.main", *args, "--format", "json", "--quiet"]
+    print("$ kvstore " + " ".join(args), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=bl.ROOT, stdout=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"kvstore {' '.join(args)} failed with exit code {proc.returncode}")
+    summary = json.loads(proc.stdout)
+    summary["wall_seconds"] = round(wall, 3)
+    summary["peak_rss_mib"] = round(int(rss_file.read_text().split()[-1]) / 1024, 1)
+    summary["load"] = bl.loadavg()
+    keep = ("seconds", "questions_per_second", "wall_seconds", "peak_rss_mib", "store_seconds", "ratio", "built", "cache_hit_rate")
+    print("  " + "  ".join(f"{k}={summary[k]}" for k in keep if k in summary) + f"  load={summary['load']}", flush=True)
+    return summary
+
+
+def predictions(path: Path) -> list[str]:
+    return [json.loads(line)["raw_output"] for line in path.open(encoding="utf-8")]
+
+
+def mean_tokens(path: Path, tokenizer, limit: int) -> float:
+    """Mean generated tokens per answer (text re-tokenized, plus the EOS when it fit)."""
+    outs = predictions(path)
+    return statistics.mean(min(limit, len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1) for t in outs)
+
+
+def part_main(args, data: Path, store: Path) -> dict:
+    shutil.rmtree(store, ignore_errors=True)
+    b = kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
+    cached = []
+    for i in range(args.cache_repeats):
+        cached.append(kvstore("sample", str(data), "--store", str(store), "-n", str(args.new_tokens), "-b", str(args.batch_size),
+                              "--readonly-store", "-o", str(WORK / "pred_cache.jsonl")))
+    nocache = []
+    for i in range(args.nocache_repeats):
+        nocache.append(kvstore("sample", str(data), "--no-cache", "-n", str(args.new_tokens), "-b", str(args.batch_size),
+                               "-o", str(WORK / "pred_nocache.jsonl")))
+    same = sum(a == b for a, b in zip(predictions(WORK / "pred_cache.jsonl"), predictions(WORK / "pred_nocache.jsonl")))
+    c_s = statistics.median(r["seconds"] for r in cached)
+    n_s = statistics.median(r["seconds"] for r in nocache)
+    c_w = statistics.median(r["wall_seconds"] for r in cached)
+    n_w = statistics.median(r["wall_seconds"] for r in nocache)
+    q = cached[0]["questions"]
+    return {
+        "build": b,
+        "sample_cached": cached,
+        "sample_nocache": nocache,
+        "questions": q,
+        "new_tokens": args.new_tokens,
+        "cached_qps": q / c_s,
+        "nocache_qps": q / n_s,
+        "speedup": n_s / c_s,
+        "speedup_wall": n_w / c_w,
+        "identical_predictions": f"{same}/{q}",
+        "build_store_share": b["store_seconds"] / b["seconds"],
+    }
+
+
+def part_sweep(args, data: Path, store: Path) -> list[dict]:
+    if not (store / "data.mdb").exists():
+        kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
+    from kvstore.models import load_model
+
+    tok = load_model(None).tokenizer
+    rows = []
+    for n in [int(x) for x in args.sweep_lengths.split(",")]:
+        common = ("--limit", str(args.sweep_rows), "-n", str(n), "-b", str(args.batch_size))
+        c = kvstore("sample", str(data), "--store", str(store), "--readonly-store", *common, "-o", str(WORK / "sweep_c.jsonl"))
+        r = kvstore("sample", str(data), "--no-cache", *common, "-o", str(WORK / "sweep_n.jsonl"))
+        rows.append({"max_new_tokens": n, "questions": c["questions"], "mean_answer_tokens": round(mean_tokens(WORK / "sweep_c.jsonl", tok, n), 2),
+                     "cached_s": c["seconds"], "nocache_s": r["seconds"], "cached_qps": c["questions_per_second"],
+                     "nocache_qps": r["questions_per_second"], "speedup": r["seconds"] / c["seconds"],
+                     "cached_peak_rss_mib": c["peak_rss_mib"], "nocache_peak_rss_mib": r["peak_rss_mib"],
+                     "load": c["load"]})
+    return rows
+
+
+def part_overhead(args, data: Path) -> dict:
+    """Paired in-process comparison: prefill alone vs prefill + store, same contexts and batches."""
+    from kvstore.datasets import load_dataset
+    from kvstore.prompts import PromptFormat
+    from kvstore.store import KVStore
+
+    adapter = bl.load_adapter("float32")
+    fmt = PromptFormat.from_chat_template(adapter.tokenizer)
+    contexts = load_dataset(str(data)).contexts()[: args.overhead_contexts]
+    texts = [fmt.context_part(c) for c in contexts]
+    ids = [adapter.encode_context(t, special_tokens=fmt.add_special_tokens) for t in texts]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    batches = list(adapter._batches(order, [len(x) for x in ids], args.batch_size, None))
+    adapter.prefill([ids[0][:8]])  # warm-up
+    plain, stored, store_s, wait_s = [], [], [], []
+    for r in range(args.overhead_repeats):
+        t0 = time.perf_counter()
+        for batch in batches:
+            adapter.prefill([ids[i] for i in batch])
+        plain.append(time.perf_counter() - t0)
+        path = WORK / "overhead-store"
+        shutil.rmtree(path, ignore_errors=True)
+        with KVStore(str(path)) as kv:
+            rep = adapter.generate_kv_cache(texts, kv, batch_size=args.batch_size, special_tokens=fmt.add_special_tokens)
+        stored.append(rep.seconds)
+        store_s.append(rep.store_seconds)
+        wait_s.append(rep.store_wait_seconds)
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"  overhead repeat {r + 1}: prefill only {plain[-1]:.1f} s, build {stored[-1]:.1f} s "
+              f"(writer busy {store_s[-1]:.2f} s, compute waited {wait_s[-1]:.2f} s)  load {bl.loadavg()}", flush=True)
+    p, s = statistics.median(plain), statistics.median(stored)
+    return {"contexts": len(texts), "tokens": sum(len(x) for x in ids), "repeats": args.overhead_repeats,
+            "prefill_only_s": plain, "build_s": stored, "writer_busy_s": store_s, "compute_waited_s": wait_s,
+            "overhead_share": (s - p) / s, "writer_busy_share": statistics.median(store_s) / s,
+            "waited_share": statistics.median(wait_s) / s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="main,sweep,overhead")
+    p.add_argument("--contexts", type=int, default=40)
+    p.add_argument("--words", type=int, default=1350, help="words per context (~1.1 tokens each; ~1.5k tokens with the chat template)")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--cache-repeats", type=int, default=3)
+    p.add_argument("--nocache-repeats", type=int, default=1)
+    p.add_argument("--sweep-rows", type=int, default=16)
+    p.add_argument("--sweep-lengths", default="1,4,16,64")
+    p.add_argument("--overhead-contexts", type=int, default=16)
+    p.add_argument("--overhead-repeats", type=int, default=2)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
+    p.add_argument("--threads", type=int, default=bl.THREADS, help="torch threads in this process (overhead part)")
+    args = p.parse_args()
+    if args.quick:
+        args.contexts, args.words, args.cache_repeats = 4, 200, 1
+        args.sweep_rows, args.sweep_lengths, args.overhead_contexts, args.overhead_repeats = 4, "1,4", 2, 1
+    bl.setup(args.threads)
+    bl.wait_for_quiet(max_wait_s=args.wait)
+    stem = "e2e_quick" if args.quick else "e2e"
+    out_json = bl.RESULTS / f"{stem}.json"
+    results = json.loads(out_json.read_text()) if out_json.exists() else {}
+    info = bl.machine()
+    data = WORK / ("trivia_quick.jsonl" if args.quick else f"trivia_{args.contexts}.jsonl")
+    store = WORK / ("store_quick" if args.quick else f"store_{args.contexts}")
+    shape = make_dataset(data, args.contexts, args.words)
+    print(f"dataset {data}: {shape}", flush=True)
+    parts = args.parts.split(",")
+    if "main" in parts:
+        t0 = time.perf_counter()
+        results["main"] = {"machine": info, "dataset": shape} | part_main(args, data, store)
+        results["main"]["machine"]["load_after"] = bl.loadavg()
+        results["main"]["bench_seconds"] = round(time.perf_counter() - t0, 1)
+        m = results["main"]
+        bl.write_csv(bl.RESULTS / f"{stem}_main.csv", [
+            {"command": "build", "questions": m["questions"], "seconds": m["build"]["seconds"], "wall_seconds": m["build"]["wall_seconds"],
+             "peak_rss_mib": m["build"]["peak_rss_mib"], "store_seconds": m["build"]["store_seconds"]},
+            *({"command": f"sample (cache) #{i + 1}", "questions": r["questions"], "seconds": r["seconds"], "wall_seconds": r["wall_seconds"],
+               "peak_rss_mib": r["peak_rss_mib"], "questions_per_second": r["questions_per_second"]} for i, r in enumerate(m["sample_cached"])),
+            *({"command": f"sample --no-cache #{i + 1}", "questions": r["questions"], "seconds": r["seconds"], "wall_seconds": r["wall_seconds"],
+               "peak_rss_mib": r["peak_rss_mib"], "questions_per_second": r["questions_per_second"]} for i, r in enumerate(m["sample_nocache"])),
+        ])
+        print(f"cached {m['cached_qps']:.2f} q/s vs no-cache {m['nocache_qps']:.2f} q/s -> {m['speedup']:.1f}x; "
+              f"store share of build {m['build_store_share']:.1%}; identical predictions {m['identical_predictions']}")
+    if "sweep" in parts:
+        rows = part_sweep(args, data, store)
+        results["sweep"] = {"machine": info | {"load_after": bl.loadavg()}, "rows": rows}
+        bl.write_csv(bl.RESULTS / f"{stem}_sweep.csv", rows)
+        for r in rows:
+            print(f"  -n {r['max_new_tokens']:>3}: mean answer {r['mean_answer_tokens']} tokens, {r['speedup']:.1f}x")
+    if "overhead" in parts:
+        results["overhead"] = {"machine": info} | part_overhead(args, data)
+        results["overhead"]["machine"]["load_after"] = bl.loadavg()
+        o = results["overhead"]
+        print(f"store overhead {o['overhead_share']:.1%} of build wall (writer busy {o['writer_busy_share']:.1%}, "
+              f"compute waited {o['waited_share']:.1%})")
+    bl.write_json(out_json, results)
+    print(f"wrote {out_json}")
+
+
+if __name__ == "__main__":
+    main()

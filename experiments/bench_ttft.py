@@ -1,0 +1,317 @@
+"""Time to first token vs context length: recompute, kvstore, the ways people do it today, and the floor.
+
+For each context length (random token ids, fixed seed) and one fixed 23-token question, every
+method produces the first answer token, batch 1, fp32 SmolLM2-135M-Instruct (bundled), 2 threads:
+
+* ``recompute``       - ``adapter.greedy_sample([ctx], [q], 1, use_cache=False)``: prefill + question.
+* ``kvstore:<codec>`` - ``adapter.greedy_sample([ctx], [q], 1, use_cache=True, store=store)`` on a
+  warm LMDB store holding the context: open + verify + decode the entry, copy it into the
+  Adapter's padded buffers, question forward, first token.
+* ``pickle``          - ``torch.load(f, weights_only=False)`` of a pickled ``DynamicCache``, forward.
+* ``pt``              - one ``.pt`` per context holding a tuple of per-layer ``(k, v)``
+  (``torch.load(weights_only=True)``, what the research Adapter did) -> ``DynamicCache`` -> forward.
+* ``safetensors``     - one safetensors file per context (``load_file``) -> ``DynamicCache`` -> forward.
+* ``floor``           - the question forward alone, on a cache already in memory in the Adapter's
+  preallocated buffers (``floor-dynamic``: on a ``DynamicCache`` already in memory).
+* rows marked ``+gqa`` patch in, for that row only, the change proposed in ``results/README.md``
+  (``benchlib.proposed``): SDPA handles the grouped KV heads itself (``enable_gqa``) in the
+  question step instead of transformers materializing K/V repeated to every query head.
+
+Every method also reports its pieces (``load``: everything before the model call, ``forward``: the
+model call). Methods run round-robin within each repeat, so drift in the machine's load hits them
+alike; one untimed run of each warms the page cache first. Files live under ``cache/bench/ttft``.
+
+Command (from the repository root; writes experiments/results/ttft.{csv,json,png})::
+
+    .venv/bin/python experiments/bench_ttft.py                 # full: 256..4096 tokens, 5 repeats
+    .venv/bin/python experiments/bench_ttft.py --quick         # smoke test: 256/512, 2 repeats
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+
+import torch
+
+import benchlib as bl
+
+DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096)
+DEFAULT_CODECS = ("raw", "zstd-shuffle:1")
+
+
+class ForwardTimer:
+    """Wraps ``model.forward`` to add up the seconds spent in it (the Adapter calls the model
+    once per ``greedy_sample`` with one new token, plus nothing else once warm)."""
+
+    def __init__(self, model):
+        self.model, self.orig, self.seconds, self.calls = model, model.forward, 0.0, 0
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return self.orig(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+
+        model.forward = timed
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def close(self) -> None:
+        del self.model.forward  # back to the class's method
+
+
+@torch.inference_mode()
+def question_forward(model, cache, past: int, q_ids: list[int]) -> int:
+    """The question step of the peers: explicit positions after ``past`` cached tokens."""
+    ids = torch.tensor([q_ids])
+    pos = torch.arange(past, past + len(q_ids))[None]
+    out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return int(out.logits[0, -1].argmax())
+
+
+def run_length(adapter, n: int, q_ids: list[int], stores: dict, scratch, repeats: int, recompute_repeats: int,
+               proposals: bool = True) -> list[dict]:
+    from safetensors.torch import load_file, save_file
+    from transformers import DynamicCache
+
+    from kvstore.adapter import PreallocatedCache
+    from kvstore.store import Entry
+
+    model = adapter.model
+    ctx = bl.synthetic_ids(n, seed=1000 + n)
+    key = adapter.key(ctx)
+    layers = tuple((k.contiguous().clone(), v.contiguous().clone()) for k, v in adapter.prefill([ctx])[0])
+    entry = Entry(key, adapter.fingerprint, adapter.name, torch.tensor(ctx), layers)
+    for store in stores.values():
+        if not store.contains(key):
+            store.put(entry)
+    f_pickle = scratch / f"ctx{n}.pickle.pt"
+    f_pt = scratch / f"ctx{n}.pt"
+    f_st = scratch / f"ctx{n}.safetensors"
+    torch.save(DynamicCache([(k[None], v[None]) for k, v in layers]), f_pickle)
+    torch.save(tuple((k, v) for k, v in layers), f_pt)
+    save_file({f"layers.{i}.{w}": t for i, kv in enumerate(layers) for w, t in zip(("keys", "values"), kv)}, f_st)
+    Q = len(q_ids)
+
+    ft = ForwardTimer(model)
+
+    def via_adapter(gqa=False, **kw):
+        def fn():
+            ft.reset()
+            with bl.proposed(gqa=gqa):
+                t0 = time.perf_counter()
+                tok = int(adapter.greedy_sample([ctx], [q_ids], 1, batch_size=1, **kw)[0, 0])
+                total = time.perf_counter() - t0
+            return tok, {"total": total, "load": total - ft.seconds, "forward": ft.seconds}
+
+        return fn
+
+    def via_dynamic(load):
+        def fn():
+            ft.reset()
+            t0 = time.perf_counter()
+            cache = load()
+            t1 = time.perf_counter()
+            tok = question_forward(model, cache, n, q_ids)
+            t2 = time.perf_counter()
+            return tok, {"total": t2 - t0, "load": t1 - t0, "forward": t2 - t1}
+
+        return fn
+
+    def load_pickle():
+        return torch.load(f_pickle, weights_only=False)
+
+    def load_pt():
+        return DynamicCache([(k[None], v[None]) for k, v in torch.load(f_pt, weights_only=True)])
+
+    def load_st():
+        d = load_file(f_st)
+        return DynamicCache([(d[f"layers.{i}.keys"][None], d[f"layers.{i}.values"][None]) for i in range(len(layers))])
+
+    bufs = adapter._new_buffers(1, n + Q + 1)
+    for (kb, vb), (k, v) in zip(bufs, layers):
+        kb[0, :, :n].copy_(k)
+        vb[0, :, :n].copy_(v)
+    mask = torch.ones((1, n + Q), dtype=torch.long)
+    pos = torch.arange(n, n + Q)[None]
+    ids = torch.tensor([q_ids])
+
+    def floor_(gqa=False):
+        @torch.inference_mode()
+        def floor():
+            cache = PreallocatedCache(bufs, n)  # untimed: wraps the buffers, copies nothing
+            with bl.proposed(gqa=gqa):
+                t0 = time.perf_counter()
+                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                tok = int(out.logits[0, -1].argmax())
+                t = time.perf_counter() - t0
+            return tok, {"total": t, "load": 0.0, "forward": t}
+
+        return floor
+
+    def floor_dynamic():
+        cache = DynamicCache([(k[None], v[None]) for k, v in layers])  # untimed
+        t0 = time.perf_counter()
+        tok = question_forward(model, cache, n, q_ids)
+        t = time.perf_counter() - t0
+        return tok, {"total": t, "load": 0.0, "forward": t}
+
+    methods = {"recompute": via_adapter(use_cache=False)}
+    for spec, store in stores.items():
+        methods[f"kvstore:{spec}"] = via_adapter(use_cache=True, store=store)
+    methods |= {
+        "pickle": via_dynamic(load_pickle),
+        "pt": via_dynamic(load_pt),
+        "safetensors": via_dynamic(load_st),
+        "floor": floor_(),
+        "floor-dynamic": floor_dynamic,
+    }
+    if proposals:  # the change proposed in results/README.md, patched in for these rows only
+        for spec, store in stores.items():
+            methods[f"kvstore:{spec} +gqa"] = via_adapter(gqa=True, use_cache=True, store=store)
+        methods["floor +gqa"] = floor_(gqa=True)
+    first = {name: fn()[0] for name, fn in methods.items()}  # warm-up (page cache, lazy init)
+    times: dict[str, list[dict]] = {name: [] for name in methods}
+    for r in range(repeats):
+        for name, fn in methods.items():
+            if name == "recompute" and r >= recompute_repeats:
+                continue
+            tok, t = fn()
+            first[name] = tok if first[name] == tok else -1
+            times[name].append(t)
+    ft.close()
+    rows = []
+    ref = first["recompute"]
+    for name, ts in times.items():
+        row = {"context_tokens": n, "method": name, "kv_mib": round(sum(2 * k.numel() * k.element_size() for k, _ in layers) / 2**20, 1)}
+        for piece in ("total", "load", "forward"):
+            s = bl.summarize([t[piece] for t in ts])
+            row |= {f"{piece}_median_s": s["median"]}
+            if piece == "total":
+                row |= {"total_min_s": s["min"], "total_max_s": s["max"], "total_q1_s": s["q1"], "total_q3_s": s["q3"], "n": s["n"]}
+        row["first_token"] = first[name]
+        row["same_token_as_recompute"] = first[name] == ref
+        rows.append(row)
+    by = {r["method"]: r for r in rows}
+    for r in rows:
+        r["speedup_vs_recompute"] = by["recompute"]["total_median_s"] / r["total_median_s"]
+        r["x_floor"] = r["total_median_s"] / by["floor"]["total_median_s"]
+    for f in (f_pickle, f_pt, f_st):
+        f.unlink()
+    return rows
+
+
+def _style(m: str) -> dict:
+    if m.startswith("floor"):
+        return {"linestyle": "--"}
+    if "+" in m:
+        return {"linestyle": "-.", "marker": "x"}
+    if m.startswith("kvstore") or m == "recompute":
+        return {"linestyle": "-", "marker": "o"}
+    return {"linestyle": ":", "marker": "s"}
+
+
+def plot(rows: list[dict], path, threads: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(methods)}
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(18, 5.5), gridspec_kw={"width_ratios": [1, 1, 1.1]})
+    for m in methods:
+        rs = [r for r in rows if r["method"] == m]
+        xs = [r["context_tokens"] for r in rs]
+        st = {"marker": "o"} | _style(m)
+        a1.errorbar(xs, [r["total_median_s"] for r in rs],
+                    yerr=[[r["total_median_s"] - r["total_min_s"] for r in rs], [r["total_max_s"] - r["total_median_s"] for r in rs]],
+                    capsize=3, label=m, color=colors[m], **st)
+        if m != "recompute":
+            a2.plot(xs, [r["speedup_vs_recompute"] for r in rs], label=m, color=colors[m], **st)
+    for a in (a1, a2):
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_xlabel("context tokens")
+        a.grid(True, which="both", alpha=0.3)
+    a1.set_ylabel("time to first token (s): median, bars min-max")
+    a1.set_title("TTFT, 23-token question, batch 1")
+    a2.set_ylabel("speed-up vs recompute (x)")
+    a2.set_title("Speed-up over recomputing the context")
+    a2.scatter([2048, 4096], [20, 45], marker="*", s=150, color="k", zorder=5, label="target, default codec")
+    a2.scatter([2048], [40], marker="*", s=150, facecolor="none", edgecolor="k", zorder=5, label="stretch")
+    a1.legend(fontsize=7)
+    a2.legend(fontsize=7)
+    n = max(r["context_tokens"] for r in rows)
+    rs = [r for r in rows if r["context_tokens"] == n and r["method"] != "recompute"]
+    ys = range(len(rs))
+    a3.barh(ys, [r["load_median_s"] * 1e3 for r in rs], color="tab:orange", label="load (before the model call)")
+    a3.barh(ys, [r["forward_median_s"] * 1e3 for r in rs], left=[r["load_median_s"] * 1e3 for r in rs], color="tab:blue",
+            label="question forward")
+    a3.set_yticks(list(ys), [r["method"] for r in rs], fontsize=8)
+    a3.invert_yaxis()
+    a3.set_xlabel("ms (medians of the pieces)")
+    a3.set_title(f"Where the time goes at {n} tokens")
+    a3.legend(fontsize=8)
+    a3.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(f"SmolLM2-135M-Instruct fp32 on CPU ({threads} threads)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
+    p.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="store codecs to compare (comma-separated)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--recompute-repeats", type=int, default=5, help="repeats for the (slow) recompute row")
+    p.add_argument("--no-proposals", action="store_true", help="skip the rows that patch in proposed library changes")
+    p.add_argument("--quick", action="store_true", help="smoke test: 256 and 512 tokens, 2 repeats, results to ttft_quick.*")
+    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
+    p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads")
+    args = p.parse_args()
+    if args.quick:
+        args.lengths, args.repeats, args.recompute_repeats = "256,512", 2, 2
+    lengths = [int(x) for x in args.lengths.split(",")]
+    bl.setup(args.threads)
+    bl.wait_for_quiet(max_wait_s=args.wait)
+    info = bl.machine()
+    adapter = bl.load_adapter("float32")
+    from kvstore.store import KVStore
+
+    scratch = bl.SCRATCH / "ttft"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    q_ids = bl.synthetic_ids(bl.QUESTION_TOKENS, seed=7)
+    stores = {c: KVStore(str(scratch / f"store-{c.replace(':', '')}"), codec=c, sync=False) for c in args.codecs.split(",")}
+    rows = []
+    try:
+        for n in lengths:
+            t0 = time.perf_counter()
+            rs = run_length(adapter, n, q_ids, stores, scratch, args.repeats, min(args.recompute_repeats, args.repeats),
+                            proposals=not args.no_proposals)
+            rows += rs
+            print(f"{n} tokens ({time.perf_counter() - t0:.0f} s, load {bl.loadavg()}):")
+            for r in rs:
+                print(f"  {r['method']:<22} {bl.fmt_s(r['total_median_s']):>10}  (load {bl.fmt_s(r['load_median_s'])}, forward "
+                      f"{bl.fmt_s(r['forward_median_s'])})  {r['speedup_vs_recompute']:6.1f}x  {r['x_floor']:5.2f}x floor"
+                      f"{'' if r['same_token_as_recompute'] else '  DIFFERENT TOKEN'}", flush=True)
+    finally:
+        for s in stores.values():
+            s.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    info["load_after"] = bl.loadavg()
+    stem = "ttft_quick" if args.quick else "ttft"
+    bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
+    bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "question_tokens": len(q_ids), "repeats": args.repeats,
+                                                "recompute_repeats": min(args.recompute_repeats, args.repeats), "rows": rows})
+    plot(rows, bl.RESULTS / f"{stem}.png", torch.get_num_threads())
+    print(f"wrote {bl.RESULTS / stem}.{{csv,json,png}}; load average before {info['load_before']}, after {info['load_after']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Shared helpers for the benchmark scripts in ``experiments/`` (not part of the library).
+
+Timing: :func:`repeat` runs a callable untimed ``warmup`` times, then ``n`` timed times, and
+:func:`summarize` reports the median with min/max and the quartiles (never a mean: the machine is
+shared and noisy). Every script records :func:`machine` (CPU, cores, load average before and after,
+library versions) beside its numbers, so a result file says where and under what load it was taken.
+
+Synthetic inputs use fixed seeds: token ids drawn uniformly from the ordinary vocabulary (no
+special tokens), or word salad from :func:`synthetic_text` when a command needs text. Shapes
+matter for these benchmarks, not content (the codec table uses real text instead, since
+compression does depend on content).
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+SCRATCH = ROOT / "cache" / "bench"  # stores and peer files live here (git-ignored), not in /tmp
+THREADS = 2
+
+# A 23-token question (the length NOTES.md measured the floor with), as fixed token ids so that
+# every method answers exactly the same thing.
+QUESTION_TOKENS = 23
+
+
+def setup(threads: int = THREADS) -> None:
+    """Pin torch's intra-op threads (the machine has 2 cores) and silence progress bars."""
+    torch.set_num_threads(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def load_adapter(dtype: str = "float32"):
+    """The bundled SmolLM2-135M-Instruct in an :class:`kvstore.adapter.Adapter` (sdpa attention)."""
+    from kvstore.adapter import Adapter
+
+    return Adapter.from_pretrained(None, dtype=dtype)
+
+
+# -- machine ------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine() -> dict:
+    """Where the numbers come from. Call once at the start (``load_before``); add
+    ``load_after`` with :func:`loadavg` at the end."""
+    import transformers
+
+    mem = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "mem_gib": mem,
+        "gpu": None,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "load_before": loadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def wait_for_quiet(max_load: float = 1.5, max_wait_s: float = 0.0, poll_s: float = 30.0) -> list[float]:
+    """Sleep (up to ``max_wait_s``) until the 1-minute load average drops below ``max_load``;
+    return the load average seen last. The run goes on either way: the load is recorded."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        la = loadavg()
+        if la[0] < max_load or time.monotonic() >= deadline:
+            return la
+        print(f"  load average {la} >= {max_load}; waiting ...", flush=True)
+        time.sleep(poll_s)
+
+
+# -- timing -------------------------------------------------------------------------------------
+def repeat(fn: Callable[[], object], n: int, warmup: int = 1) -> list[float]:
+    """Seconds of ``n`` timed calls of ``fn`` after ``warmup`` untimed ones (GC off while timing)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(n):
+        gc.collect()
+        gc.disable()
+        try:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        finally:
+            gc.enable()
+    return out
+
+
+def summarize(xs: Sequence[float]) -> dict:
+    """Median, min, max and quartiles of a sample (seconds in, seconds out)."""
+    xs = sorted(xs)
+    if len(xs) >= 2:
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    else:
+        q1 = q3 = xs[0]
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "q1": q1, "q3": q3, "n": len(xs)}
+
+
+def fmt_s(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+def synthetic_ids(n: int, seed: int, vocab: int = 49152, low: int = 100) -> list[int]:
+    """``n`` token ids drawn uniformly from ``[low, vocab)`` (skipping special tokens), fixed seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab, (n,), generator=g).tolist()
+
+
+_WORDS = (
+    "river bridge town council engineer stone arch harbour market winter ferry carts flood "
+    "railway station mill chapel library museum garden tower valley mountain forest lake island "
+    "coast village castle road canal factory school hospital theatre square street gate wall "
+    "north south east west old new great small long short first second third last early late "
+    "built opened closed moved grew fell rose changed carried crossed won lost held named found "
+    "the a of in on at by for with from to and or but was were is are had has been after before "
+    "during while because although where when which who whose that this those these its their"
+).split()
+
+
+def synthetic_text(n_words: int, seed: int) -> str:
+    """Deterministic word salad of ``n_words`` words in sentences (about 1.2 tokens per word with
+    the SmolLM2 tokenizer). Shapes matter here, not meaning."""
+    rng = random.Random(seed)
+    words, sentence = [], []
+    for _ in range(n_words):
+        sentence.append(rng.choice(_WORDS))
+        if len(sentence) >= rng.randint(8, 20):
+            sentence[0] = sentence[0].capitalize()
+            words.append(" ".join(sentence) + ".")
+            sentence = []
+    if sentence:
+        words.append(" ".join(sentence) + ".")
+    return " ".join(words)
+
+
+def real_context_ids(tokenizer, n: int) -> list[int]:
+    """The first ``n`` tokens of the demo articles (``experiments/data/demo.jsonl``) run together:
+    real English, for measurements where content matters (compression). Up to ~7k tokens."""
+    seen, parts = set(), []
+    for line in (HERE / "data" / "demo.jsonl").open(encoding="utf-8"):
+        c = json.loads(line)["context"]
+        if c not in seen:
+            seen.add(c)
+            parts.append(c)
+    ids = tokenizer("\n\n".join(parts), add_special_tokens=False)["input_ids"]
+    if len(ids) < n:
+        raise ValueError(f"the demo articles hold {len(ids)} tokens, fewer than {n}")
+    return list(ids[:n])
+
+
+# -- memory bandwidth -----------------------------------------------------------------------------
+def memcpy_bandwidth(nbytes: int, n: int = 7) -> dict:
+    """This machine's copy bandwidth for ``nbytes``, measured now: into a preallocated buffer
+    (``dst.copy_(src)``) and into a fresh allocation (``torch.empty`` + copy, page faults
+    included). Returns ``{"prealloc": summary, "fresh": summary}`` in seconds."""
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(7)
+    dst = torch.empty_like(src)
+    dst.fill_(0)
+
+    def fresh():
+        out = torch.empty_like(src)
+        out.copy_(src)
+        return out
+
+    return {
+        "prealloc": summarize(repeat(lambda: dst.copy_(src), n, warmup=2)),
+        "fresh": summarize(repeat(fresh, n, warmup=2)),
+    }
+
+
+# -- a proposed change, emulated here (the library itself is not edited) --------------------------
+@contextlib.contextmanager
+def proposed(gqa: bool = False):
+    """Run the block with a proposed change patched in. ``gqa``: transformers' SDPA path passes
+    ``enable_gqa=True`` for the multi-token question step too (``TRANSFORMERS_SDPA_FORCE_GQA=1``,
+    read on every call) instead of materializing the repeated K/V heads with ``repeat_kv``."""
+    old_env = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+    try:
+        if gqa:
+            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
+        yield
+    finally:
+        if old_env is None:
+            os.environ.pop("TRANSFORMERS_SDPA_FORCE_GQA", None)
+        else:
+            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = old_env
+
+
+# -- peak memory ----------------------------------------------------------------------------------
+def rss_mib() -> float:
+    """Peak resident set size of this process so far (MiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- output ---------------------------------------------------------------------------------------
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_csv(path: Path, rows: Sequence[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields: list[str] = []
+    for r in rows:
+        for k in r:
+            if k not in fields:
+                fields.append(k)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def md_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
