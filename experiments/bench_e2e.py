@@ -8,14 +8,18 @@ command a subprocess under ``/usr/bin/time`` (peak RSS) with ``--format json``:
 ``main``
     ``kvstore build`` into a fresh store (wall time, the build's own ``seconds`` and its
     ``store_seconds``: encode + write time on the writer thread), then ``kvstore sample -n 16``
-    from the warm store (``--cache-repeats`` times) and ``kvstore sample -n 16 --no-cache`` (once
+    from the warm store (its file read just before each of ``--cache-repeats`` runs) and ``kvstore sample -n 16 --no-cache`` (once
     by default: it is the slow one). Questions per second come from each summary's ``seconds``
     (answering only; model loading excluded); the CLI wall time is reported beside it. The
     predictions of both runs are compared.
 ``sweep``
-    How the speed-up moves with answer length: the first ``--sweep-rows`` questions, cached vs
-    ``--no-cache``, for ``-n`` in ``--sweep-lengths`` (EOS stops a row early, as in real use;
-    the mean generated length is reported).
+    How the speed-up moves with answer length: the first ``--sweep-rows`` rows asking for a long
+    answer (``LONG_QUESTION``, so that ``-n`` sets the length; the mean generated length is
+    reported), cached (``--sweep-cache-repeats`` times, median) vs ``--no-cache`` (once), for ``-n`` in
+    ``--sweep-lengths``.
+``cold``
+    The first ``--sweep-rows`` questions from a cold store (its file evicted from the page cache
+    with ``posix_fadvise(DONTNEED)``) vs a warm one, twice each.
 ``overhead``
     Build's store overhead, paired in one process: the first ``--overhead-contexts`` contexts
     prefilled in the same batches with and without storing (``Adapter.prefill`` alone vs
@@ -24,7 +28,8 @@ command a subprocess under ``/usr/bin/time`` (peak RSS) with ``--format json``:
 Command (from the repository root; writes experiments/results/e2e.json and e2e_*.csv)::
 
     .venv/bin/python experiments/bench_e2e.py --parts main                 # 40 contexts (~80 questions)
-    .venv/bin/python experiments/bench_e2e.py --parts sweep,overhead
+    .venv/bin/python experiments/bench_e2e.py --parts sweep
+    .venv/bin/python experiments/bench_e2e.py --parts cold,overhead
     .venv/bin/python experiments/bench_e2e.py --quick                      # smoke test: 4 short contexts
 
 The issue's full size is ``--contexts 225`` (~450 questions): about 10 minutes of build and as long
@@ -88,6 +93,26 @@ def kvstore(*args: str) -> dict:
     return summary
 
 
+def warm_store(store: Path) -> None:
+    """Read the store file once so its pages sit in the page cache ("warm"). On this VM the page
+    cache does not keep a 2 GB store for long between runs, so every cached run is preceded by this."""
+    with (store / "data.mdb").open("rb", buffering=0) as f:
+        buf = bytearray(16 << 20)
+        while f.readinto(buf):
+            pass
+
+
+def evict_store(store: Path) -> None:
+    """Drop the store file's pages from the page cache (this file only), for a cold run."""
+    import os
+
+    fd = os.open(store / "data.mdb", os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def predictions(path: Path) -> list[str]:
     return [json.loads(line)["raw_output"] for line in path.open(encoding="utf-8")]
 
@@ -103,6 +128,7 @@ def part_main(args, data: Path, store: Path) -> dict:
     b = kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
     cached = []
     for i in range(args.cache_repeats):
+        warm_store(store)
         cached.append(kvstore("sample", str(data), "--store", str(store), "-n", str(args.new_tokens), "-b", str(args.batch_size),
                               "--readonly-store", "-o", str(WORK / "pred_cache.jsonl")))
     nocache = []
@@ -130,23 +156,52 @@ def part_main(args, data: Path, store: Path) -> dict:
     }
 
 
+LONG_QUESTION = "Retell the whole passage in your own words, sentence by sentence, leaving nothing out."
+
+
 def part_sweep(args, data: Path, store: Path) -> list[dict]:
+    """The first ``--sweep-rows`` rows with a question that asks for a long answer, so that ``-n``
+    sets the answer length (EOS rarely comes first); same contexts, so the store serves them."""
     if not (store / "data.mdb").exists():
         kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
     from kvstore.models import load_model
 
+    long_data = data.with_name(data.stem + "_long.jsonl")
+    with data.open(encoding="utf-8") as f, long_data.open("w", encoding="utf-8") as out:
+        for line in list(f)[: args.sweep_rows]:
+            out.write(json.dumps(json.loads(line) | {"question": LONG_QUESTION}) + "\n")
     tok = load_model(None).tokenizer
     rows = []
     for n in [int(x) for x in args.sweep_lengths.split(",")]:
-        common = ("--limit", str(args.sweep_rows), "-n", str(n), "-b", str(args.batch_size))
-        c = kvstore("sample", str(data), "--store", str(store), "--readonly-store", *common, "-o", str(WORK / "sweep_c.jsonl"))
-        r = kvstore("sample", str(data), "--no-cache", *common, "-o", str(WORK / "sweep_n.jsonl"))
-        rows.append({"max_new_tokens": n, "questions": c["questions"], "mean_answer_tokens": round(mean_tokens(WORK / "sweep_c.jsonl", tok, n), 2),
-                     "cached_s": c["seconds"], "nocache_s": r["seconds"], "cached_qps": c["questions_per_second"],
-                     "nocache_qps": r["questions_per_second"], "speedup": r["seconds"] / c["seconds"],
-                     "cached_peak_rss_mib": c["peak_rss_mib"], "nocache_peak_rss_mib": r["peak_rss_mib"],
-                     "load": c["load"]})
+        common = ("-n", str(n), "-b", str(args.batch_size))
+        cached = []
+        for _ in range(args.sweep_cache_repeats):
+            warm_store(store)
+            cached.append(kvstore("sample", str(long_data), "--store", str(store), "--readonly-store", *common, "-o", str(WORK / "sweep_c.jsonl")))
+        r = kvstore("sample", str(long_data), "--no-cache", *common, "-o", str(WORK / "sweep_n.jsonl"))
+        c_s = statistics.median(c["seconds"] for c in cached)
+        same = sum(a == b for a, b in zip(predictions(WORK / "sweep_c.jsonl"), predictions(WORK / "sweep_n.jsonl")))
+        rows.append({"max_new_tokens": n, "questions": r["questions"], "mean_answer_tokens": round(mean_tokens(WORK / "sweep_c.jsonl", tok, n), 2),
+                     "cached_s": c_s, "cached_s_all": [c["seconds"] for c in cached], "nocache_s": r["seconds"],
+                     "cached_qps": r["questions"] / c_s, "nocache_qps": r["questions_per_second"], "speedup": r["seconds"] / c_s,
+                     "identical_predictions": f"{same}/{r['questions']}",
+                     "cached_peak_rss_mib": max(c["peak_rss_mib"] for c in cached), "nocache_peak_rss_mib": r["peak_rss_mib"],
+                     "load": r["load"]})
     return rows
+
+
+def part_cold(args, data: Path, store: Path) -> dict:
+    """The first ``--sweep-rows`` rows from a cold store (its file evicted from the page cache)
+    and from a warm one, ``-n`` as in main."""
+    if not (store / "data.mdb").exists():
+        kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
+    common = ("--limit", str(args.sweep_rows), "-n", str(args.new_tokens), "-b", str(args.batch_size), "--readonly-store")
+    out = {}
+    for state in ("cold", "warm", "cold", "warm"):
+        (evict_store if state == "cold" else warm_store)(store)
+        r = kvstore("sample", str(data), "--store", str(store), *common)
+        out.setdefault(state, []).append({k: r[k] for k in ("questions", "seconds", "wall_seconds", "peak_rss_mib", "load")})
+    return out
 
 
 def part_overhead(args, data: Path) -> dict:
@@ -188,7 +243,7 @@ def part_overhead(args, data: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="main,sweep,overhead")
+    p.add_argument("--parts", default="main,sweep,cold,overhead")
     p.add_argument("--contexts", type=int, default=40)
     p.add_argument("--words", type=int, default=1350, help="words per context (~1.1 tokens each; ~1.5k tokens with the chat template)")
     p.add_argument("--new-tokens", type=int, default=16)
@@ -197,6 +252,7 @@ def main() -> None:
     p.add_argument("--nocache-repeats", type=int, default=1)
     p.add_argument("--sweep-rows", type=int, default=16)
     p.add_argument("--sweep-lengths", default="1,4,16,64")
+    p.add_argument("--sweep-cache-repeats", type=int, default=2)
     p.add_argument("--overhead-contexts", type=int, default=16)
     p.add_argument("--overhead-repeats", type=int, default=2)
     p.add_argument("--quick", action="store_true")
@@ -204,7 +260,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=bl.THREADS, help="torch threads in this process (overhead part)")
     args = p.parse_args()
     if args.quick:
-        args.contexts, args.words, args.cache_repeats = 4, 200, 1
+        args.contexts, args.words, args.cache_repeats, args.sweep_cache_repeats = 4, 200, 1, 1
         args.sweep_rows, args.sweep_lengths, args.overhead_contexts, args.overhead_repeats = 4, "1,4", 2, 1
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
@@ -239,6 +295,11 @@ def main() -> None:
         bl.write_csv(bl.RESULTS / f"{stem}_sweep.csv", rows)
         for r in rows:
             print(f"  -n {r['max_new_tokens']:>3}: mean answer {r['mean_answer_tokens']} tokens, {r['speedup']:.1f}x")
+    if "cold" in parts:
+        results["cold"] = {"machine": info} | part_cold(args, data, store)
+        results["cold"]["machine"]["load_after"] = bl.loadavg()
+        c = results["cold"]
+        print("cold " + ", ".join(f"{r['seconds']:.1f} s" for r in c["cold"]) + "; warm " + ", ".join(f"{r['seconds']:.1f} s" for r in c["warm"]))
     if "overhead" in parts:
         results["overhead"] = {"machine": info} | part_overhead(args, data)
         results["overhead"]["machine"]["load_after"] = bl.loadavg()
