@@ -23,13 +23,18 @@ command a subprocess under ``/usr/bin/time`` (peak RSS) with ``--format json``:
 ``overhead``
     Build's store overhead, paired in one process: the first ``--overhead-contexts`` contexts
     prefilled in the same batches with and without storing (``Adapter.prefill`` alone vs
-    ``Adapter.generate_kv_cache`` into a fresh store), alternating, ``--overhead-repeats`` times.
+    ``Adapter.generate_kv_cache`` into a fresh store), alternating, ``--overhead-repeats`` times;
+    plus the same prefill one context at a time (does batching pay on this CPU?).
+``variants``
+    Where that overhead comes from, one build each on the same contexts: as is, with the writer
+    queue enlarged from 2 to 64 entries (patched in for this row), with the raw codec, batch 1.
 
 Command (from the repository root; writes experiments/results/e2e.json and e2e_*.csv)::
 
     .venv/bin/python experiments/bench_e2e.py --parts main                 # 40 contexts (~80 questions)
     .venv/bin/python experiments/bench_e2e.py --parts sweep
     .venv/bin/python experiments/bench_e2e.py --parts cold,overhead
+    .venv/bin/python experiments/bench_e2e.py --parts variants
     .venv/bin/python experiments/bench_e2e.py --quick                      # smoke test: 4 short contexts
 
 The issue's full size is ``--contexts 225`` (~450 questions): about 10 minutes of build and as long
@@ -218,12 +223,16 @@ def part_overhead(args, data: Path) -> dict:
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     batches = list(adapter._batches(order, [len(x) for x in ids], args.batch_size, None))
     adapter.prefill([ids[0][:8]])  # warm-up
-    plain, stored, store_s, wait_s = [], [], [], []
+    plain, plain_b1, stored, store_s, wait_s = [], [], [], [], []
     for r in range(args.overhead_repeats):
         t0 = time.perf_counter()
         for batch in batches:
             adapter.prefill([ids[i] for i in batch])
         plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in order:  # the same contexts one at a time: does batching pay on this CPU?
+            adapter.prefill([ids[i]])
+        plain_b1.append(time.perf_counter() - t0)
         path = WORK / "overhead-store"
         shutil.rmtree(path, ignore_errors=True)
         with KVStore(str(path)) as kv:
@@ -232,13 +241,66 @@ def part_overhead(args, data: Path) -> dict:
         store_s.append(rep.store_seconds)
         wait_s.append(rep.store_wait_seconds)
         shutil.rmtree(path, ignore_errors=True)
-        print(f"  overhead repeat {r + 1}: prefill only {plain[-1]:.1f} s, build {stored[-1]:.1f} s "
+        print(f"  overhead repeat {r + 1}: prefill only {plain[-1]:.1f} s (batch 1: {plain_b1[-1]:.1f} s), build {stored[-1]:.1f} s "
               f"(writer busy {store_s[-1]:.2f} s, compute waited {wait_s[-1]:.2f} s)  load {bl.loadavg()}", flush=True)
     p, s = statistics.median(plain), statistics.median(stored)
     return {"contexts": len(texts), "tokens": sum(len(x) for x in ids), "repeats": args.overhead_repeats,
-            "prefill_only_s": plain, "build_s": stored, "writer_busy_s": store_s, "compute_waited_s": wait_s,
+            "batch_size": args.batch_size, "prefill_only_s": plain, "prefill_only_batch1_s": plain_b1, "build_s": stored, "writer_busy_s": store_s, "compute_waited_s": wait_s,
             "overhead_share": (s - p) / s, "writer_busy_share": statistics.median(store_s) / s,
             "waited_share": statistics.median(wait_s) / s}
+
+
+def part_variants(args, data: Path) -> dict:
+    """What the build's store overhead comes from: the same contexts prefilled alone (batch
+    ``--batch-size`` and 1) and built with ``generate_kv_cache`` as is, with the writer queue
+    enlarged from 2 to 64 entries (patched in), with the raw codec, and with batch size 1."""
+    import queue
+    import types
+
+    import kvstore.adapter as ka
+    from kvstore.datasets import load_dataset
+    from kvstore.prompts import PromptFormat
+    from kvstore.store import KVStore
+
+    adapter = bl.load_adapter("float32")
+    fmt = PromptFormat.from_chat_template(adapter.tokenizer)
+    texts = [fmt.context_part(c) for c in load_dataset(str(data)).contexts()[: args.overhead_contexts]]
+    ids = [adapter.encode_context(t, special_tokens=fmt.add_special_tokens) for t in texts]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    adapter.prefill([ids[0][:8]])  # warm-up
+    out = {"contexts": len(texts), "tokens": sum(len(x) for x in ids), "batch_size": args.batch_size, "rows": []}
+
+    def record(name, seconds, rep=None):
+        row = {"variant": name, "seconds": seconds}
+        if rep is not None:
+            row |= {"writer_busy_s": rep.store_seconds, "compute_waited_s": rep.store_wait_seconds, "stored_bytes": rep.stored_bytes}
+        out["rows"].append(row)
+        print(f"  {name:<34} {seconds:6.1f} s" + (f"  (writer busy {rep.store_seconds:.1f} s, compute waited {rep.store_wait_seconds:.1f} s)"
+                                                   if rep else "") + f"  load {bl.loadavg()}", flush=True)
+
+    for bs in (args.batch_size, 1):
+        t0 = time.perf_counter()
+        for batch in adapter._batches(order, [len(x) for x in ids], bs, None):
+            adapter.prefill([ids[i] for i in batch])
+        record(f"prefill only, batch {bs}", time.perf_counter() - t0)
+    big_queue = types.SimpleNamespace(Queue=lambda maxsize=0: queue.Queue(maxsize=64))
+    for name, codec, bs, patch in ((f"build, batch {args.batch_size}", None, args.batch_size, False),
+                                   (f"build, batch {args.batch_size}, writer queue 64", None, args.batch_size, True),
+                                   (f"build, batch {args.batch_size}, raw codec", "raw", args.batch_size, False),
+                                   ("build, batch 1", None, 1, False)):
+        path = WORK / "variant-store"
+        shutil.rmtree(path, ignore_errors=True)
+        saved = ka.queue
+        try:
+            if patch:
+                ka.queue = big_queue
+            with KVStore(str(path), codec=codec) as kv:
+                rep = adapter.generate_kv_cache(texts, kv, batch_size=bs, special_tokens=fmt.add_special_tokens)
+        finally:
+            ka.queue = saved
+            shutil.rmtree(path, ignore_errors=True)
+        record(name, rep.seconds, rep)
+    return out
 
 
 def main() -> None:
@@ -300,6 +362,9 @@ def main() -> None:
         results["cold"]["machine"]["load_after"] = bl.loadavg()
         c = results["cold"]
         print("cold " + ", ".join(f"{r['seconds']:.1f} s" for r in c["cold"]) + "; warm " + ", ".join(f"{r['seconds']:.1f} s" for r in c["warm"]))
+    if "variants" in parts:
+        results["variants"] = {"machine": info} | part_variants(args, data)
+        results["variants"]["machine"]["load_after"] = bl.loadavg()
     if "overhead" in parts:
         results["overhead"] = {"machine": info} | part_overhead(args, data)
         results["overhead"]["machine"]["load_after"] = bl.loadavg()

@@ -98,13 +98,19 @@ def e2e() -> None:
     if "sweep" in d:
         s = d["sweep"]
         print(f"### e2e sweep\n\n{machine_line(s['machine'])}\n")
-        rows = [(r["max_new_tokens"], r["mean_answer_tokens"], f"{r['cached_s']:.1f}", f"{r['nocache_s']:.1f}", f"{r['speedup']:.1f}x")
-                for r in s["rows"]]
-        print(bl.md_table(rows, ["-n", "mean answer tokens", "cached s", "no-cache s", "speed-up"]) + "\n")
+        rows = [(r["max_new_tokens"], r["mean_answer_tokens"], f"{r['cached_s']:.1f} ({', '.join(f'{x:.1f}' for x in r.get('cached_s_all', []))})",
+                 f"{r['nocache_s']:.1f}", f"{r['speedup']:.1f}x", r.get("identical_predictions", "")) for r in s["rows"]]
+        print(bl.md_table(rows, ["-n", "mean answer tokens", "cached s (runs)", "no-cache s", "speed-up", "identical"]) + "\n")
+    if "cold" in d:
+        c = d["cold"]
+        print(f"### e2e cold\n\n{machine_line(c['machine'])}\n")
+        rows = [(state, r["questions"], f"{r['seconds']:.1f}", r["load"]) for state in ("cold", "warm") for r in c[state]]
+        print(bl.md_table(rows, ["store", "questions", "answering s", "load"]) + "\n")
     if "overhead" in d:
         o = d["overhead"]
         print(f"### e2e overhead\n\n{machine_line(o['machine'])}\n")
-        print(f"{o['contexts']} contexts, {o['tokens']} tokens: prefill only {o['prefill_only_s']} s, build {o['build_s']} s; "
+        print(f"{o['contexts']} contexts, {o['tokens']} tokens: prefill only {o['prefill_only_s']} s (batch 1: "
+              f"{o.get('prefill_only_batch1_s')} s), build {o['build_s']} s; "
               f"overhead {o['overhead_share']:.1%} of build wall; writer busy {o['writer_busy_share']:.1%}; compute waited "
               f"{o['waited_share']:.1%}\n")
 

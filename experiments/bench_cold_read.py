@@ -1,0 +1,80 @@
+"""Cold reads from an LMDB store: the backend's ``readahead=False`` vs LMDB's default ``readahead=True``.
+
+Reads the first ``--entries`` entries of a store through LMDB's zero-copy ``get`` (``buffers=True``)
+and hashes every byte (what ``KVStore.open_entry``'s checksum pass does), after evicting the store
+file from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (this file only; nothing else
+is dropped). kvstore's LMDB backend opens environments with ``readahead=False``; LMDB then
+advises ``MADV_RANDOM`` and every 4 KiB page of a cold entry is a separate synchronous read.
+Alternates the two settings ``--repeats`` times.
+
+This VM's idle reclaim drops the page cache every few minutes (``dmesg``: ``idle-reclaim:
+drop_caches``), so a store read a while ago is cold again.
+
+Command (from the repository root; needs a store, e.g. the one bench_e2e.py builds; writes
+experiments/results/cold_read.json)::
+
+    .venv/bin/python experiments/bench_cold_read.py cache/bench/e2e/store_40
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import lmdb
+import xxhash
+
+import benchlib as bl
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("store", type=Path)
+    p.add_argument("--entries", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    info = bl.machine()
+    data = args.store / "data.mdb"
+    rows = []
+    for r in range(args.repeats):
+        for readahead in (False, True):
+            env = lmdb.open(str(args.store), readonly=True, lock=False, readahead=readahead, subdir=True)
+            try:
+                with env.begin() as txn:
+                    keys = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False) if bytes(k).startswith(b"e/")]
+                keys = keys[: args.entries]
+                evict(data)
+                t0 = time.perf_counter()
+                total = 0
+                with env.begin(buffers=True) as txn:
+                    for k in keys:
+                        buf = txn.get(k)
+                        xxhash.xxh3_64_intdigest(buf)
+                        total += len(buf)
+                cold = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                with env.begin(buffers=True) as txn:
+                    for k in keys:
+                        xxhash.xxh3_64_intdigest(txn.get(k))
+                warm = time.perf_counter() - t0
+            finally:
+                env.close()
+            rows.append({"repeat": r, "readahead": readahead, "entries": len(keys), "mb": round(total / 1e6, 1),
+                         "cold_s": cold, "cold_mb_s": total / cold / 1e6, "warm_s": warm, "warm_mb_s": total / warm / 1e6})
+            print(f"readahead={readahead!s:<5} {total / 1e6:6.0f} MB cold {cold:6.2f} s ({total / cold / 1e6:6.0f} MB/s), "
+                  f"then warm {warm * 1e3:6.1f} ms ({total / warm / 1e6:6.0f} MB/s)", flush=True)
+    info["load_after"] = bl.loadavg()
+    bl.write_json(bl.RESULTS / "cold_read.json", {"machine": info, "store": str(args.store), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
