@@ -1,10 +1,11 @@
-# Two commands for a fresh machine:  make demo   and   make test
+# Two commands for a fresh machine:  make demo   and   make test   (CI: .ci/run = make lint test)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LINTED := kvstore cli tests experiments
 
-.PHONY: setup demo test bench clean-venv
+.PHONY: setup demo test lint format clean-venv
 
 $(STAMP): setup.cfg pyproject.toml scripts/setup.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) sh scripts/setup.sh
@@ -17,6 +18,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix $(LINTED)
+	$(VENV)/bin/ruff format $(LINTED)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -8,15 +8,16 @@ Conventions for command modules:
 
 * results go to stdout (``emit`` for anything tabular: ``--format table|json|csv``); warnings
   (``warn``) and progress bars (``progress_bar``) go to stderr;
-* a library :class:`kvstore.errors.KVStoreError` may simply propagate: ``cli.main.main`` prints
+* a library :class:`kvstore.errors.KVStoreError` may simply propagate: ``kvstore.cli.main.main`` prints
   it as one line (``kvstore: error: ...``) and exits 1;
 * a failure the command itself detects is ``raise CLIError("what happened; what to do")``: one
-  line, exit 1 (never ``ctx.exit(1)``: ``cli.main.main`` runs click with
+  line, exit 1 (never ``ctx.exit(1)``: ``kvstore.cli.main.main`` runs click with
   ``standalone_mode=False``, which turns ``ctx.exit(n)`` into a return value);
 * a bad option value is a ``click.BadParameter`` (usage error, exit 2); the ``SIZE`` and
   ``DURATION`` parameter types do that for sizes and durations;
 * destructive commands plan first, print the plan, then ``confirm(...)`` unless ``--yes``.
 """
+
 from __future__ import annotations
 
 import csv
@@ -24,6 +25,7 @@ import io
 import json
 import re
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
@@ -72,7 +74,9 @@ def store_option(fn: Callable) -> Callable:
     )(fn)
 
 
-def format_option(fn: Callable | None = None, *, choices: Sequence[str] = ("table", "json", "csv"), default: str = "table"):
+def format_option(
+    fn: Callable | None = None, *, choices: Sequence[str] = ("table", "json", "csv"), default: str = "table"
+):
     """``--format table|json|csv`` (the command receives ``fmt: str``). Use bare
     (``@format_option``) or with other ``choices``/``default``."""
 
@@ -101,7 +105,9 @@ def dry_run_option(fn: Callable) -> Callable:
 
 def yes_option(fn: Callable) -> Callable:
     """``-y/--yes``: skip the confirmation prompt (the command receives ``yes: bool``)."""
-    return click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation (needed without a terminal).")(fn)
+    return click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation (needed without a terminal).")(
+        fn
+    )
 
 
 # -- stores -----------------------------------------------------------------------------------
@@ -110,7 +116,7 @@ def open_store(store: str, *, readonly: bool, create: bool = False):
     read; ``create`` for commands that may start a new store. Unless ``create``, a missing store
     raises ``StoreNotFoundError``; a path that is a file raises ``StoreError``: ``cli.main``
     prints either as one line."""
-    from kvstore.store import KVStore
+    from kvstore.store.kvstore import KVStore
 
     if readonly:
         return KVStore(store, readonly=True)
@@ -134,7 +140,9 @@ def confirm(question: str, *, yes: bool, hint: str = "") -> bool:
     if yes:
         return True
     if not stdin_is_tty():
-        raise CLIError("no terminal to ask for confirmation on; pass --yes to go ahead" + (f" ({hint})" if hint else ""))
+        raise CLIError(
+            "no terminal to ask for confirmation on; pass --yes to go ahead" + (f" ({hint})" if hint else "")
+        )
     if click.confirm(question, default=False, err=True):
         return True
     click.echo("Nothing changed.", err=True)
@@ -209,7 +217,9 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def render_table(rows: Iterable[Sequence[Any]], columns: Sequence[str], align: str | Sequence[str] | None = None) -> str:
+def render_table(
+    rows: Iterable[Sequence[Any]], columns: Sequence[str], align: str | Sequence[str] | None = None
+) -> str:
     """An aligned plain-text table: a header line, then one line per row (no trailing newline).
 
     ``rows``: sequences of cells, in ``columns`` order (``None`` shows as ``-``, floats with 2
@@ -276,24 +286,29 @@ def echo_json(obj: Any, file: IO[str] | None = None) -> None:
 
 # -- progress ---------------------------------------------------------------------------------
 class Progress:
-    """A tqdm bar on stderr that is also a library progress callback: ``bar(n_done, n_total)``
-    sets the position (what ``KVStore.scan(progress=...)`` calls); ``bar.update(n)`` advances.
-    Use as a context manager, or call :meth:`close`. With ``quiet`` no bar is shown (and tqdm is
-    not imported); :meth:`write` still prints."""
+    """A tqdm bar on stderr that is also the library's progress callback (``kvstore.progress``):
+    ``bar(items, amount)`` advances by ``items`` and, with ``rate`` (e.g. ``"tok"``), shows the
+    amount per second beside the bar. ``bar.update(n)`` advances too. Use as a context manager, or
+    call :meth:`close`. With ``quiet`` no bar is shown (and tqdm is not imported); :meth:`write`
+    still prints."""
 
-    def __init__(self, total: int | None, desc: str, quiet: bool = False, unit: str = "it", leave: bool = False):
+    def __init__(self, total: int | None, desc: str, quiet: bool = False, unit: str = "it", leave: bool = False,
+                 rate: str | None = None):  # fmt: skip
         self._bar = None
+        self._rate, self._amount, self._t0 = rate, 0, time.perf_counter()
         if not quiet:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=leave, dynamic_ncols=True)
 
-    def __call__(self, n_done: int, n_total: int | None = None) -> None:
+    def __call__(self, items: int, amount: int = 0) -> None:
+        self._amount += amount
         if self._bar is None:
             return
-        if n_total is not None and n_total != self._bar.total:
-            self._bar.total = n_total
-        self._bar.update(n_done - self._bar.n)
+        self._bar.update(items)
+        elapsed = time.perf_counter() - self._t0
+        if self._rate and elapsed > 0:
+            self._bar.set_postfix({f"{self._rate}_s": f"{self._amount / elapsed:,.0f}"})
 
     def update(self, n: int = 1) -> None:
         if self._bar is not None:
@@ -326,10 +341,13 @@ class Progress:
         self.close()
 
 
-def progress_bar(total: int | None, desc: str, quiet: bool = False, unit: str = "it", *, leave: bool = False) -> Progress:
+def progress_bar(
+    total: int | None, desc: str, quiet: bool = False, unit: str = "it", *, leave: bool = False, rate: str | None = None
+) -> Progress:
     """A :class:`Progress` bar (tqdm on stderr, imported only when shown); hidden with ``quiet``.
-    ``total`` may be None (unknown); ``leave`` keeps the finished bar on screen."""
-    return Progress(total, desc, quiet, unit, leave)
+    ``total`` may be None (unknown); ``leave`` keeps the finished bar on screen; ``rate`` names
+    the amount shown per second (``tok`` shows tokens/s)."""
+    return Progress(total, desc, quiet, unit, leave, rate)
 
 
 def short(text: str | None, n: int = 12) -> str:

@@ -4,6 +4,7 @@ Subcommands live in their own modules and are imported only when invoked, so ``k
 never imports torch. Errors from the library become one line on stderr and a non-zero exit;
 set ``KVSTORE_DEBUG=1`` to see the traceback instead.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -14,14 +15,18 @@ import click
 
 # command name -> (module, attribute, one-line help shown by `kvstore --help`)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "build": ("cli.workflow", "build", "Prefill every distinct context of a dataset and store its KV cache."),
-    "sample": ("cli.workflow", "sample", "Answer a dataset's questions with greedy decoding from stored caches."),
-    "ls": ("cli.manage", "ls", "List the entries of a store."),
-    "stats": ("cli.manage", "stats", "Totals of a store per model and dtype."),
-    "verify": ("cli.manage", "verify", "Check every entry's checksum and structure."),
-    "rm": ("cli.manage", "rm", "Remove entries by key, model or age."),
-    "gc": ("cli.manage", "gc", "Remove corrupt entries, old entries, or shrink to a size budget."),
-    "size": ("cli.size", "size", "KV-cache size per model: estimated, and measured in a store."),
+    "build": ("kvstore.cli.workflow", "build", "Prefill every distinct context of a dataset and store its KV cache."),
+    "sample": (
+        "kvstore.cli.workflow",
+        "sample",
+        "Answer a dataset's questions with greedy decoding from stored caches.",
+    ),
+    "ls": ("kvstore.cli.manage", "ls", "List the entries of a store."),
+    "stats": ("kvstore.cli.manage", "stats", "Totals of a store per model and dtype."),
+    "verify": ("kvstore.cli.manage", "verify", "Check every entry's checksum and structure."),
+    "rm": ("kvstore.cli.manage", "rm", "Remove entries by key, model or age."),
+    "gc": ("kvstore.cli.manage", "gc", "Remove corrupt entries, old entries, or shrink to a size budget."),
+    "size": ("kvstore.cli.size", "size", "KV-cache size per model: estimated, and measured in a store."),
 }
 
 

@@ -5,6 +5,7 @@ and ``gc`` plan first (``kvstore.store.plan_gc``), print the plan, ask (unless `
 remove everything planned in one transaction; ``--dry-run`` prints the plan and changes nothing.
 Torch-heavy modules are imported inside the command bodies so that ``--help`` stays fast.
 """
+
 from __future__ import annotations
 
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 import click
 
-from cli.common import (
+from kvstore.cli.common import (
     DURATION,
     SIZE,
     CLIError,
@@ -49,10 +50,6 @@ def _entries(n: int) -> str:
     return f"{n} {'entry' if n == 1 else 'entries'}"
 
 
-def _matches_model(e: Any, model: str | None) -> bool:
-    return not model or e.model.startswith(model) or e.model_name == model
-
-
 def _warn_corrupt(info: Any) -> None:
     for c in info.corrupt:
         warn(f"skipped entry {c.key[:12]}: {c.reason}")
@@ -67,32 +64,18 @@ def _time(ts: float | None) -> str:
         return "?"
 
 
-def _entry_record(e: Any) -> dict[str, Any]:
-    return {
-        "key": e.key,
-        "model_name": e.model_name,
-        "model": e.model,
-        "dtype": e.dtype,
-        "n_tokens": e.n_tokens,
-        "n_layers": e.n_layers,
-        "kv_heads": e.kv_heads,
-        "head_dim": e.head_dim,
-        "codec": e.codec,
-        "raw_bytes": e.raw_bytes,
-        "stored_bytes": e.stored_bytes,
-        "ratio": round(e.ratio, 4),
-        "created": e.created,
-        "last_access": e.last_access,
-        "last_used": e.last_used,
-    }
-
-
 # -- ls -----------------------------------------------------------------------------------------
 @click.command()
 @store_option
 @click.option("--model", metavar="NAME|FINGERPRINT", help="Only entries of this model (name, or fingerprint prefix).")
-@click.option("--sort", "sort_by", type=click.Choice(list(_SORTS)), default="used", show_default=True,
-              help="Order: key/model A-Z; tokens/size/ratio largest first; created/used newest first.")
+@click.option(
+    "--sort",
+    "sort_by",
+    type=click.Choice(list(_SORTS)),
+    default="used",
+    show_default=True,
+    help="Order: key/model A-Z; tokens/size/ratio largest first; created/used newest first.",
+)
 @click.option("--reverse", is_flag=True, help="Reverse the order.")
 @click.option("--full-keys", is_flag=True, help="Show whole keys and fingerprints in the table.")
 @format_option
@@ -109,7 +92,7 @@ def ls(store: str, model: str | None, sort_by: str, reverse: bool, full_keys: bo
         info = s.scan()
     _warn_corrupt(info)
     field, descending = _SORTS[sort_by]
-    records = [_entry_record(e) for e in info.entries if _matches_model(e, model)]
+    records = [e.as_record() for e in info.entries if e.matches_model(model)]
     records.sort(key=lambda r: r["key"])
     records.sort(key=lambda r: r[field], reverse=descending != reverse)
     if fmt != "table":
@@ -123,13 +106,24 @@ def ls(store: str, model: str | None, sort_by: str, reverse: bool, full_keys: bo
         records,
         "table",
         columns={
-            "key": "KEY", "model_name": "MODEL", "model": "FINGERPRINT", "dtype": "DTYPE",
-            "n_tokens": "TOKENS", "n_layers": "LAYERS", "codec": "CODEC", "stored_bytes": "SIZE",
-            "ratio": "RATIO", "created": "CREATED", "last_access": "LAST USED",
+            "key": "KEY",
+            "model_name": "MODEL",
+            "model": "FINGERPRINT",
+            "dtype": "DTYPE",
+            "n_tokens": "TOKENS",
+            "n_layers": "LAYERS",
+            "codec": "CODEC",
+            "stored_bytes": "SIZE",
+            "ratio": "RATIO",
+            "created": "CREATED",
+            "last_access": "LAST USED",
         },  # fmt: skip
         formatters={
-            "key": lambda k: short(k, n), "model": lambda m: short(m, n), "stored_bytes": human_bytes,
-            "created": _time, "last_access": _time,
+            "key": lambda k: short(k, n),
+            "model": lambda m: short(m, n),
+            "stored_bytes": human_bytes,
+            "created": _time,
+            "last_access": _time,
         },  # fmt: skip
         align="llllrrlrrll",
     )
@@ -153,20 +147,9 @@ def stats(store: str, fmt: str) -> None:
     with open_store(store, readonly=True) as s:
         info = s.scan()
     _warn_corrupt(info)
-    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for e in info.entries:
-        g = groups.setdefault(
-            (e.model_name, e.model, e.dtype),
-            {"model_name": e.model_name, "model": e.model, "dtype": e.dtype, "entries": 0, "n_tokens": 0, "raw_bytes": 0, "stored_bytes": 0},
-        )
-        g["entries"] += 1
-        g["n_tokens"] += e.n_tokens
-        g["raw_bytes"] += e.raw_bytes
-        g["stored_bytes"] += e.stored_bytes
-    rows = [groups[k] for k in sorted(groups)]
-    for g in rows:
-        g["ratio"] = round(g["stored_bytes"] / g["raw_bytes"], 4) if g["raw_bytes"] else 1.0
-        g["bytes_per_token"] = round(g["stored_bytes"] / g["n_tokens"], 1) if g["n_tokens"] else 0.0
+    from kvstore.store.scan import summarize
+
+    rows = [g.as_record() for g in summarize(info.entries, by=("model_name", "model", "dtype"))]
     totals = {
         "entries": info.n_entries,
         "corrupt": len(info.corrupt),
@@ -189,20 +172,34 @@ def stats(store: str, fmt: str) -> None:
             rows,
             "table",
             columns={
-                "model_name": "MODEL", "model": "FINGERPRINT", "dtype": "DTYPE", "entries": "ENTRIES",
-                "n_tokens": "TOKENS", "raw_bytes": "UNCOMPRESSED", "stored_bytes": "STORED", "ratio": "RATIO",
+                "model_name": "MODEL",
+                "model": "FINGERPRINT",
+                "dtype": "DTYPE",
+                "entries": "ENTRIES",
+                "n_tokens": "TOKENS",
+                "raw_bytes": "UNCOMPRESSED",
+                "stored_bytes": "STORED",
+                "ratio": "RATIO",
                 "bytes_per_token": "BYTES/TOKEN",
             },  # fmt: skip
-            formatters={"model": short, "raw_bytes": human_bytes, "stored_bytes": human_bytes, "bytes_per_token": lambda b: f"{b:,.0f}"},
+            formatters={
+                "model": short,
+                "raw_bytes": human_bytes,
+                "stored_bytes": human_bytes,
+                "bytes_per_token": lambda b: f"{b:,.0f}",
+            },
             align="lllrrrrrr",
         )
     click.echo()
     click.echo(
-        f"Total: {_entries(totals['entries'])}, {totals['n_tokens']:,} tokens, {human_bytes(totals['stored_bytes'])} stored "
+        f"Total: {_entries(totals['entries'])}, {totals['n_tokens']:,} tokens, "
+        f"{human_bytes(totals['stored_bytes'])} stored "
         f"({human_bytes(totals['raw_bytes'])} uncompressed, ratio {totals['ratio']:.2f})"
     )
     if info.corrupt:
-        click.echo(f"Unreadable: {_entries(len(info.corrupt))} ({human_bytes(sum(c.stored_bytes for c in info.corrupt))})")
+        click.echo(
+            f"Unreadable: {_entries(len(info.corrupt))} ({human_bytes(sum(c.stored_bytes for c in info.corrupt))})"
+        )
     if info.disk_bytes is not None:
         click.echo(f"On disk: {human_bytes(info.disk_bytes)} ({_LMDB_NOTE})")
 
@@ -249,8 +246,10 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
     )
 
 
-def _run_plan(store: str, plan_args: dict[str, Any], *, verify_all: bool, dry_run: bool, yes: bool, quiet: bool) -> None:
-    from kvstore.store import execute_plan, plan_gc
+def _run_plan(
+    store: str, plan_args: dict[str, Any], *, verify_all: bool, dry_run: bool, yes: bool, quiet: bool
+) -> None:
+    from kvstore.store.scan import execute_plan, plan_gc
 
     # a dry run only reads; otherwise open for writing up front, so that an unwritable store
     # fails before the scan rather than after the question
@@ -268,7 +267,11 @@ def _run_plan(store: str, plan_args: dict[str, Any], *, verify_all: bool, dry_ru
         if dry_run:
             click.echo("Dry run: nothing removed.")
             return
-        if not confirm(f"Remove {_entries(plan.n)} ({human_bytes(plan.freed_bytes)})?", yes=yes, hint="or --dry-run to see the plan"):
+        if not confirm(
+            f"Remove {_entries(plan.n)} ({human_bytes(plan.freed_bytes)})?",
+            yes=yes,
+            hint="or --dry-run to see the plan",
+        ):
             return
         removed = execute_plan(s, plan)
     click.echo(f"Removed {_entries(removed)}, freed {human_bytes(plan.freed_bytes)} ({_LMDB_NOTE}).")
@@ -278,10 +281,14 @@ def _run_plan(store: str, plan_args: dict[str, Any], *, verify_all: bool, dry_ru
 @store_option
 @click.argument("keys", nargs=-1, metavar="[KEY]...")
 @click.option("--model", metavar="NAME|FINGERPRINT", help="Entries of this model (name, or fingerprint prefix).")
-@click.option("--older-than", type=DURATION, metavar="DURATION", help="Entries not used for this long (30d, 12h, 2w...).")
+@click.option(
+    "--older-than", type=DURATION, metavar="DURATION", help="Entries not used for this long (30d, 12h, 2w...)."
+)
 @dry_run_option
 @yes_option
-def rm(store: str, keys: tuple[str, ...], model: str | None, older_than: float | None, dry_run: bool, yes: bool) -> None:
+def rm(
+    store: str, keys: tuple[str, ...], model: str | None, older_than: float | None, dry_run: bool, yes: bool
+) -> None:
     """Remove entries by key, model or age.
 
     KEY may be any prefix of a key (as `kvstore ls` shows them). Options narrow each other:
@@ -291,16 +298,31 @@ def rm(store: str, keys: tuple[str, ...], model: str | None, older_than: float |
     """
     if not keys and not model and older_than is None:
         raise click.UsageError("say what to remove: KEY..., --model or --older-than")
-    _run_plan(store, {"keys": keys, "model": model, "older_than": older_than}, verify_all=False, dry_run=dry_run, yes=yes, quiet=True)
+    _run_plan(
+        store,
+        {"keys": keys, "model": model, "older_than": older_than},
+        verify_all=False,
+        dry_run=dry_run,
+        yes=yes,
+        quiet=True,
+    )
 
 
 @click.command()
 @store_option
 @click.option("--corrupt", is_flag=True, help="Corrupt entries (verifies every entry first).")
-@click.option("--older-than", type=DURATION, metavar="DURATION", help="Entries not used for this long (30d, 12h, 2w...).")
-@click.option("--max-size", type=SIZE, metavar="SIZE",
-              help="Then remove least-recently-used entries until the rest fit (10GiB, 500MiB...).")
-@click.option("--model", metavar="NAME|FINGERPRINT", help="Only consider this model's entries (name, or fingerprint prefix).")
+@click.option(
+    "--older-than", type=DURATION, metavar="DURATION", help="Entries not used for this long (30d, 12h, 2w...)."
+)
+@click.option(
+    "--max-size",
+    type=SIZE,
+    metavar="SIZE",
+    help="Then remove least-recently-used entries until the rest fit (10GiB, 500MiB...).",
+)
+@click.option(
+    "--model", metavar="NAME|FINGERPRINT", help="Only consider this model's entries (name, or fingerprint prefix)."
+)
 @dry_run_option
 @yes_option
 @quiet_option
@@ -317,7 +339,8 @@ def gc(store: str, corrupt: bool, older_than: float | None, max_size: int | None
     """
     if not corrupt and older_than is None and max_size is None:
         raise click.UsageError(
-            "say what to collect: --corrupt, --older-than or --max-size (to remove a model's entries: kvstore rm --model)"
+            "say what to collect: --corrupt, --older-than or --max-size (to remove a model's entries: kvstore rm "
+            "--model)"
         )
     _run_plan(
         store,

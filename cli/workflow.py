@@ -3,32 +3,20 @@
 Both commands load the dataset, the model and the prompt format the same way, so that the
 contexts ``build`` stores are exactly the ones ``sample`` looks up.
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
 import sys
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import click
 
-from cli.common import echo_json, progress_bar, quiet_option, store_option
-
-
-def _advance(bar):
-    """Adapt a progress bar to the Adapter's callback: ``cb(items, tokens)`` with increments;
-    the bar shows items and tokens per second."""
-    state = {"tokens": 0, "t0": time.perf_counter()}
-
-    def cb(items: int, tokens: int) -> None:
-        state["tokens"] += tokens
-        bar.update(items)
-        elapsed = time.perf_counter() - state["t0"]
-        if elapsed > 0:
-            bar.set_postfix(tok_s=f"{state['tokens'] / elapsed:,.0f}")
-
-    return cb
+from kvstore import dtypes
+from kvstore.cli.common import echo_json, progress_bar, quiet_option, store_option
 
 
 @contextlib.contextmanager
@@ -94,91 +82,174 @@ def _dataset_options(fn):
 def _model_options(fn):
     for deco in reversed(
         [
-            click.option("--model", "-m", default=None, help="Hub id, local directory or .gguf file [default: bundled SmolLM2-135M-Instruct]."),
-            click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16", "float64", "auto"]), help="Dtype to run the model (and store KV) in."),
+            click.option(
+                "--model",
+                "-m",
+                default=None,
+                help="Hub id, local directory or .gguf file [default: bundled SmolLM2-135M-Instruct].",
+            ),
+            click.option(
+                "--dtype",
+                default="float32",
+                show_default=True,
+                type=click.Choice(list(dtypes.MODEL_DTYPE_CHOICES)),
+                help="Dtype to run the model (and store KV) in.",
+            ),
             click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto."),
-            click.option("--batch-size", "-b", default=8, show_default=True, type=click.IntRange(min=1), help="Rows per forward pass."),
-            click.option("--chat/--no-chat", default=None, help="Wrap prompts in the model's chat template [default: on when the tokenizer has one]."),
-            click.option("--template", default=None, help="Prompt template with {question} (and optionally {context} before it) [default: '{context}\\nQuestion: {question}\\nAnswer:']."),
+            click.option(
+                "--batch-size",
+                "-b",
+                default=8,
+                show_default=True,
+                type=click.IntRange(min=1),
+                help="Rows per forward pass.",
+            ),
+            click.option(
+                "--chat/--no-chat",
+                default=None,
+                help="Wrap prompts in the model's chat template [default: on when the tokenizer has one].",
+            ),
+            click.option(
+                "--template",
+                default=None,
+                help="Prompt template with {question} (and optionally {context} before it) [default: "
+                "'{context}\\nQuestion: {question}\\nAnswer:'].",
+            ),
             click.option("--system", default=None, help="System prompt for --chat."),
-            click.option("--truncate", is_flag=True, help="Left-truncate contexts longer than the limit instead of failing."),
-            click.option("--max-context-tokens", type=click.IntRange(min=1), default=None, help="Context length limit [default: model positions - 256]; use the same value for build and sample."),
+            click.option(
+                "--truncate", is_flag=True, help="Left-truncate contexts longer than the limit instead of failing."
+            ),
+            click.option(
+                "--max-context-tokens",
+                type=click.IntRange(min=1),
+                default=None,
+                help="Context length limit [default: model positions - 256]; use the same value for build and sample.",
+            ),
             store_option,
             quiet_option,
-            click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Summary format."),
+            click.option(
+                "--format",
+                "fmt",
+                type=click.Choice(["text", "json"]),
+                default="text",
+                show_default=True,
+                help="Summary format.",
+            ),
         ]
     ):
         fn = deco(fn)
     return fn
 
 
-def _load_everything(dataset, fields, skip_bad_rows, limit, model, dtype, device, chat, template, system, require_question, quiet):
-    from kvstore.datasets import load_dataset
+@dataclass(frozen=True)
+class RunOptions:
+    """The options ``build`` and ``sample`` share: where the data is, which model, which prompt,
+    which store. Built from the command's keyword arguments by :meth:`take`."""
+
+    dataset: str
+    context_field: str
+    question_field: str
+    answers_field: str
+    id_field: str
+    skip_bad_rows: bool
+    limit: int | None
+    model: str | None
+    dtype: str
+    device: str
+    batch_size: int
+    chat: bool | None
+    template: str | None
+    system: str | None
+    truncate: bool
+    max_context_tokens: int | None
+    store: str
+    quiet: bool
+    fmt: str
+
+    @classmethod
+    def take(cls, kwargs: dict) -> RunOptions:
+        """Remove this object's fields from ``kwargs`` (a command's arguments) and build it."""
+        return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls)})
+
+
+def _load_everything(opts: RunOptions, *, require_question: bool):
+    """The dataset, the model in an Adapter, and the prompt format, as both commands need them."""
+    from kvstore.data.datasets import load_dataset
 
     data = load_dataset(
-        dataset,
-        context_field=fields[0],
-        question_field=fields[1],
-        answers_field=fields[2],
-        id_field=fields[3],
-        skip_bad_rows=skip_bad_rows,
+        opts.dataset,
+        context_field=opts.context_field,
+        question_field=opts.question_field,
+        answers_field=opts.answers_field,
+        id_field=opts.id_field,
+        skip_bad_rows=opts.skip_bad_rows,
         require_question=require_question,
-        limit=limit,
+        limit=opts.limit,
     )
     if not data.examples:
-        raise click.ClickException(f"{dataset}: no usable rows")
-    if not quiet:
-        click.echo(f"kvstore: loading model {model or 'SmolLM2-135M-Instruct (bundled)'} ...", err=True)
-    from kvstore.adapter import Adapter
-    from kvstore.prompts import PromptFormat
+        raise click.ClickException(f"{opts.dataset}: no usable rows")
+    if not opts.quiet:
+        click.echo(f"kvstore: loading model {opts.model or 'SmolLM2-135M-Instruct (bundled)'} ...", err=True)
+    from kvstore.data.prompts import PromptFormat
+    from kvstore.model.adapter import Adapter
 
-    adapter = Adapter.from_pretrained(model, dtype=dtype, device=device)
-    if chat is None:
-        chat = bool(getattr(adapter.tokenizer, "chat_template", None))
-    kwargs = {"template": template} if template else {}
-    fmt = PromptFormat.from_chat_template(adapter.tokenizer, system=system, **kwargs) if chat else PromptFormat.plain(**kwargs)
+    adapter = Adapter.from_pretrained(opts.model, dtype=opts.dtype, device=opts.device)
+    chat = opts.chat if opts.chat is not None else bool(getattr(adapter.tokenizer, "chat_template", None))
+    kwargs = {"template": opts.template} if opts.template else {}
+    fmt = (
+        PromptFormat.from_chat_template(adapter.tokenizer, system=opts.system, **kwargs)
+        if chat
+        else PromptFormat.plain(**kwargs)
+    )
     return data, adapter, fmt
 
 
 @click.command()
 @_dataset_options
 @_model_options
-@click.option("--codec", default=None, help="Codec for new entries: raw, zstd[:LEVEL], zstd-shuffle[:LEVEL] [default: the store's, zstd-shuffle:1].")
-def build(dataset, context_field, question_field, answers_field, id_field, skip_bad_rows, limit, model, dtype, device,
-          batch_size, chat, template, system, truncate, max_context_tokens, store, quiet, fmt, codec):
+@click.option(
+    "--codec",
+    default=None,
+    help="Codec for new entries: raw, zstd[:LEVEL], zstd-shuffle[:LEVEL] [default: the store's, zstd-shuffle:1].",
+)
+def build(**kwargs):
     """Prefill every distinct context of DATASET once and store its KV cache.
 
     Contexts already in the store are skipped, so an interrupted build resumes where it stopped.
     DATASET is a .jsonl, .csv or SQuAD-style .json file.
     """
-    from kvstore.codec import get_codec
-    from kvstore.store import KVStore
+    from kvstore.store.codecs import get_codec
+    from kvstore.store.kvstore import KVStore
 
+    opts = RunOptions.take(kwargs)
+    codec = kwargs.pop("codec")
     get_codec(codec)  # reject a bad codec before loading anything
-    data, adapter, prompt = _load_everything(
-        dataset, (context_field, question_field, answers_field, id_field), skip_bad_rows, limit,
-        model, dtype, device, chat, template, system, False, quiet,
-    )
+    data, adapter, prompt = _load_everything(opts, require_question=False)
+    dataset = opts.dataset
     contexts = data.contexts()
     first_id = {}
     for ex in data.examples:
         first_id.setdefault(ex.context, ex.id)
     labels = [f"{dataset}: context of row {first_id[c]}" for c in contexts]
     texts = [prompt.context_part(c) for c in contexts]
-    with KVStore(store, codec=codec) as kv:
-        bar = progress_bar(len(texts), "build", quiet, unit="ctx")
-        try:
+    with KVStore(opts.store, codec=codec) as kv:
+        with progress_bar(len(texts), "build", opts.quiet, unit="ctx", rate="tok") as bar:
             report = adapter.generate_kv_cache(
-                texts, kv, batch_size=batch_size, special_tokens=prompt.add_special_tokens, truncate=truncate,
-                max_context_tokens=max_context_tokens, skip_errors=skip_bad_rows, labels=labels, progress=_advance(bar),
+                texts,
+                kv,
+                batch_size=opts.batch_size,
+                special_tokens=prompt.add_special_tokens,
+                truncate=opts.truncate,
+                max_context_tokens=opts.max_context_tokens,
+                skip_errors=opts.skip_bad_rows,
+                labels=labels,
+                progress=bar,
             )
-        finally:
-            bar.close()
     summary = {
         "dataset": dataset,
         "store": str(kv.url),
         "model": adapter.name,
-        "dtype": str(adapter.dtype).removeprefix("torch."),
+        "dtype": adapter.dtype_name,
         "codec": kv.codec.spec,
         "rows": len(data.examples),
         "bad_rows_skipped": data.skipped,
@@ -196,44 +267,64 @@ def build(dataset, context_field, question_field, answers_field, id_field, skip_
     }
     for problem in list(data.problems) + report.errors:
         click.echo(f"kvstore: skipped: {problem}", err=True)
-    emit_summary("build", summary, fmt)
+    emit_summary("build", summary, opts.fmt)
 
 
 @click.command()
 @_dataset_options
 @_model_options
-@click.option("--max-new-tokens", "-n", default=20, show_default=True, type=click.IntRange(min=1), help="Tokens to generate per answer.")
-@click.option("--no-cache", is_flag=True, help="Reference path: run context + question through the model, ignore the store.")
-@click.option("--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per question here.")
+@click.option(
+    "--max-new-tokens",
+    "-n",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens to generate per answer.",
+)
+@click.option(
+    "--no-cache", is_flag=True, help="Reference path: run context + question through the model, ignore the store."
+)
+@click.option(
+    "--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per question here."
+)
 @click.option("--readonly-store", is_flag=True, help="Do not store contexts computed for missing entries.")
-def sample(dataset, context_field, question_field, answers_field, id_field, skip_bad_rows, limit, model, dtype, device,
-           batch_size, chat, template, system, truncate, max_context_tokens, store, quiet, fmt, max_new_tokens, no_cache, output,
-           readonly_store):
+def sample(**kwargs):
     """Answer every question of DATASET with greedy decoding from stored context caches.
 
     Missing contexts are computed, stored and used. --no-cache runs the same decoding without
     the store (the reference): both give the same predictions.
     """
-    from kvstore.metrics import clean_prediction, contains_match, lenient_match, score
-    from kvstore.store import KVStore
+    from kvstore.data.metrics import clean_prediction, contains_match, lenient_match, score
+    from kvstore.store.kvstore import KVStore
 
-    data, adapter, prompt = _load_everything(
-        dataset, (context_field, question_field, answers_field, id_field), skip_bad_rows, limit,
-        model, dtype, device, chat, template, system, True, quiet,
+    opts = RunOptions.take(kwargs)
+    max_new_tokens, no_cache, output, readonly_store = (
+        kwargs.pop(k) for k in ("max_new_tokens", "no_cache", "output", "readonly_store")
     )
+    data, adapter, prompt = _load_everything(opts, require_question=True)
+    dataset = opts.dataset
     examples = data.examples
     contexts = [prompt.context_part(ex.context) for ex in examples]
     questions = [prompt.question_part(ex.question) for ex in examples]
     labels = [f"{dataset}: row {ex.id}" for ex in examples]
-    kv = None if no_cache else KVStore(store, readonly=readonly_store)
-    bar = progress_bar(len(examples), "sample", quiet, unit="q")
+    kv = None if no_cache else KVStore(opts.store, readonly=readonly_store)
+    bar = progress_bar(len(examples), "sample", opts.quiet, unit="q", rate="tok")
     t0 = time.perf_counter()
     try:
         with _corrupt_entries_as_warnings(bar):
             result = adapter.greedy_sample(
-                contexts, questions, max_new_tokens, use_cache=not no_cache, store=kv, batch_size=batch_size,
-                special_tokens=prompt.add_special_tokens, truncate=truncate, max_context_tokens=max_context_tokens, labels=labels,
-                return_details=True, progress=_advance(bar),
+                contexts,
+                questions,
+                max_new_tokens,
+                use_cache=not no_cache,
+                store=kv,
+                batch_size=opts.batch_size,
+                special_tokens=prompt.add_special_tokens,
+                truncate=opts.truncate,
+                max_context_tokens=opts.max_context_tokens,
+                labels=labels,
+                return_details=True,
+                progress=bar,
             )
     finally:
         bar.close()
@@ -278,8 +369,11 @@ def sample(dataset, context_field, question_field, answers_field, id_field, skip
         "prefill_tokens_computed": result.prefill_tokens_computed,
         "output": output,
     }
-    if not output and fmt == "text" and not quiet:
+    if not output and opts.fmt == "text" and not opts.quiet:
         for r in rows[:5]:
-            click.echo(f"  {r['id']}: {r['question']!r} -> {r['prediction']!r} ({'correct' if r['correct'] else 'wrong'})", err=True)
-    emit_summary("sample", summary, fmt)
+            click.echo(
+                f"  {r['id']}: {r['question']!r} -> {r['prediction']!r} ({'correct' if r['correct'] else 'wrong'})",
+                err=True,
+            )
+    emit_summary("sample", summary, opts.fmt)
     sys.stdout.flush()

@@ -24,6 +24,7 @@ Command (from the repository root; writes experiments/results/classic.{csv,json}
     .venv/bin/python experiments/bench_classic.py --compile     # dynamic vs static vs static + torch.compile
     .venv/bin/python experiments/bench_classic.py --quick       # smoke test: 20 tokens, 1 repeat
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,11 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--codecs", default=",".join(DEFAULT_CODECS))
-    p.add_argument("--compile", action="store_true",
-                   help="only the torch.compile run: dynamic, static and static + torch.compile (results to classic_compile.*)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="only the torch.compile run: dynamic, static and static + torch.compile (results to classic_compile.*)",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads")
@@ -57,7 +61,7 @@ def main() -> None:
     info = bl.machine()
     adapter = bl.load_adapter("float32")
     model, tok = adapter.model, adapter.tokenizer
-    from kvstore.store import KVStore
+    from kvstore.store.kvstore import KVStore
 
     messages = [{"role": "user", "content": PROMPT}]
     prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -65,17 +69,22 @@ def main() -> None:
         prompt_ids = prompt_ids["input_ids"]
     prompt_ids = list(prompt_ids)
     head = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
-    assert prompt_ids[-len(head):] == head, "the chat template should end with the assistant header"
-    ctx_ids, q_ids = prompt_ids[: -len(head)], prompt_ids[-len(head):]
+    assert prompt_ids[-len(head) :] == head, "the chat template should end with the assistant header"
+    ctx_ids, q_ids = prompt_ids[: -len(head)], prompt_ids[-len(head) :]
     N = args.new_tokens
     input_ids = torch.tensor([prompt_ids])
-    gen_kw = dict(max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=adapter.pad_id,
-                  attention_mask=torch.ones_like(input_ids))
+    gen_kw = dict(
+        max_new_tokens=N,
+        min_new_tokens=N,
+        do_sample=False,
+        pad_token_id=adapter.pad_id,
+        attention_mask=torch.ones_like(input_ids),
+    )
 
     @torch.inference_mode()
     def gen(**kw):
         out = model.generate(input_ids, **gen_kw, **kw)
-        return out[0, input_ids.shape[1]:].tolist()
+        return out[0, input_ids.shape[1] :].tolist()
 
     scratch = bl.SCRATCH / "classic"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -85,7 +94,10 @@ def main() -> None:
 
     def adapter_run(store=None):
         def fn():
-            return adapter.greedy_sample([ctx_ids], [q_ids], N, use_cache=True, store=store, batch_size=1, stop_at_eos=False)[0].tolist()
+            return adapter.greedy_sample(
+                [ctx_ids], [q_ids], N, use_cache=True, store=store, batch_size=1, stop_at_eos=False
+            )[0].tolist()
+
         return fn
 
     methods = {
@@ -139,20 +151,43 @@ def main() -> None:
     for m, ts in times.items():
         s = bl.summarize(ts)
         same = sum(a == b for a, b in zip(outputs[m], ref))
-        rows.append({"method": m, "new_tokens": N, "prompt_tokens": len(prompt_ids), "median_s": s["median"],
-                     "min_s": s["min"], "max_s": s["max"], "tokens_per_s": N / s["median"],
-                     "tokens_per_s_min": N / s["max"], "tokens_per_s_max": N / s["min"], "n": s["n"],
-                     "same_tokens_as_dynamic": f"{same}/{N}",
-                     "x_dynamic": dyn / s["median"]})
+        rows.append(
+            {
+                "method": m,
+                "new_tokens": N,
+                "prompt_tokens": len(prompt_ids),
+                "median_s": s["median"],
+                "min_s": s["min"],
+                "max_s": s["max"],
+                "tokens_per_s": N / s["median"],
+                "tokens_per_s_min": N / s["max"],
+                "tokens_per_s_max": N / s["min"],
+                "n": s["n"],
+                "same_tokens_as_dynamic": f"{same}/{N}",
+                "x_dynamic": dyn / s["median"],
+            }
+        )
         print(f"  {m:<42} {N / s['median']:7.1f} tok/s  ({s['min']:.2f}-{s['max']:.2f} s)  same tokens {same}/{N}")
     info["load_after"] = bl.loadavg()
     stem = ("classic_quick" if args.quick else "classic") + ("_compile" if args.compile else "")
     bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
-    bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "prompt": PROMPT, "prompt_tokens": len(prompt_ids),
-                                                "context_tokens": len(ctx_ids), "question_tokens": len(q_ids),
-                                                "repeats": args.repeats, "notes": notes, "rows": rows,
-                                                "text_dynamic": tok.decode(ref)})
-    print(f"wrote {bl.RESULTS / stem}.{{csv,json}}; load average before {info['load_before']}, after {info['load_after']}")
+    bl.write_json(
+        bl.RESULTS / f"{stem}.json",
+        {
+            "machine": info,
+            "prompt": PROMPT,
+            "prompt_tokens": len(prompt_ids),
+            "context_tokens": len(ctx_ids),
+            "question_tokens": len(q_ids),
+            "repeats": args.repeats,
+            "notes": notes,
+            "rows": rows,
+            "text_dynamic": tok.decode(ref),
+        },
+    )
+    print(
+        f"wrote {bl.RESULTS / stem}.{{csv,json}}; load average before {info['load_before']}, after {info['load_after']}"
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ Command (from the repository root; writes experiments/results/codecs.{csv,json,p
     .venv/bin/python experiments/bench_codecs.py             # 2048 tokens, 5 repeats
     .venv/bin/python experiments/bench_codecs.py --quick     # smoke test: 256 tokens, 2 repeats
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,7 @@ def main() -> None:
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
     info = bl.machine()
-    from kvstore.codec import decode_payload, get_codec
+    from kvstore.store.codecs import decode_payload, get_codec
 
     rows = []
     store_threads = max(1, min(8, os.cpu_count() or 1))
@@ -78,22 +79,45 @@ def main() -> None:
             t_dec1 = bl.repeat(lambda: decode(1), args.repeats, warmup=1)
             t_dc = bl.repeat(decode_copy, args.repeats, warmup=1)
             assert all(torch.equal(dst, t) for (_, t), dst in zip(tensors, dests)), f"{spec} does not round-trip"
-            row = {"dtype": dname, "tokens": args.tokens, "codec": spec, "raw_mb": round(raw_bytes / 1e6, 2),
-                   "stored_mb": round(len(payload) / 1e6, 2), "ratio": round(len(payload) / raw_bytes, 4)}
-            for name, ts in (("compress", t_enc), ("decompress", t_dec), ("decompress_1thread", t_dec1), ("decode_copy", t_dc)):
+            row = {
+                "dtype": dname,
+                "tokens": args.tokens,
+                "codec": spec,
+                "raw_mb": round(raw_bytes / 1e6, 2),
+                "stored_mb": round(len(payload) / 1e6, 2),
+                "ratio": round(len(payload) / raw_bytes, 4),
+            }
+            for name, ts in (
+                ("compress", t_enc),
+                ("decompress", t_dec),
+                ("decompress_1thread", t_dec1),
+                ("decode_copy", t_dc),
+            ):
                 s = bl.summarize(ts)
-                row |= {f"{name}_mb_s": raw_bytes / s["median"] / 1e6, f"{name}_mb_s_min": raw_bytes / s["max"] / 1e6,
-                        f"{name}_mb_s_max": raw_bytes / s["min"] / 1e6}
+                row |= {
+                    f"{name}_mb_s": raw_bytes / s["median"] / 1e6,
+                    f"{name}_mb_s_min": raw_bytes / s["max"] / 1e6,
+                    f"{name}_mb_s_max": raw_bytes / s["min"] / 1e6,
+                }
             rows.append(row)
-            print(f"  {dname:<9} {spec:<15} ratio {row['ratio']:.3f}  compress {row['compress_mb_s']:7.0f}  decompress "
-                  f"{row['decompress_mb_s']:7.0f} ({row['decompress_1thread_mb_s']:.0f} 1 thread)  decode+copy "
-                  f"{row['decode_copy_mb_s']:7.0f} MB/s   (load {bl.loadavg()[0]})", flush=True)
+            print(
+                f"  {dname:<9} {spec:<15} ratio {row['ratio']:.3f}  compress {row['compress_mb_s']:7.0f}  decompress "
+                f"{row['decompress_mb_s']:7.0f} ({row['decompress_1thread_mb_s']:.0f} 1 thread)  decode+copy "
+                f"{row['decode_copy_mb_s']:7.0f} MB/s   (load {bl.loadavg()[0]})",
+                flush=True,
+            )
     info["load_after"] = bl.loadavg()
     stem = "codecs_quick" if args.quick else "codecs"
     bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
-    bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "repeats": args.repeats, "decode_threads": store_threads, "rows": rows})
+    bl.write_json(
+        bl.RESULTS / f"{stem}.json",
+        {"machine": info, "repeats": args.repeats, "decode_threads": store_threads, "rows": rows},
+    )
     plot(rows, bl.RESULTS / f"{stem}.png")
-    print(f"wrote {bl.RESULTS / stem}.{{csv,json,png}}; load average before {info['load_before']}, after {info['load_after']}")
+    print(
+        f"wrote {bl.RESULTS / stem}.{{csv,json,png}}; load average before {info['load_before']}, after "
+        f"{info['load_after']}"
+    )
 
 
 def plot(rows, path) -> None:
@@ -105,9 +129,15 @@ def plot(rows, path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 5))
     markers = {"float32": "o", "bfloat16": "s", "float16": "^"}
     for r in rows:
-        ax.scatter(r["decode_copy_mb_s"], r["ratio"], marker=markers.get(r["dtype"], "o"),
-                   color=f"C{list(dict.fromkeys(x['codec'] for x in rows)).index(r['codec'])}")
-        ax.annotate(f"{r['codec']}", (r["decode_copy_mb_s"], r["ratio"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        ax.scatter(
+            r["decode_copy_mb_s"],
+            r["ratio"],
+            marker=markers.get(r["dtype"], "o"),
+            color=f"C{list(dict.fromkeys(x['codec'] for x in rows)).index(r['codec'])}",
+        )
+        ax.annotate(
+            f"{r['codec']}", (r["decode_copy_mb_s"], r["ratio"]), fontsize=6, xytext=(3, 2), textcoords="offset points"
+        )
     for d, m in markers.items():
         ax.scatter([], [], marker=m, color="gray", label=d)
     ax.axhline(0.70, color="k", linestyle=":", label="target on bf16: <= 0.70")

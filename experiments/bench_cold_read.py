@@ -15,6 +15,7 @@ experiments/results/cold_read.json)::
 
     .venv/bin/python experiments/bench_cold_read.py cache/bench/e2e/store_40
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,9 @@ def main() -> None:
             env = lmdb.open(str(args.store), readonly=True, lock=False, readahead=readahead, subdir=True)
             try:
                 with env.begin() as txn:
-                    keys = [bytes(k) for k in txn.cursor().iternext(keys=True, values=False) if bytes(k).startswith(b"e/")]
+                    keys = [
+                        bytes(k) for k in txn.cursor().iternext(keys=True, values=False) if bytes(k).startswith(b"e/")
+                    ]
                 keys = keys[: args.entries]
                 evict(data)
                 t0 = time.perf_counter()
@@ -68,10 +71,24 @@ def main() -> None:
                 warm = time.perf_counter() - t0
             finally:
                 env.close()
-            rows.append({"repeat": r, "readahead": readahead, "entries": len(keys), "mb": round(total / 1e6, 1),
-                         "cold_s": cold, "cold_mb_s": total / cold / 1e6, "warm_s": warm, "warm_mb_s": total / warm / 1e6})
-            print(f"readahead={readahead!s:<5} {total / 1e6:6.0f} MB cold {cold:6.2f} s ({total / cold / 1e6:6.0f} MB/s), "
-                  f"then warm {warm * 1e3:6.1f} ms ({total / warm / 1e6:6.0f} MB/s)", flush=True)
+            rows.append(
+                {
+                    "repeat": r,
+                    "readahead": readahead,
+                    "entries": len(keys),
+                    "mb": round(total / 1e6, 1),
+                    "cold_s": cold,
+                    "cold_mb_s": total / cold / 1e6,
+                    "warm_s": warm,
+                    "warm_mb_s": total / warm / 1e6,
+                }
+            )
+            print(
+                f"readahead={readahead!s:<5} {total / 1e6:6.0f} MB cold {cold:6.2f} s ({total / cold / 1e6:6.0f} "
+                "MB/s), "
+                f"then warm {warm * 1e3:6.1f} ms ({total / warm / 1e6:6.0f} MB/s)",
+                flush=True,
+            )
     info["load_after"] = bl.loadavg()
     bl.write_json(bl.RESULTS / "cold_read.json", {"machine": info, "store": str(args.store), "rows": rows})
 

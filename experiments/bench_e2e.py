@@ -8,9 +8,10 @@ command a subprocess under ``/usr/bin/time`` (peak RSS) with ``--format json``:
 ``main``
     ``kvstore build`` into a fresh store (wall time, the build's own ``seconds`` and its
     ``store_seconds``: encode + write time on the writer thread), then ``kvstore sample -n 16``
-    from the warm store (its file read just before each of ``--cache-repeats`` runs) and ``kvstore sample -n 16 --no-cache`` (once
-    by default: it is the slow one). Questions per second come from each summary's ``seconds``
-    (answering only; model loading excluded); the CLI wall time is reported beside it. The
+    from the warm store (its file read just before each of ``--cache-repeats`` runs) and
+    ``kvstore sample -n 16 --no-cache`` (once by default: it is the slow one). Questions per
+    second come from each summary's ``seconds`` (answering only; model loading excluded); the CLI
+    wall time is reported beside it. The
     predictions of both runs are compared.
 ``sweep``
     How the speed-up moves with answer length: the first ``--sweep-rows`` rows asking for a long
@@ -41,6 +42,7 @@ The issue's full size is ``--contexts 225`` (~450 questions): about 10 minutes o
 again without a cache on this 2-core machine, so the committed run is scaled down; the ratios are
 what matter.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,9 +70,14 @@ def make_dataset(path: Path, n_contexts: int, words: int, seed: int = 0) -> dict
         vocab = text.replace(".", "").lower().split()
         for q in range(QUESTIONS_PER_CONTEXT[c % len(QUESTIONS_PER_CONTEXT)]):
             a, b, d = rng.choice(vocab), rng.choice(vocab), rng.choice(vocab)
-            rows.append({"id": f"doc{c}-q{q}", "context": text,
-                         "question": f"Which word comes right after '{a} {b}' in the passage about the {d}?",
-                         "answers": [rng.choice(vocab)]})
+            rows.append(
+                {
+                    "id": f"doc{c}-q{q}",
+                    "context": text,
+                    "question": f"Which word comes right after '{a} {b}' in the passage about the {d}?",
+                    "answers": [rng.choice(vocab)],
+                }
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for r in rows:
@@ -82,7 +89,20 @@ def kvstore(*args: str) -> dict:
     """Run one ``kvstore`` command (``python -m cli.main``) under /usr/bin/time; its JSON summary
     plus ``wall_seconds`` and ``peak_rss_mib``."""
     rss_file = WORK / "time.txt"
-    cmd = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file), sys.executable, "-m", "cli.main", *args, "--format", "json", "--quiet"]
+    cmd = [
+        "/usr/bin/time",
+        "-f",
+        "%M",
+        "-o",
+        str(rss_file),
+        sys.executable,
+        "-m",
+        "kvstore.cli.main",
+        *args,
+        "--format",
+        "json",
+        "--quiet",
+    ]
     print("$ kvstore " + " ".join(args), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=bl.ROOT, stdout=subprocess.PIPE, text=True)
@@ -93,7 +113,16 @@ def kvstore(*args: str) -> dict:
     summary["wall_seconds"] = round(wall, 3)
     summary["peak_rss_mib"] = round(int(rss_file.read_text().split()[-1]) / 1024, 1)
     summary["load"] = bl.loadavg()
-    keep = ("seconds", "questions_per_second", "wall_seconds", "peak_rss_mib", "store_seconds", "ratio", "built", "cache_hit_rate")
+    keep = (
+        "seconds",
+        "questions_per_second",
+        "wall_seconds",
+        "peak_rss_mib",
+        "store_seconds",
+        "ratio",
+        "built",
+        "cache_hit_rate",
+    )
     print("  " + "  ".join(f"{k}={summary[k]}" for k in keep if k in summary) + f"  load={summary['load']}", flush=True)
     return summary
 
@@ -132,14 +161,38 @@ def part_main(args, data: Path, store: Path) -> dict:
     shutil.rmtree(store, ignore_errors=True)
     b = kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
     cached = []
-    for i in range(args.cache_repeats):
+    for _i in range(args.cache_repeats):
         warm_store(store)
-        cached.append(kvstore("sample", str(data), "--store", str(store), "-n", str(args.new_tokens), "-b", str(args.batch_size),
-                              "--readonly-store", "-o", str(WORK / "pred_cache.jsonl")))
+        cached.append(
+            kvstore(
+                "sample",
+                str(data),
+                "--store",
+                str(store),
+                "-n",
+                str(args.new_tokens),
+                "-b",
+                str(args.batch_size),
+                "--readonly-store",
+                "-o",
+                str(WORK / "pred_cache.jsonl"),
+            )
+        )
     nocache = []
-    for i in range(args.nocache_repeats):
-        nocache.append(kvstore("sample", str(data), "--no-cache", "-n", str(args.new_tokens), "-b", str(args.batch_size),
-                               "-o", str(WORK / "pred_nocache.jsonl")))
+    for _i in range(args.nocache_repeats):
+        nocache.append(
+            kvstore(
+                "sample",
+                str(data),
+                "--no-cache",
+                "-n",
+                str(args.new_tokens),
+                "-b",
+                str(args.batch_size),
+                "-o",
+                str(WORK / "pred_nocache.jsonl"),
+            )
+        )
     same = sum(a == b for a, b in zip(predictions(WORK / "pred_cache.jsonl"), predictions(WORK / "pred_nocache.jsonl")))
     c_s = statistics.median(r["seconds"] for r in cached)
     n_s = statistics.median(r["seconds"] for r in nocache)
@@ -169,7 +222,7 @@ def part_sweep(args, data: Path, store: Path) -> list[dict]:
     sets the answer length (EOS rarely comes first); same contexts, so the store serves them."""
     if not (store / "data.mdb").exists():
         kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
-    from kvstore.models import load_model
+    from kvstore.model.loading import load_model
 
     long_data = data.with_name(data.stem + "_long.jsonl")
     with data.open(encoding="utf-8") as f, long_data.open("w", encoding="utf-8") as out:
@@ -182,16 +235,38 @@ def part_sweep(args, data: Path, store: Path) -> list[dict]:
         cached = []
         for _ in range(args.sweep_cache_repeats):
             warm_store(store)
-            cached.append(kvstore("sample", str(long_data), "--store", str(store), "--readonly-store", *common, "-o", str(WORK / "sweep_c.jsonl")))
+            cached.append(
+                kvstore(
+                    "sample",
+                    str(long_data),
+                    "--store",
+                    str(store),
+                    "--readonly-store",
+                    *common,
+                    "-o",
+                    str(WORK / "sweep_c.jsonl"),
+                )
+            )
         r = kvstore("sample", str(long_data), "--no-cache", *common, "-o", str(WORK / "sweep_n.jsonl"))
         c_s = statistics.median(c["seconds"] for c in cached)
         same = sum(a == b for a, b in zip(predictions(WORK / "sweep_c.jsonl"), predictions(WORK / "sweep_n.jsonl")))
-        rows.append({"max_new_tokens": n, "questions": r["questions"], "mean_answer_tokens": round(mean_tokens(WORK / "sweep_c.jsonl", tok, n), 2),
-                     "cached_s": c_s, "cached_s_all": [c["seconds"] for c in cached], "nocache_s": r["seconds"],
-                     "cached_qps": r["questions"] / c_s, "nocache_qps": r["questions_per_second"], "speedup": r["seconds"] / c_s,
-                     "identical_predictions": f"{same}/{r['questions']}",
-                     "cached_peak_rss_mib": max(c["peak_rss_mib"] for c in cached), "nocache_peak_rss_mib": r["peak_rss_mib"],
-                     "load": r["load"]})
+        rows.append(
+            {
+                "max_new_tokens": n,
+                "questions": r["questions"],
+                "mean_answer_tokens": round(mean_tokens(WORK / "sweep_c.jsonl", tok, n), 2),
+                "cached_s": c_s,
+                "cached_s_all": [c["seconds"] for c in cached],
+                "nocache_s": r["seconds"],
+                "cached_qps": r["questions"] / c_s,
+                "nocache_qps": r["questions_per_second"],
+                "speedup": r["seconds"] / c_s,
+                "identical_predictions": f"{same}/{r['questions']}",
+                "cached_peak_rss_mib": max(c["peak_rss_mib"] for c in cached),
+                "nocache_peak_rss_mib": r["peak_rss_mib"],
+                "load": r["load"],
+            }
+        )
     return rows
 
 
@@ -200,20 +275,30 @@ def part_cold(args, data: Path, store: Path) -> dict:
     and from a warm one, ``-n`` as in main."""
     if not (store / "data.mdb").exists():
         kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
-    common = ("--limit", str(args.sweep_rows), "-n", str(args.new_tokens), "-b", str(args.batch_size), "--readonly-store")
+    common = (
+        "--limit",
+        str(args.sweep_rows),
+        "-n",
+        str(args.new_tokens),
+        "-b",
+        str(args.batch_size),
+        "--readonly-store",
+    )
     out = {}
     for state in ("cold", "warm", "cold", "warm"):
         (evict_store if state == "cold" else warm_store)(store)
         r = kvstore("sample", str(data), "--store", str(store), *common)
-        out.setdefault(state, []).append({k: r[k] for k in ("questions", "seconds", "wall_seconds", "peak_rss_mib", "load")})
+        out.setdefault(state, []).append(
+            {k: r[k] for k in ("questions", "seconds", "wall_seconds", "peak_rss_mib", "load")}
+        )
     return out
 
 
 def part_overhead(args, data: Path) -> dict:
     """Paired in-process comparison: prefill alone vs prefill + store, same contexts and batches."""
-    from kvstore.datasets import load_dataset
-    from kvstore.prompts import PromptFormat
-    from kvstore.store import KVStore
+    from kvstore.data.datasets import load_dataset
+    from kvstore.data.prompts import PromptFormat
+    from kvstore.store.kvstore import KVStore
 
     adapter = bl.load_adapter("float32")
     fmt = PromptFormat.from_chat_template(adapter.tokenizer)
@@ -236,18 +321,34 @@ def part_overhead(args, data: Path) -> dict:
         path = WORK / "overhead-store"
         shutil.rmtree(path, ignore_errors=True)
         with KVStore(str(path)) as kv:
-            rep = adapter.generate_kv_cache(texts, kv, batch_size=args.batch_size, special_tokens=fmt.add_special_tokens)
+            rep = adapter.generate_kv_cache(
+                texts, kv, batch_size=args.batch_size, special_tokens=fmt.add_special_tokens
+            )
         stored.append(rep.seconds)
         store_s.append(rep.store_seconds)
         wait_s.append(rep.store_wait_seconds)
         shutil.rmtree(path, ignore_errors=True)
-        print(f"  overhead repeat {r + 1}: prefill only {plain[-1]:.1f} s (batch 1: {plain_b1[-1]:.1f} s), build {stored[-1]:.1f} s "
-              f"(writer busy {store_s[-1]:.2f} s, compute waited {wait_s[-1]:.2f} s)  load {bl.loadavg()}", flush=True)
+        print(
+            f"  overhead repeat {r + 1}: prefill only {plain[-1]:.1f} s (batch 1: {plain_b1[-1]:.1f} s), build "
+            f"{stored[-1]:.1f} s "
+            f"(writer busy {store_s[-1]:.2f} s, compute waited {wait_s[-1]:.2f} s)  load {bl.loadavg()}",
+            flush=True,
+        )
     p, s = statistics.median(plain), statistics.median(stored)
-    return {"contexts": len(texts), "tokens": sum(len(x) for x in ids), "repeats": args.overhead_repeats,
-            "batch_size": args.batch_size, "prefill_only_s": plain, "prefill_only_batch1_s": plain_b1, "build_s": stored, "writer_busy_s": store_s, "compute_waited_s": wait_s,
-            "overhead_share": (s - p) / s, "writer_busy_share": statistics.median(store_s) / s,
-            "waited_share": statistics.median(wait_s) / s}
+    return {
+        "contexts": len(texts),
+        "tokens": sum(len(x) for x in ids),
+        "repeats": args.overhead_repeats,
+        "batch_size": args.batch_size,
+        "prefill_only_s": plain,
+        "prefill_only_batch1_s": plain_b1,
+        "build_s": stored,
+        "writer_busy_s": store_s,
+        "compute_waited_s": wait_s,
+        "overhead_share": (s - p) / s,
+        "writer_busy_share": statistics.median(store_s) / s,
+        "waited_share": statistics.median(wait_s) / s,
+    }
 
 
 def part_variants(args, data: Path) -> dict:
@@ -257,10 +358,10 @@ def part_variants(args, data: Path) -> dict:
     import queue
     import types
 
-    import kvstore.adapter as ka
-    from kvstore.datasets import load_dataset
-    from kvstore.prompts import PromptFormat
-    from kvstore.store import KVStore
+    import kvstore.model.adapter as ka
+    from kvstore.data.datasets import load_dataset
+    from kvstore.data.prompts import PromptFormat
+    from kvstore.store.kvstore import KVStore
 
     adapter = bl.load_adapter("float32")
     fmt = PromptFormat.from_chat_template(adapter.tokenizer)
@@ -273,10 +374,22 @@ def part_variants(args, data: Path) -> dict:
     def record(name, seconds, rep=None):
         row = {"variant": name, "seconds": seconds}
         if rep is not None:
-            row |= {"writer_busy_s": rep.store_seconds, "compute_waited_s": rep.store_wait_seconds, "stored_bytes": rep.stored_bytes}
+            row |= {
+                "writer_busy_s": rep.store_seconds,
+                "compute_waited_s": rep.store_wait_seconds,
+                "stored_bytes": rep.stored_bytes,
+            }
         out["rows"].append(row)
-        print(f"  {name:<34} {seconds:6.1f} s" + (f"  (writer busy {rep.store_seconds:.1f} s, compute waited {rep.store_wait_seconds:.1f} s)"
-                                                   if rep else "") + f"  load {bl.loadavg()}", flush=True)
+        print(
+            f"  {name:<34} {seconds:6.1f} s"
+            + (
+                f"  (writer busy {rep.store_seconds:.1f} s, compute waited {rep.store_wait_seconds:.1f} s)"
+                if rep
+                else ""
+            )
+            + f"  load {bl.loadavg()}",
+            flush=True,
+        )
 
     for bs in (args.batch_size, 1):
         t0 = time.perf_counter()
@@ -284,10 +397,12 @@ def part_variants(args, data: Path) -> dict:
             adapter.prefill([ids[i] for i in batch])
         record(f"prefill only, batch {bs}", time.perf_counter() - t0)
     big_queue = types.SimpleNamespace(Queue=lambda maxsize=0: queue.Queue(maxsize=64))
-    for name, codec, bs, patch in ((f"build, batch {args.batch_size}", None, args.batch_size, False),
-                                   (f"build, batch {args.batch_size}, writer queue 64", None, args.batch_size, True),
-                                   (f"build, batch {args.batch_size}, raw codec", "raw", args.batch_size, False),
-                                   ("build, batch 1", None, 1, False)):
+    for name, codec, bs, patch in (
+        (f"build, batch {args.batch_size}", None, args.batch_size, False),
+        (f"build, batch {args.batch_size}, writer queue 64", None, args.batch_size, True),
+        (f"build, batch {args.batch_size}, raw codec", "raw", args.batch_size, False),
+        ("build, batch 1", None, 1, False),
+    ):
         path = WORK / "variant-store"
         shutil.rmtree(path, ignore_errors=True)
         saved = ka.queue
@@ -307,7 +422,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="main,sweep,cold,overhead")
     p.add_argument("--contexts", type=int, default=40)
-    p.add_argument("--words", type=int, default=1350, help="words per context (~1.1 tokens each; ~1.5k tokens with the chat template)")
+    p.add_argument(
+        "--words",
+        type=int,
+        default=1350,
+        help="words per context (~1.1 tokens each; ~1.5k tokens with the chat template)",
+    )
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--cache-repeats", type=int, default=3)
@@ -341,16 +461,45 @@ def main() -> None:
         results["main"]["machine"]["load_after"] = bl.loadavg()
         results["main"]["bench_seconds"] = round(time.perf_counter() - t0, 1)
         m = results["main"]
-        bl.write_csv(bl.RESULTS / f"{stem}_main.csv", [
-            {"command": "build", "questions": m["questions"], "seconds": m["build"]["seconds"], "wall_seconds": m["build"]["wall_seconds"],
-             "peak_rss_mib": m["build"]["peak_rss_mib"], "store_seconds": m["build"]["store_seconds"]},
-            *({"command": f"sample (cache) #{i + 1}", "questions": r["questions"], "seconds": r["seconds"], "wall_seconds": r["wall_seconds"],
-               "peak_rss_mib": r["peak_rss_mib"], "questions_per_second": r["questions_per_second"]} for i, r in enumerate(m["sample_cached"])),
-            *({"command": f"sample --no-cache #{i + 1}", "questions": r["questions"], "seconds": r["seconds"], "wall_seconds": r["wall_seconds"],
-               "peak_rss_mib": r["peak_rss_mib"], "questions_per_second": r["questions_per_second"]} for i, r in enumerate(m["sample_nocache"])),
-        ])
-        print(f"cached {m['cached_qps']:.2f} q/s vs no-cache {m['nocache_qps']:.2f} q/s -> {m['speedup']:.1f}x; "
-              f"store share of build {m['build_store_share']:.1%}; identical predictions {m['identical_predictions']}")
+        bl.write_csv(
+            bl.RESULTS / f"{stem}_main.csv",
+            [
+                {
+                    "command": "build",
+                    "questions": m["questions"],
+                    "seconds": m["build"]["seconds"],
+                    "wall_seconds": m["build"]["wall_seconds"],
+                    "peak_rss_mib": m["build"]["peak_rss_mib"],
+                    "store_seconds": m["build"]["store_seconds"],
+                },
+                *(
+                    {
+                        "command": f"sample (cache) #{i + 1}",
+                        "questions": r["questions"],
+                        "seconds": r["seconds"],
+                        "wall_seconds": r["wall_seconds"],
+                        "peak_rss_mib": r["peak_rss_mib"],
+                        "questions_per_second": r["questions_per_second"],
+                    }
+                    for i, r in enumerate(m["sample_cached"])
+                ),
+                *(
+                    {
+                        "command": f"sample --no-cache #{i + 1}",
+                        "questions": r["questions"],
+                        "seconds": r["seconds"],
+                        "wall_seconds": r["wall_seconds"],
+                        "peak_rss_mib": r["peak_rss_mib"],
+                        "questions_per_second": r["questions_per_second"],
+                    }
+                    for i, r in enumerate(m["sample_nocache"])
+                ),
+            ],
+        )
+        print(
+            f"cached {m['cached_qps']:.2f} q/s vs no-cache {m['nocache_qps']:.2f} q/s -> {m['speedup']:.1f}x; "
+            f"store share of build {m['build_store_share']:.1%}; identical predictions {m['identical_predictions']}"
+        )
     if "sweep" in parts:
         rows = part_sweep(args, data, store)
         results["sweep"] = {"machine": info | {"load_after": bl.loadavg()}, "rows": rows}
@@ -361,7 +510,12 @@ def main() -> None:
         results["cold"] = {"machine": info} | part_cold(args, data, store)
         results["cold"]["machine"]["load_after"] = bl.loadavg()
         c = results["cold"]
-        print("cold " + ", ".join(f"{r['seconds']:.1f} s" for r in c["cold"]) + "; warm " + ", ".join(f"{r['seconds']:.1f} s" for r in c["warm"]))
+        print(
+            "cold "
+            + ", ".join(f"{r['seconds']:.1f} s" for r in c["cold"])
+            + "; warm "
+            + ", ".join(f"{r['seconds']:.1f} s" for r in c["warm"])
+        )
     if "variants" in parts:
         results["variants"] = {"machine": info} | part_variants(args, data)
         results["variants"]["machine"]["load_after"] = bl.loadavg()
@@ -369,8 +523,10 @@ def main() -> None:
         results["overhead"] = {"machine": info} | part_overhead(args, data)
         results["overhead"]["machine"]["load_after"] = bl.loadavg()
         o = results["overhead"]
-        print(f"store overhead {o['overhead_share']:.1%} of build wall (writer busy {o['writer_busy_share']:.1%}, "
-              f"compute waited {o['waited_share']:.1%})")
+        print(
+            f"store overhead {o['overhead_share']:.1%} of build wall (writer busy {o['writer_busy_share']:.1%}, "
+            f"compute waited {o['waited_share']:.1%})"
+        )
     bl.write_json(out_json, results)
     print(f"wrote {out_json}")
 

@@ -22,11 +22,11 @@ Command (from the repository root; writes experiments/results/throughput.{csv,js
     .venv/bin/python experiments/bench_throughput.py             # 2048 tokens, 7 repeats
     .venv/bin/python experiments/bench_throughput.py --quick     # smoke test: 256 tokens, 2 repeats
 """
+
 from __future__ import annotations
 
 import argparse
 import shutil
-import time
 
 import torch
 import xxhash
@@ -52,8 +52,9 @@ def main() -> None:
     bl.wait_for_quiet(max_wait_s=args.wait)
     info = bl.machine()
     adapter = bl.load_adapter("float32")
-    from kvstore.keys import cache_key
-    from kvstore.store import Entry, KVStore
+    from kvstore.store.entry import Entry
+    from kvstore.store.keys import cache_key
+    from kvstore.store.kvstore import KVStore
 
     ids = bl.real_context_ids(adapter.tokenizer, args.tokens)
     layers32 = tuple((k.contiguous().clone(), v.contiguous().clone()) for k, v in adapter.prefill([ids])[0])
@@ -83,6 +84,7 @@ def main() -> None:
 
             methods: dict[str, object] = {"memcpy-prealloc": lambda: dst.copy_(src), "memcpy-fresh": fresh_copy}
             for c, s in stores.items():
+
                 def checksum(s=s):
                     with s.backend.view(b"e/" + key.encode()) as buf:
                         xxhash.xxh3_64_intdigest(buf[:-8])
@@ -96,7 +98,10 @@ def main() -> None:
                     assert cache.get_seq_length() == n
 
                 def adapter_fresh(s=s):
-                    bufs = [(torch.empty(1, h, n + 40, d, dtype=dtype), torch.empty(1, h, n + 40, d, dtype=dtype)) for _ in layers]
+                    bufs = [
+                        (torch.empty(1, h, n + 40, d, dtype=dtype), torch.empty(1, h, n + 40, d, dtype=dtype))
+                        for _ in layers
+                    ]
                     with s.open_entry(key) as view:
                         for li, (kb, vb) in enumerate(bufs):
                             kr, vr = view.layer(li)
@@ -110,8 +115,13 @@ def main() -> None:
                             kr.copy_into(kb)
                             vr.copy_into(vb)
 
-                methods |= {f"{c}|checksum": checksum, f"{c}|open": open_only, f"{c}|get+to_dynamic_cache": get_dynamic,
-                            f"{c}|adapter-fresh": adapter_fresh, f"{c}|into-prealloc": into_prealloc}
+                methods |= {
+                    f"{c}|checksum": checksum,
+                    f"{c}|open": open_only,
+                    f"{c}|get+to_dynamic_cache": get_dynamic,
+                    f"{c}|adapter-fresh": adapter_fresh,
+                    f"{c}|into-prealloc": into_prealloc,
+                }
             for fn in methods.values():  # warm-up
                 fn()
             for c, s in stores.items():  # the load path delivers the right values
@@ -129,18 +139,34 @@ def main() -> None:
             for m, s in summ.items():
                 codec, _, what = m.rpartition("|")
                 mbps = kv_bytes / s["median"] / 1e6
-                rows.append({
-                    "dtype": dname, "tokens": n, "kv_mb": round(kv_bytes / 1e6, 1), "codec": codec or "-", "path": what,
-                    "stored_mb": round(sizes[codec] / 1e6, 1) if codec else "", "ratio": round(sizes[codec] / kv_bytes, 3) if codec else "",
-                    "median_ms": s["median"] * 1e3, "min_ms": s["min"] * 1e3, "max_ms": s["max"] * 1e3,
-                    "mb_per_s": mbps, "mb_per_s_min": kv_bytes / s["max"] / 1e6, "mb_per_s_max": kv_bytes / s["min"] / 1e6,
-                    "pct_memcpy_fresh": 100 * mbps / mc_fresh, "pct_memcpy_prealloc": 100 * mbps / mc_pre, "n": s["n"],
-                })
+                rows.append(
+                    {
+                        "dtype": dname,
+                        "tokens": n,
+                        "kv_mb": round(kv_bytes / 1e6, 1),
+                        "codec": codec or "-",
+                        "path": what,
+                        "stored_mb": round(sizes[codec] / 1e6, 1) if codec else "",
+                        "ratio": round(sizes[codec] / kv_bytes, 3) if codec else "",
+                        "median_ms": s["median"] * 1e3,
+                        "min_ms": s["min"] * 1e3,
+                        "max_ms": s["max"] * 1e3,
+                        "mb_per_s": mbps,
+                        "mb_per_s_min": kv_bytes / s["max"] / 1e6,
+                        "mb_per_s_max": kv_bytes / s["min"] / 1e6,
+                        "pct_memcpy_fresh": 100 * mbps / mc_fresh,
+                        "pct_memcpy_prealloc": 100 * mbps / mc_pre,
+                        "n": s["n"],
+                    }
+                )
             print(f"{dname}, {n} tokens, {kv_bytes / 1e6:.1f} MB of KV (load {bl.loadavg()}):")
             for r in rows:
                 if r["dtype"] == dname:
-                    print(f"  {r['codec']:<16} {r['path']:<22} {r['median_ms']:8.1f} ms  {r['mb_per_s']:8.0f} MB/s  "
-                          f"{r['pct_memcpy_fresh']:5.0f}% of fresh memcpy  {r['pct_memcpy_prealloc']:5.0f}% of prealloc", flush=True)
+                    print(
+                        f"  {r['codec']:<16} {r['path']:<22} {r['median_ms']:8.1f} ms  {r['mb_per_s']:8.0f} MB/s  "
+                        f"{r['pct_memcpy_fresh']:5.0f}% of fresh memcpy  {r['pct_memcpy_prealloc']:5.0f}% of prealloc",
+                        flush=True,
+                    )
     finally:
         for s in stores.values():
             s.close()
@@ -149,7 +175,9 @@ def main() -> None:
     stem = "throughput_quick" if args.quick else "throughput"
     bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
     bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "repeats": args.repeats, "rows": rows})
-    print(f"wrote {bl.RESULTS / stem}.{{csv,json}}; load average before {info['load_before']}, after {info['load_after']}")
+    print(
+        f"wrote {bl.RESULTS / stem}.{{csv,json}}; load average before {info['load_before']}, after {info['load_after']}"
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ Command (from the repository root; writes experiments/results/ttft.{csv,json,png
     .venv/bin/python experiments/bench_ttft.py                 # full: 256..4096 tokens, 5 repeats
     .venv/bin/python experiments/bench_ttft.py --quick         # smoke test: 256/512, 2 repeats
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,13 +74,21 @@ def question_forward(model, cache, past: int, q_ids: list[int]) -> int:
     return int(out.logits[0, -1].argmax())
 
 
-def run_length(adapter, n: int, q_ids: list[int], stores: dict, scratch, repeats: int, recompute_repeats: int,
-               proposals: bool = True) -> list[dict]:
+def run_length(
+    adapter,
+    n: int,
+    q_ids: list[int],
+    stores: dict,
+    scratch,
+    repeats: int,
+    recompute_repeats: int,
+    proposals: bool = True,
+) -> list[dict]:
     from safetensors.torch import load_file, save_file
     from transformers import DynamicCache
 
-    from kvstore.adapter import PreallocatedCache
-    from kvstore.store import Entry
+    from kvstore.model.cache import PreallocatedCache
+    from kvstore.store.entry import Entry
 
     model = adapter.model
     ctx = bl.synthetic_ids(n, seed=1000 + n)
@@ -146,7 +155,14 @@ def run_length(adapter, n: int, q_ids: list[int], stores: dict, scratch, repeats
             cache = PreallocatedCache(bufs, n)  # untimed: wraps the buffers, copies nothing
             with bl.proposed(gqa=gqa):
                 t0 = time.perf_counter()
-                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
                 tok = int(out.logits[0, -1].argmax())
                 t = time.perf_counter() - t0
             return tok, {"total": t, "load": 0.0, "forward": t}
@@ -187,12 +203,22 @@ def run_length(adapter, n: int, q_ids: list[int], stores: dict, scratch, repeats
     rows = []
     ref = first["recompute"]
     for name, ts in times.items():
-        row = {"context_tokens": n, "method": name, "kv_mib": round(sum(2 * k.numel() * k.element_size() for k, _ in layers) / 2**20, 1)}
+        row = {
+            "context_tokens": n,
+            "method": name,
+            "kv_mib": round(sum(2 * k.numel() * k.element_size() for k, _ in layers) / 2**20, 1),
+        }
         for piece in ("total", "load", "forward"):
             s = bl.summarize([t[piece] for t in ts])
             row |= {f"{piece}_median_s": s["median"]}
             if piece == "total":
-                row |= {"total_min_s": s["min"], "total_max_s": s["max"], "total_q1_s": s["q1"], "total_q3_s": s["q3"], "n": s["n"]}
+                row |= {
+                    "total_min_s": s["min"],
+                    "total_max_s": s["max"],
+                    "total_q1_s": s["q1"],
+                    "total_q3_s": s["q3"],
+                    "n": s["n"],
+                }
         row["first_token"] = first[name]
         row["same_token_as_recompute"] = first[name] == ref
         rows.append(row)
@@ -228,9 +254,18 @@ def plot(rows: list[dict], path, threads: int) -> None:
         rs = [r for r in rows if r["method"] == m]
         xs = [r["context_tokens"] for r in rs]
         st = {"marker": "o"} | _style(m)
-        a1.errorbar(xs, [r["total_median_s"] for r in rs],
-                    yerr=[[r["total_median_s"] - r["total_min_s"] for r in rs], [r["total_max_s"] - r["total_median_s"] for r in rs]],
-                    capsize=3, label=m, color=colors[m], **st)
+        a1.errorbar(
+            xs,
+            [r["total_median_s"] for r in rs],
+            yerr=[
+                [r["total_median_s"] - r["total_min_s"] for r in rs],
+                [r["total_max_s"] - r["total_median_s"] for r in rs],
+            ],
+            capsize=3,
+            label=m,
+            color=colors[m],
+            **st,
+        )
         if m != "recompute":
             a2.plot(xs, [r["speedup_vs_recompute"] for r in rs], label=m, color=colors[m], **st)
     for a in (a1, a2):
@@ -250,8 +285,13 @@ def plot(rows: list[dict], path, threads: int) -> None:
     rs = [r for r in rows if r["context_tokens"] == n and r["method"] != "recompute"]
     ys = range(len(rs))
     a3.barh(ys, [r["load_median_s"] * 1e3 for r in rs], color="tab:orange", label="load (before the model call)")
-    a3.barh(ys, [r["forward_median_s"] * 1e3 for r in rs], left=[r["load_median_s"] * 1e3 for r in rs], color="tab:blue",
-            label="question forward")
+    a3.barh(
+        ys,
+        [r["forward_median_s"] * 1e3 for r in rs],
+        left=[r["load_median_s"] * 1e3 for r in rs],
+        color="tab:blue",
+        label="question forward",
+    )
     a3.set_yticks(list(ys), [r["method"] for r in rs], fontsize=8)
     a3.invert_yaxis()
     a3.set_xlabel("ms (medians of the pieces)")
@@ -270,7 +310,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--recompute-repeats", type=int, default=5, help="repeats for the (slow) recompute row")
     p.add_argument("--no-proposals", action="store_true", help="skip the rows that patch in proposed library changes")
-    p.add_argument("--quick", action="store_true", help="smoke test: 256 and 512 tokens, 2 repeats, results to ttft_quick.*")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: 256 and 512 tokens, 2 repeats, results to ttft_quick.*"
+    )
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads")
     args = p.parse_args()
@@ -281,25 +323,39 @@ def main() -> None:
     bl.wait_for_quiet(max_wait_s=args.wait)
     info = bl.machine()
     adapter = bl.load_adapter("float32")
-    from kvstore.store import KVStore
+    from kvstore.store.kvstore import KVStore
 
     scratch = bl.SCRATCH / "ttft"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     q_ids = bl.synthetic_ids(bl.QUESTION_TOKENS, seed=7)
-    stores = {c: KVStore(str(scratch / f"store-{c.replace(':', '')}"), codec=c, sync=False) for c in args.codecs.split(",")}
+    stores = {
+        c: KVStore(str(scratch / f"store-{c.replace(':', '')}"), codec=c, sync=False) for c in args.codecs.split(",")
+    }
     rows = []
     try:
         for n in lengths:
             t0 = time.perf_counter()
-            rs = run_length(adapter, n, q_ids, stores, scratch, args.repeats, min(args.recompute_repeats, args.repeats),
-                            proposals=not args.no_proposals)
+            rs = run_length(
+                adapter,
+                n,
+                q_ids,
+                stores,
+                scratch,
+                args.repeats,
+                min(args.recompute_repeats, args.repeats),
+                proposals=not args.no_proposals,
+            )
             rows += rs
             print(f"{n} tokens ({time.perf_counter() - t0:.0f} s, load {bl.loadavg()}):")
             for r in rs:
-                print(f"  {r['method']:<22} {bl.fmt_s(r['total_median_s']):>10}  (load {bl.fmt_s(r['load_median_s'])}, forward "
-                      f"{bl.fmt_s(r['forward_median_s'])})  {r['speedup_vs_recompute']:6.1f}x  {r['x_floor']:5.2f}x floor"
-                      f"{'' if r['same_token_as_recompute'] else '  DIFFERENT TOKEN'}", flush=True)
+                print(
+                    f"  {r['method']:<22} {bl.fmt_s(r['total_median_s']):>10}  (load "
+                    f"{bl.fmt_s(r['load_median_s'])}, forward "
+                    f"{bl.fmt_s(r['forward_median_s'])})  {r['speedup_vs_recompute']:6.1f}x  {r['x_floor']:5.2f}x floor"
+                    f"{'' if r['same_token_as_recompute'] else '  DIFFERENT TOKEN'}",
+                    flush=True,
+                )
     finally:
         for s in stores.values():
             s.close()
@@ -307,10 +363,21 @@ def main() -> None:
     info["load_after"] = bl.loadavg()
     stem = "ttft_quick" if args.quick else "ttft"
     bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
-    bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "question_tokens": len(q_ids), "repeats": args.repeats,
-                                                "recompute_repeats": min(args.recompute_repeats, args.repeats), "rows": rows})
+    bl.write_json(
+        bl.RESULTS / f"{stem}.json",
+        {
+            "machine": info,
+            "question_tokens": len(q_ids),
+            "repeats": args.repeats,
+            "recompute_repeats": min(args.recompute_repeats, args.repeats),
+            "rows": rows,
+        },
+    )
     plot(rows, bl.RESULTS / f"{stem}.png", torch.get_num_threads())
-    print(f"wrote {bl.RESULTS / stem}.{{csv,json,png}}; load average before {info['load_before']}, after {info['load_after']}")
+    print(
+        f"wrote {bl.RESULTS / stem}.{{csv,json,png}}; load average before {info['load_before']}, after "
+        f"{info['load_after']}"
+    )
 
 
 if __name__ == "__main__":

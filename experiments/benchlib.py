@@ -10,6 +10,7 @@ special tokens), or word salad from :func:`synthetic_text` when a command needs 
 matter for these benchmarks, not content (the codec table uses real text instead, since
 compression does depend on content).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,8 +50,8 @@ def setup(threads: int = THREADS) -> None:
 
 
 def load_adapter(dtype: str = "float32"):
-    """The bundled SmolLM2-135M-Instruct in an :class:`kvstore.adapter.Adapter` (sdpa attention)."""
-    from kvstore.adapter import Adapter
+    """The bundled SmolLM2-135M-Instruct in an :class:`kvstore.model.adapter.Adapter` (sdpa attention)."""
+    from kvstore.model.adapter import Adapter
 
     return Adapter.from_pretrained(None, dtype=dtype)
 

@@ -6,6 +6,7 @@ cache (the reference), and prints the accuracy and how much faster the cached ru
 
 Command: ``make demo`` (or ``.venv/bin/python experiments/demo.py``).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ DATA = ROOT / "experiments" / "data" / "demo.jsonl"
 
 def kvstore(*args: str) -> dict:
     """Run one ``kvstore`` command as a user would, echo it, and return its JSON summary."""
-    cmd = [sys.executable, "-m", "cli.main", *args, "--format", "json"]
+    cmd = [sys.executable, "-m", "kvstore.cli.main", *args, "--format", "json"]
     print("$ kvstore " + " ".join(args), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -35,11 +36,15 @@ def main() -> None:
     data = str(DATA.relative_to(ROOT))
     preds = ROOT / "cache" / "demo_predictions.jsonl"
     built = kvstore("build", data)
-    print(f"  built {built['built']} contexts, skipped {built['skipped']} already stored; "
-          f"{built['tokens']} tokens, {built['stored_bytes'] / 2**20:.1f} MiB stored (ratio {built['ratio']:.2f})\n")
+    print(
+        f"  built {built['built']} contexts, skipped {built['skipped']} already stored; "
+        f"{built['tokens']} tokens, {built['stored_bytes'] / 2**20:.1f} MiB stored (ratio {built['ratio']:.2f})\n"
+    )
     cached = kvstore("sample", data, "--output", str(preds.relative_to(ROOT)))
-    print(f"  accuracy {cached['accuracy']:.1%}  contains {cached['contains']:.1%}  F1 {cached['f1']:.1%}  "
-          f"hit rate {cached['cache_hit_rate']:.0%}  {cached['seconds']:.1f} s\n")
+    print(
+        f"  accuracy {cached['accuracy']:.1%}  contains {cached['contains']:.1%}  F1 {cached['f1']:.1%}  "
+        f"hit rate {cached['cache_hit_rate']:.0%}  {cached['seconds']:.1f} s\n"
+    )
     ref_preds = ROOT / "cache" / "demo_predictions_nocache.jsonl"
     ref = kvstore("sample", data, "--no-cache", "--output", str(ref_preds.relative_to(ROOT)))
     print(f"  accuracy {ref['accuracy']:.1%}  {ref['seconds']:.1f} s\n")
@@ -48,10 +53,15 @@ def main() -> None:
     same = sum(x == y for x, y in zip(a, b))
     print("Summary")
     print(f"  questions            {cached['questions']}")
-    print(f"  accuracy             {cached['accuracy']:.1%} (answer is a prefix)   {cached['contains']:.1%} (answer contained)")
+    print(
+        f"  accuracy             {cached['accuracy']:.1%} (answer is a prefix)   {cached['contains']:.1%} (answer "
+        "contained)"
+    )
     print(f"  exact match / F1     {cached['exact_match']:.1%} / {cached['f1']:.1%}")
-    print(f"  answering time       {cached['seconds']:.1f} s from the store vs {ref['seconds']:.1f} s without cache "
-          f"-> {ref['seconds'] / cached['seconds']:.1f}x faster")
+    print(
+        f"  answering time       {cached['seconds']:.1f} s from the store vs {ref['seconds']:.1f} s without cache "
+        f"-> {ref['seconds'] / cached['seconds']:.1f}x faster"
+    )
     print(f"  prefill tokens saved {cached['prefill_tokens_saved']}")
     print(f"  identical predictions with and without the cache: {same}/{len(a)}")
     print(f"  predictions          {preds.relative_to(ROOT)}")

@@ -10,6 +10,7 @@ Command (about 10 minutes on a 2-core CPU):
 
 Writes ``experiments/results/exactness_dtypes.json`` and prints a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from kvstore.adapter import Adapter
-from kvstore.datasets import load_dataset
-from kvstore.models import load_model
-from kvstore.prompts import PromptFormat
-from kvstore.store import KVStore
+from kvstore.data.datasets import load_dataset
+from kvstore.data.prompts import PromptFormat
+from kvstore.model.adapter import Adapter
+from kvstore.model.loading import load_model
+from kvstore.store.kvstore import KVStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,8 +37,13 @@ def measure(dtype: str, n_questions: int, new_tokens: int, batch_size: int) -> d
     rows = load_dataset(ROOT / "experiments/data/demo.jsonl").examples[:n_questions]
     contexts = [fmt.context_part(r.context) for r in rows]
     questions = [fmt.question_part(r.question) for r in rows]
-    kw = dict(special_tokens=fmt.add_special_tokens, batch_size=batch_size, stop_at_eos=False,
-              return_details=True, return_scores=True)
+    kw = dict(
+        special_tokens=fmt.add_special_tokens,
+        batch_size=batch_size,
+        stop_at_eos=False,
+        return_details=True,
+        return_scores=True,
+    )
     t0 = time.perf_counter()
     with KVStore("memory://") as store:
         adapter.generate_kv_cache(contexts, store, special_tokens=fmt.add_special_tokens, batch_size=batch_size)
@@ -76,16 +82,24 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     results = [measure(d, args.questions, args.new_tokens, args.batch_size) for d in args.dtypes.split(",")]
-    out = {"machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
-           "command": "experiments/exactness_dtypes.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-           "results": results}
+    out = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        "command": "experiments/exactness_dtypes.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        "results": results,
+    }
     path = ROOT / "experiments/results/exactness_dtypes.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"{'dtype':<10}{'rows identical':>16}{'first token':>13}{'tokens before divergence':>26}{'max |dlogit| step 1':>22}")
+    print(
+        f"{'dtype':<10}{'rows identical':>16}{'first token':>13}"
+        f"{'tokens before divergence':>26}{'max |dlogit| step 1':>22}"
+    )
     for r in results:
-        print(f"{r['dtype']:<10}{r['rows_identical']:>9}/{r['questions']:<6}{r['first_token_agreement']:>12.1%}"
-              f"{r['token_agreement_before_divergence']:>26.1%}{r['max_abs_first_step_logit_diff']:>22.2e}")
+        print(
+            f"{r['dtype']:<10}{r['rows_identical']:>9}/{r['questions']:<6}{r['first_token_agreement']:>12.1%}"
+            f"{r['token_agreement_before_divergence']:>26.1%}{r['max_abs_first_step_logit_diff']:>22.2e}"
+        )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 Messages are one line and say what to do next; the CLI prints them as they are.
 """
+
 from __future__ import annotations
 
 
@@ -42,6 +43,10 @@ class CorruptEntryError(KVStoreError, ValueError):
 
 class ForeignEntryError(KVStoreError, ValueError):
     """A stored entry belongs to another model, dtype or token sequence than the one asked for."""
+
+
+class DtypeError(KVStoreError, ValueError):
+    """A dtype name kvstore does not know or cannot use there."""
 
 
 class CodecError(KVStoreError, ValueError):

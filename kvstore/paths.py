@@ -7,6 +7,7 @@ falls back to ``~/.cache/kvstore``. The default store is ``<home>/store`` unless
 ``$KVSTORE_MODELS`` names another directory (tests use it to share one converted model while
 everything else goes to a temporary home).
 """
+
 from __future__ import annotations
 
 import os

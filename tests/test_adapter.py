@@ -4,6 +4,7 @@ Three independent paths are compared: ``greedy_sample(use_cache=True)`` (stored 
 explicit positions), ``greedy_sample(use_cache=False)`` (context + question in one right-padded
 prefill) and Hugging Face's own ``generate`` on each row alone (no padding at all).
 """
+
 from __future__ import annotations
 
 import random
@@ -11,9 +12,9 @@ import random
 import pytest
 import torch
 
-from kvstore.adapter import Adapter
 from kvstore.errors import ContextTooLongError
-from kvstore.store import KVStore
+from kvstore.model.adapter import Adapter
+from kvstore.store.kvstore import KVStore
 from tiny import make_tiny_model
 
 N_NEW = 10
@@ -60,13 +61,26 @@ def test_cached_equals_reference_equals_generate(kind, attn, dtype):
             report = adapter.generate_kv_cache(contexts[:5], store, batch_size=3)
             assert report.built == 5 and report.skipped == 0
             ref = adapter.greedy_sample(
-                contexts, questions, N_NEW, use_cache=False, batch_size=3, stop_at_eos=False,
-                return_details=True, return_scores=True,
+                contexts,
+                questions,
+                N_NEW,
+                use_cache=False,
+                batch_size=3,
+                stop_at_eos=False,
+                return_details=True,
+                return_scores=True,
             )
             for bs in (1, 3, 8):
                 got = adapter.greedy_sample(
-                    contexts, questions, N_NEW, use_cache=True, store=store, batch_size=bs, stop_at_eos=False,
-                    return_details=True, return_scores=True,
+                    contexts,
+                    questions,
+                    N_NEW,
+                    use_cache=True,
+                    store=store,
+                    batch_size=bs,
+                    stop_at_eos=False,
+                    return_details=True,
+                    return_scores=True,
                 )
                 assert torch.equal(got.tokens, ref.tokens), f"batch size {bs}, seed {seed}"
                 tol = 1e-10 if (dtype == torch.float64 and attn == "sdpa") else 1e-4
@@ -158,8 +172,10 @@ def test_build_dedupes_skips_stored_and_reports():
         r1 = adapter.generate_kv_cache(texts, store, batch_size=2)
         assert (r1.contexts, r1.distinct, r1.built, r1.skipped) == (4, 3, 3, 0)
         assert r1.keys[0] == r1.keys[2] and len(store) == 3
-        assert r1.stored_bytes > 0 and r1.raw_bytes > 0 and r1.tokens == sum(
-            len(adapter.encode_context(t)) for t in texts[:2] + texts[3:]
+        assert (
+            r1.stored_bytes > 0
+            and r1.raw_bytes > 0
+            and r1.tokens == sum(len(adapter.encode_context(t)) for t in texts[:2] + texts[3:])
         )
         r2 = adapter.generate_kv_cache(texts + ["something new here"], store)
         assert (r2.built, r2.skipped) == (1, 3)
@@ -285,10 +301,12 @@ def test_cuda_matches_cpu():
 
 def test_real_model_cached_equals_no_cache(real_model):
     """The bundled SmolLM2-135M-Instruct on real questions, float32: same tokens, logits within 1e-4."""
-    from kvstore.datasets import load_dataset
-    from kvstore.prompts import PromptFormat
+    from kvstore.data.datasets import load_dataset
+    from kvstore.data.prompts import PromptFormat
 
-    adapter = Adapter(real_model.model, real_model.tokenizer, name=real_model.name, weight_files=real_model.weight_files)
+    adapter = Adapter(
+        real_model.model, real_model.tokenizer, name=real_model.name, weight_files=real_model.weight_files
+    )
     fmt = PromptFormat.from_chat_template(adapter.tokenizer)
     rows = load_dataset("experiments/data/demo.jsonl").examples[:4]
     contexts = [fmt.context_part(r.context) for r in rows]

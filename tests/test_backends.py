@@ -1,6 +1,7 @@
 """The storage protocol: one contract suite run over every backend, then LMDB's own promises
 (the map grows by itself, data survives a reopen, clear errors for bad paths, a second process
 reads what the first committed)."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -9,9 +10,9 @@ import uuid
 
 import pytest
 
-from kvstore.backends import Backend, open_backend
-from kvstore.backends.lmdb import LMDBBackend
 from kvstore.errors import ReadOnlyStoreError, StoreError, StoreNotFoundError
+from kvstore.store.backends import Backend, open_backend
+from kvstore.store.backends.lmdb import LMDBBackend
 
 BACKENDS = ["lmdb", "memory"]
 

@@ -13,6 +13,7 @@ Manage commands (ls/stats/verify/rm/gc) on missing, file-path and future-format 
 in ``test_cli_manage.py``; here the same for build and sample, and read-only stores for every
 command that writes.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ import time
 
 import pytest
 
-from test_reliability import (
+from helpers.cli import (
     REPO,
     context_text,
     nonblank_lines,
@@ -69,7 +70,10 @@ GOOD = {"id": "a", "context": "The fox jumps.", "question": "Who jumps?", "answe
 # -- dataset problems ----------------------------------------------------------------------------
 DATASETS = {
     "malformed line": ([GOOD, '{"context": "x", "question": ', dict(GOOD, id="b")], "data.jsonl:2: not valid JSON"),
-    "missing context": ([GOOD, {"id": "b", "question": "q?", "answers": ["a"]}], "data.jsonl:2: missing field 'context'"),
+    "missing context": (
+        [GOOD, {"id": "b", "question": "q?", "answers": ["a"]}],
+        "data.jsonl:2: missing field 'context'",
+    ),
     "missing question": ([{"id": "b", "context": "c", "answers": ["a"]}], "data.jsonl:1: missing field 'question'"),
     "empty context": ([GOOD, dict(GOOD, id="b", context="   ")], "data.jsonl:2: empty context"),
     "not UTF-8": ([GOOD, b"\xff\xfe{}".decode("latin-1")], "data.jsonl:2: not"),
@@ -90,7 +94,9 @@ def test_bad_dataset(case, command, tmp_path, capsys):
     else:
         write_rows(path, rows)
     store = tmp_path / "store"
-    code, out, err = run_main(capsys, command, path, "--model", "/nonexistent/never-loaded", "--store", store, "--quiet")
+    code, out, err = run_main(
+        capsys, command, path, "--model", "/nonexistent/never-loaded", "--store", store, "--quiet"
+    )
     assert_error_line(code, out, err, expected)
     assert "--skip-bad-rows" in err or case == "empty file"
     assert not store.exists()  # failed before touching any store
@@ -153,12 +159,19 @@ def test_context_longer_than_the_model_allows(command, tiny_llama_dir, tmp_path,
 
 @pytest.mark.parametrize(
     "option, expected",
-    [(["--device", "cuda:7"], "device 'cuda:7'"), (["--device", "tpu"], "unknown device 'tpu'"), (["--codec", "zstd:99"], "zstd level"), (["--codec", "lz4"], "unknown codec 'lz4'")],
+    [
+        (["--device", "cuda:7"], "device 'cuda:7'"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--codec", "zstd:99"], "zstd level"),
+        (["--codec", "lz4"], "unknown codec 'lz4'"),
+    ],
     ids=["cuda", "device", "codec-level", "codec"],
 )
 def test_invalid_values_the_library_rejects(option, expected, tiny_llama_dir, tmp_path, capsys):
     dataset = write_rows(tmp_path / "data.jsonl", [GOOD])
-    code, out, err = run_main(capsys, "build", dataset, "--model", tiny_llama_dir, "--store", tmp_path / "store", "--quiet", *option)
+    code, out, err = run_main(
+        capsys, "build", dataset, "--model", tiny_llama_dir, "--store", tmp_path / "store", "--quiet", *option
+    )
     assert_error_line(code, out, err, expected)
 
 
@@ -197,8 +210,8 @@ def test_store_path_is_a_file(command, tiny_llama_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("command", ["build", "sample"])
 def test_store_from_a_newer_format(command, tiny_llama_dir, tmp_path, capsys):
-    from kvstore.entry import FORMAT_VERSION
-    from kvstore.store import KVStore
+    from kvstore.store.entry import FORMAT_VERSION
+    from kvstore.store.kvstore import KVStore
 
     dataset = write_rows(tmp_path / "data.jsonl", [GOOD])
     store = tmp_path / "store"
@@ -213,16 +226,21 @@ def test_store_from_a_newer_format(command, tiny_llama_dir, tmp_path, capsys):
 def readonly_store(tmp_path):
     """A store with one entry that cannot be written: a read-only mount when running as root
     (root ignores file modes), a 0o555 directory otherwise."""
-    from kvstore.store import KVStore
     from test_cli_manage import make_entry
+
+    from kvstore.store.kvstore import KVStore
 
     root = os.geteuid() == 0
     d = tmp_path / "ro"
     d.mkdir()
     if root:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)], capture_output=True, timeout=30)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)], capture_output=True, timeout=30
+        )
         if done.returncode != 0:
-            pytest.skip(f"running as root and cannot mount a read-only store: {done.stderr.decode(errors='replace').strip()}")
+            pytest.skip(
+                f"running as root and cannot mount a read-only store: {done.stderr.decode(errors='replace').strip()}"
+            )
     store = d / "store"
     entry = make_entry(1)
     with KVStore(str(store)) as s:
@@ -259,7 +277,9 @@ def test_readonly_store_for_a_write_command(command, readonly_store, tiny_llama_
 def test_readonly_store_can_still_be_read(readonly_store, tiny_llama_dir, tmp_path, capsys):
     store, entry = readonly_store
     dataset = write_rows(tmp_path / "data.jsonl", [GOOD])
-    code, out, err = run_main(capsys, "sample", dataset, "--model", tiny_llama_dir, "--store", store, "--readonly-store", "--quiet")
+    code, out, err = run_main(
+        capsys, "sample", dataset, "--model", tiny_llama_dir, "--store", store, "--readonly-store", "--quiet"
+    )
     assert code == 0 and err == "", err
     code, out, err = run_main(capsys, "verify", "--store", store, "--quiet")
     assert code == 0 and "1 entry verified" in out
@@ -269,7 +289,11 @@ def test_readonly_store_can_still_be_read(readonly_store, tiny_llama_dir, tmp_pa
 def test_ctrl_c_during_a_build(tiny_llama_dir, tmp_path):
     dataset = write_dataset(tmp_path / "data.jsonl", range(60), questions=1, words=(30, 90))
     store = tmp_path / "store"
-    p = start_cli(["build", dataset, "--model", tiny_llama_dir, "--store", store, "--batch-size", "1", "--quiet"], tmp_path, name="build")
+    p = start_cli(
+        ["build", dataset, "--model", tiny_llama_dir, "--store", store, "--batch-size", "1", "--quiet"],
+        tmp_path,
+        name="build",
+    )
     seen: set[str] = set()
     t0 = time.monotonic()
     while p.alive() and not seen and time.monotonic() - t0 < 120:
@@ -279,7 +303,9 @@ def test_ctrl_c_during_a_build(tiny_llama_dir, tmp_path):
     p.interrupt()
     code, out, err = p.wait()
     assert code == 130, err
-    assert nonblank_lines(err) == ["kvstore: interrupted; everything committed so far is kept."], err  # click adds a blank line
+    assert nonblank_lines(err) == ["kvstore: interrupted; everything committed so far is kept."], (
+        err
+    )  # click adds a blank line
     assert "Traceback" not in err and out == ""
     intact, corrupt = verify_store(store)
     assert not corrupt and seen <= intact and len(intact) < 60
@@ -287,9 +313,8 @@ def test_ctrl_c_during_a_build(tiny_llama_dir, tmp_path):
 
 # -- KVSTORE_DEBUG ---------------------------------------------------------------------------------
 def test_debug_variable_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    from kvstore.cli.main import main
     from kvstore.errors import DatasetError
-
-    from cli.main import main
 
     monkeypatch.setenv("KVSTORE_DEBUG", "1")
     with pytest.raises(DatasetError, match="no such file"):
@@ -300,10 +325,14 @@ def test_console_script_one_line_or_traceback(tmp_path):
     """The real interpreter, twice at once: the error line alone, then with KVSTORE_DEBUG=1 the
     traceback (and nothing printed at exit by threads or destructors in either)."""
     dataset = write_rows(tmp_path / "data.jsonl", [GOOD, '{"context": '])
-    argv = [sys.executable, "-m", "cli.main", "build", dataset, "--store", str(tmp_path / "store")]
+    argv = [sys.executable, "-m", "kvstore.cli.main", "build", dataset, "--store", str(tmp_path / "store")]
     env = {k: v for k, v in os.environ.items() if k != "KVSTORE_DEBUG"}
-    procs = [subprocess.Popen(argv, cwd=REPO, env=dict(env, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for extra in ({}, {"KVSTORE_DEBUG": "1"})]
+    procs = [
+        subprocess.Popen(
+            argv, cwd=REPO, env=dict(env, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for extra in ({}, {"KVSTORE_DEBUG": "1"})
+    ]
     (out, err), (dout, derr) = (p.communicate(timeout=300) for p in procs)
     assert procs[0].returncode == 1 and out == ""
     assert len(err.splitlines()) == 1 and err.startswith(f"kvstore: error: {dataset}:2: not valid JSON"), err

@@ -1,5 +1,6 @@
 """`kvstore ls / stats / verify / rm / gc` through click's CliRunner, and the one-line error path
-through ``cli.main.main`` (which CliRunner bypasses)."""
+through ``kvstore.cli.main.main`` (which CliRunner bypasses)."""
+
 from __future__ import annotations
 
 import csv
@@ -14,13 +15,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import cli.common
-from cli.common import emit, parse_duration, parse_size, progress_bar, render_table
-from cli.main import app, main
-from kvstore.backends import open_backend
-from kvstore.entry import FORMAT_VERSION
-from kvstore.keys import cache_key
-from kvstore.store import Entry, KVStore
+import kvstore.cli.common
+from kvstore.cli.common import emit, parse_duration, parse_size, progress_bar, render_table
+from kvstore.cli.main import app, main
+from kvstore.store.backends import open_backend
+from kvstore.store.entry import FORMAT_VERSION, Entry
+from kvstore.store.keys import cache_key
+from kvstore.store.kvstore import KVStore
 
 FP_TINY = "1" * 64
 FP_OTHER = "2" * 64
@@ -31,7 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def make_entry(seed: int, *, fp=FP_TINY, name="tiny", n_tokens=8, dtype=torch.float32, created=None) -> Entry:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 1000, (n_tokens,), generator=g)
-    layers = tuple((torch.randn(2, n_tokens, 4, generator=g).to(dtype), torch.randn(2, n_tokens, 4, generator=g).to(dtype)) for _ in range(2))
+    layers = tuple(
+        (torch.randn(2, n_tokens, 4, generator=g).to(dtype), torch.randn(2, n_tokens, 4, generator=g).to(dtype))
+        for _ in range(2)
+    )
     return Entry(cache_key(fp, dtype, ids), fp, name, ids, layers, time.time() if created is None else created)
 
 
@@ -84,11 +88,26 @@ def test_ls_table(store):
     r = invoke("ls", "--store", path)
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert lines[0].split() == ["KEY", "MODEL", "FINGERPRINT", "DTYPE", "TOKENS", "LAYERS", "CODEC", "SIZE", "RATIO", "CREATED", "LAST", "USED"]
+    assert lines[0].split() == [
+        "KEY",
+        "MODEL",
+        "FINGERPRINT",
+        "DTYPE",
+        "TOKENS",
+        "LAYERS",
+        "CODEC",
+        "SIZE",
+        "RATIO",
+        "CREATED",
+        "LAST",
+        "USED",
+    ]
     assert all(e.key[:12] in r.stdout and e.key not in r.stdout for e in entries)
     assert "4 entries" in lines[-1]
     # default order: most recently used first
-    assert [line.split()[0] for line in lines[1:5]] == [e.key[:12] for e in entries[:1] + entries[2:3] + entries[1:2] + entries[3:]]
+    assert [line.split()[0] for line in lines[1:5]] == [
+        e.key[:12] for e in entries[:1] + entries[2:3] + entries[1:2] + entries[3:]
+    ]
     full = invoke("ls", "--store", path, "--full-keys")
     assert all(e.key in full.stdout for e in entries) and FP_TINY in full.stdout
 
@@ -104,7 +123,9 @@ def test_ls_json_filter_and_sort(store):
     assert (row["n_tokens"], row["n_layers"], row["kv_heads"], row["head_dim"]) == (8, 2, 2, 4)
     assert row["codec"] == "zstd-shuffle:1" and row["stored_bytes"] > 0 and row["raw_bytes"] > 0
     assert row["last_access"] is None and abs(row["created"] - entries[0].created) < 1e-3
-    rows = json.loads(invoke("ls", "--store", path, "--format", "json", "--model", "other", "--sort", "tokens", "--reverse").stdout)
+    rows = json.loads(
+        invoke("ls", "--store", path, "--format", "json", "--model", "other", "--sort", "tokens", "--reverse").stdout
+    )
     assert [row["key"] for row in rows] == [entries[2].key, entries[3].key]
     rows = json.loads(invoke("ls", "--store", path, "--format", "json", "--model", "1111").stdout)  # fingerprint prefix
     assert {row["key"] for row in rows} == {entries[0].key, entries[1].key}
@@ -149,12 +170,19 @@ def test_stats(store):
     assert "never shrink" in r.stdout and "On disk:" in r.stdout
     assert "Total: 4 entries, 80 tokens" in r.stdout
     table = [line.split() for line in r.stdout.splitlines() if line.startswith(("tiny", "other"))]
-    assert [(t[0], t[2], t[3], t[4]) for t in table] == [("other", "float16", "2", "56"), ("tiny", "bfloat16", "1", "16"), ("tiny", "float32", "1", "8")]
+    assert [(t[0], t[2], t[3], t[4]) for t in table] == [
+        ("other", "float16", "2", "56"),
+        ("tiny", "bfloat16", "1", "16"),
+        ("tiny", "float32", "1", "8"),
+    ]
     doc = json.loads(invoke("stats", "--store", path, "--format", "json").stdout)
     assert doc["format"] == FORMAT_VERSION and doc["codec"] == "zstd-shuffle:1"
     totals = doc["totals"]
     assert totals["entries"] == 4 and totals["n_tokens"] == 80 and totals["corrupt"] == 0
-    assert totals["stored_bytes"] == sum(g["stored_bytes"] for g in doc["groups"]) and totals["disk_bytes"] >= totals["stored_bytes"]
+    assert (
+        totals["stored_bytes"] == sum(g["stored_bytes"] for g in doc["groups"])
+        and totals["disk_bytes"] >= totals["stored_bytes"]
+    )
     other = next(g for g in doc["groups"] if g["model_name"] == "other")
     assert other["model"] == FP_OTHER and other["entries"] == 2 and other["n_tokens"] == 56
     assert other["bytes_per_token"] == pytest.approx(other["stored_bytes"] / 56, abs=0.1)
@@ -229,7 +257,7 @@ def test_rm_without_yes_and_without_terminal_refuses(store):
 
 def test_rm_asks_on_a_terminal(store, monkeypatch):
     path, entries = store
-    monkeypatch.setattr(cli.common, "stdin_is_tty", lambda: True)
+    monkeypatch.setattr(kvstore.cli.common, "stdin_is_tty", lambda: True)
     r = invoke("rm", "--store", path, entries[0].key[:6], input="n\n")
     assert r.exit_code == 0 and "Nothing changed." in r.stderr
     assert keys_in(path) == {e.key for e in entries}
@@ -353,17 +381,17 @@ def test_verify_exit_code_through_main(store, capsys):
 
 def test_help_does_not_import_torch():
     code = (
-        "import sys, cli.main, cli.common, cli.manage\n"
+        "import sys, kvstore.cli.main, kvstore.cli.common, kvstore.cli.manage\n"
         "from click.testing import CliRunner\n"
         "for cmd in (['--help'], ['ls', '--help'], ['gc', '--help'], ['rm', '--help']):\n"
-        "    assert CliRunner().invoke(cli.main.app, cmd).exit_code == 0\n"
+        "    assert CliRunner().invoke(kvstore.cli.main.app, cmd).exit_code == 0\n"
         "bad = [m for m in ('torch', 'transformers', 'tqdm', 'kvstore.store') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
-# -- cli.common helpers ---------------------------------------------------------------------------------
+# -- kvstore.cli.common helpers ---------------------------------------------------------------------------------
 def test_parse_size():
     assert parse_size("10GiB") == 10 << 30
     assert parse_size("512 mib") == 512 << 20

@@ -1,4 +1,5 @@
 """`kvstore build` and `kvstore sample` through the CLI, on tiny saved models."""
+
 from __future__ import annotations
 
 import json
@@ -6,12 +7,16 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from cli.main import app, main
+from kvstore.cli.main import app, main
 from kvstore.errors import StoreNotFoundError
-from kvstore.store import KVStore
+from kvstore.store.kvstore import KVStore
 
 TOPICS = [
-    ("The red fox lives in the north wood and eats berries in the summer.", "Where does the fox live?", ["the north wood"]),
+    (
+        "The red fox lives in the north wood and eats berries in the summer.",
+        "Where does the fox live?",
+        ["the north wood"],
+    ),
     ("Anna bakes bread every morning at six in her small shop.", "When does Anna bake?", ["at six", "six"]),
     ("The river Tam runs past the old mill and into the grey sea.", "What does the river run past?", ["the old mill"]),
     ("Our team meets on Monday to plan the week and share news.", "When does the team meet?", ["Monday"]),
@@ -23,7 +28,14 @@ def _write_dataset(path, *, questions_per_context: int = 2, extra: list[dict] | 
     rows = []
     for i, (ctx, q, ans) in enumerate(TOPICS):
         for j in range(questions_per_context):
-            rows.append({"id": f"r{i}-{j}", "context": ctx, "question": q if j == 0 else q.replace("?", " now?"), "answers": ans})
+            rows.append(
+                {
+                    "id": f"r{i}-{j}",
+                    "context": ctx,
+                    "question": q if j == 0 else q.replace("?", " now?"),
+                    "answers": ans,
+                }
+            )
     rows += extra or []
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -65,19 +77,19 @@ def test_build_then_sample_matches_no_cache(tiny_llama_dir, data, tmp_path):
 
 
 def test_build_resumes_after_interrupt(tiny_neox_dir, data, tmp_path, monkeypatch, capsys):
-    from kvstore.adapter import Adapter
+    from kvstore.model import build
 
     store = str(tmp_path / "store")
     calls = {"n": 0}
-    real_prefill = Adapter.prefill
+    real_prefill = build.prefill
 
-    def flaky(self, batch):
+    def flaky(adapter, batch):
         calls["n"] += 1
         if calls["n"] == 3:  # third batch: the user presses Ctrl-C
             raise KeyboardInterrupt
-        return real_prefill(self, batch)
+        return real_prefill(adapter, batch)
 
-    monkeypatch.setattr(Adapter, "prefill", flaky)
+    monkeypatch.setattr(build, "prefill", flaky)
     with pytest.raises(SystemExit) as exit_info:
         main(["build", str(data), "--model", str(tiny_neox_dir), "--store", store, "--batch-size", "1", "--quiet"])
     assert exit_info.value.code == 130
@@ -86,8 +98,10 @@ def test_build_resumes_after_interrupt(tiny_neox_dir, data, tmp_path, monkeypatc
         kept = len(kv)
         assert not kv.verify().corrupt
     assert kept >= 1  # entries of batches finished before the interrupt were committed
-    monkeypatch.setattr(Adapter, "prefill", real_prefill)
-    again = _json(_run(["build", str(data), "--model", str(tiny_neox_dir), "--store", store, "--quiet", "--format", "json"]))
+    monkeypatch.setattr(build, "prefill", real_prefill)
+    again = _json(
+        _run(["build", str(data), "--model", str(tiny_neox_dir), "--store", store, "--quiet", "--format", "json"])
+    )
     assert again["skipped"] == kept and again["built"] == 5 - kept
     with KVStore(store, readonly=True) as kv:
         assert len(kv) == 5
@@ -97,15 +111,36 @@ def test_build_options(tiny_neox_dir, tmp_path):
     ds = tmp_path / "qa.csv"
     ds.write_text("doc,q,ans\n" + "".join(f'"{c}","{q}","{a[0]}"\n' for c, q, a in TOPICS))
     store = str(tmp_path / "store")
-    out = _json(_run([
-        "build", str(ds), "--model", str(tiny_neox_dir), "--store", store, "--context-field", "doc",
-        "--limit", "3", "--codec", "raw", "--dtype", "float64", "--quiet", "--format", "json",
-    ]))
+    out = _json(
+        _run(
+            [
+                "build",
+                str(ds),
+                "--model",
+                str(tiny_neox_dir),
+                "--store",
+                store,
+                "--context-field",
+                "doc",
+                "--limit",
+                "3",
+                "--codec",
+                "raw",
+                "--dtype",
+                "float64",
+                "--quiet",
+                "--format",
+                "json",
+            ]
+        )
+    )
     assert out["built"] == 3 and out["codec"] == "raw" and out["dtype"] == "float64"
     with KVStore(store, readonly=True) as kv:
         info = kv.scan()
     assert {e.codec for e in info.entries} == {"raw"} and {e.dtype for e in info.entries} == {"float64"}
-    text = _run(["build", str(ds), "--model", str(tiny_neox_dir), "--store", store, "--context-field", "doc", "--quiet"])
+    text = _run(
+        ["build", str(ds), "--model", str(tiny_neox_dir), "--store", store, "--context-field", "doc", "--quiet"]
+    )
     assert text.exit_code == 0 and "build summary" in text.stdout and "skipped" in text.stdout
 
 
@@ -121,7 +156,9 @@ def test_chat_and_template_options(tiny_llama_dir, data, tmp_path):
     assert plain["cache_hit_rate"] == 1.0
     templ = ["--template", "{context}\nQ: {question}\nA:"]
     a = _json(_run(["sample", str(data), *common, "--chat", *templ, "-n", "3", "-o", str(tmp_path / "a.jsonl")]))
-    b = _json(_run(["sample", str(data), *common, "--chat", *templ, "-n", "3", "-o", str(tmp_path / "b.jsonl"), "--no-cache"]))
+    b = _json(
+        _run(["sample", str(data), *common, "--chat", *templ, "-n", "3", "-o", str(tmp_path / "b.jsonl"), "--no-cache"])
+    )
     assert a["cache_hit_rate"] == 1.0  # the template changes the question part only
     assert (tmp_path / "a.jsonl").read_text().count("prediction") == 10
     preds = lambda p: [json.loads(x)["prediction"] for x in p.read_text().splitlines()]  # noqa: E731
@@ -137,8 +174,39 @@ def test_sample_computes_and_stores_missing(tiny_neox_dir, data, tmp_path):
     second = _json(_run(["sample", str(data), *common]))
     assert second["cache_hit_rate"] == 1.0
     ro_store = str(tmp_path / "ro")
-    _json(_run(["build", str(data), "--model", str(tiny_neox_dir), "--store", ro_store, "--limit", "2", "--quiet", "--format", "json"]))
-    third = _json(_run(["sample", str(data), "--model", str(tiny_neox_dir), "--store", ro_store, "--readonly-store", "--quiet", "--format", "json"]))
+    _json(
+        _run(
+            [
+                "build",
+                str(data),
+                "--model",
+                str(tiny_neox_dir),
+                "--store",
+                ro_store,
+                "--limit",
+                "2",
+                "--quiet",
+                "--format",
+                "json",
+            ]
+        )
+    )
+    third = _json(
+        _run(
+            [
+                "sample",
+                str(data),
+                "--model",
+                str(tiny_neox_dir),
+                "--store",
+                ro_store,
+                "--readonly-store",
+                "--quiet",
+                "--format",
+                "json",
+            ]
+        )
+    )
     assert third["cache_hit_rate"] == 0.2  # 2 of 10 rows have a stored context; nothing new stored
     with KVStore(ro_store, readonly=True) as kv:
         assert len(kv) == 1  # --limit counts rows: 2 rows, both about the first context
@@ -156,7 +224,22 @@ def test_bad_rows_named_or_skipped(tiny_neox_dir, tmp_path, capsys):
     assert len(err) == 1 and "bad.jsonl:11" in err[0] and "Traceback" not in err[0]
     with pytest.raises(StoreNotFoundError):
         KVStore(store, readonly=True)  # the failed build created nothing
-    out = _json(_run(["build", str(ds), "--model", str(tiny_neox_dir), "--store", store, "--skip-bad-rows", "--quiet", "--format", "json"]))
+    out = _json(
+        _run(
+            [
+                "build",
+                str(ds),
+                "--model",
+                str(tiny_neox_dir),
+                "--store",
+                store,
+                "--skip-bad-rows",
+                "--quiet",
+                "--format",
+                "json",
+            ]
+        )
+    )
     assert out["bad_rows_skipped"] == 2 and out["built"] == 5
 
 
@@ -173,16 +256,50 @@ def test_option_validation(tiny_neox_dir, data, tmp_path):
 
 def test_too_long_context_is_named(tiny_neox_dir, tmp_path, capsys):
     long_text = " ".join(["word"] * 2000)
-    ds = _write_dataset(tmp_path / "long.jsonl", extra=[{"id": "long-1", "context": long_text, "question": "q?", "answers": ["a"]}])
+    ds = _write_dataset(
+        tmp_path / "long.jsonl", extra=[{"id": "long-1", "context": long_text, "question": "q?", "answers": ["a"]}]
+    )
     store = str(tmp_path / "store")
     with pytest.raises(SystemExit) as exit_info:
         main(["build", str(ds), "--model", str(tiny_neox_dir), "--store", store, "--quiet"])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert "long-1" in err and "--truncate" in err
-    out = _json(_run(["build", str(ds), "--model", str(tiny_neox_dir), "--store", store, "--truncate", "--quiet", "--format", "json"]))
+    out = _json(
+        _run(
+            [
+                "build",
+                str(ds),
+                "--model",
+                str(tiny_neox_dir),
+                "--store",
+                store,
+                "--truncate",
+                "--quiet",
+                "--format",
+                "json",
+            ]
+        )
+    )
     assert out["built"] == 6 and out["failed"] == 0
-    out = _json(_run(["sample", str(ds), "--model", str(tiny_neox_dir), "--store", store, "--truncate", "--quiet", "--format", "json", "-n", "2"]))
+    out = _json(
+        _run(
+            [
+                "sample",
+                str(ds),
+                "--model",
+                str(tiny_neox_dir),
+                "--store",
+                store,
+                "--truncate",
+                "--quiet",
+                "--format",
+                "json",
+                "-n",
+                "2",
+            ]
+        )
+    )
     assert out["cache_hit_rate"] == 1.0
 
 
@@ -190,11 +307,22 @@ def test_too_long_context_is_named(tiny_neox_dir, tmp_path, capsys):
 def test_demo_dataset_real_model_cli(real_model, tmp_path):
     """The bundled model through the CLI on a slice of the demo set: cached == --no-cache."""
     store = str(tmp_path / "store")
-    common = ["experiments/data/demo.jsonl", "--store", store, "--limit", "6", "--quiet", "--format", "json", "-n", "12"]
+    common = [
+        "experiments/data/demo.jsonl",
+        "--store",
+        store,
+        "--limit",
+        "6",
+        "--quiet",
+        "--format",
+        "json",
+        "-n",
+        "12",
+    ]
     built = _json(_run(["build", *common[:-2]]))
     assert built["built"] == 2
     a = _json(_run(["sample", *common, "-o", str(tmp_path / "a.jsonl")]))
-    b = _json(_run(["sample", *common, "-o", str(tmp_path / "b.jsonl"), "--no-cache"]))
+    _json(_run(["sample", *common, "-o", str(tmp_path / "b.jsonl"), "--no-cache"]))
     assert a["cache_hit_rate"] == 1.0
     preds = lambda p: [json.loads(x)["prediction"] for x in p.read_text().splitlines()]  # noqa: E731
     assert preds(tmp_path / "a.jsonl") == preds(tmp_path / "b.jsonl")

@@ -1,4 +1,5 @@
-"""kvstore.datasets: the three file formats, bad rows, hub names, and the demo set's invariants."""
+"""kvstore.data.datasets: the three file formats, bad rows, hub names, and the demo set's invariants."""
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.datasets import Dataset, Example, load_dataset
+from kvstore.data.datasets import Dataset, Example, load_dataset
 from kvstore.errors import DatasetError, KVStoreError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,7 +112,10 @@ def test_format_override_and_unknown_extension(tmp_path: Path) -> None:
         (json.dumps(row(context=12)), "field 'context' must be a string, got a number"),
         (json.dumps(row(question=["q"])), "field 'question' must be a string, got a list"),
         (json.dumps(row(answers={"x": 1})), "field 'answers' must be a string or a list of strings, got an object"),
-        (json.dumps(row(answers=["a", None])), "field 'answers' must be a string or a list of strings, got null in the list"),
+        (
+            json.dumps(row(answers=["a", None])),
+            "field 'answers' must be a string or a list of strings, got null in the list",
+        ),
         (json.dumps(row(answers=...)), "missing field 'answers'"),
         (json.dumps(row(id=1.5)), "field 'id' must be a string or an integer, got a number"),
         (json.dumps(row(id="first")), "duplicate id 'first' (first at "),
@@ -212,8 +216,13 @@ def _fake_datasets(rows: list[dict] | Exception) -> types.ModuleType:
 
 def test_hub_dataset_through_the_optional_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hub_rows = [
-        {"id": "5733", "title": "T", "context": "Built in 1874.", "question": "When?",
-         "answers": {"text": ["1874", "1874"], "answer_start": [9, 9]}},
+        {
+            "id": "5733",
+            "title": "T",
+            "context": "Built in 1874.",
+            "question": "When?",
+            "answers": {"text": ["1874", "1874"], "answer_start": [9, 9]},
+        },
         {"title": "T", "context": "Built in 1874.", "question": "Where?", "answers": {"text": [], "answer_start": []}},
     ]
     fake = _fake_datasets(hub_rows)
@@ -231,7 +240,9 @@ def test_hub_dataset_through_the_optional_package(tmp_path: Path, monkeypatch: p
 
 def test_hub_failure_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "datasets", _fake_datasets(ConnectionError("offline\nmore detail")))
-    with pytest.raises(DatasetError, match=r"^hub:squad: loading it from the Hugging Face hub failed \(ConnectionError: offline\)"):
+    with pytest.raises(
+        DatasetError, match=r"^hub:squad: loading it from the Hugging Face hub failed \(ConnectionError: offline\)"
+    ):
         load_dataset("hub:squad")
     monkeypatch.chdir(tmp_path)
     assert error_of(Path("squad")).startswith("squad: no such file, and loading it from the Hugging Face hub failed")
@@ -272,7 +283,8 @@ def test_csv_header_must_name_the_columns(tmp_path: Path) -> None:
     path.write_text("\ufeffdoc, q ,answers\nA context.,A question?,a\n", "utf-8")
     message = error_of(path, skip_bad_rows=True)  # a header problem is not a bad row
     assert message == (
-        f"{path}:1: no column 'context' in the header (columns: doc, q, answers); name another column with --context-field"
+        f"{path}:1: no column 'context' in the header (columns: doc, q, answers); name another column with "
+        "--context-field"
     )
     assert load_dataset(path, context_field="doc", question_field="q").examples[0].question == "A question?"
     assert load_dataset(path, context_field="doc", question_field="missing", require_question=False)
@@ -317,14 +329,18 @@ def test_json_list_of_rows_and_malformed_json(tmp_path: Path) -> None:
     assert error_of(path).startswith(f"{path}:[1]: expected a JSON object, got a string")
     assert [e.id for e in load_dataset(path, skip_bad_rows=True)] == ["rows-0", "x"]
     path.write_text(json.dumps(row()) + "\n" + json.dumps(row()) + "\n", "utf-8")
-    assert error_of(path) == f"{path}:2: not valid JSON (Extra data at column 1); for one object per line, name the file .jsonl or pass --format jsonl"
+    assert (
+        error_of(path)
+        == f"{path}:2: not valid JSON (Extra data at column 1); for one object per line, name the file .jsonl or "
+        "pass --format jsonl"
+    )
     path.write_text('{"version": 1}', "utf-8")
     assert "expected SQuAD-style JSON" in error_of(path)
 
 
 def test_library_modules_import_nothing_heavy() -> None:
     code = (
-        "import sys, kvstore.datasets, kvstore.metrics, kvstore.prompts\n"
+        "import sys, kvstore.data.datasets, kvstore.data.metrics, kvstore.data.prompts\n"
         "print(sorted(m for m in ('click', 'tqdm', 'matplotlib', 'torch', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
@@ -333,8 +349,6 @@ def test_library_modules_import_nothing_heavy() -> None:
 
 # --------------------------------------------------------------------------------------------
 # The demo set
-
-
 
 
 @pytest.fixture(scope="module")

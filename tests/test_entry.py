@@ -2,6 +2,7 @@
 concatenated zstd frames), golden bytes and key hashes that pin the format, and hostile or
 damaged entries that must fail as CorruptEntryError - never another exception, never a result,
 never a huge allocation."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,69 +16,28 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-import xxhash
 import zstandard
 
-from kvstore.codec import get_codec
-from kvstore.entry import FORMAT_VERSION, MAGIC, decode_entry, encode_entry, read_header, verify_checksum
+from helpers.entries import assemble, bits, encode, kv_layers, rle_frame, seal, split
 from kvstore.errors import CorruptEntryError, FormatVersionError
-from kvstore.keys import cache_key, config_digest
+from kvstore.model.identity import config_digest
+from kvstore.store.codecs import get_codec
+from kvstore.store.entry import (
+    FORMAT_VERSION,
+    MAGIC,
+    Entry,
+    decode_entry,
+    encode_entry,
+    read_header,
+    verify_checksum,
+)
+from kvstore.store.keys import cache_key
 
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("KVSTORE_REGEN_GOLDEN") == "1"  # rewrite the golden files (after a format bump)
 
 CODECS = ["raw", "zstd:3", "zstd-shuffle:1"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bit patterns of ``t`` (so NaN payloads and -0.0 compare exactly)."""
-    return t.contiguous().view(_BITS[t.element_size()])
-
-
-def kv_layers(n_layers=3, kv_heads=2, n_tokens=7, head_dim=8, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    layers = []
-    for _ in range(n_layers):
-        k = torch.randn(kv_heads, n_tokens, head_dim, generator=g, dtype=torch.float64).to(dtype)
-        v = torch.randn(kv_heads, n_tokens, head_dim, generator=g, dtype=torch.float64).to(dtype)
-        layers.append((k, v))
-    # values a lossy or sloppy path would change: infinities, NaN, -0.0, the dtype's extremes
-    fi = torch.finfo(dtype)
-    layers[0][0].view(-1)[:6] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, fi.tiny, fi.max], dtype=dtype)
-    return layers
-
-
-def encode(layers, codec="zstd-shuffle:1", ids=None, key="k" * 64, created=1700000000.0) -> bytes:
-    n = layers[0][0].shape[1]
-    return encode_entry(
-        key=key,
-        model="f" * 64,
-        model_name="tiny",
-        token_ids=torch.arange(n) if ids is None else ids,
-        layers=layers,
-        codec=codec,
-        created=created,
-    )
-
-
-def split(blob: bytes) -> tuple[dict, bytes]:
-    """(header JSON, payload) of an entry."""
-    _, offset = read_header(blob)
-    return json.loads(blob[12:offset]), blob[offset:-8]
-
-
-def assemble(header: dict, payload: bytes, *, indent=None) -> bytes:
-    """An entry from a header dict and payload, with a valid checksum: what an attacker (or a
-    bug that computed the checksum after the damage) would produce."""
-    h = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    body = MAGIC + struct.pack("<I", len(h)) + h + payload
-    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
-
-
-def reseal(damaged_body: bytes) -> bytes:
-    return damaged_body + struct.pack("<Q", xxhash.xxh3_64_intdigest(damaged_body))
 
 
 # -- round trips --------------------------------------------------------------------------------
@@ -87,25 +47,26 @@ def test_round_trip_bit_exact(codec, dtype):
     layers = kv_layers(dtype=dtype)
     ids = torch.tensor([5, 0, 2**32 - 1, 7, 7, 1, 3])
     blob = encode(layers, codec, ids=ids)
-    header, decoded = decode_entry(blob, key="k" * 64, threads=2)
+    decoded = decode_entry(blob, key="k" * 64, threads=2)
+    header = decoded.header
     assert header.dtype == str(dtype).removeprefix("torch.")
     assert (header.n_layers, header.kv_heads, header.n_tokens, header.head_dim) == (3, 2, 7, 8)
     assert header.codec_spec == get_codec(codec).spec
     assert header.created == 1700000000.0
     for i, (k, v) in enumerate(layers):
         for name, want in ((f"layers.{i}.keys", k), (f"layers.{i}.values", v)):
-            got = decoded.tensors[name].materialize()
+            got = decoded.records[name].materialize()
             assert got.dtype == dtype and got.shape == want.shape
             assert torch.equal(bits(got), bits(want)), name
-    assert torch.equal(decoded.tensors["token_ids"].materialize(), ids)
+    assert torch.equal(decoded.records["token_ids"].materialize(), ids)
 
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_copy_into_strided_destination(codec):
     layers = kv_layers(dtype=torch.bfloat16)
-    _, decoded = decode_entry(encode(layers, codec))
+    decoded = decode_entry(encode(layers, codec))
     dest = torch.zeros(2, 2, 10, 8, dtype=torch.bfloat16)[1, :, 2:9]  # a non-contiguous slice
-    decoded.tensors["layers.1.values"].copy_into(dest)
+    decoded.records["layers.1.values"].copy_into(dest)
     assert torch.equal(bits(dest), bits(layers[1][1]))
 
 
@@ -126,7 +87,7 @@ def test_encode_rejects_inconsistent_layers():
     with pytest.raises(ValueError):
         encode([(k.long(), k.long())], ids=torch.arange(4))
     with pytest.raises(ValueError):
-        encode_entry(key="k", model="m", model_name="n", token_ids=[1], layers=[])
+        encode_entry(Entry("k", "m", "n", torch.tensor([1]), ()))
 
 
 def test_raw_payload_is_a_safetensors_file():
@@ -167,7 +128,7 @@ def test_store_level_facts_in_header():
 # -- golden: the format is pinned ------------------------------------------------------------------
 # A failure here means the bytes an entry is stored as (or a key is computed from) changed. Stores
 # written before would then be misread or silently miss. If the change is deliberate, bump
-# kvstore.entry.FORMAT_VERSION (which also changes every cache key), teach the decoder to read the
+# kvstore.store.entry.FORMAT_VERSION (which also changes every cache key), teach the decoder to read the
 # old version or refuse it, and regenerate with KVSTORE_REGEN_GOLDEN=1.
 GOLDEN_FP = hashlib.sha256(b"kvstore golden model").hexdigest()
 
@@ -179,13 +140,7 @@ def golden_entry(codec: str) -> bytes:
         k = (torch.arange(2 * 6 * 4, dtype=torch.float32).reshape(2, 6, 4) - 20) / 8 + i
         layers.append((k, -2 * k))
     return encode_entry(
-        key=cache_key(GOLDEN_FP, torch.float32, ids),
-        model=GOLDEN_FP,
-        model_name="golden",
-        token_ids=ids,
-        layers=layers,
-        codec=codec,
-        created=1700000000.25,
+        Entry(cache_key(GOLDEN_FP, torch.float32, ids), GOLDEN_FP, "golden", ids, tuple(layers), 1700000000.25), codec
     )
 
 
@@ -259,12 +214,13 @@ def test_golden_entry_bytes(golden, codec):
 def test_golden_files_still_decode(codec):
     """Entries written by format v1 stay readable, whatever this version writes."""
     blob = (GOLDEN / f"entry_v1_{codec.replace(':', '-')}.kvs").read_bytes()
-    header, decoded = decode_entry(blob, key=cache_key(GOLDEN_FP, "float32", [1, 2, 3, 5, 8, 13]))
+    decoded = decode_entry(blob, key=cache_key(GOLDEN_FP, "float32", [1, 2, 3, 5, 8, 13]))
     want = golden_entry(codec)
-    _, want_decoded = decode_entry(want)
+    want_decoded = decode_entry(want)
+    header = decoded.header
     assert header.model_name == "golden" and header.created == 1700000000.25
-    for name, rec in want_decoded.tensors.items():
-        assert torch.equal(decoded.tensors[name].materialize(), rec.materialize())
+    for name, rec in want_decoded.records.items():
+        assert torch.equal(decoded.records[name].materialize(), rec.materialize())
     if codec == "raw":
         assert blob == want
 
@@ -275,7 +231,17 @@ def test_golden_cache_keys(golden):
     fp, dtype, ids = GOLDEN_KEYS["f32_short"]
     # every input matters; equivalent spellings do not
     assert cache_key(fp, torch.float32, torch.tensor(ids)) == golden["cache_keys"]["f32_short"]
-    assert len({cache_key(fp, dtype, ids), cache_key(fp, "float16", ids), cache_key("b" * 64, dtype, ids), cache_key(fp, dtype, ids[:2])}) == 4
+    assert (
+        len(
+            {
+                cache_key(fp, dtype, ids),
+                cache_key(fp, "float16", ids),
+                cache_key("b" * 64, dtype, ids),
+                cache_key(fp, dtype, ids[:2]),
+            }
+        )
+        == 4
+    )
     for bad in ([-1], [2**32], [[1, 2]]):
         with pytest.raises(ValueError):
             cache_key(fp, dtype, bad)
@@ -283,7 +249,9 @@ def test_golden_cache_keys(golden):
 
 def test_golden_config_digest(golden):
     assert config_digest(GOLDEN_CONFIG) == golden["config_digest"]
-    volatile = dict(GOLDEN_CONFIG, transformers_version="9.9", torch_dtype="bfloat16", _name_or_path="/x", use_cache=False)
+    volatile = dict(
+        GOLDEN_CONFIG, transformers_version="9.9", torch_dtype="bfloat16", _name_or_path="/x", use_cache=False
+    )
     assert config_digest(volatile) == golden["config_digest"]
     assert config_digest(dict(GOLDEN_CONFIG, hidden_size=64)) != golden["config_digest"]
 
@@ -329,10 +297,10 @@ def test_resealed_damage_never_escapes_as_another_error(blob):
         for _ in range(rng.choice((1, 1, 3))):
             damaged[rng.randrange(len(damaged))] = rng.randrange(256)
         try:
-            header, decoded = decode_entry(reseal(bytes(damaged)))
+            decoded = decode_entry(seal(bytes(damaged)))
         except (CorruptEntryError, FormatVersionError):
             continue
-        for name, rec in decoded.tensors.items():
+        for _name, rec in decoded.records.items():
             assert rec.materialize().numel() == rec.numel
 
 
@@ -394,7 +362,18 @@ def _with_st_header(header: dict, payload: bytes, edit) -> bytes:
         lambda st: st.update(__metadata__={"key": 5}),
         lambda st: st["__metadata__"].update(n_layers="7"),
     ],
-    ids=["offset-beyond", "offset-far", "huge-shape", "negative-shape", "inf-shape", "dtype", "overlap", "missing", "metadata-type", "metadata-disagrees"],
+    ids=[
+        "offset-beyond",
+        "offset-far",
+        "huge-shape",
+        "negative-shape",
+        "inf-shape",
+        "dtype",
+        "overlap",
+        "missing",
+        "metadata-type",
+        "metadata-disagrees",
+    ],
 )
 def test_hostile_safetensors_header(edit):
     header, payload = split(encode(kv_layers(n_layers=1), "raw"))
@@ -426,24 +405,9 @@ def test_hostile_entry_header():
             decode_entry(assemble(dict(header, **edit), payload))
     h = b"[" * 100_000
     with pytest.raises(CorruptEntryError):
-        decode_entry(reseal(MAGIC + struct.pack("<I", len(h)) + h + payload))
+        decode_entry(seal(MAGIC + struct.pack("<I", len(h)) + h + payload))
     with pytest.raises(CorruptEntryError):
-        decode_entry(reseal(MAGIC + struct.pack("<I", 0xFFFFFFFF) + payload))
-
-
-def rle_frame(content_size: int, byte: int = 0, declare: bool = True) -> bytes:
-    """A hand-made zstd frame of ``content_size`` copies of ``byte``: RLE blocks of 128 KiB, 4 bytes
-    each, so a few KB of frame expand to hundreds of MB (a decompression bomb)."""
-    if declare:  # descriptor: 8-byte content size, window descriptor 128 KiB
-        out = bytearray(struct.pack("<I", 0xFD2FB528) + bytes([0xC0, 0x38]) + struct.pack("<Q", content_size))
-    else:  # no content size in the header
-        out = bytearray(struct.pack("<I", 0xFD2FB528) + bytes([0x00, 0x38]))
-    left = content_size
-    while left:
-        n = min(left, 1 << 17)
-        left -= n
-        out += ((n << 3) | (1 << 1) | (left == 0)).to_bytes(3, "little") + bytes([byte])
-    return bytes(out)
+        decode_entry(seal(MAGIC + struct.pack("<I", 0xFFFFFFFF) + payload))
 
 
 @pytest.mark.parametrize("threads", [1, 4])
@@ -455,7 +419,7 @@ def test_zstd_frame_expanding_beyond_its_declared_size(threads, declare):
     frames = header["codec"]["frames"]
     # swap tensor 0's frame for a bomb: 256 MiB of zeros in ~8 KB, the frame table unchanged except
     # for the compressed length, so every declared size still adds up
-    bomb = rle_frame(256 << 20, declare=declare)
+    bomb = rle_frame(256 << 20, declared=declare)
     sizes = [c for c, _ in frames]
     parts, pos = [], 0
     for c in sizes:

@@ -13,6 +13,7 @@ The soak run (``KVSTORE_SOAK=1``, see ``experiments/reliability/soak.py``) runs
 ``test_fuzz_soak`` with 10,000 random cases (``KVSTORE_FUZZ_SOAK_EXAMPLES``) and, with
 ``KVSTORE_FUZZ_REPORT=PATH``, writes the counts there.
 """
+
 from __future__ import annotations
 
 import collections
@@ -24,13 +25,13 @@ import warnings
 
 import pytest
 import torch
-import xxhash
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvstore.entry import MAGIC, MAX_COMPRESSION_RATIO, decode_entry, encode_entry, read_header
+from helpers.entries import assemble, encode, seal, split
 from kvstore.errors import CorruptEntryError, FormatVersionError
-from kvstore.store import KVStore
+from kvstore.store.entry import MAX_COMPRESSION_RATIO, decode_entry, read_header
+from kvstore.store.kvstore import KVStore
 
 CI_EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "150"))
 SOAK_EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_SOAK_EXAMPLES", "10000"))
@@ -48,7 +49,7 @@ OUTCOMES: collections.Counter = collections.Counter()
 
 
 # -- valid entries to start from ---------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def base_entries() -> tuple[bytes, ...]:
     out = []
     for i, (codec, dtype, n_layers, n_tokens, head_dim) in enumerate(
@@ -62,28 +63,14 @@ def base_entries() -> tuple[bytes, ...]:
     ):
         g = torch.Generator().manual_seed(i)
         layers = [
-            (torch.randn(2, n_tokens, head_dim, generator=g).to(dtype), torch.randn(2, n_tokens, head_dim, generator=g).to(dtype))
+            (
+                torch.randn(2, n_tokens, head_dim, generator=g).to(dtype),
+                torch.randn(2, n_tokens, head_dim, generator=g).to(dtype),
+            )
             for _ in range(n_layers)
         ]
-        out.append(
-            encode_entry(key=KEY, model="f" * 64, model_name="tiny", token_ids=list(range(n_tokens)), layers=layers,
-                         codec=codec, created=1.7e9)
-        )
+        out.append(encode(layers, codec, key=KEY, created=1.7e9))
     return tuple(out)
-
-
-def split(blob: bytes) -> tuple[dict, bytes]:
-    _, offset = read_header(blob)
-    return json.loads(blob[12:offset]), blob[offset:-8]
-
-
-def seal(body: bytes) -> bytes:
-    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
-
-
-def assemble(header: dict | bytes, payload: bytes) -> bytes:
-    h = header if isinstance(header, bytes) else json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    return seal(MAGIC + struct.pack("<I", len(h)) + h + payload)
 
 
 # -- strategies ------------------------------------------------------------------------------------------
@@ -98,7 +85,11 @@ json_scalars = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
 )  # fmt: skip
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)), max_leaves=12)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+    max_leaves=12,
+)
 
 
 def _json(value) -> bytes:
@@ -136,8 +127,21 @@ def spliced(draw):
     return "splice", body + blob[-8:]
 
 
-HEADER_FIELDS = ["format", "key", "model", "model_name", "dtype", "n_tokens", "n_layers", "kv_heads", "head_dim",
-                 "codec", "raw_bytes", "created", "extra"]
+HEADER_FIELDS = [
+    "format",
+    "key",
+    "model",
+    "model_name",
+    "dtype",
+    "n_tokens",
+    "n_layers",
+    "kv_heads",
+    "head_dim",
+    "codec",
+    "raw_bytes",
+    "created",
+    "extra",
+]
 
 
 @st.composite
@@ -183,7 +187,12 @@ def safetensors_edits(draw):
             st.one_of(json_values, st.lists(big_ints, max_size=4))
         )
     elif kind == "metadata":
-        st_head["__metadata__"] = draw(st.one_of(json_values, st.dictionaries(st.sampled_from(["key", "model", "dtype", "n_tokens", "n_layers", "x"]), json_values)))
+        st_head["__metadata__"] = draw(
+            st.one_of(
+                json_values,
+                st.dictionaries(st.sampled_from(["key", "model", "dtype", "n_tokens", "n_layers", "x"]), json_values),
+            )
+        )
     elif kind == "rename":
         st_head[draw(st.text(max_size=12))] = st_head.pop(draw(st.sampled_from(names)))
     elif kind == "drop":
@@ -218,24 +227,32 @@ def frame_table_edits(draw):
     return f"frames-{kind}", assemble(header, payload)
 
 
-ALL = st.one_of(flipped(), truncated_or_extended(), spliced(), header_edits(), consistent_size_edits(), safetensors_edits(), frame_table_edits())
+ALL = st.one_of(
+    flipped(),
+    truncated_or_extended(),
+    spliced(),
+    header_edits(),
+    consistent_size_edits(),
+    safetensors_edits(),
+    frame_table_edits(),
+)
 
 
 # -- the property ------------------------------------------------------------------------------------------
 def check(kind: str, blob: bytes, *, must_fail: bool = False) -> str:
     """Decode ``blob`` every way kvstore does; only kvstore's errors may come out. Returns the outcome."""
     try:
-        header, decoded = decode_entry(blob, key=KEY, threads=2)
+        decoded = decode_entry(blob, key=KEY, threads=2)
     except (CorruptEntryError, FormatVersionError) as exc:
         outcome = type(exc).__name__
     else:
         assert not must_fail, f"{kind}: damaged entry decoded"
         total = 0
-        for rec in decoded.tensors.values():
+        for rec in decoded.records.values():
             t = rec.materialize()
             assert tuple(t.shape) == rec.shape and t.dtype == rec.dtype
             total += t.numel() * t.element_size()
-        assert total <= header.raw_bytes <= MAX_COMPRESSION_RATIO * len(blob) + (1 << 20)
+        assert total <= decoded.header.raw_bytes <= MAX_COMPRESSION_RATIO * len(blob) + (1 << 20)
         outcome = "decoded"
     try:
         read_header(blob)
@@ -321,5 +338,6 @@ def teardown_module(module) -> None:
         for (kind, outcome), n in sorted(OUTCOMES.items()):
             by_kind[kind][outcome] = n
         with open(report, "w") as f:
-            json.dump({"cases": sum(OUTCOMES.values()), "by_kind": by_kind,
-                       "errors_other_than_kvstore": 0}, f, indent=2)  # any other error fails the run instead
+            json.dump(
+                {"cases": sum(OUTCOMES.values()), "by_kind": by_kind, "errors_other_than_kvstore": 0}, f, indent=2
+            )  # any other error fails the run instead

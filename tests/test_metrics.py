@@ -1,11 +1,19 @@
-"""kvstore.metrics: SQuAD normalization, exact match, F1, the lenient prefix match, aggregation."""
+"""kvstore.data.metrics: SQuAD normalization, exact match, F1, the lenient prefix match, aggregation."""
+
 from __future__ import annotations
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore.metrics import clean_prediction, exact_match, f1_score, lenient_match, normalize_answer, score
+from kvstore.data.metrics import (
+    clean_prediction,
+    exact_match,
+    f1_score,
+    lenient_match,
+    normalize_answer,
+    score,
+)
 
 
 @pytest.mark.parametrize(
@@ -96,7 +104,11 @@ text = st.text(alphabet=st.sampled_from("aAbthe ,.-!x19\n\t"), max_size=20)
 
 @given(prediction=text, answers=st.lists(text, max_size=3))
 def test_metric_properties(prediction: str, answers: list[str]) -> None:
-    em, f1, lenient = exact_match(prediction, answers), f1_score(prediction, answers), lenient_match(prediction, answers)
+    em, f1, lenient = (
+        exact_match(prediction, answers),
+        f1_score(prediction, answers),
+        lenient_match(prediction, answers),
+    )
     assert em in (0.0, 1.0) and 0.0 <= f1 <= 1.0
     if em:
         assert lenient and f1 == 1.0
@@ -105,7 +117,7 @@ def test_metric_properties(prediction: str, answers: list[str]) -> None:
 
 
 def test_contains_match_whole_words():
-    from kvstore.metrics import contains_match, score
+    from kvstore.data.metrics import contains_match, score
 
     assert contains_match("The Harrow Bridge was completed in 1874.", ["1874"])
     assert contains_match("It crosses the River Leddon", ["the River Leddon"])

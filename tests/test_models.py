@@ -1,5 +1,6 @@
-"""kvstore.models: name resolution, dtype/device parsing, loading, GGUF conversion; and the tiny
+"""kvstore.model.loading: name resolution, dtype/device parsing, loading, GGUF conversion; and the tiny
 test models and tokenizers themselves (tests/tiny.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvstore.errors import KVStoreError, ModelError, ModelNotFoundError
+from kvstore.model import gguf
+from kvstore.model import loading as models
+from kvstore.model.gguf import CONVERSION_MARKER, convert_gguf, converted_dir
+from kvstore.model.loading import (
+    LoadedModel,
+    ModelSource,
+    bundled_gguf_path,
+    load_model,
+    parse_device,
+    parse_dtype,
+    resolve_model,
+)
+from kvstore.paths import models_dir
 from tiny import (
     BOS,
     CHAT_TEMPLATE,
@@ -25,22 +42,6 @@ from tiny import (
     make_tokenizer,
     save_tiny_model,
     write_tiny_gguf,
-)
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from kvstore import models
-from kvstore.errors import KVStoreError, ModelError, ModelNotFoundError
-from kvstore.models import (
-    CONVERSION_MARKER,
-    LoadedModel,
-    ModelSource,
-    bundled_gguf_path,
-    convert_gguf,
-    converted_dir,
-    load_model,
-    parse_device,
-    parse_dtype,
-    resolve_model,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,7 +84,7 @@ def test_missing_bundled_package_says_how_to_install(monkeypatch):
 
 
 def test_import_is_light():
-    code = "import sys, kvstore.models; assert not {'torch', 'transformers', 'click'} & set(sys.modules)"
+    code = "import sys, kvstore.model.loading; assert not {'torch', 'transformers', 'click'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -326,7 +327,7 @@ def test_gguf_converts_once_then_loads_the_conversion(tiny_gguf, models_home, mo
     assert (first.name, first.source) == ("tiny-llama", str(tiny_gguf))
     assert first.weight_files == (target / "model.safetensors",)
     marker = json.loads((target / CONVERSION_MARKER).read_text())
-    assert marker["gguf"] == str(tiny_gguf) and marker["format"] == models.CONVERSION_FORMAT
+    assert marker["gguf"] == str(tiny_gguf) and marker["format"] == gguf.CONVERSION_FORMAT
 
     # The conversion is the GGUF model, bit for bit, and the GGUF is the tiny model it was written from.
     direct = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32)
@@ -340,7 +341,7 @@ def test_gguf_converts_once_then_loads_the_conversion(tiny_gguf, models_home, mo
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(models, "_convert_into", no_conversion)
+    monkeypatch.setattr(gguf, "_convert_into", no_conversion)
     messages.clear()
     second = load_model(tiny_gguf, log=messages.append)
     assert messages == [] and second.weight_files == first.weight_files
@@ -370,7 +371,7 @@ def test_failed_conversion_leaves_nothing_behind(tiny_gguf, models_home, monkeyp
         (out / "model.safetensors").write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "_convert_into", half_then_fail)
+    monkeypatch.setattr(gguf, "_convert_into", half_then_fail)
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(tiny_gguf, log=lambda _: None)
     assert [p.name for p in models_home.iterdir() if not p.name.endswith(".lock")] == []
@@ -385,9 +386,9 @@ def _fake_conversion(directory: Path, fmt: int, content: str) -> Path:
 
 
 def test_publish_keeps_a_conversion_another_process_finished_first(tmp_path):
-    final = _fake_conversion(tmp_path / "final", models.CONVERSION_FORMAT, "theirs")
-    ours = _fake_conversion(tmp_path / ".tmp-ours", models.CONVERSION_FORMAT, "ours")
-    models._publish(ours, final)
+    final = _fake_conversion(tmp_path / "final", gguf.CONVERSION_FORMAT, "theirs")
+    ours = _fake_conversion(tmp_path / ".tmp-ours", gguf.CONVERSION_FORMAT, "ours")
+    gguf._publish(ours, final)
     assert (final / "content").read_text() == "theirs"
 
 
@@ -396,8 +397,8 @@ def test_publish_replaces_an_outdated_or_broken_conversion(tmp_path, stale_forma
     final = _fake_conversion(tmp_path / "final", stale_format or 0, "old")
     if stale_format is None:
         (final / CONVERSION_MARKER).unlink()
-    ours = _fake_conversion(tmp_path / ".tmp-ours", models.CONVERSION_FORMAT, "ours")
-    models._publish(ours, final)
+    ours = _fake_conversion(tmp_path / ".tmp-ours", gguf.CONVERSION_FORMAT, "ours")
+    gguf._publish(ours, final)
     assert (final / "content").read_text() == "ours"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
 
@@ -528,7 +529,7 @@ def test_real_model_is_the_bundled_smollm2(real_model):
     assert real_model.source == str(bundled_gguf_path())
     target = converted_dir(bundled_gguf_path())
     assert real_model.weight_files == (target / "model.safetensors",)
-    assert target.parent == models.models_dir()
+    assert target.parent == models_dir()
     config = real_model.model.config
     assert (config.model_type, config.num_hidden_layers, config.num_key_value_heads, config.vocab_size) == (
         "llama",
@@ -562,7 +563,7 @@ def test_real_model_second_load_uses_the_conversion(real_model, monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(models, "_convert_into", no_conversion)
+    monkeypatch.setattr(gguf, "_convert_into", no_conversion)
     messages: list[str] = []
     again = load_model("default", log=messages.append)
     assert messages == [] and again.weight_files == real_model.weight_files

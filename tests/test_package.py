@@ -1,4 +1,5 @@
 """Package-level promises: a light import, the public names, a fast `kvstore --help`."""
+
 from __future__ import annotations
 
 import subprocess
@@ -8,8 +9,12 @@ import kvstore
 
 
 def _modules_after(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", f"import sys; {code}; print(' '.join(sys.modules))"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys; {code}; print(' '.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return set(out.stdout.split())
 
 
@@ -19,7 +24,9 @@ def test_import_kvstore_pulls_in_no_cli_or_heavy_modules():
 
 
 def test_library_never_imports_click_even_when_used():
-    loaded = _modules_after("import kvstore; kvstore.KVStore; kvstore.Adapter; kvstore.load_dataset; kvstore.estimate_size")
+    loaded = _modules_after(
+        "import kvstore; kvstore.KVStore; kvstore.Adapter; kvstore.load_dataset; kvstore.estimate_size"
+    )
     # (tqdm arrives with transformers' own imports, so it is checked in the source below)
     assert "torch" in loaded and not {"click", "matplotlib"} & loaded
 
@@ -42,9 +49,11 @@ def test_library_source_has_no_cli_imports():
 
 
 def test_help_lists_commands_without_torch():
-    loaded = _modules_after("import cli.main; cli.main.app.main(['--help'], standalone_mode=False)")
+    loaded = _modules_after("import kvstore.cli.main; kvstore.cli.main.app.main(['--help'], standalone_mode=False)")
     assert "torch" not in loaded and "transformers" not in loaded
-    out = subprocess.run([sys.executable, "-m", "cli.main", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for command in ("build", "sample", "ls", "stats", "verify", "rm", "gc", "size"):
         assert f"  {command} " in out
 
@@ -52,3 +61,25 @@ def test_help_lists_commands_without_torch():
 def test_public_names_resolve():
     for name in kvstore.__all__:
         assert getattr(kvstore, name) is not None
+
+
+def test_setup_cfg_lists_every_package():
+    """setup.cfg names its packages one by one (cli/ installs as kvstore.cli): a new subpackage
+    that is not listed would be missing from a non-editable install."""
+    import configparser
+    from pathlib import Path
+
+    root = Path(kvstore.__file__).parent
+    cfg = configparser.ConfigParser()
+    cfg.read(root.parent / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    found = {"kvstore." + ".".join(p.parent.relative_to(root).parts) for p in root.rglob("__init__.py")}
+    found = {name.rstrip(".") for name in found} | {"kvstore.cli"}
+    assert listed == found
+    assert cfg["options"]["package_dir"].split() == ["kvstore.cli", "=", "cli"]
+    assert cfg["options.entry_points"]["console_scripts"].strip() == "kvstore = kvstore.cli.main:main"
+
+
+def test_python_dash_m_kvstore_runs_the_cli():
+    out = subprocess.run([sys.executable, "-m", "kvstore", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "build" in out and "sample" in out

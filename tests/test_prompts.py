@@ -1,4 +1,5 @@
-"""kvstore.prompts: plain templates, and chat templates cut after the context."""
+"""kvstore.data.prompts: plain templates, and chat templates cut after the context."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.data.prompts import DEFAULT_TEMPLATE, PromptFormat
 from kvstore.errors import DatasetError, ModelError
-from kvstore.prompts import DEFAULT_TEMPLATE, PromptFormat
 
 DEMO = Path(__file__).resolve().parent.parent / "experiments" / "data" / "demo.jsonl"
 TINY_CHAT_TEMPLATE = (
@@ -70,7 +71,9 @@ def tiny_tokenizer():  # noqa: ANN201
     from transformers import PreTrainedTokenizerFast
 
     words = "the bridge opened in 1874 . when did it open ? question : answer help briefly".split()
-    vocab = {token: i for i, token in enumerate(["[UNK]", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", *words])}
+    vocab = {
+        token: i for i, token in enumerate(["[UNK]", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", *words])
+    }
     backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     # Adds a BOS with add_special_tokens=True, as Llama tokenizers do.
@@ -106,7 +109,10 @@ def test_chat_context_part_holds_its_special_tokens_as_text(tiny_tokenizer) -> N
     ids = tiny_tokenizer(chat.context_part("the bridge"), add_special_tokens=chat.add_special_tokens).input_ids
     assert ids == [bos, tiny_tokenizer.convert_tokens_to_ids("<|user|>"), *ids[2:]] and ids.count(bos) == 1
     plain = PromptFormat.plain()
-    assert tiny_tokenizer(plain.context_part("the bridge"), add_special_tokens=plain.add_special_tokens).input_ids[0] == bos
+    assert (
+        tiny_tokenizer(plain.context_part("the bridge"), add_special_tokens=plain.add_special_tokens).input_ids[0]
+        == bos
+    )
 
 
 def test_chat_template_with_text_before_the_context(tiny_tokenizer) -> None:  # noqa: ANN001
@@ -141,7 +147,11 @@ def _refuse_system(messages: list[dict]) -> str:
     ("render", "system", "match"),
     [
         (None, None, r"^tokenizer fake/model has no chat template; drop --chat to use plain prompts$"),
-        (_refuse_system, "Be brief.", r"failed to render \(ValueError: System role not supported\); try without --system"),
+        (
+            _refuse_system,
+            "Be brief.",
+            r"failed to render \(ValueError: System role not supported\); try without --system",
+        ),
         (lambda messages: "<user>" + messages[-1]["content"].replace("<", "&lt;"), None, "rewrites message text"),
         (lambda messages: "<user>" + messages[-1]["content"].replace("\n", " "), None, "rewrites message text"),
         (lambda messages: "constant", None, "does not show the user message once"),
@@ -158,8 +168,6 @@ def test_unusable_chat_templates(render, system: str | None, match: str) -> None
 def test_bad_template_is_reported_before_the_tokenizer(tiny_tokenizer) -> None:  # noqa: ANN001
     with pytest.raises(DatasetError):
         PromptFormat.from_chat_template(tiny_tokenizer, template="no placeholder")
-
-
 
 
 def _demo_pairs(count: int) -> list[tuple[str, str]]:
@@ -197,7 +205,8 @@ def test_smollm2_plain_split_tokens(smollm2_tokenizer) -> None:  # noqa: ANN001
     fmt = PromptFormat.plain()
     for context, question in _demo_pairs(3):
         context_part, question_part = fmt.split(context, question)
-        joined = smollm2_tokenizer(context_part, add_special_tokens=True).input_ids + smollm2_tokenizer(
-            question_part, add_special_tokens=False
-        ).input_ids
+        joined = (
+            smollm2_tokenizer(context_part, add_special_tokens=True).input_ids
+            + smollm2_tokenizer(question_part, add_special_tokens=False).input_ids
+        )
         assert joined == smollm2_tokenizer(context_part + question_part).input_ids

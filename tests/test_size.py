@@ -1,5 +1,6 @@
 """`kvstore size`: the formula against hand-computed values, name resolution, every output format,
 the plot, and the measured column on a real (tiny) store."""
+
 from __future__ import annotations
 
 import csv
@@ -12,22 +13,19 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import app, main
+from kvstore.cli.main import app, main
 from kvstore.errors import ModelError, ModelNotFoundError
-from kvstore.models import bundled_gguf_path
-from kvstore.size import (
-    PYTHIA,
-    ModelShape,
+from kvstore.model.gguf import read_gguf_metadata
+from kvstore.model.loading import bundled_gguf_path
+from kvstore.size.estimate import (
     estimate_size,
     kv_bytes_per_example,
     kv_bytes_per_token,
-    read_gguf_metadata,
-    resolve_shape,
-    shape_from_config,
-    shape_from_gguf,
     size_report,
-    summarize_entries,
 )
+from kvstore.size.shapes import PYTHIA, ModelShape, resolve_shape, shape_from_config, shape_from_gguf
+from kvstore.store.entry import EntryHeader
+from kvstore.store.scan import EntryInfo, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,16 +94,29 @@ def test_gqa_counts_kv_heads_not_hidden_size():
 
 
 def test_all_pythia_models_from_their_configs():
-    published = {"70m": (6, 512, 8), "160m": (12, 768, 12), "410m": (24, 1024, 16), "1b": (16, 2048, 8),
-                 "1.4b": (24, 2048, 16), "2.8b": (32, 2560, 32), "6.9b": (32, 4096, 32), "12b": (36, 5120, 40)}
+    published = {
+        "70m": (6, 512, 8),
+        "160m": (12, 768, 12),
+        "410m": (24, 1024, 16),
+        "1b": (16, 2048, 8),
+        "1.4b": (24, 2048, 16),
+        "2.8b": (32, 2560, 32),
+        "6.9b": (32, 4096, 32),
+        "12b": (36, 5120, 40),
+    }
     assert [s.name for s in PYTHIA] == [f"pythia-{k}" for k in published]
     for shape, (layers, hidden, heads) in zip(PYTHIA, published.values()):
-        config = {"model_type": "gpt_neox", "num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads}
+        config = {
+            "model_type": "gpt_neox",
+            "num_hidden_layers": layers,
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+        }
         assert kv_bytes_per_token(shape) == kv_bytes_per_token(shape_from_config(config)) == 2 * layers * hidden * 4
 
 
 def test_cumulative_adds_models_in_order_per_dtype():
-    rows = estimate_size(PYTHIA[:3], seq_len=10, examples=3, dtypes=["float32", "bf16"])
+    rows = estimate_size(PYTHIA[:3], seq_len=10, examples=3, dtype_names=["float32", "bf16"])
     assert [r.dtype for r in rows] == ["float32"] * 3 + ["bfloat16"] * 3
     per = [2 * s.n_layers * s.kv_heads * s.head_dim * 10 * 4 * 3 for s in PYTHIA[:3]]
     assert [r.bytes_cumulative for r in rows[:3]] == [per[0], per[0] + per[1], sum(per)]
@@ -114,8 +125,12 @@ def test_cumulative_adds_models_in_order_per_dtype():
 
 def test_sliding_window_layers_cap_at_the_window():
     config = {
-        "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "sliding_window": 100,
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "sliding_window": 100,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
     }
     shape = shape_from_config(config, name="swa")
@@ -131,8 +146,15 @@ def test_sliding_window_layers_cap_at_the_window():
 
 def test_sliding_pattern_left_to_transformers_when_the_config_omits_it():
     # Gemma 2 alternates sliding and full layers; its config.json does not list them
-    config = {"model_type": "gemma2", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8}
+    config = {
+        "model_type": "gemma2",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 8,
+    }
     assert shape_from_config(config, name="g2").windows == (8, None, 8, None)
 
 
@@ -170,7 +192,9 @@ def test_gguf_file(tmp_path):
     shape = resolve_shape(str(path))
     assert (shape.name, shape.n_layers, shape.kv_heads, shape.head_dim) == ("tiny", 30, 3, 64)
     # sliding window every other layer (pattern 2: layers 0 and 2 slide); per-layer KV heads, 0 = no attention
-    swa_file = write_gguf(tmp_path / "swa.gguf", "gemma2", layers=4, heads=4, kv_heads=[2, 2, 0, 2], hidden=128, window=16, pattern=2)
+    swa_file = write_gguf(
+        tmp_path / "swa.gguf", "gemma2", layers=4, heads=4, kv_heads=[2, 2, 0, 2], hidden=128, window=16, pattern=2
+    )
     swa = shape_from_gguf(swa_file)
     assert swa.windows == (16, None, 0, None)
     assert kv_bytes_per_example(swa, 100) == 2 * 2 * 32 * (16 + 100 + 0 + 100) * 4
@@ -226,7 +250,7 @@ def test_built_in_names_gguf_and_directories_import_no_torch(tmp_path):
     if _bundled() is not None:
         args.append("default")
     code = (
-        "import sys; from cli.main import app\n"
+        "import sys; from kvstore.cli.main import app\n"
         f"app.main(args={args!r}, standalone_mode=False)\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'\n"
         "assert 'matplotlib' not in sys.modules\n"
@@ -237,7 +261,9 @@ def test_built_in_names_gguf_and_directories_import_no_torch(tmp_path):
 
 
 def test_library_imports_no_click_or_matplotlib():
-    code = "import sys, kvstore.size; assert not {'click', 'matplotlib', 'torch'} & set(sys.modules), sorted(sys.modules)"
+    code = (
+        "import sys, kvstore.size; assert not {'click', 'matplotlib', 'torch'} & set(sys.modules), sorted(sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, timeout=60).returncode == 0
 
 
@@ -258,7 +284,11 @@ def test_default_table_lists_the_eight_pythia_models():
 def test_csv_format():
     result = run("pythia-70m", "pythia-1b", "--format", "csv", "--dtype", "all", "--seq-len", "100", "--examples", "2")
     rows = list(csv.DictReader(io.StringIO(result.stdout)))
-    assert [(r["model"], r["dtype"]) for r in rows][:3] == [("pythia-70m", "float32"), ("pythia-1b", "float32"), ("pythia-70m", "float16")]
+    assert [(r["model"], r["dtype"]) for r in rows][:3] == [
+        ("pythia-70m", "float32"),
+        ("pythia-1b", "float32"),
+        ("pythia-70m", "float16"),
+    ]
     assert len(rows) == 6 and {r["kind"] for r in rows} == {"estimated"}
     assert int(rows[0]["bytes_per_example"]) == 2 * 6 * 512 * 100 * 4
     assert int(rows[1]["bytes_cumulative"]) == 2 * (6 * 512 + 16 * 2048) * 100 * 4 * 2
@@ -288,26 +318,41 @@ def test_plot_writes_a_png(tmp_path):
 
 
 # -- measured in a store ----------------------------------------------------------------------
-def test_summarize_entries_groups_by_model_and_dtype():
-    from types import SimpleNamespace as E
+def test_summarize_groups_by_model_and_dtype():
+    def info(dtype, codec, n_tokens, raw_bytes, stored_bytes):
+        params = {"name": "raw"} if codec == "raw" else {"name": "zstd", "level": 1, "shuffle": True, "frames": []}
+        header = EntryHeader(
+            key=f"k{n_tokens}",
+            model="f" * 64,
+            model_name="m",
+            dtype=dtype,
+            n_tokens=n_tokens,
+            n_layers=2,
+            kv_heads=1,
+            head_dim=4,
+            codec=params,
+            raw_bytes=raw_bytes,
+            created=1.0,
+        )
+        return EntryInfo(header, stored_bytes)
 
-    shape = {"model_name": "m", "n_layers": 2, "kv_heads": 1, "head_dim": 4}
     entries = [
-        E(**shape, dtype="float32", codec="raw", n_tokens=10, raw_bytes=700, stored_bytes=800),
-        E(**shape, dtype="float32", codec="zstd-shuffle:1", n_tokens=30, raw_bytes=2000, stored_bytes=1200),
-        E(**shape, dtype="bfloat16", codec="raw", n_tokens=5, raw_bytes=200, stored_bytes=300),
+        info("float32", "raw", 10, 700, 800),
+        info("float32", "zstd", 30, 2000, 1200),
+        info("bfloat16", "raw", 5, 200, 300),
     ]
-    fp32, bf16 = summarize_entries(entries)
-    assert (fp32.entries, fp32.tokens, fp32.codec) == (2, 40, "raw, zstd-shuffle:1")
-    assert fp32.estimated_bytes == 2 * 2 * 1 * 4 * 40 * 4 and fp32.estimated_per_token == 64
-    assert fp32.stored_per_token == 2000 / 40 and fp32.ratio == 2000 / 2560
-    assert bf16.estimated_per_token == 32
+    bf16, fp32 = summarize(entries, by=("model_name", "dtype"))
+    assert (fp32.entries, fp32.n_tokens, fp32.codec) == (2, 40, "raw, zstd-shuffle:1")
+    assert fp32.kv_bytes == 2 * 2 * 1 * 4 * 40 * 4 and fp32.kv_bytes_per_token == 64
+    assert fp32.bytes_per_token == 2000 / 40 and fp32.stored_to_kv == 2000 / 2560 and fp32.ratio == 2000 / 2700
+    assert bf16.kv_bytes_per_token == 32
 
 
 def test_store_measured_column(tmp_path):
     torch = pytest.importorskip("torch")
-    store_mod = pytest.importorskip("kvstore.store")
-    from kvstore.keys import cache_key
+    store_mod = pytest.importorskip("kvstore.store.kvstore")
+    from kvstore.store.entry import Entry
+    from kvstore.store.keys import cache_key
 
     # a tiny GQA model's caches: 2 layers, 2 KV heads, head_dim 8; smooth values compress under zstd
     layers_, kv_heads, head_dim = 2, 2, 8
@@ -319,20 +364,26 @@ def test_store_measured_column(tmp_path):
                 (torch.ones(kv_heads, n, head_dim), torch.zeros(kv_heads, n, head_dim)) for _ in range(layers_)
             )
             key = cache_key("ab" * 32, "float32", ids)
-            store.put(store_mod.Entry(key, "ab" * 32, "tiny-gqa", ids, layers), codec=codec)
+            store.put(Entry(key, "ab" * 32, "tiny-gqa", ids, layers), codec=codec)
         info = store.scan()
 
     per_token = 2 * layers_ * kv_heads * head_dim * 4
     stored = sum(e.stored_bytes for e in info.entries)
     [m] = size_report(["pythia-70m"], store=str(path)).measured
-    assert (m.model, m.dtype, m.entries, m.tokens) == ("tiny-gqa", "float32", 2, 64)
-    assert m.estimated_per_token == per_token and m.stored_per_token == stored / 64
-    assert m.ratio == pytest.approx(stored / (per_token * 64))
+    assert (m.model_name, m.dtype, m.entries, m.n_tokens) == ("tiny-gqa", "float32", 2, 64)
+    assert m.kv_bytes_per_token == per_token and m.bytes_per_token == stored / 64
+    assert m.stored_to_kv == pytest.approx(stored / (per_token * 64))
 
     table = run("pythia-70m", "--store", str(path)).output
     line = next(line for line in table.splitlines() if line.startswith("tiny-gqa"))
-    assert f"{stored / 64:,.1f}".removesuffix(".0") in line and f"{m.ratio:.3f}" in line and "raw, zstd-shuffle:3" in line
+    assert (
+        f"{stored / 64:,.1f}".removesuffix(".0") in line
+        and f"{m.stored_to_kv:.3f}" in line
+        and "raw, zstd-shuffle:3" in line
+    )
     doc = json.loads(run("--store", str(path), "--format", "json").stdout)
-    assert doc["measured"][0]["stored_bytes"] == stored and doc["measured"][0]["stored_to_estimate"] == pytest.approx(m.ratio)
+    assert doc["measured"][0]["stored_bytes"] == stored and doc["measured"][0]["stored_to_kv"] == pytest.approx(
+        m.stored_to_kv, abs=1e-4
+    )
     rows = list(csv.DictReader(io.StringIO(run("pythia-70m", "--store", str(path), "--format", "csv").stdout)))
-    assert [r["kind"] for r in rows] == ["estimated", "measured"] and int(rows[1]["tokens"]) == 64
+    assert [r["kind"] for r in rows] == ["estimated", "measured"] and int(rows[1]["n_tokens"]) == 64

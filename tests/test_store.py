@@ -1,6 +1,7 @@
 """KVStore over every backend: entries in and out, the store's own description surviving a
 restart, corruption reported (never raised) on the lookup path, last-access times, the
 DynamicCache helper proven against a real (tiny) transformers model, and gc planning."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,6 @@ import warnings
 import pytest
 import torch
 
-from kvstore.entry import FORMAT_VERSION
 from kvstore.errors import (
     CorruptEntryError,
     CorruptEntryWarning,
@@ -21,8 +21,10 @@ from kvstore.errors import (
     ReadOnlyStoreError,
     StoreNotFoundError,
 )
-from kvstore.keys import cache_key
-from kvstore.store import CorruptInfo, Entry, EntryInfo, KVStore, StoreInfo, execute_plan, plan_gc
+from kvstore.store.entry import FORMAT_VERSION, Entry, EntryHeader
+from kvstore.store.keys import cache_key
+from kvstore.store.kvstore import KVStore
+from kvstore.store.scan import CorruptInfo, EntryInfo, StoreInfo, execute_plan, plan_gc
 
 FP_A = "a" * 64
 FP_B = "b" * 64
@@ -33,7 +35,10 @@ def make_entry(n_tokens=6, *, fp=FP_A, name="tiny", dtype=torch.float32, n_layer
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 1000, (n_tokens,), generator=g)
     layers = tuple(
-        (torch.randn(kv_heads, n_tokens, head_dim, generator=g).to(dtype), torch.randn(kv_heads, n_tokens, head_dim, generator=g).to(dtype))
+        (
+            torch.randn(kv_heads, n_tokens, head_dim, generator=g).to(dtype),
+            torch.randn(kv_heads, n_tokens, head_dim, generator=g).to(dtype),
+        )
         for _ in range(n_layers)
     )
     return Entry(cache_key(fp, dtype, ids), fp, name, ids, layers, created)
@@ -199,8 +204,17 @@ def test_scan_and_verify(url):
         assert clean.n_entries == 4 and not clean.corrupt and not clean.verified
         assert clean.n_tokens == 24 and clean.stored_bytes == sum(e.stored_bytes for e in clean.entries)
         info = next(e for e in clean.entries if e.key == entries[0].key)
-        assert (info.model, info.model_name, info.dtype, info.n_layers, info.kv_heads, info.head_dim) == (FP_A, "tiny", "float32", 2, 2, 4)
-        assert info.raw_bytes > 0 and 0 < info.ratio < 2 and info.size_str.endswith("KiB") and info.created == 1700000000.0
+        assert (info.model, info.model_name, info.dtype, info.n_layers, info.header.kv_heads, info.header.head_dim) == (
+            FP_A,
+            "tiny",
+            "float32",
+            2,
+            2,
+            4,
+        )
+        assert (
+            info.raw_bytes > 0 and 0 < info.ratio < 2 and info.size_str.endswith("KiB") and info.created == 1700000000.0
+        )
         flip(s, entries[1].key, -20)  # payload: only a full check can see it
         flip(s, entries[2].key, 30)  # inside the header JSON: even a listing sees it
         headers_only = s.scan()
@@ -211,9 +225,11 @@ def test_scan_and_verify(url):
         assert full.verified
         assert {c.key for c in full.corrupt} == {entries[1].key, entries[2].key}
         assert {e.key for e in full.entries} == {entries[0].key, entries[3].key}
-        assert calls[-1] == (4, 4) and len(calls) == 4
+        assert len(calls) == 4 and all(items == 1 for items, _ in calls)  # one call per entry, with its size
+        assert sum(n for _, n in calls) == sum(e.stored_bytes for e in full.entries) + sum(
+            c.stored_bytes for c in full.corrupt
+        )
         assert all(c.reason and c.stored_bytes > 0 for c in full.corrupt)
-        assert full.warnings and entries[1].key in " ".join(full.warnings)
         assert s.scan(verify=True).corrupt == full.corrupt
 
 
@@ -300,11 +316,20 @@ def info_of(*entries: EntryInfo, corrupt: tuple[CorruptInfo, ...] = ()) -> Store
 
 
 def ei(key: str, *, model=FP_A, name="tiny", size=100, used_days_ago=None, created_days_ago=100.0) -> EntryInfo:
-    return EntryInfo(
-        key=key, model=model, model_name=name, dtype="float32", n_tokens=10, n_layers=2, kv_heads=2, head_dim=4,
-        codec="zstd-shuffle:1", raw_bytes=size, stored_bytes=size, created=NOW - created_days_ago * DAY,
-        last_access=None if used_days_ago is None else NOW - used_days_ago * DAY,
-    )  # fmt: skip
+    header = EntryHeader(
+        key=key,
+        model=model,
+        model_name=name,
+        dtype="float32",
+        n_tokens=10,
+        n_layers=2,
+        kv_heads=2,
+        head_dim=4,
+        codec={"name": "raw"},
+        raw_bytes=size,
+        created=NOW - created_days_ago * DAY,
+    )
+    return EntryInfo(header, size, None if used_days_ago is None else NOW - used_days_ago * DAY)
 
 
 def removed(plan) -> set[str]:
@@ -353,7 +378,13 @@ def test_plan_size_budget_least_recently_used_first(sample_info):
     assert [k for k, _, _ in plan.remove] == ["bb02", "aa02"]  # LRU order: 100 days, then 40
     assert plan.keep_bytes == 900 <= 1000
     assert removed(plan_gc(sample_info, max_bytes=1500, now=NOW)) == set()
-    assert [k for k, _, _ in plan_gc(sample_info, max_bytes=0, now=NOW).remove] == ["bb02", "aa02", "cc01", "bb01", "aa01"]
+    assert [k for k, _, _ in plan_gc(sample_info, max_bytes=0, now=NOW).remove] == [
+        "bb02",
+        "aa02",
+        "cc01",
+        "bb01",
+        "aa01",
+    ]
     plan = plan_gc(sample_info, max_bytes=1100, older_than=30 * DAY, corrupt=True, now=NOW)  # criteria add up
     assert removed(plan) == {"dd01", "aa02", "bb02"} and plan.keep_bytes == 900
 

@@ -17,6 +17,7 @@
 * :func:`write_tiny_gguf` - the llama model and its tokenizer written as an F32 GGUF file, to test
   kvstore's GGUF conversion without the 98 MB bundled file.
 """
+
 from __future__ import annotations
 
 import functools

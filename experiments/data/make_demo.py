@@ -8,6 +8,7 @@ its article. Edit the articles here, not the .jsonl (which repeats the context o
 then rerun this script and ``pytest tests/test_datasets.py`` (it checks the invariants: at
 least 20 contexts of 300-2000 SmolLM2 tokens, at least 3 questions each).
 """
+
 from __future__ import annotations
 
 import json

@@ -7,6 +7,7 @@ Command (from the repository root; writes experiments/size/smollm2_measured.{txt
 
 Deterministic: the same contexts and weights give the same stored bytes on every run.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvstore.adapter import Adapter
-from kvstore.store import KVStore
+from kvstore.model.adapter import Adapter
+from kvstore.store.kvstore import KVStore
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -24,7 +25,9 @@ CODECS = ("raw", "zstd:1", "zstd-shuffle:1")
 
 
 def main() -> None:
-    contexts = list(dict.fromkeys(json.loads(line)["context"] for line in (ROOT / "experiments/data/demo.jsonl").open()))
+    contexts = list(
+        dict.fromkeys(json.loads(line)["context"] for line in (ROOT / "experiments/data/demo.jsonl").open())
+    )
     with tempfile.TemporaryDirectory() as tmp:
         stores = []
         for dtype in ("float32", "bfloat16"):
@@ -43,7 +46,19 @@ def main() -> None:
                 stores.append((dtype, codec, path))
         table, docs = [], {}
         for dtype, codec, path in stores:
-            cmd = [sys.executable, "-m", "cli.main", "size", "default", "--dtype", dtype, "--seq-len", "2048", "--store", str(path)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvstore.cli.main",
+                "size",
+                "default",
+                "--dtype",
+                dtype,
+                "--seq-len",
+                "2048",
+                "--store",
+                str(path),
+            ]
             out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
             measured = out[out.index("Measured in store") :].split("\n", 1)[1].strip("\n")
             table.append(f"# {dtype}, codec {codec}\n{measured}\n")

@@ -28,6 +28,7 @@ says which. Usage::
     context_ids = tokenizer(fmt.context_part(context), add_special_tokens=fmt.add_special_tokens).input_ids
     question_ids = tokenizer(fmt.question_part(question), add_special_tokens=False).input_ids
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ _CONTEXT_MARKER = "KVSTORE_CONTEXT_MARKER_5d1c"
 _QUESTION_MARKER = "KVSTORE_QUESTION_MARKER_5d1c"
 # Rendered once more to check that the template passes message text through untouched.
 _PROBE_CONTEXT = "Probe context: {braces}, <b>tags</b> & 'quotes'.\n\nA second paragraph."
-_PROBE_QUESTION = "Probe question about \"it\"?"
+_PROBE_QUESTION = 'Probe question about "it"?'
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,9 @@ class PromptFormat:
                     + "drop --chat to use plain prompts"
                 ) from None
             if not isinstance(text, str):
-                raise ModelError(f"the chat template of {name} did not render to text; drop --chat to use plain prompts")
+                raise ModelError(
+                    f"the chat template of {name} did not render to text; drop --chat to use plain prompts"
+                )
             return text
 
         rendered = render(_CONTEXT_MARKER, _QUESTION_MARKER)

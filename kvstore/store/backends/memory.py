@@ -1,12 +1,13 @@
 """An in-process backend (a dict). Stores opened with the same ``memory://NAME`` share data."""
+
 from __future__ import annotations
 
 import contextlib
 import threading
 from collections.abc import Iterator
 
-from kvstore.backends import BackendBase
 from kvstore.errors import ReadOnlyStoreError
+from kvstore.store.backends import BackendBase
 
 _SHARED: dict[str, dict[bytes, bytes]] = {}
 _LOCK = threading.Lock()

@@ -3,6 +3,7 @@
 A backend knows nothing of tensors, codecs or models. One implementation per module:
 ``kvstore.backends.lmdb`` (the embedded default) and ``kvstore.backends.memory`` (tests).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,11 +55,11 @@ class BackendBase:
 def open_backend(url: str, *, readonly: bool = False, create: bool = True, **options) -> Backend:
     """Open a backend from a path or URL: ``memory://NAME``, ``lmdb://PATH`` or a plain path (LMDB)."""
     if url.startswith("memory://"):
-        from kvstore.backends.memory import MemoryBackend
+        from kvstore.store.backends.memory import MemoryBackend
 
         return MemoryBackend(url[len("memory://") :], readonly=readonly)
     if url.startswith("lmdb://"):
         url = url[len("lmdb://") :]
-    from kvstore.backends.lmdb import LMDBBackend
+    from kvstore.store.backends.lmdb import LMDBBackend
 
     return LMDBBackend(url, readonly=readonly, create=create, **options)

@@ -21,6 +21,7 @@ Three numbers, each a fraction in [0, 1]:
 
 Generated text usually goes through :func:`clean_prediction` first.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,7 +29,15 @@ import string
 from collections import Counter
 from collections.abc import Sequence
 
-__all__ = ["clean_prediction", "contains_match", "exact_match", "f1_score", "lenient_match", "normalize_answer", "score"]
+__all__ = [
+    "clean_prediction",
+    "contains_match",
+    "exact_match",
+    "f1_score",
+    "lenient_match",
+    "normalize_answer",
+    "score",
+]
 
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

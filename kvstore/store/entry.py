@@ -6,27 +6,34 @@
     hlen      u32 LE    length of the header
     header    hlen bytes  canonical JSON (sorted keys): format, key, model, model_name, dtype,
                           n_tokens, n_layers, kv_heads, head_dim, codec params, raw_bytes, created
-    payload   codec output: a safetensors file (optionally byte-shuffled, optionally zstd frames)
+    payload   codec output (see kvstore.store.codecs): a safetensors file, optionally in zstd frames,
               holding ``layers.{i}.keys`` / ``layers.{i}.values`` ``[kv_heads, n_tokens, head_dim]``
-              and ``token_ids`` ``[n_tokens]`` int64, with the same facts in its ``__metadata__``
+              (or their quantized parts) and ``token_ids`` ``[n_tokens]`` int64, with the same facts
+              in its ``__metadata__``
     checksum  u64 LE    xxh3-64 of every byte before it
 
 The checksum is verified on every load before anything is decoded; the header alone (no checksum
 pass, no decompression) is enough for listings. Anything inconsistent is a CorruptEntryError.
+
+:class:`Entry` is a context's cache materialized in memory (what gets encoded);
+:class:`EntryView` is a verified stored entry seen without copying (what the load path reads).
 """
+
 from __future__ import annotations
 
 import json
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import xxhash
 
-from kvstore.codec import Codec, DecodedPayload, decode_payload, get_codec
-from kvstore.errors import CorruptEntryError, FormatVersionError
+from kvstore import dtypes
+from kvstore.errors import CorruptEntryError, DtypeError, FormatVersionError
+from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
 
 FORMAT_VERSION = 1
 MAGIC = b"\x89KVS\r\n\x1a\n"
@@ -34,25 +41,6 @@ _PREFIX = len(MAGIC) + 4
 _TRAILER = 8
 MAX_ENTRY_HEADER = 1 << 20
 MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
-
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    """Canonical name of a KV dtype (``float32``...). Raises ValueError for others."""
-    if isinstance(dtype, str):
-        if dtype in DTYPES:
-            return dtype
-        raise ValueError(f"unsupported KV dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    for name, d in DTYPES.items():
-        if d == dtype:
-            return name
-    raise ValueError(f"unsupported KV dtype {dtype}; use one of {', '.join(DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -74,45 +62,88 @@ class EntryHeader:
 
     @property
     def codec_spec(self) -> str:
-        c = self.codec
-        if c.get("name") == "raw":
-            return "raw"
-        return f"zstd{'-shuffle' if c.get('shuffle') else ''}:{c.get('level', '?')}"
+        """The codec as a spec string (``zstd-shuffle:1``, ``raw``...)."""
+        try:
+            return codec_from_params(self.codec).spec
+        except CorruptEntryError:
+            return "?"
 
     @property
     def kv_bytes(self) -> int:
         """Bytes of the keys and values alone, uncompressed."""
-        return 2 * self.n_layers * self.kv_heads * self.n_tokens * self.head_dim * DTYPES[self.dtype].itemsize
+        return dtypes.kv_bytes(self.n_layers * self.n_tokens, self.kv_heads, self.head_dim, self.dtype)
 
 
-def tensor_names(n_layers: int) -> list[str]:
-    names = []
-    for i in range(n_layers):
-        names += [f"layers.{i}.keys", f"layers.{i}.values"]
-    return names + ["token_ids"]
+@dataclass(frozen=True)
+class Entry:
+    """One context's KV cache, materialized: ``layers[i] = (keys, values)`` each
+    ``[kv_heads, n_tokens, head_dim]``; ``token_ids`` ``[n_tokens]`` int64."""
+
+    key: str
+    model: str
+    model_name: str
+    token_ids: torch.Tensor
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    created: float = field(default_factory=time.time)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0][0].dtype
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_ids.numel())
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
+    def to_dynamic_cache(self, device: torch.device | str | None = None, config: Any = None):
+        """A ``transformers.DynamicCache`` holding this context (batch of 1), ready for
+        ``model.generate(input_ids=context_ids + question_ids, past_key_values=cache)``."""
+        from transformers import DynamicCache
+
+        device = torch.device(device) if device is not None else self.layers[0][0].device
+        data = [(k.unsqueeze(0).to(device), v.unsqueeze(0).to(device)) for k, v in self.layers]
+        return DynamicCache(data, config=config) if config is not None else DynamicCache(data)
 
 
-def encode_entry(
-    *,
-    key: str,
-    model: str,
-    model_name: str,
-    token_ids: Sequence[int] | torch.Tensor,
-    layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    codec: Codec | str | None = None,
-    created: float | None = None,
-) -> bytes:
-    """Serialize one context's KV cache.
+@dataclass(frozen=True)
+class EntryView:
+    """A verified entry seen without copying. ``records`` are every stored tensor (views into the
+    stored or decompressed bytes); ``layers[i]`` reads layer ``i``'s keys and values through the
+    entry's codec. Valid only while the buffer it was decoded from is (``KVStore.open_entry``)."""
 
-    ``layers``: per layer ``(keys, values)``, each ``[kv_heads, n_tokens, head_dim]`` (a leading
-    batch dim of 1 is accepted), all of one float dtype. Returns the bytes to store.
-    """
+    header: EntryHeader
+    records: Mapping[str, TensorRecord]
+    layers: tuple[tuple[StoredTensor, StoredTensor], ...]
+
+    def layer(self, i: int) -> tuple[StoredTensor, StoredTensor]:
+        return self.layers[i]
+
+    def token_ids(self) -> list[int]:
+        return self.records["token_ids"].materialize().tolist()
+
+    def materialize(self) -> Entry:
+        h = self.header
+        layers = tuple((k.materialize(), v.materialize()) for k, v in self.layers)
+        return Entry(h.key, h.model, h.model_name, self.records["token_ids"].materialize(), layers, h.created)
+
+
+def kv_tensor_name(layer: int, role: str) -> str:
+    return f"layers.{layer}.{role}"
+
+
+def encode_entry(entry: Entry, codec: Codec | str | None = None) -> bytes:
+    """Serialize ``entry``: per layer ``(keys, values)`` ``[kv_heads, n_tokens, head_dim]`` (a
+    leading batch dim of 1 is accepted), all of one float dtype. Returns the bytes to store."""
     codec = get_codec(codec)
-    ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).cpu()
+    ids = torch.as_tensor(entry.token_ids, dtype=torch.int64).reshape(-1).cpu()
     n_tokens = int(ids.numel())
-    tensors: list[tuple[str, torch.Tensor]] = []
-    shape0 = None
-    for i, (k, v) in enumerate(layers):
+    tensors: list[tuple[str, torch.Tensor, str | None]] = []
+    shape0: tuple[int, ...] | None = None
+    dtype = None
+    for i, (k, v) in enumerate(entry.layers):
         k = k[0] if k.dim() == 4 else k
         v = v[0] if v.dim() == 4 else v
         if shape0 is None:
@@ -120,29 +151,31 @@ def encode_entry(
         for t in (k, v):
             if t.dim() != 3 or tuple(t.shape) != shape0 or t.dtype != dtype or t.shape[1] != n_tokens:
                 raise ValueError(
-                    f"layer {i}: expected [kv_heads, {n_tokens}, head_dim] {dtype} like layer 0 {shape0}, got {tuple(t.shape)} {t.dtype}"
+                    f"layer {i}: expected [kv_heads, {n_tokens}, head_dim] {dtype} like layer 0 {shape0}, got "
+                    f"{tuple(t.shape)} {t.dtype}"
                 )
-        tensors += [(f"layers.{i}.keys", k), (f"layers.{i}.values", v)]
+        tensors += [(kv_tensor_name(i, "keys"), k, "keys"), (kv_tensor_name(i, "values"), v, "values")]
     if shape0 is None:
         raise ValueError("an entry needs at least one layer")
-    tensors.append(("token_ids", ids))
-    dname = dtype_name(dtype)
-    created = time.time() if created is None else created
+    tensors.append(("token_ids", ids, None))
+    created = time.time() if entry.created is None else entry.created
     facts = {
         "format": FORMAT_VERSION,
-        "key": key,
-        "model": model,
-        "model_name": model_name,
-        "dtype": dname,
+        "key": entry.key,
+        "model": entry.model,
+        "model_name": entry.model_name,
+        "dtype": dtypes.parse_kv(dtype),
         "n_tokens": n_tokens,
-        "n_layers": len(layers),
+        "n_layers": len(entry.layers),
         "kv_heads": shape0[0],
         "head_dim": shape0[2],
         "created": round(created, 6),
     }
     metadata = {k: str(v) for k, v in facts.items()} | {"codec": codec.spec}
     payload, params, raw_bytes = codec.encode(tensors, metadata)
-    header = json.dumps(facts | {"codec": params, "raw_bytes": raw_bytes}, sort_keys=True, separators=(",", ":")).encode()
+    header = json.dumps(
+        facts | {"codec": params, "raw_bytes": raw_bytes}, sort_keys=True, separators=(",", ":")
+    ).encode()
     body = b"".join([MAGIC, struct.pack("<I", len(header)), header, payload])
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
@@ -177,8 +210,12 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
     for name in ("key", "model", "model_name", "dtype"):
         if not isinstance(h.get(name), str):
             raise CorruptEntryError(f"entry header field {name!r} is missing or invalid")
-    if h["dtype"] not in DTYPES or not isinstance(h.get("codec"), dict):
-        raise CorruptEntryError("entry header has an unknown dtype or no codec")
+    try:
+        dtypes.parse_kv(h["dtype"])
+    except DtypeError:
+        raise CorruptEntryError("entry header has an unknown dtype") from None
+    if not isinstance(h.get("codec"), dict):
+        raise CorruptEntryError("entry header has no codec")
     created = h.get("created")
     # a printable date (json.loads also accepts NaN, Infinity and 10**400; datetime stops at 9999)
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < 2.5e11:
@@ -209,10 +246,8 @@ def verify_checksum(buf: bytes | memoryview) -> None:
         raise CorruptEntryError("entry checksum mismatch (flipped or truncated bytes)")
 
 
-def decode_entry(
-    buf: bytes | memoryview, *, key: str | None = None, threads: int = 1
-) -> tuple[EntryHeader, DecodedPayload]:
-    """Verify and decode an entry. The returned tensor records may view ``buf``.
+def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: int = 1) -> EntryView:
+    """Verify and decode an entry. The returned view's records may view ``buf``.
 
     Checks, in order: checksum, header, declared sizes (before allocating anything), the payload's
     tensors against the header (names, shapes, dtypes), and the safetensors metadata against the
@@ -223,43 +258,50 @@ def decode_entry(
     if key is not None and header.key != key:
         raise CorruptEntryError(f"entry stored under {key[:12]} says it is {header.key[:12]}")
     payload = memoryview(buf)[offset : len(buf) - _TRAILER]
-    data_bytes = header.kv_bytes + 8 * header.n_tokens
-    if not data_bytes <= header.raw_bytes <= data_bytes + (16 << 20):
+    codec = codec_from_params(header.codec)
+    dtype = dtypes.to_torch(header.dtype)
+    if codec.lossless:
+        data_bytes = header.kv_bytes + 8 * header.n_tokens
+        if not data_bytes <= header.raw_bytes <= data_bytes + (16 << 20):
+            raise CorruptEntryError("entry declares a size that does not match its shape")
+    elif header.raw_bytes > header.kv_bytes + 8 * header.n_tokens + (16 << 20):
         raise CorruptEntryError("entry declares a size that does not match its shape")
     if header.raw_bytes > MAX_COMPRESSION_RATIO * len(payload) + (1 << 20):
         raise CorruptEntryError("entry declares an implausible compression ratio")
-    decoded = decode_payload(payload, header.codec, header.raw_bytes, threads=threads)
-    want_names = tensor_names(header.n_layers)
-    if sorted(decoded.tensors) != sorted(want_names):
+    decoded = codec.packing.unpack(payload, header.codec, header.raw_bytes, threads)
+    records = decoded.tensors
+    want = ["token_ids"]
+    for i in range(header.n_layers):
+        for role in ("keys", "values"):
+            want += codec.quantizer.stored_names(kv_tensor_name(i, role))
+    if sorted(records) != sorted(want):
         raise CorruptEntryError("entry holds other tensors than its header describes")
     kv_shape = (header.kv_heads, header.n_tokens, header.head_dim)
-    dtype = DTYPES[header.dtype]
-    for name in want_names[:-1]:
-        rec = decoded.tensors[name]
-        if rec.shape != kv_shape or rec.dtype != dtype:
-            raise CorruptEntryError(f"tensor {name} is {rec.shape} {rec.dtype}, header says {kv_shape} {dtype}")
-    ids = decoded.tensors["token_ids"]
+    layers = tuple(
+        tuple(
+            codec.quantizer.reader(role, kv_tensor_name(i, role), records, kv_shape, dtype)
+            for role in ("keys", "values")
+        )
+        for i in range(header.n_layers)
+    )
+    ids = records["token_ids"]
     if ids.shape != (header.n_tokens,) or ids.dtype != torch.int64:
         raise CorruptEntryError("token_ids do not match the header")
     meta = decoded.metadata
     for name in ("key", "model", "dtype", "n_tokens", "n_layers"):
         if meta.get(name) != str(getattr(header, name)):
             raise CorruptEntryError(f"payload metadata {name!r} disagrees with the entry header")
-    return header, decoded
-
-
-def expected_kv_bytes(n_layers: int, kv_heads: int, head_dim: int, n_tokens: int, dtype: str) -> int:
-    """Uncompressed bytes of keys and values for one context."""
-    return 2 * n_layers * kv_heads * head_dim * n_tokens * DTYPES[dtype].itemsize
+    return EntryView(header, records, layers)  # type: ignore[arg-type]
 
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAGIC",
+    "Entry",
     "EntryHeader",
+    "EntryView",
     "decode_entry",
-    "dtype_name",
     "encode_entry",
-    "expected_kv_bytes",
     "read_header",
     "verify_checksum",
 ]

@@ -35,6 +35,7 @@ such as ``file.json:data[0].paragraphs[2].qas[1]`` for SQuAD files); with
 Problems with the file as a whole (missing, unreadable, not JSON, a CSV header without the
 context column) always raise.
 """
+
 from __future__ import annotations
 
 import csv
@@ -44,7 +45,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from kvstore.errors import DatasetError
 
@@ -117,7 +118,7 @@ class _Fields:
 
 # A row source yields (location, generated id, record); the record is a _BadRow when the row
 # could not even be parsed into a mapping.
-_Row = tuple[str, str, Union[dict, _BadRow]]
+_Row = tuple[str, str, dict | _BadRow]
 
 
 def load_dataset(
@@ -152,7 +153,7 @@ def load_dataset(
     fields = _Fields(context_field, question_field, answers_field, id_field)
 
     if name.startswith(HUB_PREFIX):
-        fmt, rows = "hub", _hub_rows(name, name[len(HUB_PREFIX):], failed_file=False)
+        fmt, rows = "hub", _hub_rows(name, name[len(HUB_PREFIX) :], failed_file=False)
     else:
         file = Path(name)
         if not file.exists():
@@ -273,7 +274,9 @@ def _missing(record: dict, field: str, option: str) -> _BadRow:
     present = [str(key) for key, value in record.items() if value is not None]
     if len(present) > 8:
         present[8:] = ["..."]
-    return _BadRow(f"missing field {field!r} (fields: {', '.join(present) or 'none'})", f"name another field with {option}")
+    return _BadRow(
+        f"missing field {field!r} (fields: {', '.join(present) or 'none'})", f"name another field with {option}"
+    )
 
 
 def _type_name(value: Any) -> str:
@@ -340,16 +343,20 @@ def _csv_rows(file: Path, name: str, fields: _Fields, require_question: bool) ->
                         continue
                     where, default_id = f"{name}:{line}", f"{file.stem}-{line}"
                     if len(row) != len(header):
-                        yield where, default_id, _BadRow(
-                            f"{len(row)} cells where the header has {len(header)}",
-                            "quote cells that contain commas",
+                        yield (
+                            where,
+                            default_id,
+                            _BadRow(
+                                f"{len(row)} cells where the header has {len(header)}",
+                                "quote cells that contain commas",
+                            ),
                         )
                         continue
                     record: dict[str, Any] = dict(zip(header, row))
                     if fields.answers in record:
                         record[fields.answers] = _csv_answers(record[fields.answers])
                     yield where, default_id, record
-            except UnicodeDecodeError as exc:
+            except UnicodeDecodeError:
                 raise DatasetError(f"{name}:{line_end + 1}: not UTF-8 text; save the file as UTF-8") from None
             except csv.Error as exc:
                 raise DatasetError(f"{name}:{reader.line_num}: malformed CSV ({exc}); fix the file's quoting") from None
@@ -410,7 +417,7 @@ def _json_rows(file: Path, name: str, fields: _Fields, require_question: bool) -
         return
     if not (isinstance(top, dict) and isinstance(top.get("data"), list)):
         raise DatasetError(
-            f"{name}: expected SQuAD-style JSON ({{\"data\": [...]}}) or a list of row objects; "
+            f'{name}: expected SQuAD-style JSON ({{"data": [...]}}) or a list of row objects; '
             "for one object per line, use a .jsonl file"
         )
     yield from _squad_rows(top["data"], name, file.stem, fields, require_question)

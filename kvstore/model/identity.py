@@ -1,8 +1,4 @@
-"""Content addressing: model fingerprints and cache keys.
-
-A key is the sha256 of canonical bytes naming everything that changes the cached tensors: the
-entry format version, the model fingerprint, the dtype the KV was computed in, and the context's
-token ids (u32 little-endian). Never Python's ``hash()`` (seeded per process), never pickle.
+"""Model identity: the fingerprint that keys a model's caches.
 
 A model fingerprint is the sha256 of the config's canonical JSON (volatile fields removed) and a
 digest of every weight tensor's name, dtype, shape and bytes. The same weights loaded from a hub id,
@@ -11,6 +7,7 @@ re-typed model gives another. Hashing weights costs ~0.4 s per GB of weights, so
 remembered in ``<home>/fingerprints.json`` under the identity (path, size, mtime) of the files
 the weights came from.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,10 +17,9 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from kvstore.entry import FORMAT_VERSION, dtype_name
+from kvstore import dtypes
 
 # Config fields that do not change the tensors a model computes, or that depend on how it was loaded.
 _VOLATILE = {
@@ -55,7 +51,11 @@ _VOLATILE = {
 
 def _canonical(obj):
     if isinstance(obj, dict):
-        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0])) if not str(k).startswith("_") and k not in _VOLATILE}
+        return {
+            str(k): _canonical(v)
+            for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))
+            if not str(k).startswith("_") and k not in _VOLATILE
+        }
     if isinstance(obj, (list, tuple)):
         return [_canonical(v) for v in obj]
     if isinstance(obj, float) and obj.is_integer():
@@ -78,7 +78,7 @@ def weights_digest(model: torch.nn.Module) -> str:
     state = model.state_dict()
     for name in sorted(state):
         t = state[name].detach()
-        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}\n".encode())
+        h.update(f"{name}|{dtypes.label(t.dtype)}|{list(t.shape)}\n".encode())
         t = t.to("cpu").contiguous()
         if t.numel():
             h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
@@ -138,15 +138,4 @@ def _remember(memo_key: str, fp: str) -> None:
         pass  # a read-only home only costs re-hashing next time
 
 
-def cache_key(fingerprint: str, dtype: torch.dtype | str, token_ids: Sequence[int] | torch.Tensor) -> str:
-    """sha256 (hex) naming one context's KV cache for one model and dtype."""
-    ids = np.asarray(token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids, dtype=np.int64)
-    if ids.ndim != 1 or (ids.size and (ids.min() < 0 or ids.max() >= 2**32)):
-        raise ValueError("token ids must be a flat sequence of integers in [0, 2**32)")
-    h = hashlib.sha256()
-    h.update(b"kvstore-key\x00")
-    h.update(FORMAT_VERSION.to_bytes(4, "little"))
-    h.update(fingerprint.encode("ascii") + b"\x00")
-    h.update(dtype_name(dtype).encode("ascii") + b"\x00")
-    h.update(ids.astype("<u4").tobytes())
-    return h.hexdigest()
+__all__ = ["config_digest", "model_fingerprint", "weights_digest"]

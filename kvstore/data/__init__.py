@@ -1,0 +1,1 @@
+"""Question-answering data: datasets (JSON Lines, CSV, SQuAD, hub), prompt formats, metrics."""

@@ -1,0 +1,68 @@
+"""Preallocated KV caches: buffers sized for the whole decode, written in place.
+
+``DynamicCache`` concatenates on every step, copying the whole cache once per layer per step.
+:class:`PreallocatedCache` holds ``[B, kv_heads, capacity, head_dim]`` buffers per layer and
+writes each step's new keys/values into the next free slots, so a step costs only its new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+KVShape = tuple[int, int, int]  # (kv_heads, key head_dim, value head_dim) of one layer
+Buffers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [B, kv_heads, T, head_dim]
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A cache layer over preallocated ``[B, kv_heads, capacity, head_dim]`` buffers.
+
+    ``update`` writes the new keys/values in place and returns views of the filled prefix."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        super().__init__()
+        self._kbuf, self._vbuf = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.length = length
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass  # buffers exist from the start
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self._kbuf.shape[-2]:
+            raise RuntimeError(f"preallocated cache holds {self._kbuf.shape[-2]} slots; step needs {end}")
+        self._kbuf[:, :, self.length : end].copy_(key_states)
+        self._vbuf[:, :, self.length : end].copy_(value_states)
+        self.length = end
+        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class PreallocatedCache(DynamicCache):
+    """A ``DynamicCache`` whose layers are :class:`PreallocatedLayer` (built from buffers)."""
+
+    def __init__(self, buffers: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int):
+        Cache.__init__(self, layers=[PreallocatedLayer(k, v, length) for k, v in buffers])
+
+
+def new_buffers(shapes: Sequence[KVShape], batch: int, slots: int, dtype: torch.dtype, device: torch.device) -> Buffers:
+    """Uninitialized per-layer KV buffers ``[batch, kv_heads, slots, head_dim]``."""
+    return [
+        (
+            torch.empty((batch, h, slots, dk), dtype=dtype, device=device),
+            torch.empty((batch, h, slots, dv), dtype=dtype, device=device),
+        )
+        for h, dk, dv in shapes
+    ]
+
+
+__all__ = ["Buffers", "KVShape", "PreallocatedCache", "PreallocatedLayer", "new_buffers"]

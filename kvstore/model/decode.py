@@ -1,0 +1,322 @@
+"""Batched greedy decoding: from stored caches, and the reference without any cache.
+
+Layouts (B rows; exactness depends on them):
+
+* **Cached decode**: stored contexts are *left*-padded to the batch's longest ``P`` (pads are zero
+  KV, masked), questions are left-padded to the longest ``Q`` and placed after the contexts, then
+  ``N`` generated tokens follow: ``[pad | context_i | pad | question_i | new tokens]``. Explicit
+  ``position_ids`` continue each row at its own context length (``c_i + j``); without them every
+  row would continue at ``P``. The KV buffers are preallocated for ``P + Q + N`` slots, so no decode
+  step copies the cache.
+* **Reference decode** (``use_cache=False``): context + question ids of each row right-padded in
+  one sequence, the same preallocated cache, logits taken at each row's last real token.
+
+The two paths share :func:`greedy_loop` and differ in layout; the tests also compare both with
+Hugging Face ``generate``, which shares nothing with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.errors import ContextTooLongError
+from kvstore.model.build import Writer, prefill
+from kvstore.model.cache import Buffers, KVShape, PreallocatedCache, new_buffers
+from kvstore.progress import Progress
+from kvstore.store.entry import EntryView
+from kvstore.store.kvstore import KVStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.model.adapter import Adapter, TextOrIds
+
+
+@dataclass
+class SampleResult:
+    """Tokens from :meth:`Adapter.greedy_sample` with ``return_details=True``.
+
+    ``tokens``: ``[n_rows, num_new_tokens]`` int64; after a row's EOS the rest is ``fill_id``.
+    ``scores``: per row ``[steps, vocab]`` float32 logits (only with ``return_scores``).
+    ``cache_hit``: per row, whether its context came from the store.
+    ``prefill_tokens_computed``: context tokens run through the model (each missing context once
+    per batch; with ``use_cache=False``, every row's context). ``prefill_tokens_saved``: context
+    tokens the no-cache path would have computed and this run did not.
+    """
+
+    tokens: torch.Tensor
+    lengths: list[int]
+    cache_hit: list[bool]
+    scores: list[torch.Tensor] | None = None
+    prefill_tokens_saved: int = 0
+    prefill_tokens_computed: int = 0
+
+
+def greedy_sample(
+    adapter: Adapter,
+    contexts: Sequence[TextOrIds],
+    questions: Sequence[TextOrIds],
+    num_new_tokens: int = 20,
+    *,
+    use_cache: bool = True,
+    store: KVStore | None = None,
+    batch_size: int = 8,
+    stop_at_eos: bool = True,
+    special_tokens: bool = True,
+    truncate: bool = False,
+    max_context_tokens: int | None = None,
+    return_scores: bool = False,
+    labels: Sequence[str] | None = None,
+    progress: Progress | None = None,
+) -> SampleResult:
+    """See :meth:`kvstore.model.adapter.Adapter.greedy_sample`."""
+    if len(contexts) != len(questions):
+        raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
+    if num_new_tokens < 1 or batch_size < 1:
+        raise ValueError("num_new_tokens and batch_size must be at least 1")
+    q_ids = [adapter.encode_question(q) for q in questions]
+    c_ids = [
+        adapter.context_ids(
+            c,
+            special_tokens=special_tokens,
+            truncate=truncate,
+            max_context_tokens=max_context_tokens,
+            label=adapter.row_label(labels, i),
+        )
+        for i, c in enumerate(contexts)
+    ]
+    n = len(c_ids)
+    if adapter.max_positions:
+        for i in range(n):
+            if len(c_ids[i]) + len(q_ids[i]) + num_new_tokens > adapter.max_positions:
+                raise ContextTooLongError(
+                    f"{adapter.row_label(labels, i)}: context ({len(c_ids[i])}) + question ({len(q_ids[i])}) + "
+                    f"{num_new_tokens} "
+                    f"new tokens exceed the model's {adapter.max_positions} positions; use a shorter question, "
+                    "fewer new "
+                    "tokens or a lower max_context_tokens"
+                )
+    out = torch.full((n, num_new_tokens), adapter.pad_id, dtype=torch.long)
+    lengths = [0] * n
+    hits = [False] * n
+    scores: list[torch.Tensor] | None = [torch.empty(0)] * n if return_scores else None
+    saved = computed = 0
+    keys = [adapter.key(c) for c in c_ids] if use_cache else [""] * n
+    # cluster rows of equal contexts, then by length, to share loads and waste little padding
+    order = sorted(range(n), key=lambda i: (len(c_ids[i]), keys[i], i))
+    writer = Writer(store, None) if (use_cache and store is not None and not store.readonly) else None
+    try:
+        for start in range(0, n, batch_size):
+            rows = order[start : start + batch_size]
+            if use_cache:
+                tokens, step_scores, row_hits = decode_cached(
+                    adapter,
+                    [c_ids[i] for i in rows],
+                    [q_ids[i] for i in rows],
+                    [keys[i] for i in rows],
+                    num_new_tokens,
+                    store,
+                    writer,
+                    stop_at_eos,
+                    return_scores,
+                )
+                for i, hit in zip(rows, row_hits):
+                    hits[i] = hit
+                missing = {keys[i]: len(c_ids[i]) for i, h in zip(rows, row_hits) if not h}
+                computed += sum(missing.values())
+                saved += sum(len(c_ids[i]) for i in rows) - sum(missing.values())
+            else:
+                tokens, step_scores = decode_reference(
+                    adapter, [c_ids[i] + q_ids[i] for i in rows], num_new_tokens, stop_at_eos, return_scores
+                )
+                computed += sum(len(c_ids[i]) for i in rows)
+            for j, i in enumerate(rows):
+                out[i] = tokens[j]
+                lengths[i] = row_length(adapter, tokens[j], stop_at_eos)
+                if scores is not None:
+                    scores[i] = step_scores[j]
+            if progress:
+                progress(len(rows), sum(len(c_ids[i]) + len(q_ids[i]) for i in rows))
+    finally:
+        if writer is not None:
+            writer.close()
+    return SampleResult(out, lengths, hits, scores, saved, computed)
+
+
+def row_length(adapter: Adapter, row: torch.Tensor, stop_at_eos: bool) -> int:
+    """Tokens of a generated row up to and including its first EOS (all of them without EOS)."""
+    if stop_at_eos:
+        for j, t in enumerate(row.tolist()):
+            if t in adapter.eos_ids:
+                return j + 1
+    return int(row.numel())
+
+
+def fits(adapter: Adapter, view: EntryView, ids: Sequence[int], shapes: Sequence[KVShape]) -> bool:
+    """A stored entry must be this model's, in its dtype, of these tokens, in the layout it
+    produces (else: treat as a miss). The key already says all that; the entry must agree, so
+    that a misfiled or forged entry never feeds another model's tensors to this one."""
+    header = view.header
+    return (
+        header.n_tokens == len(ids)
+        and header.model == adapter.fingerprint
+        and header.dtype == adapter.dtype_name
+        and header.n_layers == len(shapes)
+        and all(s == (header.kv_heads, header.head_dim, header.head_dim) for s in shapes)
+        and view.token_ids() == list(ids)
+    )
+
+
+@torch.inference_mode()
+def decode_cached(adapter: Adapter, c_ids, q_ids, keys, N, store, writer, stop_at_eos, return_scores):
+    B = len(c_ids)
+    c_len = [len(c) for c in c_ids]
+    q_len = [len(q) for q in q_ids]
+    P, Q = max(c_len), max(q_len)
+    if Q == 0:
+        raise ValueError("every question needs at least one token")
+    T = P + Q + N
+    dev = adapter.device
+    shapes = adapter.kv_shapes()
+    bufs = new_buffers(shapes, B, T, adapter.dtype, dev)
+    rows_of: dict[str, list[int]] = {}
+    for r, k in enumerate(keys):
+        rows_of.setdefault(k, []).append(r)
+    hits = [False] * B
+    missing: list[str] = []
+    for k, rs in rows_of.items():
+        c = c_len[rs[0]]
+        got = False
+        if store is not None:
+            with store.open_entry(k) as view:
+                if view is not None and fits(adapter, view, c_ids[rs[0]], shapes):
+                    r0 = rs[0]
+                    for (kb, vb), (kr, vr) in zip(bufs, view.layers):
+                        kr.copy_into(kb[r0, :, P - c : P])
+                        vr.copy_into(vb[r0, :, P - c : P])
+                    got = True
+        if got:
+            for r in rs:
+                hits[r] = True
+        else:
+            missing.append(k)
+    if missing:
+        rows = prefill(adapter, [c_ids[rows_of[k][0]] for k in missing])
+        for k, layers in zip(missing, rows):
+            r0, c = rows_of[k][0], c_len[rows_of[k][0]]
+            for (kb, vb), (kl, vl) in zip(bufs, layers):
+                kb[r0, :, P - c : P].copy_(kl)
+                vb[r0, :, P - c : P].copy_(vl)
+            if writer is not None:
+                writer.put(adapter.entry(k, c_ids[r0], layers))
+    _fill_pads_and_repeats(bufs, rows_of, c_len, P)
+    cache = PreallocatedCache(bufs, P)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    pos = torch.empty((B, Q), dtype=torch.long)
+    input_ids = torch.full((B, Q), adapter.pad_id, dtype=torch.long)
+    for r in range(B):
+        c, q = c_len[r], q_len[r]
+        mask[r, P - c : P] = 1
+        mask[r, P + Q - q : P + Q] = 1
+        pos[r] = c  # pad slots: any in-range position, they are masked
+        pos[r, Q - q :] = torch.arange(c, c + q)
+        input_ids[r, Q - q :] = torch.as_tensor(q_ids[r], dtype=torch.long)
+    mask[:, P + Q :] = 1
+    mask = mask.to(dev)
+    out = adapter.model(
+        input_ids=input_ids.to(dev),
+        attention_mask=mask[:, : P + Q],
+        position_ids=pos.to(dev),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    next_pos = torch.tensor([c + q for c, q in zip(c_len, q_len)], device=dev)
+    tokens, scores = greedy_loop(
+        adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop_at_eos, return_scores
+    )
+    return tokens, scores, hits
+
+
+def _fill_pads_and_repeats(bufs: Buffers, rows_of: dict[str, list[int]], c_len: Sequence[int], P: int) -> None:
+    """Zero each row's pad slots (masked, but ``0 * NaN`` would still poison) and copy a context
+    loaded once into the other rows that share it."""
+    for rs in rows_of.values():
+        r0, c = rs[0], c_len[rs[0]]
+        for kb, vb in bufs:
+            kb[r0, :, : P - c].zero_()
+            vb[r0, :, : P - c].zero_()
+            for r in rs[1:]:
+                kb[r, :, :P].copy_(kb[r0, :, :P])
+                vb[r, :, :P].copy_(vb[r0, :, :P])
+
+
+@torch.inference_mode()
+def decode_reference(adapter: Adapter, full_ids, N, stop_at_eos, return_scores):
+    B = len(full_ids)
+    lens = [len(x) for x in full_ids]
+    L = max(lens)
+    T = L + N
+    dev = adapter.device
+    bufs = new_buffers(adapter.kv_shapes(), B, T, adapter.dtype, dev)
+    for kb, vb in bufs:
+        kb.zero_()
+        vb.zero_()
+    cache = PreallocatedCache(bufs, 0)
+    input_ids = torch.full((B, L), adapter.pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    for r, ids in enumerate(full_ids):
+        input_ids[r, : lens[r]] = torch.as_tensor(ids, dtype=torch.long)
+        mask[r, : lens[r]] = 1
+    mask[:, L:] = 1
+    mask = mask.to(dev)
+    out = adapter.model(
+        input_ids=input_ids.to(dev),
+        attention_mask=mask[:, :L],
+        position_ids=torch.arange(L, device=dev).expand(B, L),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=torch.tensor([[n - 1] for n in lens], device=dev),
+    )
+    next_pos = torch.tensor(lens, device=dev)
+    return greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, L, N, stop_at_eos, return_scores)
+
+
+def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, stop_at_eos, return_scores):
+    """Greedy decoding from the logits of each row's last prompt token. Slot ``first_slot + t``
+    holds generated token ``t`` at position ``next_pos + t``."""
+    B = logits.shape[0]
+    dev = logits.device
+    tokens = torch.full((B, N), adapter.pad_id, dtype=torch.long, device=dev)
+    scores: list[torch.Tensor] | None = [] if return_scores else None
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    eos = torch.tensor(sorted(adapter.eos_ids), dtype=torch.long, device=dev) if adapter.eos_ids else None
+    for t in range(N):
+        if scores is not None:
+            scores.append(logits.float().cpu())
+        nxt = logits.argmax(dim=-1)
+        nxt = torch.where(done, torch.full_like(nxt, adapter.pad_id), nxt)
+        tokens[:, t] = nxt
+        if stop_at_eos and eos is not None:
+            done |= torch.isin(nxt, eos)
+            if bool(done.all()):
+                break
+        if t == N - 1:
+            break
+        out = adapter.model(
+            input_ids=nxt[:, None],
+            attention_mask=mask[:, : first_slot + t + 1],
+            position_ids=(next_pos + t)[:, None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1]
+    tokens = tokens.cpu()
+    per_row = [torch.stack([s[r] for s in scores]) for r in range(B)] if scores is not None else [None] * B
+    return tokens, per_row
+
+
+__all__ = ["SampleResult", "decode_cached", "decode_reference", "fits", "greedy_loop", "greedy_sample", "row_length"]

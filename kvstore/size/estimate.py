@@ -1,0 +1,187 @@
+"""KV-cache size estimates from a model's shape, beside what a store actually holds.
+
+::
+
+    bytes per example = 2 (keys, values) x layers x kv_heads x head_dim x tokens x bytes per element
+
+``kv_heads x head_dim`` is the hidden size only without grouped-query attention (Pythia); a GQA
+model such as SmolLM2-135M (9 query heads, 3 KV heads) caches a third of that. Sliding-window
+layers are capped at their window. Rendering (tables, CSV, JSON, plots) is the CLI's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvstore import dtypes
+from kvstore.size.shapes import PYTHIA, ModelShape, resolve_shape
+from kvstore.units import human_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.store.scan import GroupStats
+
+DEFAULT_SEQ_LEN = 2048
+DEFAULT_EXAMPLES = 225
+FORMULA = "2 (keys, values) x layers x kv_heads x head_dim x tokens x bytes per element"
+PYTHIA_NOTE = (
+    "Pythia configs declare torch_dtype float16, and transformers 5 on its own loads them so "
+    '(dtype="auto"; transformers 4 loaded float32). kvstore runs models in float32 unless given '
+    "--dtype (exactness is measured in float32), hence the float32 default here; the cache takes the "
+    "dtype the model runs in, and --dtype all shows every width."
+)
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype: str = "float32") -> int:
+    """Bytes one token adds to the cache while no sliding window is full."""
+    return dtypes.kv_bytes(shape.kv_layers, shape.kv_heads, shape.head_dim, dtype)
+
+
+def kv_bytes_per_example(shape: ModelShape, seq_len: int, dtype: str = "float32") -> int:
+    """Bytes of one ``seq_len``-token example's cache (sliding layers capped at their window)."""
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+    return dtypes.kv_bytes(shape.cached_layer_tokens(seq_len), shape.kv_heads, shape.head_dim, dtype)
+
+
+@dataclass(frozen=True)
+class SizeEstimate:
+    """One model at one dtype: exact byte counts; ``*_str`` properties give binary units."""
+
+    model: str
+    dtype: str
+    source: str
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    window: str
+    seq_len: int
+    examples: int
+    bytes_per_token: int
+    bytes_per_example: int
+    bytes_dataset: int
+    bytes_cumulative: int  # this model and every model before it in the list, same dtype
+
+    @property
+    def per_token_str(self) -> str:
+        return human_bytes(self.bytes_per_token)
+
+    @property
+    def per_example_str(self) -> str:
+        return human_bytes(self.bytes_per_example)
+
+    @property
+    def dataset_str(self) -> str:
+        return human_bytes(self.bytes_dataset)
+
+    @property
+    def cumulative_str(self) -> str:
+        return human_bytes(self.bytes_cumulative)
+
+
+def estimate_size(
+    shapes: Sequence[ModelShape],
+    seq_len: int = DEFAULT_SEQ_LEN,
+    examples: int = DEFAULT_EXAMPLES,
+    dtype_names: Sequence[str] = ("float32",),
+) -> list[SizeEstimate]:
+    """Estimated KV-cache sizes, dtype by dtype, models in the order given (the cumulative column
+    adds them up in that order). Raises ValueError for a non-positive ``seq_len``/``examples``."""
+    if seq_len < 1 or examples < 1:
+        raise ValueError(f"seq_len and examples must be positive, got {seq_len} and {examples}")
+    rows = []
+    for dtype in dict.fromkeys(dtypes.parse_kv(d) for d in dtype_names):
+        total = 0
+        for shape in shapes:
+            per_example = kv_bytes_per_example(shape, seq_len, dtype)
+            total += per_example * examples
+            rows.append(
+                SizeEstimate(
+                    model=shape.name,
+                    dtype=dtype,
+                    source=shape.source,
+                    n_layers=shape.n_layers,
+                    kv_heads=shape.kv_heads,
+                    head_dim=shape.head_dim,
+                    window=shape.window_str,
+                    seq_len=seq_len,
+                    examples=examples,
+                    bytes_per_token=kv_bytes_per_token(shape, dtype),
+                    bytes_per_example=per_example,
+                    bytes_dataset=per_example * examples,
+                    bytes_cumulative=total,
+                )
+            )
+    return rows
+
+
+def measure_store(path: str) -> list[GroupStats]:
+    """What a store holds per model name and dtype (read-only, headers only). Raises the store's
+    errors (e.g. StoreNotFoundError) when it cannot be opened."""
+    from kvstore.store.kvstore import KVStore  # imports torch
+    from kvstore.store.scan import summarize
+
+    with KVStore(path, readonly=True) as store:
+        info = store.scan()
+    return summarize(info.entries, by=("model_name", "dtype"))
+
+
+@dataclass(frozen=True)
+class SizeReport:
+    """Estimates for a list of models, and optionally what a store holds."""
+
+    seq_len: int
+    examples: int
+    dtypes: tuple[str, ...]
+    estimates: tuple[SizeEstimate, ...]
+    notes: tuple[str, ...] = ()
+    store: str | None = None
+    measured: tuple[GroupStats, ...] | None = None
+
+    def records(self) -> list[dict[str, Any]]:
+        """One flat dict per row: ``kind`` ``estimated`` (then ``measured`` rows with a store)."""
+        out = [{"kind": "estimated", **asdict(r)} for r in self.estimates]
+        out += [{"kind": "measured", **m.as_record()} for m in self.measured or ()]
+        return out
+
+
+def size_report(
+    models: Sequence[str] = (),
+    *,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    examples: int = DEFAULT_EXAMPLES,
+    dtype_names: Sequence[str] = ("float32",),
+    store: str | None = None,
+) -> SizeReport:
+    """Resolve ``models`` (none: the eight Pythia models), estimate their cache sizes and, with
+    ``store``, measure what that store holds. Raises ModelNotFoundError / ModelError for a model
+    that cannot be resolved and the store's errors for a store that cannot be opened."""
+    shapes = [resolve_shape(m) for m in models] if models else list(PYTHIA)
+    names = tuple(dict.fromkeys(dtypes.parse_kv(d) for d in dtype_names)) or ("float32",)
+    notes = (
+        [PYTHIA_NOTE] if any(s.name.startswith("pythia-") and s.source.startswith("built-in") for s in shapes) else []
+    )
+    return SizeReport(
+        seq_len=seq_len,
+        examples=examples,
+        dtypes=names,
+        estimates=tuple(estimate_size(shapes, seq_len, examples, names)),
+        notes=tuple(notes),
+        store=store,
+        measured=tuple(measure_store(store)) if store is not None else None,
+    )
+
+
+__all__ = [
+    "DEFAULT_EXAMPLES",
+    "DEFAULT_SEQ_LEN",
+    "FORMULA",
+    "SizeEstimate",
+    "SizeReport",
+    "estimate_size",
+    "kv_bytes_per_example",
+    "kv_bytes_per_token",
+    "measure_store",
+    "size_report",
+]

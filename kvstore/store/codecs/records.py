@@ -1,0 +1,154 @@
+"""The payload container: a safetensors file, and records that say where each tensor's bytes are.
+
+A :class:`TensorRecord` points at one stored tensor inside a decoded payload: its bytes (``source``)
+or, for a byte-shuffled tensor, its byte planes (``planes``). Records view the payload's buffers
+(the LMDB map, or decompressed frames) and are valid only while those are.
+
+Headers are built and parsed here (never with ``safetensors``' own parser on untrusted bytes: the
+parse validates every offset and size against the bytes at hand before anything is allocated).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvstore import dtypes
+from kvstore.errors import CodecError, CorruptEntryError
+
+MAX_HEADER_BYTES = 16 << 20  # a safetensors header larger than this is hostile, not a KV cache
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one stored tensor lives: ``source`` (its bytes, 1-D uint8) or, for a shuffled tensor,
+    ``planes`` (one 1-D uint8 buffer per byte of the element)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    source: torch.Tensor | None
+    planes: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def copy_into(self, dest: torch.Tensor) -> None:
+        """Copy the tensor into ``dest`` (same shape and dtype; any device; may be a strided view,
+        such as one row of a padded batch buffer)."""
+        if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
+            raise ValueError(f"{self.name}: destination {tuple(dest.shape)}/{dest.dtype} != {self.shape}/{self.dtype}")
+        if self.planes is None:
+            assert self.source is not None
+            dest.copy_(self.source.view(self.dtype).view(self.shape))
+            return
+        size, rows = self.dtype.itemsize, (self.shape[0] if len(self.shape) > 1 else 1)
+        target = None
+        if dest.device.type == "cpu" and self.numel:
+            try:  # rows of contiguous elements, e.g. [kv_heads, n, head_dim] inside a batch buffer
+                target = dest.view(rows, -1).view(torch.uint8).view(rows, -1, size)
+            except RuntimeError:
+                target = None
+        if target is not None:
+            # Unshuffle straight into the destination: one strided copy per byte plane.
+            for j, plane in enumerate(self.planes):
+                target[:, :, j].copy_(plane.view(rows, -1))
+            return
+        tmp = torch.empty((self.numel, size), dtype=torch.uint8)
+        for j, plane in enumerate(self.planes):
+            tmp[:, j].copy_(plane)
+        dest.copy_(tmp.view(self.dtype).view(self.shape))
+
+    def materialize(self) -> torch.Tensor:
+        """A fresh, writable CPU tensor holding this record's values."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.copy_into(out)
+        return out
+
+
+@dataclass(frozen=True)
+class DecodedPayload:
+    """The records and safetensors metadata of one payload (views: see the module docstring)."""
+
+    tensors: Mapping[str, TensorRecord]
+    metadata: Mapping[str, str]
+
+
+def buffer_view(buf) -> torch.Tensor:
+    """A 1-D uint8 tensor over ``buf`` without copying (read-only buffers included)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": we never write to it
+        return torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without copying when it is contiguous."""
+    t = t.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def build_header(tensors: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[str, str]) -> bytes:
+    """The safetensors header (8-byte length + JSON, padded to 8 bytes) for ``tensors`` in order."""
+    head: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, t in tensors:
+        try:
+            code = dtypes.SAFETENSORS[dtypes.name(t.dtype)]
+        except (KeyError, ValueError):
+            raise CodecError(f"tensor {name!r} has dtype {t.dtype}, which kvstore does not store") from None
+        nbytes = t.numel() * t.element_size()
+        head[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8-byte alignment
+    return struct.pack("<Q", len(text)) + text
+
+
+HeaderRecord = tuple[str, torch.dtype, tuple[int, ...], int, int]  # name, dtype, shape, begin, end
+
+
+def parse_header(head: memoryview | bytes, data_len: int) -> tuple[list[HeaderRecord], dict]:
+    """Validate a safetensors header (8-byte length + JSON) against ``data_len`` bytes of data.
+    Returns the records sorted by offset and the metadata. Raises CorruptEntryError."""
+    if len(head) < 8:
+        raise CorruptEntryError("payload too short for a safetensors header")
+    (n,) = struct.unpack_from("<Q", head, 0)
+    if n > MAX_HEADER_BYTES or 8 + n > len(head):
+        raise CorruptEntryError(f"safetensors header declares {n} bytes, more than the payload holds")
+    try:
+        parsed = json.loads(bytes(head[8 : 8 + n]))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: hostile nesting
+        raise CorruptEntryError(f"safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise CorruptEntryError("safetensors header is not a JSON object")
+    metadata = parsed.pop("__metadata__", {}) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptEntryError("safetensors metadata must map strings to strings")
+    records: list[HeaderRecord] = []
+    for name, spec in parsed.items():
+        try:
+            dtype = dtypes.to_torch(dtypes.FROM_SAFETENSORS[spec["dtype"]])
+            shape = tuple(int(d) for d in spec["shape"])
+            begin, end = (int(x) for x in spec["data_offsets"])
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError):  # OverflowError: int(1e999)
+            raise CorruptEntryError(f"safetensors entry {name!r} is malformed or has an unsupported dtype") from None
+        if any(d < 0 for d in shape) or not 0 <= begin <= end <= data_len:
+            raise CorruptEntryError(f"tensor {name!r}: offsets {begin}..{end} fall outside {data_len} data bytes")
+        if math.prod(shape) * dtype.itemsize != end - begin:
+            raise CorruptEntryError(f"tensor {name!r}: shape {shape} does not match its {end - begin} bytes")
+        records.append((name, dtype, shape, begin, end))
+    records.sort(key=lambda r: r[3])
+    for (a, _, _, _, a_end), (b, _, _, b_begin, _) in zip(records, records[1:]):
+        if b_begin < a_end:
+            raise CorruptEntryError(f"tensors {a!r} and {b!r} overlap")
+    return records, metadata
+
+
+__all__ = ["DecodedPayload", "TensorRecord", "buffer_view", "build_header", "parse_header", "tensor_bytes"]

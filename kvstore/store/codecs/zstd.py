@@ -1,0 +1,162 @@
+"""zstd packings: a safetensors file cut into zstd frames aligned with its tensors.
+
+Frame 0 holds the safetensors header; then each tensor in file order takes one frame
+(``zstd[:LEVEL]``) or, byte-shuffled, one frame per byte plane (``zstd-shuffle[:LEVEL]``: byte 0
+of every element, then byte 1, ...). Sign and exponent bytes of neighbouring floats repeat and
+compress well; mantissa bytes look random and pass through at memory speed. Concatenated zstd
+frames decompress to the concatenation of their contents, so ``zstd -d`` of a payload gives the
+(plane-split) safetensors file back; the alignment lets each frame decompress on its own (in
+parallel threads) and be copied once into its destination.
+
+Header params: ``{"name": "zstd", "level": L, "shuffle": bool, "frames": [[compressed, raw], ...]}``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvstore.errors import CodecError, CorruptEntryError
+from kvstore.store.codecs import register_packing
+from kvstore.store.codecs.records import (
+    DecodedPayload,
+    TensorRecord,
+    buffer_view,
+    build_header,
+    parse_header,
+    tensor_bytes,
+)
+
+
+def _planes(t: torch.Tensor) -> torch.Tensor:
+    """Byte planes of ``t`` as a ``[itemsize, numel]`` uint8 tensor (row j = byte j of each element)."""
+    return t.reshape(-1).view(torch.uint8).view(-1, t.element_size()).t().contiguous()
+
+
+class ZstdPacking:
+    name = "zstd"
+
+    def __init__(self, level: int, shuffle: bool):
+        self.level, self.shuffle = level, shuffle
+
+    @property
+    def spec(self) -> str:
+        return f"zstd{'-shuffle' if self.shuffle else ''}:{self.level}"
+
+    def pack(self, tensors: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[str, str]) -> tuple[bytes, dict, int]:
+        import zstandard
+
+        parts: list[bytes | memoryview] = [build_header(tensors, metadata)]
+        for _, t in tensors:
+            t = t.detach().to("cpu").contiguous()
+            if self.shuffle and t.element_size() > 1:
+                parts += [plane.numpy().data for plane in _planes(t)]
+            else:
+                parts.append(tensor_bytes(t))
+        cctx = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+        frames = [cctx.compress(p) for p in parts]
+        params = {
+            "name": "zstd",
+            "level": self.level,
+            "shuffle": self.shuffle,
+            "frames": [[len(f), len(p)] for f, p in zip(frames, parts)],
+        }
+        return b"".join(frames), params, sum(len(p) for p in parts)
+
+    def unpack(self, payload: memoryview | bytes, params: Mapping, raw_bytes: int, threads: int) -> DecodedPayload:
+        import zstandard
+
+        frames = params.get("frames")
+        if not isinstance(frames, list) or not frames:
+            raise CorruptEntryError("zstd entry lists no frames")
+        try:
+            sizes = [(int(c), int(d)) for c, d in frames]
+        except (TypeError, ValueError, OverflowError):
+            raise CorruptEntryError("zstd frame table is malformed") from None
+        if any(c <= 0 or d < 0 for c, d in sizes) or sum(c for c, _ in sizes) != len(payload):
+            raise CorruptEntryError("zstd frame sizes do not add up to the payload")
+        if sum(d for _, d in sizes) != raw_bytes:
+            raise CorruptEntryError("zstd frames declare a different size than the entry header")
+        views: list[Any] = []
+        pos = 0
+        for c, _ in sizes:
+            views.append(payload[pos : pos + c])
+            pos += c
+        # ZstdDecompressor.decompress sizes its output from the frame's own content-size field and
+        # ignores max_output_size when that field is present: a small frame claiming (and holding)
+        # gigabytes of zeros would be allocated in full. Check every frame's claim against the table.
+        for v, (_, d) in zip(views, sizes):
+            try:
+                claimed = zstandard.frame_content_size(v)
+            except zstandard.ZstdError:
+                raise CorruptEntryError("zstd frame has an unreadable header") from None
+            if claimed != d:
+                raise CorruptEntryError(f"a zstd frame declares {claimed} bytes, the entry header {d}")
+        dctx = zstandard.ZstdDecompressor()
+        chunks: list[Any]
+        try:
+            if threads > 1 and len(views) > 2:
+                coll = dctx.multi_decompress_to_buffer(
+                    views, decompressed_sizes=struct.pack(f"={len(sizes)}Q", *(d for _, d in sizes)), threads=threads
+                )
+                chunks = [coll[i] for i in range(len(coll))]
+            else:
+                chunks = [dctx.decompress(v, max_output_size=d) if d else b"" for v, (_, d) in zip(views, sizes)]
+        except zstandard.ZstdError as exc:
+            raise CorruptEntryError(f"zstd frame does not decompress ({exc})") from None
+        if any(len(ch) != d for ch, (_, d) in zip(chunks, sizes)):
+            raise CorruptEntryError("a zstd frame decompressed to a different size than declared")
+        head = bytes(chunks[0])
+        (n,) = struct.unpack_from("<Q", head, 0) if len(head) >= 8 else (None,)
+        if n is None or len(head) != 8 + n:
+            raise CorruptEntryError("first zstd frame is not exactly the safetensors header")
+        records, metadata = parse_header(head, raw_bytes - len(head))
+        shuffle = params.get("shuffle") is True
+        if 1 + sum(r[1].itemsize if shuffle and r[1].itemsize > 1 else 1 for r in records) != len(chunks):
+            raise CorruptEntryError("zstd frames are not aligned with the tensors")
+        out = {}
+        expected, i = 0, 1
+        for name, dtype, shape, begin, end in records:
+            if begin != expected:
+                raise CorruptEntryError("zstd frames are not aligned with the tensors")
+            expected = end
+            if shuffle and dtype.itemsize > 1:
+                planes = chunks[i : i + dtype.itemsize]
+                i += dtype.itemsize
+                if any(len(p) * dtype.itemsize != end - begin for p in planes):
+                    raise CorruptEntryError("zstd frames are not aligned with the tensors")
+                out[name] = TensorRecord(name, dtype, shape, None, tuple(buffer_view(p) for p in planes))
+            else:
+                chunk = chunks[i]
+                i += 1
+                if len(chunk) != end - begin:
+                    raise CorruptEntryError("zstd frames are not aligned with the tensors")
+                out[name] = TensorRecord(name, dtype, shape, buffer_view(chunk))
+        return DecodedPayload(out, metadata)
+
+
+def _factory(shuffle: bool, default_level: int):
+    def make(args: str) -> ZstdPacking:
+        try:
+            level = int(args) if args else default_level
+        except ValueError:
+            level = -1
+        if not 1 <= level <= 22:
+            raise CodecError("zstd level must be an integer from 1 to 22")
+        return ZstdPacking(level, shuffle)
+
+    return make
+
+
+def _from_params(params: Mapping) -> ZstdPacking:
+    level = params.get("level")
+    return ZstdPacking(
+        level if isinstance(level, int) and not isinstance(level, bool) else 0, params.get("shuffle") is True
+    )
+
+
+register_packing("zstd", _factory(False, 3), from_params=_from_params)
+register_packing("zstd-shuffle", _factory(True, 1))

@@ -1,0 +1,145 @@
+"""Entries made by hand: valid ones with chosen contents, and damaged or hostile ones with valid
+checksums (what an attacker, or a bug that checksums after the damage, would produce)."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import torch
+import xxhash
+
+from kvstore.store.entry import MAGIC, Entry, encode_entry, read_header
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of ``t`` (so NaN payloads and -0.0 compare exactly)."""
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
+def kv_layers(n_layers=3, kv_heads=2, n_tokens=7, head_dim=8, dtype=torch.float32, seed=0, extremes=True):
+    """Random per-layer ``(keys, values)`` ``[kv_heads, n_tokens, head_dim]``; with ``extremes``,
+    layer 0's keys start with inf, -inf, NaN, -0.0 and the dtype's tiny and max values (what a
+    lossy or sloppy path would change)."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(n_layers):
+        k = torch.randn(kv_heads, n_tokens, head_dim, generator=g, dtype=torch.float64).to(dtype)
+        v = torch.randn(kv_heads, n_tokens, head_dim, generator=g, dtype=torch.float64).to(dtype)
+        layers.append((k, v))
+    if extremes:
+        fi = torch.finfo(dtype)
+        layers[0][0].view(-1)[:6] = torch.tensor(
+            [float("inf"), float("-inf"), float("nan"), -0.0, fi.tiny, fi.max], dtype=dtype
+        )
+    return layers
+
+
+def encode(
+    layers, codec="zstd-shuffle:1", ids=None, key="k" * 64, created=1700000000.0, model="f" * 64, model_name="tiny"
+) -> bytes:
+    """The stored bytes of an entry holding ``layers`` (token ids ``0..n-1`` unless given)."""
+    n = layers[0][0].shape[-2]
+    ids = torch.arange(n) if ids is None else torch.as_tensor(ids, dtype=torch.int64)
+    return encode_entry(Entry(key, model, model_name, ids, tuple(map(tuple, layers)), created), codec)
+
+
+def small_entry(codec: str, n_layers: int = 1, n_tokens: int = 6, head_dim: int = 8) -> bytes:
+    """A small float32 entry (2 KV heads) under key ``k...k``."""
+    return encode(kv_layers(n_layers, 2, n_tokens, head_dim, extremes=False), codec, created=1.7e9)
+
+
+def split(blob: bytes) -> tuple[dict, bytes]:
+    """(header JSON, payload) of an entry."""
+    _, offset = read_header(blob)
+    return json.loads(blob[12:offset]), blob[offset:-8]
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` followed by its valid checksum."""
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+def assemble(header: dict | bytes, payload: bytes) -> bytes:
+    """An entry with a valid checksum around any header (a dict, or raw bytes) and payload."""
+    h = header if isinstance(header, bytes) else json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    return seal(MAGIC + struct.pack("<I", len(h)) + h + payload)
+
+
+def rle_frame(content_size: int, byte: int = 0, declared: int | None | bool = True) -> bytes:
+    """A hand-made zstd frame of ``content_size`` copies of ``byte`` in RLE blocks of 128 KiB
+    (4 bytes each: a few KB expand to gigabytes, a decompression bomb). Its header declares
+    ``content_size`` (``declared=True``), another size (an int), or none (``None``/``False``)."""
+    if declared is True:
+        declared = content_size
+    head = struct.pack("<I", 0xFD2FB528)
+    head += bytes([0x00, 0x38]) if declared in (None, False) else bytes([0xC0, 0x38]) + struct.pack("<Q", declared)
+    out, left = bytearray(head), content_size
+    while left:
+        n = min(left, 1 << 17)
+        left -= n
+        out += ((n << 3) | (1 << 1) | (left == 0)).to_bytes(3, "little") + bytes([byte])
+    return bytes(out)
+
+
+def with_frame(header: dict, payload: bytes, index: int, frame: bytes, declared: int | None = None) -> bytes:
+    """A zstd entry with frame ``index`` replaced by ``frame`` (the frame table follows; with
+    ``declared`` the table and raw size claim that many bytes for it)."""
+    frames = header["codec"]["frames"]
+    parts, pos = [], 0
+    for c, _ in frames:
+        parts.append(payload[pos : pos + c])
+        pos += c
+    parts[index] = frame
+    header = json.loads(json.dumps(header))
+    header["codec"]["frames"][index][0] = len(frame)
+    if declared is not None:
+        grow = declared - header["codec"]["frames"][index][1]
+        header["codec"]["frames"][index][1] = declared
+        header["raw_bytes"] += grow
+    return assemble(header, b"".join(parts))
+
+
+def hostile_entries() -> dict[str, bytes]:
+    """Entries with valid checksums built to make a decoder allocate gigabytes or crash."""
+    z_header, z_payload = split(small_entry("zstd:1"))
+    r_header, r_payload = split(small_entry("raw"))
+    (n,) = struct.unpack_from("<Q", r_payload)
+    st = json.loads(r_payload[8 : 8 + n])
+
+    def st_edit(edit) -> bytes:
+        s = json.loads(json.dumps(st))
+        edit(s)
+        text = json.dumps(s).encode()
+        text += b" " * (-len(text) % 8)
+        new = struct.pack("<Q", len(text)) + text + r_payload[8 + n :]
+        return assemble(dict(r_header, raw_bytes=len(new)), new)
+
+    gib = 1 << 30
+    tensor0 = z_header["codec"]["frames"][1][1]  # bytes of layers.0.keys, as the frame table says
+    big_tokens = dict(z_header, n_tokens=gib)
+    big_tokens["raw_bytes"] = 2 * 2 * 8 * 4 * gib + 8 * gib
+    return {
+        "zstd frame declares 4 GiB": with_frame(z_header, z_payload, 1, rle_frame(4 * gib, declared=4 * gib)),
+        "zstd frame and table declare 4 GiB": with_frame(
+            z_header, z_payload, 1, rle_frame(4 * gib, declared=4 * gib), declared=4 * gib
+        ),
+        "zstd frame expands to 1 GiB, declares nothing": with_frame(
+            z_header, z_payload, 1, rle_frame(gib, declared=None)
+        ),
+        "zstd frame declares its tensor's size, expands to 1 GiB": with_frame(
+            z_header, z_payload, 1, rle_frame(gib, declared=tensor0)
+        ),
+        "header declares 2**30 tokens consistently": assemble(big_tokens, z_payload),
+        "header declares 2**40 raw bytes": assemble(dict(z_header, raw_bytes=1 << 40), z_payload),
+        "safetensors header length 2**63": assemble(r_header, struct.pack("<Q", 1 << 63) + r_payload[8:]),
+        "safetensors huge shape": st_edit(lambda s: s["layers.0.keys"].update(shape=[gib, gib, gib])),
+        "safetensors offsets beyond the data": st_edit(lambda s: s["layers.0.keys"].update(data_offsets=[0, 1 << 62])),
+        "safetensors overlapping tensors": st_edit(
+            lambda s: s["layers.0.values"].update(data_offsets=s["layers.0.keys"]["data_offsets"])
+        ),
+        "entry header nested 100k deep": assemble(b"[" * 100_000, r_payload),
+        "entry header length 2**32-1": assemble(r_header, r_payload)[:8] + struct.pack("<I", 0xFFFFFFFF) + r_payload,
+    }
