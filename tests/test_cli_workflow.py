@@ -69,7 +69,7 @@ def test_build_then_sample_matches_no_cache(tiny_llama_dir, data, tmp_path):
     c_rows = [json.loads(x) for x in (tmp_path / "c.jsonl").read_text().splitlines()]
     r_rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert len(c_rows) == 10
-    assert [r["prediction"] for r in c_rows] == [r["prediction"] for r in r_rows]
+    assert [r["raw_output"] for r in c_rows] == [r["raw_output"] for r in r_rows]  # every row, all of it
     assert set(c_rows[0]) >= {"id", "question", "prediction", "answers", "correct", "cache_hit"}
     assert all(r["cache_hit"] for r in c_rows) and not any(r["cache_hit"] for r in r_rows)
     for key in ("accuracy", "exact_match", "f1", "questions_per_second"):
@@ -305,24 +305,21 @@ def test_too_long_context_is_named(tiny_neox_dir, tmp_path, capsys):
 
 @pytest.mark.real_model
 def test_demo_dataset_real_model_cli(real_model, tmp_path):
-    """The bundled model through the CLI on a slice of the demo set: cached == --no-cache."""
+    """The bundled model through the CLI on 8 distinct demo contexts of ~70 and ~330 tokens
+    (real padding): `sample` == `sample --no-cache`, the whole generated text of every row, at
+    batch sizes 3 and 8."""
+    from helpers.data import padded_demo_rows, write_rows
+
+    data = write_rows(tmp_path / "padded.jsonl", padded_demo_rows(8))
     store = str(tmp_path / "store")
-    common = [
-        "experiments/data/demo.jsonl",
-        "--store",
-        store,
-        "--limit",
-        "6",
-        "--quiet",
-        "--format",
-        "json",
-        "-n",
-        "12",
-    ]
-    built = _json(_run(["build", *common[:-2]]))
-    assert built["built"] == 2
-    a = _json(_run(["sample", *common, "-o", str(tmp_path / "a.jsonl")]))
-    _json(_run(["sample", *common, "-o", str(tmp_path / "b.jsonl"), "--no-cache"]))
-    assert a["cache_hit_rate"] == 1.0
-    preds = lambda p: [json.loads(x)["prediction"] for x in p.read_text().splitlines()]  # noqa: E731
-    assert preds(tmp_path / "a.jsonl") == preds(tmp_path / "b.jsonl")
+    common = [str(data), "--store", store, "--quiet", "--format", "json"]
+    built = _json(_run(["build", *common, "-b", "3"]))
+    assert built["built"] == 8
+    reference = tmp_path / "reference.jsonl"
+    _json(_run(["sample", *common, "-n", "12", "-o", str(reference), "--no-cache"]))
+    rows = lambda p: {r["id"]: r["raw_output"] for r in map(json.loads, p.read_text().splitlines())}  # noqa: E731
+    for bs in ("3", "8"):
+        cached = tmp_path / f"cached-{bs}.jsonl"
+        a = _json(_run(["sample", *common, "-n", "12", "-b", bs, "-o", str(cached)]))
+        assert a["cache_hit_rate"] == 1.0
+        assert rows(cached) == rows(reference), f"batch size {bs}"

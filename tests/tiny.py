@@ -209,3 +209,81 @@ def write_tiny_gguf(path: str | Path, seed: int = 0) -> Path:
 def _llama_cpp_permute(weight, n_head: int):  # numpy in, numpy out
     rows = weight.shape[0]
     return weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+# -- other cache families ------------------------------------------------------------------------
+def _family_configs(vocab: int) -> dict[str, PreTrainedConfig]:
+    """Tiny configs of the families kvstore classifies (kvstore.model.families), by name."""
+    import transformers as T
+
+    attn = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    pos = dict(max_position_embeddings=MAX_POSITIONS)
+    mamba = dict(mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)
+    return {
+        # sliding / chunked windows (8 tokens, so test contexts are longer than the window)
+        "mistral": T.MistralConfig(**attn, **pos, num_hidden_layers=2, sliding_window=8, head_dim=16),
+        "gemma3": T.Gemma3TextConfig(
+            **attn, **pos, num_hidden_layers=4, head_dim=16, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        "qwen2-sliding": T.Qwen2Config(
+            **attn, **pos, num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1
+        ),
+        # state-space and hybrids
+        "mamba2": T.Mamba2Config(
+            vocab_size=vocab, hidden_size=32, state_size=8, num_heads=4, head_dim=16, expand=2, n_groups=1,
+            num_hidden_layers=2, conv_kernel=4, chunk_size=8,
+        ),
+        "bamba": T.BambaConfig(
+            **attn, **pos, **mamba, num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_n_heads=4,
+            mamba_d_head=32, mamba_n_groups=1, mamba_chunk_size=8,
+        ),
+        "lfm2": T.Lfm2Config(**attn, **pos, num_hidden_layers=4, full_attn_idxs=[1, 3], conv_L_cache=3),
+        # position features
+        "mpt": T.MptConfig(vocab_size=vocab, d_model=64, n_heads=4, n_layers=2, max_seq_len=MAX_POSITIONS),
+        "llama-dynamic-rope": T.LlamaConfig(
+            **attn, num_hidden_layers=2, max_position_embeddings=16,
+            rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+        ),
+        # accepted: ALiBi computed from the 2-D mask, learned absolute positions
+        "bloom": T.BloomConfig(vocab_size=vocab, hidden_size=64, n_head=4, n_layer=2),
+        "gpt2": T.GPT2Config(
+            vocab_size=vocab, n_embd=64, n_head=4, n_layer=2, n_positions=MAX_POSITIONS, bos_token_id=1, eos_token_id=2
+        ),
+    }  # fmt: skip
+
+
+FAMILIES: tuple[str, ...] = tuple(_family_configs(8))
+
+
+def make_family_model(
+    name: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn_implementation: str | None = "sdpa"
+) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """``(model, tokenizer)`` of family ``name`` (see :data:`FAMILIES`): untied embeddings (a tied
+    tiny model mostly echoes its input, hiding window bugs), ``initializer_range`` 0.3, the no-BOS
+    tokenizer. ``attn_implementation=None`` keeps the architecture's default."""
+    tokenizer = make_tokenizer(add_bos=False)
+    config = _family_configs(len(tokenizer))[name]
+    config.initializer_range = INITIALIZER_RANGE
+    config.tie_word_embeddings = False
+    config.pad_token_id = SPECIAL_TOKENS.index(PAD)
+    config.eos_token_id = SPECIAL_TOKENS.index(EOS)
+    config.bos_token_id = SPECIAL_TOKENS.index(BOS)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    config._experts_implementation = "eager"  # MoE kernels refuse float64 on CPU
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(dtype).eval().requires_grad_(False)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def save_family_model(directory: str | Path, name: str, seed: int = 0) -> Path:
+    """A family model and its tokenizer saved with ``save_pretrained`` into ``directory``."""
+    directory = Path(directory)
+    model, tokenizer = make_family_model(name, seed=seed, attn_implementation=None)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

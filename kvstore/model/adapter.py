@@ -14,8 +14,8 @@ import torch
 from transformers import PreTrainedModel
 
 from kvstore import dtypes
-from kvstore.errors import ContextTooLongError
-from kvstore.model import build, decode
+from kvstore.errors import ContextTooLongError, ModelError
+from kvstore.model import build, decode, families
 from kvstore.model.build import BuildReport, LayerKV
 from kvstore.model.cache import KVShape
 from kvstore.model.decode import SampleResult
@@ -70,10 +70,11 @@ class Adapter:
         *,
         dtype: str | torch.dtype | None = None,
         device: str | torch.device | None = None,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str | None = None,
     ) -> Adapter:
         """Load a model by name: ``None`` (bundled SmolLM2-135M-Instruct), a hub id, a local
-        directory or a ``.gguf`` file. Raises ModelNotFoundError / ModelError."""
+        directory or a ``.gguf`` file. ``attn_implementation``: default SDPA where the architecture
+        has it. Raises ModelNotFoundError / ModelError."""
         from kvstore.model.loading import load_model
 
         loaded = load_model(name, dtype=dtype, device=device, attn_implementation=attn_implementation)
@@ -106,6 +107,13 @@ class Adapter:
     def entry(self, key: str, context_ids: Sequence[int], layers: LayerKV) -> Entry:
         """An :class:`Entry` of this model holding ``layers`` for a tokenized context."""
         return Entry(key, self.fingerprint, self.name, torch.as_tensor(context_ids, dtype=torch.int64), layers)
+
+    def check_supported(self) -> None:
+        """Raise ModelError (one line naming the family and why) unless kvstore can store and reuse
+        this model's caches exactly; see :mod:`kvstore.model.families`."""
+        reason = families.refusal(self.model.config)
+        if reason is not None:
+            raise ModelError(reason)
 
     def kv_shapes(self) -> list[KVShape]:
         """Per layer (kv_heads, key head_dim, value head_dim), from one tiny forward."""

@@ -179,6 +179,7 @@ def build_caches(
     See :meth:`kvstore.model.adapter.Adapter.generate_kv_cache`."""
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
+    adapter.check_supported()
     t_start = time.perf_counter()
     report = BuildReport(contexts=len(contexts))
     ids: list[list[int]] = []

@@ -76,6 +76,7 @@ def greedy_sample(
         raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
     if num_new_tokens < 1 or batch_size < 1:
         raise ValueError("num_new_tokens and batch_size must be at least 1")
+    adapter.check_supported()
     q_ids = [adapter.encode_question(q) for q in questions]
     c_ids = [
         adapter.context_ids(

@@ -2,10 +2,15 @@
 
 A model fingerprint is the sha256 of the config's canonical JSON (volatile fields removed) and a
 digest of every weight tensor's name, dtype, shape and bytes. The same weights loaded from a hub id,
-a local directory or a converted GGUF give the same fingerprint; a fine-tuned, quantized or
-re-typed model gives another. Hashing weights costs ~0.4 s per GB of weights, so the result is
-remembered in ``<home>/fingerprints.json`` under the identity (path, size, mtime) of the files
-the weights came from.
+a local directory or a converted GGUF give the same fingerprint; a fine-tuned, quantized, re-typed
+or re-configured model gives another.
+
+The config digest is computed on every load (it is cheap), so an edited ``config.json`` always
+changes the fingerprint. Hashing the weights costs ~0.4 s per GB, so only the weights digest is
+remembered, in ``<home>/weights-digests.json``, under everything that identifies the files they were
+loaded from (resolved path, device, inode, size, mtime_ns and ctime_ns: a file rewritten in place
+and its mtime set back still has a new ctime), the dtype, and the loaded config in full (a config
+change can change which tensors the same files load into, e.g. tied embeddings).
 """
 
 from __future__ import annotations
@@ -88,40 +93,47 @@ def weights_digest(model: torch.nn.Module) -> str:
 def _memo_path() -> Path:
     from kvstore.paths import home
 
-    return home() / "fingerprints.json"
+    return home() / "weights-digests.json"
 
 
-def _file_identity(files: Iterable[Path], dtype: torch.dtype) -> str:
-    parts = [str(dtype)]
+def _weights_memo_key(model: torch.nn.Module, files: Iterable[str | os.PathLike]) -> str:
+    """What must be unchanged for a remembered weights digest to still be right."""
+    config = getattr(model, "config", None)
+    config_text = json.dumps(config.to_dict() if config is not None else {}, sort_keys=True, default=str)
+    parts = [
+        "kvstore-weights-memo-2",
+        dtypes.label(next(model.parameters()).dtype),
+        hashlib.sha256(config_text.encode()).hexdigest(),
+    ]
     for f in sorted(Path(p).resolve() for p in files):
         st = f.stat()
-        parts.append(f"{f}|{st.st_size}|{st.st_mtime_ns}")
+        parts.append(f"{f}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def model_fingerprint(model: torch.nn.Module, *, weight_files: Sequence[str | os.PathLike] = ()) -> str:
     """The model's fingerprint (64 hex chars). See the module docstring.
 
-    ``weight_files``: the files the weights were loaded from; when given, the result is memoized
-    by their identity so later runs skip hashing the weights.
+    ``weight_files``: the files the weights were loaded from; when given, the weights digest is
+    memoized by their identity so later runs skip hashing the weights.
     """
-    dtype = next(model.parameters()).dtype
+    weights = None
     memo_key = None
     if weight_files:
         try:
-            memo_key = _file_identity(weight_files, dtype)
-            memo = json.loads(_memo_path().read_text())
-            if isinstance(memo.get(memo_key), str):
-                return memo[memo_key]
-        except (OSError, ValueError):
+            memo_key = _weights_memo_key(model, weight_files)
+            found = json.loads(_memo_path().read_text()).get(memo_key)
+            weights = found if isinstance(found, str) else None
+        except (OSError, ValueError, AttributeError):
             pass
-    fp = hashlib.sha256(f"{config_digest(model.config)}:{weights_digest(model)}".encode()).hexdigest()
-    if memo_key is not None:
-        _remember(memo_key, fp)
-    return fp
+    if weights is None:
+        weights = weights_digest(model)
+        if memo_key is not None:
+            _remember(memo_key, weights)
+    return hashlib.sha256(f"{config_digest(model.config)}:{weights}".encode()).hexdigest()
 
 
-def _remember(memo_key: str, fp: str) -> None:
+def _remember(memo_key: str, digest: str) -> None:
     path = _memo_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,8 +141,8 @@ def _remember(memo_key: str, fp: str) -> None:
             memo = json.loads(path.read_text())
         except (OSError, ValueError):
             memo = {}
-        memo[memo_key] = fp
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".fingerprints.")
+        memo[memo_key] = digest
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".weights-digests.")
         with os.fdopen(fd, "w") as f:
             json.dump(memo, f, indent=0, sort_keys=True)
         os.replace(tmp, path)

