@@ -83,3 +83,16 @@ def test_setup_cfg_lists_every_package():
 def test_python_dash_m_kvstore_runs_the_cli():
     out = subprocess.run([sys.executable, "-m", "kvstore", "--help"], capture_output=True, text=True, check=True).stdout
     assert "build" in out and "sample" in out
+
+
+def test_every_module_all_names_exist():
+    """``from kvstore.X import *`` works for every library module: ``__all__`` names only what exists."""
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.walk_packages(kvstore.__path__, "kvstore."):
+        if info.name.startswith("kvstore.cli") or info.name == "kvstore.__main__":
+            continue
+        module = importlib.import_module(info.name)
+        missing = [n for n in getattr(module, "__all__", []) if not hasattr(module, n)]
+        assert not missing, (info.name, missing)
