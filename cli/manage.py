@@ -1,9 +1,11 @@
 """Store management commands: ``kvstore ls``, ``stats``, ``verify``, ``rm``, ``gc``.
 
-The read commands open the store read-only (a missing store is an error, never created). ``rm``
-and ``gc`` plan first (``kvstore.store.plan_gc``), print the plan, ask (unless ``--yes``), then
-remove everything planned in one transaction; ``--dry-run`` prints the plan and changes nothing.
-Torch-heavy modules are imported inside the command bodies so that ``--help`` stays fast.
+A store holds *contexts*, each a chain of *chunks* (entries); a chunk several contexts share is
+stored once. The read commands open the store read-only (a missing store is an error, never
+created). ``rm`` and ``gc`` plan first (``kvstore.store.scan.plan_gc``), print the plan, ask
+(unless ``--yes``), then remove everything planned at once; ``--dry-run`` prints the plan and
+changes nothing. Torch-heavy modules are imported inside the command bodies so that ``--help``
+stays fast.
 """
 
 from __future__ import annotations
@@ -43,18 +45,20 @@ _SORTS = {
     "used": ("last_used", True),
 }
 
+_OLDER = "Contexts not used for this long (30d, 12h, 2w...)."
 _LMDB_NOTE = "LMDB files never shrink: space freed by rm/gc is reused by new entries"
 
 
-def _entries(n: int) -> str:
-    return f"{n} {'entry' if n == 1 else 'entries'}"
+def _count(n: int, word: str) -> str:
+    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks"}[word]
+    return f"{n} {word if n == 1 else plural}"
 
 
 def _warn_corrupt(info: Any) -> None:
     for c in info.corrupt:
         warn(f"skipped entry {c.key[:12]}: {c.reason}")
     if info.corrupt:
-        warn(f"{_entries(len(info.corrupt))} unreadable, skipped; `kvstore gc --corrupt` removes them")
+        warn(f"{_count(len(info.corrupt), 'entry')} unreadable, skipped; `kvstore gc --corrupt` removes them")
 
 
 def _time(ts: float | None) -> str:
@@ -67,7 +71,8 @@ def _time(ts: float | None) -> str:
 # -- ls -----------------------------------------------------------------------------------------
 @click.command()
 @store_option
-@click.option("--model", metavar="NAME|FINGERPRINT", help="Only entries of this model (name, or fingerprint prefix).")
+@click.option("--model", metavar="NAME|FINGERPRINT", help="Only this model's (name, or fingerprint prefix).")
+@click.option("--chunks", is_flag=True, help="List the stored chunks (entries) instead of the contexts.")
 @click.option(
     "--sort",
     "sort_by",
@@ -79,45 +84,44 @@ def _time(ts: float | None) -> str:
 @click.option("--reverse", is_flag=True, help="Reverse the order.")
 @click.option("--full-keys", is_flag=True, help="Show whole keys and fingerprints in the table.")
 @format_option
-def ls(store: str, model: str | None, sort_by: str, reverse: bool, full_keys: bool, fmt: str) -> None:
-    """List the entries of a store.
+def ls(store: str, model: str | None, chunks: bool, sort_by: str, reverse: bool, full_keys: bool, fmt: str) -> None:
+    """List the contexts of a store (or, with --chunks, its chunks).
 
-    The table shows each entry's key, model name and fingerprint (both shortened to 12
-    characters unless --full-keys), KV dtype, tokens, layers, codec, stored size, ratio
-    (stored / uncompressed), creation time and last use (UTC). JSON and CSV carry every field
-    unabbreviated, sizes in bytes and times in seconds since the epoch. Entries whose header
-    cannot be read are skipped with a warning (`kvstore verify` checks every byte).
+    A context row shows its key (its last chunk's), model name and fingerprint (both shortened to
+    12 characters unless --full-keys), KV dtype, tokens, chunks, codec, size (its chunks, shared
+    ones included), ratio (stored / uncompressed), creation time, last use (UTC) and the device and
+    attention implementation its numbers came from. JSON and CSV carry every field unabbreviated,
+    sizes in bytes and times in seconds since the epoch. Entries whose header cannot be read are
+    skipped with a warning (`kvstore verify` checks every byte).
     """
     with open_store(store, readonly=True) as s:
         info = s.scan()
     _warn_corrupt(info)
     field, descending = _SORTS[sort_by]
-    records = [e.as_record() for e in info.entries if e.matches_model(model)]
+    items = info.entries if chunks else info.contexts
+    records = [x.as_record() for x in items if x.matches_model(model)]
+    for r in records:
+        r["numerics_str"] = "/".join(filter(None, (r["numerics"].get("device"), r["numerics"].get("attn")))) or "-"
     records.sort(key=lambda r: r["key"])
     records.sort(key=lambda r: r[field], reverse=descending != reverse)
     if fmt != "table":
-        emit(records, fmt)
+        emit([{k: v for k, v in r.items() if k != "numerics_str"} for r in records], fmt)
         return
+    what = "chunk" if chunks else "context"
     if not records:
-        click.echo(f"No entries in {info.url}" + (f" for model {model}." if model else "."))
+        click.echo(f"No {_count(0, what).split()[1]} in {info.url}" + (f" for model {model}." if model else "."))
         return
     n = 64 if full_keys else 12
+    columns = {"key": "KEY", "model_name": "MODEL", "model": "FINGERPRINT", "dtype": "DTYPE", "n_tokens": "TOKENS"}
+    columns |= {"start": "START"} if chunks else {"chunks": "CHUNKS"}
+    columns |= {
+        "codec": "CODEC", "stored_bytes": "SIZE", "ratio": "RATIO", "created": "CREATED", "last_access": "LAST USED",
+        "numerics_str": "NUMERICS",
+    }  # fmt: skip
     emit(
         records,
         "table",
-        columns={
-            "key": "KEY",
-            "model_name": "MODEL",
-            "model": "FINGERPRINT",
-            "dtype": "DTYPE",
-            "n_tokens": "TOKENS",
-            "n_layers": "LAYERS",
-            "codec": "CODEC",
-            "stored_bytes": "SIZE",
-            "ratio": "RATIO",
-            "created": "CREATED",
-            "last_access": "LAST USED",
-        },  # fmt: skip
+        columns=columns,
         formatters={
             "key": lambda k: short(k, n),
             "model": lambda m: short(m, n),
@@ -125,11 +129,14 @@ def ls(store: str, model: str | None, sort_by: str, reverse: bool, full_keys: bo
             "created": _time,
             "last_access": _time,
         },  # fmt: skip
-        align="llllrrlrrll",
+        align="llllrrlrrlll",
     )
-    stored = sum(r["stored_bytes"] for r in records)
+    total = sum(r["stored_bytes"] for r in records)
     raw = sum(r["raw_bytes"] for r in records)
-    click.echo(f"\n{_entries(len(records))}, {human_bytes(stored)} stored ({human_bytes(raw)} uncompressed).")
+    shared = " (shared chunks counted per context)" if not chunks and info.dedupe_ratio > 1.0 else ""
+    click.echo(
+        f"\n{_count(len(records), what)}, {human_bytes(total)} stored{shared} ({human_bytes(raw)} uncompressed)."
+    )
 
 
 # -- stats --------------------------------------------------------------------------------------
@@ -137,35 +144,44 @@ def ls(store: str, model: str | None, sort_by: str, reverse: bool, full_keys: bo
 @store_option
 @format_option
 def stats(store: str, fmt: str) -> None:
-    """Totals of a store per model and dtype.
+    """Totals of a store per model, dtype and codec.
 
-    For each (model name, fingerprint, KV dtype): entries, tokens, uncompressed and stored bytes,
-    ratio (stored / uncompressed) and stored bytes per token; then the store's totals and the
-    size of its file on disk, which can exceed the stored bytes: LMDB files never shrink, and
-    space freed by rm/gc is reused by new entries.
+    For each (model name, fingerprint, KV dtype, codec): contexts, tokens, uncompressed bytes,
+    logical bytes (each context's chunks, a shared chunk counted for every context that uses it),
+    physical bytes (each chunk once), their ratio (dedupe), the codec's ratio (stored /
+    uncompressed) and stored bytes per token; then the store's totals and the size of its file on
+    disk, which can exceed the stored bytes: LMDB files never shrink, and space freed by rm/gc is
+    reused by new entries.
     """
+    from kvstore.store.scan import summarize
+
     with open_store(store, readonly=True) as s:
         info = s.scan()
     _warn_corrupt(info)
-    from kvstore.store.scan import summarize
-
-    rows = [g.as_record() for g in summarize(info.entries, by=("model_name", "model", "dtype"))]
+    rows = [g.as_record() for g in summarize(info)]
     totals = {
+        "contexts": len(info.contexts),
         "entries": info.n_entries,
+        "orphan_chunks": len(info.orphans),
         "corrupt": len(info.corrupt),
         "n_tokens": info.n_tokens,
         "raw_bytes": info.raw_bytes,
+        "logical_bytes": info.logical_bytes,
         "stored_bytes": info.stored_bytes,
+        "dedupe_ratio": round(info.dedupe_ratio, 4),
         "ratio": round(info.stored_bytes / info.raw_bytes, 4) if info.raw_bytes else 1.0,
         "disk_bytes": info.disk_bytes,
     }
+    description = {"store": info.url, "format": info.format, "codec": info.codec, "chunk_tokens": info.chunk_tokens}
     if fmt == "json":
-        echo_json({"store": info.url, "format": info.format, "codec": info.codec, "groups": rows, "totals": totals})
+        echo_json(description | {"groups": rows, "totals": totals})
         return
     if fmt == "csv":
         emit(rows, "csv")
         return
-    click.echo(f"Store {info.url} (format {info.format}, codec for new entries {info.codec})")
+    click.echo(
+        f"Store {info.url} (format {info.format}, codec for new entries {info.codec}, {info.chunk_tokens}-token chunks)"
+    )
     if rows:
         click.echo()
         emit(
@@ -175,31 +191,37 @@ def stats(store: str, fmt: str) -> None:
                 "model_name": "MODEL",
                 "model": "FINGERPRINT",
                 "dtype": "DTYPE",
-                "entries": "ENTRIES",
+                "codec": "CODEC",
+                "contexts": "CONTEXTS",
                 "n_tokens": "TOKENS",
                 "raw_bytes": "UNCOMPRESSED",
-                "stored_bytes": "STORED",
-                "ratio": "RATIO",
+                "stored_bytes": "LOGICAL",
+                "physical_bytes": "PHYSICAL",
+                "dedupe_ratio": "DEDUPE",
                 "bytes_per_token": "BYTES/TOKEN",
             },  # fmt: skip
             formatters={
                 "model": short,
                 "raw_bytes": human_bytes,
                 "stored_bytes": human_bytes,
+                "physical_bytes": human_bytes,
                 "bytes_per_token": lambda b: f"{b:,.0f}",
-            },
-            align="lllrrrrrr",
+                "dedupe_ratio": lambda r: f"{r:.2f}x",
+            },  # fmt: skip
+            align="llllrrrrrrr",
         )
     click.echo()
     click.echo(
-        f"Total: {_entries(totals['entries'])}, {totals['n_tokens']:,} tokens, "
-        f"{human_bytes(totals['stored_bytes'])} stored "
-        f"({human_bytes(totals['raw_bytes'])} uncompressed, ratio {totals['ratio']:.2f})"
+        f"Total: {_count(totals['contexts'], 'context')}, {totals['n_tokens']:,} tokens; "
+        f"{_count(totals['entries'], 'chunk')}, {human_bytes(totals['stored_bytes'])} stored "
+        f"({human_bytes(totals['logical_bytes'])} logical, dedupe {totals['dedupe_ratio']:.2f}x; "
+        f"{human_bytes(totals['raw_bytes'])} uncompressed, ratio {totals['ratio']:.2f})"
     )
+    if info.orphans:
+        click.echo(f"Unused: {_count(len(info.orphans), 'chunk')} no context uses (`kvstore gc` collects them)")
     if info.corrupt:
-        click.echo(
-            f"Unreadable: {_entries(len(info.corrupt))} ({human_bytes(sum(c.stored_bytes for c in info.corrupt))})"
-        )
+        bad = human_bytes(sum(c.stored_bytes for c in info.corrupt))
+        click.echo(f"Unreadable: {_count(len(info.corrupt), 'entry')} ({bad})")
     if info.disk_bytes is not None:
         click.echo(f"On disk: {human_bytes(info.disk_bytes)} ({_LMDB_NOTE})")
 
@@ -209,40 +231,73 @@ def stats(store: str, fmt: str) -> None:
 @store_option
 @quiet_option
 def verify(store: str, quiet: bool) -> None:
-    """Check every entry's checksum and structure.
+    """Check every entry's checksum and structure, and every context's chain.
 
     Reads and decodes every entry (the checksum, then the header and tensors against each
-    other). Prints each corrupt entry's key and what is wrong with it and exits 1 if there is
-    any; `kvstore gc --corrupt` removes them. Changes nothing.
+    other), then walks every context's chain (each chunk present, intact, continuing the one
+    before it). Prints each corrupt entry and broken context and what is wrong, and exits 1 if
+    there is any; `kvstore gc --corrupt` removes corrupt entries (a broken context is rebuilt
+    from where it breaks by the next build or sample). Changes nothing.
     """
     with open_store(store, readonly=True) as s:
         with progress_bar(len(s), "verify", quiet, unit="entry") as bar:
             info = s.verify(progress=bar)
+    entries = {e.key: e for e in info.entries}
+    broken = []
+    for c in info.contexts:
+        reason = _chain_problem(c.chunks, entries)
+        if reason:
+            broken.append((c.key, reason))
     for c in info.corrupt:
         click.echo(f"corrupt  {c.key}  {c.reason}")
+    for key, reason in broken:
+        click.echo(f"broken   {key}  {reason}")
     total = info.n_entries + len(info.corrupt)
-    if info.corrupt:
-        raise CLIError(f"{len(info.corrupt)} of {_entries(total)} corrupt; `kvstore gc --corrupt` removes them")
-    click.echo(f"{_entries(total)} verified, all intact.")
+    if info.corrupt or broken:
+        parts = [f"{len(info.corrupt)} of {_count(total, 'entry')} corrupt"] if info.corrupt else []
+        parts += [f"{len(broken)} of {_count(len(info.contexts), 'context')} broken"] if broken else []
+        raise CLIError("; ".join(parts) + "; `kvstore gc --corrupt` removes corrupt entries")
+    click.echo(f"{_count(total, 'entry')} and {_count(len(info.contexts), 'context')} verified, all intact.")
+
+
+def _chain_problem(chunks: tuple[str, ...], entries: dict[str, Any]) -> str:
+    parent, start = "", 0
+    for i, key in enumerate(chunks):
+        e = entries.get(key)
+        if e is None:
+            return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) is missing or corrupt"
+        h = e.header
+        if len(chunks) > 1 or h.format >= 2:
+            if h.parent != parent or h.start != start:
+                return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) does not continue the chain"
+        parent, start = key, h.end
+    return ""
 
 
 # -- rm / gc ------------------------------------------------------------------------------------
 def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
-    names = {e.key: e.model_name for e in info.entries}
-    rows = [{"key": k, "model_name": names.get(k, "?"), "stored_bytes": b, "reason": why} for k, why, b in plan.remove]
+    names = {e.key: e.model_name for e in info.entries} | {c.key: c.model_name for c in info.contexts}
+    rows = [
+        {"what": "context", "key": k, "model_name": names.get(k, "?"), "stored_bytes": b, "reason": why}
+        for k, why, b in plan.contexts
+    ]
+    rows += [
+        {"what": "entry", "key": k, "model_name": names.get(k, "?"), "stored_bytes": b, "reason": why}
+        for k, why, b in plan.remove
+    ]
     shown = rows if limit is None else rows[:limit]
     emit(
         shown,
         "table",
-        columns={"key": "KEY", "model_name": "MODEL", "stored_bytes": "SIZE", "reason": "REASON"},
+        columns={"what": "WHAT", "key": "KEY", "model_name": "MODEL", "stored_bytes": "SIZE", "reason": "REASON"},
         formatters={"key": short, "stored_bytes": human_bytes},
-        align="llrl",
+        align="lllrl",
     )
     if len(shown) < len(rows):
         click.echo(f"... and {len(rows) - len(shown)} more (--dry-run lists them all)")
     click.echo(
-        f"\n{_entries(plan.n)} to remove, {human_bytes(plan.freed_bytes)}; "
-        f"{human_bytes(plan.keep_bytes)} of entries stay."
+        f"\n{_count(len(plan.contexts), 'context')} and {_count(len(plan.remove), 'entry')} to remove, "
+        f"{human_bytes(plan.freed_bytes)} freed; {human_bytes(plan.keep_bytes)} of entries stay."
     )
 
 
@@ -260,93 +315,95 @@ def _run_plan(
         else:
             info = s.scan()
         plan = plan_gc(info, now=time.time(), **plan_args)
-        if plan.n == 0:
+        if not plan.remove and not plan.contexts:
             click.echo("Nothing to remove.")
             return
         _show_plan(plan, info, limit=None if dry_run else 20)
         if dry_run:
             click.echo("Dry run: nothing removed.")
             return
-        if not confirm(
-            f"Remove {_entries(plan.n)} ({human_bytes(plan.freed_bytes)})?",
-            yes=yes,
-            hint="or --dry-run to see the plan",
-        ):
+        question = f"Remove {_count(len(plan.contexts), 'context')} and {_count(len(plan.remove), 'entry')}?"
+        if not confirm(question, yes=yes, hint="or --dry-run to see the plan"):
             return
         removed = execute_plan(s, plan)
-    click.echo(f"Removed {_entries(removed)}, freed {human_bytes(plan.freed_bytes)} ({_LMDB_NOTE}).")
+    click.echo(
+        f"Removed {_count(len(plan.contexts), 'context')} and {_count(removed, 'entry')}, freed "
+        f"{human_bytes(plan.freed_bytes)} ({_LMDB_NOTE})."
+    )
 
 
 @click.command()
 @store_option
 @click.argument("keys", nargs=-1, metavar="[KEY]...")
-@click.option("--model", metavar="NAME|FINGERPRINT", help="Entries of this model (name, or fingerprint prefix).")
+@click.option("--model", metavar="NAME|FINGERPRINT", help="Contexts of this model (name, or fingerprint prefix).")
 @click.option(
-    "--older-than", type=DURATION, metavar="DURATION", help="Entries not used for this long (30d, 12h, 2w...)."
+    "--older-than", type=DURATION, metavar="DURATION", help="Contexts not used for this long (30d, 12h, 2w...)."
 )
 @dry_run_option
 @yes_option
 def rm(
     store: str, keys: tuple[str, ...], model: str | None, older_than: float | None, dry_run: bool, yes: bool
 ) -> None:
-    """Remove entries by key, model or age.
+    """Remove contexts by key, model or age.
 
-    KEY may be any prefix of a key (as `kvstore ls` shows them). Options narrow each other:
-    `kvstore rm --model tiny --older-than 30d` removes tiny's entries unused for 30 days. A
-    corrupt entry can be removed by key. Prints the plan and asks before removing anything
-    (--yes skips the question; it is required without a terminal).
+    KEY may be any prefix of a context's key (as `kvstore ls` shows them) or of an entry's
+    (`kvstore ls --chunks`, e.g. a corrupt one). A removed context's chunks go with it unless
+    another context uses them. Options narrow each other: `kvstore rm --model tiny --older-than
+    30d` removes tiny's contexts unused for 30 days. Prints the plan and asks before removing
+    anything (--yes skips the question; it is required without a terminal).
     """
     if not keys and not model and older_than is None:
         raise click.UsageError("say what to remove: KEY..., --model or --older-than")
     _run_plan(
-        store,
-        {"keys": keys, "model": model, "older_than": older_than},
-        verify_all=False,
-        dry_run=dry_run,
-        yes=yes,
+        store, {"keys": keys, "model": model, "older_than": older_than}, verify_all=False, dry_run=dry_run, yes=yes,
         quiet=True,
-    )
+    )  # fmt: skip
 
 
 @click.command()
 @store_option
 @click.option("--corrupt", is_flag=True, help="Corrupt entries (verifies every entry first).")
 @click.option(
-    "--older-than", type=DURATION, metavar="DURATION", help="Entries not used for this long (30d, 12h, 2w...)."
+    "--older-than", type=DURATION, metavar="DURATION", help="Contexts not used for this long (30d, 12h, 2w...)."
 )
 @click.option(
     "--max-size",
     type=SIZE,
     metavar="SIZE",
-    help="Then remove least-recently-used entries until the rest fit (10GiB, 500MiB...).",
+    help="Then remove least-recently-used contexts until the chunks left fit (10GiB, 500MiB...).",
 )
 @click.option(
-    "--model", metavar="NAME|FINGERPRINT", help="Only consider this model's entries (name, or fingerprint prefix)."
+    "--model", metavar="NAME|FINGERPRINT", help="Only consider this model's contexts (name, or fingerprint prefix)."
+)
+@click.option(
+    "--grace",
+    type=DURATION,
+    metavar="DURATION",
+    default="1h",
+    show_default=True,
+    help="Chunks no context uses go once unused this long (a running build writes chunks before its context).",
 )
 @dry_run_option
 @yes_option
 @quiet_option
-def gc(store: str, corrupt: bool, older_than: float | None, max_size: int | None, model: str | None,
+def gc(store: str, corrupt: bool, older_than: float | None, max_size: int | None, model: str | None, grace: float,
        dry_run: bool, yes: bool, quiet: bool) -> None:  # fmt: skip
-    """Remove corrupt entries, old entries, or shrink to a size budget.
+    """Remove unused chunks, corrupt entries, old contexts, or shrink to a size budget.
 
-    --corrupt verifies every entry and removes those that fail; --older-than removes entries not
-    used for that long; --max-size then removes the least recently used entries until the
-    remaining entries' stored bytes fit (with --model: that model's entries fit). The criteria
-    add up; --model limits them to one model (a corrupt entry's model is unknown, so --corrupt
-    ignores it). Prints the plan and asks before removing anything (--yes skips the question).
-    The store's file keeps its size: LMDB reuses the freed space for new entries.
+    Always removes chunks no context uses any more once unused for --grace (default 1h: a build
+    running meanwhile, or one that just found a chunk to reuse, keeps it). --corrupt verifies
+    every entry and removes those that fail; --older-than removes contexts not used for that long;
+    --max-size then removes the least recently used contexts until the remaining chunks fit (with
+    --model: that model's). A removed context's chunks go unless another context uses them.
+    Prints the plan and asks before removing anything (--yes skips the question). The store's file
+    keeps its size: LMDB reuses the freed space for new entries.
     """
-    if not corrupt and older_than is None and max_size is None:
-        raise click.UsageError(
-            "say what to collect: --corrupt, --older-than or --max-size (to remove a model's entries: kvstore rm "
-            "--model)"
-        )
     _run_plan(
         store,
-        {"corrupt": corrupt, "older_than": older_than, "max_bytes": max_size, "model": model},
+        {"corrupt": corrupt, "older_than": older_than, "max_bytes": max_size, "model": model, "orphans": True,
+         "grace": grace},
         verify_all=corrupt,
         dry_run=dry_run,
         yes=yes,
         quiet=quiet,
-    )
+    )  # fmt: skip

@@ -66,13 +66,13 @@ def render_table(report: SizeReport) -> str:
             "",
         ]
         if not report.measured:
-            lines.append("(the store holds no readable entries)")
+            lines.append("(the store holds no readable contexts)")
         else:
             mh = [
                 "model",
                 "dtype",
                 "codec",
-                "entries",
+                "contexts",
                 "tokens",
                 "estimated/token",
                 "stored/token",
@@ -85,7 +85,7 @@ def render_table(report: SizeReport) -> str:
                     m.model_name,
                     m.dtype,
                     m.codec,
-                    f"{m.entries:,}",
+                    f"{m.contexts:,}",
                     f"{m.n_tokens:,}",
                     _number(m.kv_bytes_per_token),
                     _number(m.bytes_per_token),

@@ -244,6 +244,7 @@ def build(**kwargs):
                 skip_errors=opts.skip_bad_rows,
                 labels=labels,
                 progress=bar,
+                prefix=prompt.head or None,
             )
     summary = {
         "dataset": dataset,
@@ -257,7 +258,9 @@ def build(**kwargs):
         "built": report.built,
         "skipped": report.skipped,
         "failed": report.failed,
-        "tokens": report.tokens,
+        "tokens_computed": report.tokens,
+        "tokens_reused": report.tokens_reused,
+        "chunks_written": report.chunks_written,
         "raw_bytes": report.raw_bytes,
         "stored_bytes": report.stored_bytes,
         "ratio": round(report.ratio, 4),
@@ -325,6 +328,7 @@ def sample(**kwargs):
                 labels=labels,
                 return_details=True,
                 progress=bar,
+                prefix=prompt.head or None,
             )
     finally:
         bar.close()
@@ -344,6 +348,7 @@ def sample(**kwargs):
                 "correct": bool(ex.answers) and lenient_match(pred, ex.answers),
                 "contains_answer": bool(ex.answers) and contains_match(pred, ex.answers),
                 "cache_hit": bool(result.cache_hit[i]),
+                "cached_tokens": result.cached_tokens[i] if not no_cache else 0,
                 "raw_output": text,
             }
         )

@@ -226,9 +226,7 @@ def test_store_from_a_newer_format(command, tiny_llama_dir, tmp_path, capsys):
 def readonly_store(tmp_path):
     """A store with one entry that cannot be written: a read-only mount when running as root
     (root ignores file modes), a 0o555 directory otherwise."""
-    from test_cli_manage import make_entry
-
-    from kvstore.store.kvstore import KVStore
+    from helpers.entries import make_entry, put_contexts
 
     root = os.geteuid() == 0
     d = tmp_path / "ro"
@@ -243,8 +241,7 @@ def readonly_store(tmp_path):
             )
     store = d / "store"
     entry = make_entry(1)
-    with KVStore(str(store)) as s:
-        s.put(entry)
+    put_contexts(str(store), [entry])
     try:
         if root:
             subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True, capture_output=True, timeout=30)
@@ -282,7 +279,7 @@ def test_readonly_store_can_still_be_read(readonly_store, tiny_llama_dir, tmp_pa
     )
     assert code == 0 and err == "", err
     code, out, err = run_main(capsys, "verify", "--store", store, "--quiet")
-    assert code == 0 and "1 entry verified" in out
+    assert code == 0 and "1 entry and 1 context verified" in out
 
 
 # -- Ctrl-C ----------------------------------------------------------------------------------------

@@ -16,27 +16,16 @@ import torch
 from click.testing import CliRunner
 
 import kvstore.cli.common
+from helpers.entries import FP_TINY, make_entry, put_contexts
 from kvstore.cli.common import emit, parse_duration, parse_size, progress_bar, render_table
 from kvstore.cli.main import app, main
 from kvstore.store.backends import open_backend
 from kvstore.store.entry import FORMAT_VERSION, Entry
-from kvstore.store.keys import cache_key
 from kvstore.store.kvstore import KVStore
 
-FP_TINY = "1" * 64
 FP_OTHER = "2" * 64
 DAY = 86400.0
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def make_entry(seed: int, *, fp=FP_TINY, name="tiny", n_tokens=8, dtype=torch.float32, created=None) -> Entry:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 1000, (n_tokens,), generator=g)
-    layers = tuple(
-        (torch.randn(2, n_tokens, 4, generator=g).to(dtype), torch.randn(2, n_tokens, 4, generator=g).to(dtype))
-        for _ in range(2)
-    )
-    return Entry(cache_key(fp, dtype, ids), fp, name, ids, layers, time.time() if created is None else created)
 
 
 @pytest.fixture
@@ -51,9 +40,7 @@ def store(tmp_path) -> tuple[str, list[Entry]]:
         make_entry(4, fp=FP_OTHER, name="other", dtype=torch.float16, n_tokens=32, created=now - 100 * DAY),
     ]
     path = str(tmp_path / "store")
-    with KVStore(path) as s:
-        for e in entries:
-            s.put(e)
+    put_contexts(path, entries)
     return path, entries
 
 
@@ -89,21 +76,11 @@ def test_ls_table(store):
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert lines[0].split() == [
-        "KEY",
-        "MODEL",
-        "FINGERPRINT",
-        "DTYPE",
-        "TOKENS",
-        "LAYERS",
-        "CODEC",
-        "SIZE",
-        "RATIO",
-        "CREATED",
-        "LAST",
-        "USED",
-    ]
+        "KEY", "MODEL", "FINGERPRINT", "DTYPE", "TOKENS", "CHUNKS", "CODEC", "SIZE", "RATIO", "CREATED", "LAST", "USED",
+        "NUMERICS",
+    ]  # fmt: skip
     assert all(e.key[:12] in r.stdout and e.key not in r.stdout for e in entries)
-    assert "4 entries" in lines[-1]
+    assert "4 contexts" in lines[-1] and "cpu/sdpa" in lines[1]
     # default order: most recently used first
     assert [line.split()[0] for line in lines[1:5]] == [
         e.key[:12] for e in entries[:1] + entries[2:3] + entries[1:2] + entries[3:]
@@ -120,8 +97,11 @@ def test_ls_json_filter_and_sort(store):
     assert [row["key"] for row in rows] == [e.key for e in reversed(entries)]  # largest first
     row = rows[-1]
     assert row["model"] == FP_TINY and row["model_name"] == "tiny" and row["dtype"] == "float32"
-    assert (row["n_tokens"], row["n_layers"], row["kv_heads"], row["head_dim"]) == (8, 2, 2, 4)
+    assert (row["n_tokens"], row["chunks"], row["complete"], row["format"]) == (8, 1, True, 2)
     assert row["codec"] == "zstd-shuffle:1" and row["stored_bytes"] > 0 and row["raw_bytes"] > 0
+    assert row["numerics"] == {"device": "cpu", "attn": "sdpa"}
+    chunk = json.loads(invoke("ls", "--store", path, "--chunks", "--format", "json", "--sort", "tokens").stdout)[-1]
+    assert (chunk["n_layers"], chunk["kv_heads"], chunk["head_dim"], chunk["start"]) == (2, 2, 4, 0)
     assert row["last_access"] is None and abs(row["created"] - entries[0].created) < 1e-3
     rows = json.loads(
         invoke("ls", "--store", path, "--format", "json", "--model", "other", "--sort", "tokens", "--reverse").stdout
@@ -146,7 +126,7 @@ def test_ls_empty_store_and_env_default(tmp_path, monkeypatch):
     KVStore(path).close()
     monkeypatch.setenv("KVSTORE_STORE", path)
     r = invoke("ls")  # no --store: the environment names it
-    assert r.exit_code == 0 and "No entries" in r.stdout and path in r.stdout
+    assert r.exit_code == 0 and "No contexts" in r.stdout and path in r.stdout
     assert json.loads(invoke("ls", "--format", "json").stdout) == []
     assert "$KVSTORE_STORE or cache/store" in " ".join(invoke("ls", "--help").stdout.split())
 
@@ -156,7 +136,8 @@ def test_ls_skips_unreadable_entries_with_a_warning(store):
     damage(path, entries[1].key, pos=30)  # inside the header
     r = invoke("ls", "--store", path, "--format", "json")
     assert r.exit_code == 0
-    assert {row["key"] for row in json.loads(r.stdout)} == {entries[0].key, entries[2].key, entries[3].key}
+    complete = {row["key"]: row["complete"] for row in json.loads(r.stdout)}
+    assert complete == {entries[0].key: True, entries[1].key: False, entries[2].key: True, entries[3].key: True}
     assert f"kvstore: warning: skipped entry {entries[1].key[:12]}" in r.stderr
     assert "gc --corrupt" in r.stderr
     assert keys_in(path) == {e.key for e in entries}  # listing never removes anything
@@ -168,23 +149,25 @@ def test_stats(store):
     r = invoke("stats", "--store", path)
     assert r.exit_code == 0, r.output
     assert "never shrink" in r.stdout and "On disk:" in r.stdout
-    assert "Total: 4 entries, 80 tokens" in r.stdout
+    assert "Total: 4 contexts, 80 tokens; 4 chunks" in r.stdout and "dedupe 1.00x" in r.stdout
     table = [line.split() for line in r.stdout.splitlines() if line.startswith(("tiny", "other"))]
-    assert [(t[0], t[2], t[3], t[4]) for t in table] == [
-        ("other", "float16", "2", "56"),
-        ("tiny", "bfloat16", "1", "16"),
-        ("tiny", "float32", "1", "8"),
+    assert [(t[0], t[2], t[3], t[4], t[5]) for t in table] == [
+        ("other", "float16", "zstd-shuffle:1", "2", "56"),
+        ("tiny", "bfloat16", "zstd-shuffle:1", "1", "16"),
+        ("tiny", "float32", "zstd-shuffle:1", "1", "8"),
     ]
     doc = json.loads(invoke("stats", "--store", path, "--format", "json").stdout)
     assert doc["format"] == FORMAT_VERSION and doc["codec"] == "zstd-shuffle:1"
     totals = doc["totals"]
-    assert totals["entries"] == 4 and totals["n_tokens"] == 80 and totals["corrupt"] == 0
+    assert totals["contexts"] == totals["entries"] == 4 and totals["n_tokens"] == 80 and totals["corrupt"] == 0
+    assert totals["logical_bytes"] == totals["stored_bytes"] and totals["dedupe_ratio"] == 1.0
     assert (
         totals["stored_bytes"] == sum(g["stored_bytes"] for g in doc["groups"])
         and totals["disk_bytes"] >= totals["stored_bytes"]
     )
     other = next(g for g in doc["groups"] if g["model_name"] == "other")
-    assert other["model"] == FP_OTHER and other["entries"] == 2 and other["n_tokens"] == 56
+    assert other["model"] == FP_OTHER and other["contexts"] == 2 and other["n_tokens"] == 56
+    assert other["physical_bytes"] == other["stored_bytes"] and doc["chunk_tokens"] == 256
     assert other["bytes_per_token"] == pytest.approx(other["stored_bytes"] / 56, abs=0.1)
     assert other["ratio"] == pytest.approx(other["stored_bytes"] / other["raw_bytes"], abs=1e-4)
     rows = list(csv.DictReader(io.StringIO(invoke("stats", "--store", path, "--format", "csv").stdout)))
@@ -196,7 +179,7 @@ def test_verify_clean(store):
     path, _ = store
     r = invoke("verify", "--store", path)
     assert r.exit_code == 0
-    assert r.stdout.strip() == "4 entries verified, all intact."
+    assert r.stdout.strip() == "4 entries and 4 contexts verified, all intact."
     assert "verify" in r.stderr  # the progress bar, on stderr
     quiet = invoke("verify", "--store", path, "--quiet")
     assert quiet.exit_code == 0 and quiet.stderr == ""
@@ -208,8 +191,13 @@ def test_verify_corrupt(store):
     assert invoke("ls", "--store", path).exit_code == 0
     r = invoke("verify", "--store", path, "-q")
     assert r.exit_code == 1
-    assert r.stdout.splitlines() == [f"corrupt  {entries[2].key}  entry checksum mismatch (flipped or truncated bytes)"]
-    assert r.stderr.strip() == "kvstore: error: 1 of 4 entries corrupt; `kvstore gc --corrupt` removes them"
+    assert r.stdout.splitlines() == [
+        f"corrupt  {entries[2].key}  entry checksum mismatch (flipped or truncated bytes)",
+        f"broken   {entries[2].key}  chunk 1 of 1 ({entries[2].key[:12]}) is missing or corrupt",
+    ]
+    assert r.stderr.strip() == (
+        "kvstore: error: 1 of 4 entries corrupt; 1 of 4 contexts broken; `kvstore gc --corrupt` removes corrupt entries"
+    )
     assert keys_in(path) == {e.key for e in entries}  # verify changes nothing
 
 
@@ -218,14 +206,15 @@ def test_rm_by_key_prefix(store):
     path, entries = store
     r = invoke("rm", "--store", path, entries[0].key[:8], "--yes")
     assert r.exit_code == 0, r.output
-    assert entries[0].key[:12] in r.stdout and "Removed 1 entry, freed" in r.stdout and "never shrink" in r.stdout
+    assert entries[0].key[:12] in r.stdout and "Removed 1 context and 1 entry, freed" in r.stdout
+    assert "never shrink" in r.stdout
     assert keys_in(path) == {e.key for e in entries[1:]}
 
 
 def test_rm_by_model(store):
     path, entries = store
     r = invoke("rm", "--store", path, "--model", "other", "-y")
-    assert r.exit_code == 0 and "Removed 2 entries" in r.stdout
+    assert r.exit_code == 0 and "Removed 2 contexts and 2 entries" in r.stdout
     assert keys_in(path) == {entries[0].key, entries[1].key}
 
 
@@ -241,7 +230,7 @@ def test_rm_dry_run_changes_nothing(store):
     r = invoke("rm", "--store", path, "--model", "tiny", "--dry-run")
     assert r.exit_code == 0
     assert entries[0].key[:12] in r.stdout and entries[1].key[:12] in r.stdout
-    assert "2 entries to remove" in r.stdout and "Dry run: nothing removed." in r.stdout
+    assert "2 contexts and 2 entries to remove" in r.stdout and "Dry run: nothing removed." in r.stdout
     assert keys_in(path) == {e.key for e in entries}
 
 
@@ -262,14 +251,14 @@ def test_rm_asks_on_a_terminal(store, monkeypatch):
     assert r.exit_code == 0 and "Nothing changed." in r.stderr
     assert keys_in(path) == {e.key for e in entries}
     r = invoke("rm", "--store", path, entries[0].key[:6], input="y\n")
-    assert r.exit_code == 0 and "Remove 1 entry" in r.stderr and "Removed 1 entry" in r.stdout
+    assert r.exit_code == 0 and "Remove 1 context and 1 entry" in r.stderr and "Removed 1 context" in r.stdout
     assert keys_in(path) == {e.key for e in entries[1:]}
 
 
 def test_rm_unknown_key_and_no_selection(store, capsys):
     path, entries = store
     code, out, err = run_main(capsys, "rm", "--store", path, "ffffzz", "--yes")
-    assert code == 1 and err == f"kvstore: error: no entry matches key 'ffffzz' in {path}\n"
+    assert code == 1 and err == f"kvstore: error: no context or entry matches key 'ffffzz' in {path}\n"
     r = invoke("rm", "--store", path)
     assert r.exit_code == 2 and "say what to remove" in r.stderr
     r = invoke("rm", "--store", path, "--older-than", "30")  # a unit is required
@@ -293,7 +282,7 @@ def test_gc_corrupt(store):
     assert dry.exit_code == 0 and "corrupt: entry checksum mismatch" in dry.stdout
     assert keys_in(path) == {e.key for e in entries}
     r = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")
-    assert r.exit_code == 0 and "Removed 1 entry" in r.stdout
+    assert r.exit_code == 0 and "Removed 1 context and 1 entry" in r.stdout
     assert keys_in(path) == {e.key for e in entries[:3]}
     assert invoke("verify", "--store", path, "-q").exit_code == 0
     again = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")
@@ -307,10 +296,10 @@ def test_gc_max_size_least_recently_used_first(store):
     budget = sizes[entries[0].key] + sizes[entries[2].key]  # room for the two most recently used
     dry = invoke("gc", "--store", path, "--max-size", f"{budget}", "--dry-run")
     assert dry.exit_code == 0
-    listed = [line.split()[0] for line in dry.stdout.splitlines()[1:3]]
+    listed = [line.split()[1] for line in dry.stdout.splitlines()[1:3]]
     assert listed == [entries[3].key[:12], entries[1].key[:12]]  # oldest use first
     r = invoke("gc", "--store", path, "--max-size", f"{budget}B", "--yes")
-    assert r.exit_code == 0 and "Removed 2 entries" in r.stdout
+    assert r.exit_code == 0 and "Removed 2 contexts and 2 entries" in r.stdout
     assert keys_in(path) == {entries[0].key, entries[2].key}
     assert "Nothing to remove." in invoke("gc", "--store", path, "--max-size", "1GiB", "--yes").stdout
 
@@ -327,7 +316,7 @@ def test_gc_older_than_and_model(store):
 
 def test_gc_bad_arguments(store):
     path, entries = store
-    for args in (["--max-size", "10XB"], ["--max-size", "-5GiB"], ["--older-than", "soon"], []):
+    for args in (["--max-size", "10XB"], ["--max-size", "-5GiB"], ["--older-than", "soon"], ["--grace", "1"]):
         r = invoke("gc", "--store", path, *args, "--yes")
         assert r.exit_code == 2, args
         assert r.stderr.strip().splitlines()[-1].startswith("Error:"), r.stderr
@@ -376,7 +365,10 @@ def test_verify_exit_code_through_main(store, capsys):
     damage(path, entries[0].key)
     code, out, err = run_main(capsys, "verify", "--store", path, "--quiet")
     assert code == 1 and entries[0].key in out
-    assert err == "kvstore: error: 1 of 4 entries corrupt; `kvstore gc --corrupt` removes them\n"
+    assert err == (
+        "kvstore: error: 1 of 4 entries corrupt; 1 of 4 contexts broken; "
+        "`kvstore gc --corrupt` removes corrupt entries\n"
+    )
 
 
 def test_help_does_not_import_torch():

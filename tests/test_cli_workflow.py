@@ -61,7 +61,7 @@ def test_build_then_sample_matches_no_cache(tiny_llama_dir, data, tmp_path):
     common = ["--model", str(tiny_llama_dir), "--store", store, "--quiet", "--format", "json"]
     built = _json(_run(["build", str(data), *common, "--batch-size", "2"]))
     assert (built["contexts"], built["built"], built["skipped"], built["failed"]) == (5, 5, 0, 0)
-    assert built["stored_bytes"] > 0 and built["ratio"] > 0 and built["tokens"] > 0
+    assert built["stored_bytes"] > 0 and built["ratio"] > 0 and built["tokens_computed"] > 0
     cached = _json(_run(["sample", str(data), *common, "-n", "6", "-o", str(tmp_path / "c.jsonl")]))
     ref = _json(_run(["sample", str(data), *common, "-n", "6", "-o", str(tmp_path / "r.jsonl"), "--no-cache"]))
     assert cached["cache_hit_rate"] == 1.0 and ref["cache_hit_rate"] == 0.0
@@ -77,34 +77,40 @@ def test_build_then_sample_matches_no_cache(tiny_llama_dir, data, tmp_path):
 
 
 def test_build_resumes_after_interrupt(tiny_neox_dir, data, tmp_path, monkeypatch, capsys):
-    from kvstore.model import build
+    from kvstore.model import build, chains
 
     store = str(tmp_path / "store")
     calls = {"n": 0}
-    real_prefill = build.prefill
+    real_prefill, real_extend = build.prefill, chains.extend
 
-    def flaky(adapter, batch):
-        calls["n"] += 1
-        if calls["n"] == 3:  # third batch: the user presses Ctrl-C
-            raise KeyboardInterrupt
-        return real_prefill(adapter, batch)
+    def flaky(real):
+        def call(adapter, batch, *args):
+            calls["n"] += len(batch) > 1 or len(batch[0]) > 1  # not the one-token probe of the model's shapes
+            if calls["n"] == 3:  # third forward pass: the user presses Ctrl-C
+                raise KeyboardInterrupt
+            return real(adapter, batch, *args)
 
-    monkeypatch.setattr(build, "prefill", flaky)
+        return call
+
+    monkeypatch.setattr(build, "prefill", flaky(real_prefill))  # whole contexts (the shared chat head)
+    monkeypatch.setattr(chains, "extend", flaky(real_extend))  # contexts on top of a stored head
     with pytest.raises(SystemExit) as exit_info:
         main(["build", str(data), "--model", str(tiny_neox_dir), "--store", store, "--batch-size", "1", "--quiet"])
     assert exit_info.value.code == 130
     assert "interrupted" in capsys.readouterr().err
     with KVStore(store, readonly=True) as kv:
-        kept = len(kv)
+        kept = len(kv.context_keys())
         assert not kv.verify().corrupt
-    assert kept >= 1  # entries of batches finished before the interrupt were committed
+    assert kept >= 1  # contexts of batches finished before the interrupt were committed
     monkeypatch.setattr(build, "prefill", real_prefill)
+    monkeypatch.setattr(chains, "extend", real_extend)
     again = _json(
         _run(["build", str(data), "--model", str(tiny_neox_dir), "--store", store, "--quiet", "--format", "json"])
     )
     assert again["skipped"] == kept and again["built"] == 5 - kept
+    assert again["tokens_reused"] > 0  # the shared chat head, at least, was not recomputed
     with KVStore(store, readonly=True) as kv:
-        assert len(kv) == 5
+        assert len(kv.context_keys()) == 5 and len(kv) == 6  # 5 contexts: their 5 documents + 1 shared head
 
 
 def test_build_options(tiny_neox_dir, tmp_path):
@@ -151,7 +157,7 @@ def test_chat_and_template_options(tiny_llama_dir, data, tmp_path):
     _json(_run(["build", str(data), *common, "--chat"]))
     _json(_run(["build", str(data), *common, "--no-chat"]))
     with KVStore(store, readonly=True) as kv:
-        assert len(kv) == 10
+        assert len(kv.context_keys()) == 10
     plain = _json(_run(["sample", str(data), *common, "--no-chat", "-n", "3"]))
     assert plain["cache_hit_rate"] == 1.0
     templ = ["--template", "{context}\nQ: {question}\nA:"]
@@ -209,7 +215,7 @@ def test_sample_computes_and_stores_missing(tiny_neox_dir, data, tmp_path):
     )
     assert third["cache_hit_rate"] == 0.2  # 2 of 10 rows have a stored context; nothing new stored
     with KVStore(ro_store, readonly=True) as kv:
-        assert len(kv) == 1  # --limit counts rows: 2 rows, both about the first context
+        assert len(kv.context_keys()) == 1  # --limit counts rows: 2 rows, both about the first context
 
 
 def test_bad_rows_named_or_skipped(tiny_neox_dir, tmp_path, capsys):

@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 import zstandard
 
-from helpers.entries import assemble, bits, encode, kv_layers, rle_frame, seal, split
+from helpers.entries import assemble, bits, encode, encode_v1, kv_layers, rle_frame, seal, split
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.model.identity import config_digest
 from kvstore.store.codecs import get_codec
@@ -31,7 +31,7 @@ from kvstore.store.entry import (
     read_header,
     verify_checksum,
 )
-from kvstore.store.keys import cache_key
+from kvstore.store.keys import cache_key, chain_keys, chain_seed, chunk_spans
 
 GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("KVSTORE_REGEN_GOLDEN") == "1"  # rewrite the golden files (after a format bump)
@@ -134,21 +134,47 @@ GOLDEN_FP = hashlib.sha256(b"kvstore golden model").hexdigest()
 
 
 def golden_entry(codec: str) -> bytes:
+    """A whole context of two full-attention layers, as this kvstore writes it (format 2)."""
     ids = torch.tensor([1, 2, 3, 5, 8, 13])
     layers = []
     for i in range(2):
         k = (torch.arange(2 * 6 * 4, dtype=torch.float32).reshape(2, 6, 4) - 20) / 8 + i
         layers.append((k, -2 * k))
+    key = chain_keys(chain_seed(GOLDEN_FP, "float32", device="cpu", attn="sdpa"), ids.tolist(), [(0, 6)])[0]
+    numerics = {"device": "cpu", "attn": "sdpa", "torch": "2.13.0", "transformers": "5.23.0"}
+    return encode_entry(Entry(key, GOLDEN_FP, "golden", ids, tuple(layers), 1700000000.25, numerics=numerics), codec)
+
+
+def golden_chunk(codec: str) -> bytes:
+    """The second chunk of a chain, with every layer kind: full attention, a sliding window that
+    keeps the last 3 of the chunk's 5 tokens, a recurrent state (float32 in a float64 model) and a
+    hybrid of both."""
+    ids = torch.tensor([21, 34, 55, 89, 144])
+    g = torch.arange(2 * 5 * 4, dtype=torch.float64).reshape(2, 5, 4) / 16
+    conv = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 4
+    ssm = -torch.arange(8, dtype=torch.float32).reshape(2, 2, 2)
+    layers = ((g, -g), (g[:, 2:], g[:, 2:] + 1), None, (g + 2, g - 2))
+    states = (None, None, {"conv": conv, "ssm": ssm}, {"conv": conv + 1, "ssm": ssm - 1})
+    seed = chain_seed(GOLDEN_FP, "float64", device="cpu", attn="eager")
+    spans = [(0, 6), (6, 11)]
+    keys = chain_keys(seed, list(range(6)) + ids.tolist(), spans)
     return encode_entry(
-        Entry(cache_key(GOLDEN_FP, torch.float32, ids), GOLDEN_FP, "golden", ids, tuple(layers), 1700000000.25), codec
-    )
+        Entry(keys[1], GOLDEN_FP, "golden", ids, layers, 1700000000.5, parent=keys[0], start=6, states=states,
+              kinds=("attn", "sliding", "state", "hybrid"), windows=(None, 4, None, None)),
+        codec,
+    )  # fmt: skip
 
 
-GOLDEN_KEYS = {  # name -> (fingerprint, dtype, token ids)
+GOLDEN_KEYS = {  # name -> (fingerprint, dtype, token ids); format-1 whole-context keys
     "f32_short": ("a" * 64, "float32", [1, 2, 3]),
     "bf16_empty": (GOLDEN_FP, "bfloat16", []),
     "f16_range": (GOLDEN_FP, "float16", list(range(1000))),
     "f64_extremes": (GOLDEN_FP, "float64", [0, 2**32 - 1, 2**31]),
+}
+GOLDEN_CHAINS = {  # name -> (seed arguments, token ids, chunk_tokens, boundaries); format-2 chain keys
+    "cpu_sdpa_f32": ((GOLDEN_FP, "float32", "cpu", "sdpa", ""), list(range(600)), 256, []),
+    "cuda_eager_bf16_head": ((GOLDEN_FP, "bfloat16", "cuda", "eager", ""), list(range(50, 350)), 256, [30]),
+    "cpu_sdpa_f32_int8": ((GOLDEN_FP, "float32", "cpu", "sdpa", "int8:64"), list(range(600)), 256, []),
 }
 GOLDEN_CONFIG = {
     "model_type": "llama",
@@ -161,99 +187,160 @@ GOLDEN_CONFIG = {
     "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
     "max_position_embeddings": 128,
 }
+GOLDEN_ENTRIES = {"context": golden_entry, "chunk": golden_chunk}
+
+
+def _chain(name: str) -> list[str]:
+    (fp, dtype, device, attn, lossy), ids, chunk_tokens, boundaries = GOLDEN_CHAINS[name]
+    seed = chain_seed(fp, dtype, device=device, attn=attn, lossy=lossy)
+    return chain_keys(seed, ids, chunk_spans(len(ids), chunk_tokens, boundaries))
 
 
 def _golden_facts() -> dict:
     facts: dict = {"format_version": FORMAT_VERSION, "zstd_version": zstandard.ZSTD_VERSION, "entries": {}}
-    for codec in ("raw", "zstd-shuffle:1"):
-        blob = golden_entry(codec)
-        header, payload = split(blob)
-        if header["codec"]["name"] == "zstd":
-            decompressed = zstandard.ZstdDecompressor().stream_reader(payload, read_across_frames=True).read()
-            header = dict(header, codec=dict(header["codec"], frames=[d for _, d in header["codec"]["frames"]]))
-        else:
-            decompressed = payload
-        facts["entries"][codec] = {
-            "sha256": hashlib.sha256(blob).hexdigest(),
-            "size": len(blob),
-            "header": header,  # zstd: only the frames' decompressed sizes (compressed ones follow libzstd)
-            "decompressed_sha256": hashlib.sha256(decompressed).hexdigest(),
-        }
-    facts["cache_keys"] = {name: cache_key(*args) for name, args in GOLDEN_KEYS.items()}
-    facts["config_digest"] = config_digest(GOLDEN_CONFIG)
+    for kind, make in GOLDEN_ENTRIES.items():
+        for codec in ("raw", "zstd-shuffle:1"):
+            blob = make(codec)
+            header, payload = split(blob)
+            if header["codec"]["name"] == "zstd":
+                decompressed = zstandard.ZstdDecompressor().stream_reader(payload, read_across_frames=True).read()
+                header = dict(header, codec=dict(header["codec"], frames=[d for _, d in header["codec"]["frames"]]))
+            else:
+                decompressed = payload
+            facts["entries"][f"{kind}/{codec}"] = {
+                "sha256": hashlib.sha256(blob).hexdigest(),
+                "size": len(blob),
+                "header": header,  # zstd: only the frames' decompressed sizes (compressed ones follow libzstd)
+                "decompressed_sha256": hashlib.sha256(decompressed).hexdigest(),
+            }
+    facts["chain_keys"] = {name: _chain(name) for name in GOLDEN_CHAINS}
     return facts
+
+
+def _v2_file(kind: str, codec: str) -> Path:
+    return GOLDEN / f"entry_v2_{kind}_{codec.replace(':', '-')}.kvs"
 
 
 @pytest.fixture(scope="module")
 def golden() -> dict:
-    path = GOLDEN / "format_v1.json"
+    path = GOLDEN / "format_v2.json"
     if REGEN:
         GOLDEN.mkdir(exist_ok=True)
         path.write_text(json.dumps(_golden_facts(), indent=2, sort_keys=True) + "\n")
-        for codec in ("raw", "zstd-shuffle:1"):
-            (GOLDEN / f"entry_v1_{codec.replace(':', '-')}.kvs").write_bytes(golden_entry(codec))
+        for kind, make in GOLDEN_ENTRIES.items():
+            for codec in ("raw", "zstd-shuffle:1"):
+                _v2_file(kind, codec).write_bytes(make(codec))
     return json.loads(path.read_text())
 
 
-def test_golden_format_version(golden):
-    assert FORMAT_VERSION == golden["format_version"] == 1
+@pytest.fixture(scope="module")
+def golden_v1() -> dict:
+    return json.loads((GOLDEN / "format_v1.json").read_text())
 
 
+def test_golden_format_version(golden, golden_v1):
+    assert FORMAT_VERSION == golden["format_version"] == 2 and golden_v1["format_version"] == 1
+
+
+@pytest.mark.parametrize("kind", list(GOLDEN_ENTRIES))
 @pytest.mark.parametrize("codec", ["raw", "zstd-shuffle:1"])
-def test_golden_entry_bytes(golden, codec):
-    want = golden["entries"][codec]
-    facts = _golden_facts()["entries"][codec]
+def test_golden_entry_bytes(golden, kind, codec):
+    want = golden["entries"][f"{kind}/{codec}"]
+    facts = _golden_facts()["entries"][f"{kind}/{codec}"]
     assert facts["header"] == want["header"], "entry header changed: bump FORMAT_VERSION (see comment above)"
     assert facts["decompressed_sha256"] == want["decompressed_sha256"], "payload layout changed: bump FORMAT_VERSION"
     if codec == "raw" or zstandard.ZSTD_VERSION == tuple(golden["zstd_version"]):
         # compressed bytes are only reproducible with the libzstd that wrote them
         assert facts["sha256"] == want["sha256"] and facts["size"] == want["size"]
+        assert _v2_file(kind, codec).read_bytes() == GOLDEN_ENTRIES[kind](codec)
+
+
+@pytest.mark.parametrize("kind", list(GOLDEN_ENTRIES))
+@pytest.mark.parametrize("codec", ["raw", "zstd-shuffle:1"])
+def test_golden_v2_files_decode(kind, codec):
+    view = decode_entry(_v2_file(kind, codec).read_bytes())
+    want = decode_entry(GOLDEN_ENTRIES[kind](codec))
+    assert view.header == want.header and sorted(view.records) == sorted(want.records)
+    for name, rec in want.records.items():
+        assert torch.equal(bits(view.records[name].materialize()), bits(rec.materialize()))
+    if kind == "chunk":
+        h = view.header
+        assert (h.start, h.n_tokens, h.end, len(h.parent)) == (6, 5, 11, 64)
+        assert [s.kind for s in h.layers] == ["attn", "sliding", "state", "hybrid"]
+        assert [s.length for s in h.layers] == [5, 3, 0, 5] and h.layers[1].window == 4
+        assert view.layers[2] is None and view.states[0] is None
+        assert view.states[2]["ssm"].dtype == torch.float32 and h.dtype == "float64"
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd-shuffle:1"])
-def test_golden_files_still_decode(codec):
-    """Entries written by format v1 stay readable, whatever this version writes."""
+def test_v1_helper_writes_what_phase_1_wrote(codec):
+    """tests/helpers/entries.encode_v1 (used to test format-1 reading) reproduces the golden files."""
+    ids = torch.tensor([1, 2, 3, 5, 8, 13])
+    layers = [((torch.arange(48, dtype=torch.float32).reshape(2, 6, 4) - 20) / 8 + i,) for i in range(2)]
+    layers = [(k, -2 * k) for (k,) in layers]
+    blob = encode_v1(layers, codec, ids, cache_key(GOLDEN_FP, "float32", ids), 1700000000.25, GOLDEN_FP, "golden")
+    want = (GOLDEN / f"entry_v1_{codec.replace(':', '-')}.kvs").read_bytes()
+    if codec == "raw" or zstandard.ZSTD_VERSION == tuple(
+        json.loads((GOLDEN / "format_v1.json").read_text())["zstd_version"]
+    ):
+        assert blob == want
+    assert decode_entry(blob).header == decode_entry(want).header
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd-shuffle:1"])
+def test_golden_v1_files_still_decode(codec):
+    """Entries written by format 1 (phase 1) stay readable, whatever this version writes: the same
+    tensors, seen as a one-chunk chain of full-attention layers."""
     blob = (GOLDEN / f"entry_v1_{codec.replace(':', '-')}.kvs").read_bytes()
     decoded = decode_entry(blob, key=cache_key(GOLDEN_FP, "float32", [1, 2, 3, 5, 8, 13]))
-    want = golden_entry(codec)
-    want_decoded = decode_entry(want)
+    want_decoded = decode_entry(golden_entry(codec))
     header = decoded.header
-    assert header.model_name == "golden" and header.created == 1700000000.25
+    assert header.format == 1 and header.model_name == "golden" and header.created == 1700000000.25
+    assert (header.parent, header.start, header.n_tokens, dict(header.numerics)) == ("", 0, 6, {})
+    assert [(s.kind, s.length, s.kv_heads, s.head_dim) for s in header.layers] == [("attn", 6, 2, 4)] * 2
     for name, rec in want_decoded.records.items():
         assert torch.equal(decoded.records[name].materialize(), rec.materialize())
-    if codec == "raw":
-        assert blob == want
 
 
-def test_golden_cache_keys(golden):
+def test_golden_cache_keys(golden, golden_v1):
     for name, (fp, dtype, ids) in GOLDEN_KEYS.items():
-        assert cache_key(fp, dtype, ids) == golden["cache_keys"][name], f"cache_key changed for {name}"
+        assert cache_key(fp, dtype, ids) == golden_v1["cache_keys"][name], f"format-1 key changed for {name}"
+    for name in GOLDEN_CHAINS:
+        assert _chain(name) == golden["chain_keys"][name], f"chain keys changed for {name}"
     fp, dtype, ids = GOLDEN_KEYS["f32_short"]
     # every input matters; equivalent spellings do not
-    assert cache_key(fp, torch.float32, torch.tensor(ids)) == golden["cache_keys"]["f32_short"]
-    assert (
-        len(
-            {
-                cache_key(fp, dtype, ids),
-                cache_key(fp, "float16", ids),
-                cache_key("b" * 64, dtype, ids),
-                cache_key(fp, dtype, ids[:2]),
-            }
-        )
-        == 4
-    )
+    assert cache_key(fp, torch.float32, torch.tensor(ids)) == golden_v1["cache_keys"]["f32_short"]
+    variants = {cache_key(fp, dtype, ids), cache_key(fp, "float16", ids), cache_key("b" * 64, dtype, ids),
+                cache_key(fp, dtype, ids[:2])}  # fmt: skip
+    assert len(variants) == 4
+    seeds = {
+        chain_seed(fp, dtype, device=d, attn=a, lossy=q)
+        for d in ("cpu", "cuda") for a in ("sdpa", "eager") for q in ("", "int8:64")
+    }  # fmt: skip
+    assert len(seeds) == 8  # device type, attention and a lossy codec each change every key
     for bad in ([-1], [2**32], [[1, 2]]):
         with pytest.raises(ValueError):
             cache_key(fp, dtype, bad)
 
 
-def test_golden_config_digest(golden):
-    assert config_digest(GOLDEN_CONFIG) == golden["config_digest"]
+def test_chain_keys_share_prefixes():
+    seed = chain_seed("c" * 64, "float32", device="cpu", attn="sdpa")
+    a = list(range(700))
+    b = a[:512] + [7] * 100  # the same first two chunks, then other tokens
+    ka, kb = (chain_keys(seed, x, chunk_spans(len(x), 256)) for x in (a, b))
+    assert ka[:2] == kb[:2] and ka[2] != kb[2]
+    assert chunk_spans(700, 256) == [(0, 256), (256, 512), (512, 700)]
+    assert chunk_spans(700, 256, [30]) == [(0, 30), (30, 286), (286, 542), (542, 700)]
+    assert chunk_spans(5, 256, [0, 5, 9]) == [(0, 5)]  # boundaries outside (0, n) are ignored
+
+
+def test_golden_config_digest(golden_v1):
+    assert config_digest(GOLDEN_CONFIG) == golden_v1["config_digest"]
     volatile = dict(
         GOLDEN_CONFIG, transformers_version="9.9", torch_dtype="bfloat16", _name_or_path="/x", use_cache=False
     )
-    assert config_digest(volatile) == golden["config_digest"]
-    assert config_digest(dict(GOLDEN_CONFIG, hidden_size=64)) != golden["config_digest"]
+    assert config_digest(volatile) == golden_v1["config_digest"]
+    assert config_digest(dict(GOLDEN_CONFIG, hidden_size=64)) != golden_v1["config_digest"]
 
 
 # -- damage -------------------------------------------------------------------------------------
@@ -323,18 +410,29 @@ def _raises_small(fn, match=None) -> None:
     assert _peak_alloc(run) < 16 << 20
 
 
-@pytest.mark.parametrize("field", ["raw_bytes", "n_tokens", "kv_heads", "head_dim", "n_layers"])
+@pytest.mark.parametrize(
+    "field", ["raw_bytes", "n_tokens", "layer.kv_heads", "layer.head_dim", "layer.length", "layers", "state"]
+)
 def test_huge_declared_sizes(field):
     header, payload = split(encode(kv_layers(n_layers=1), "zstd-shuffle:1"))
-    header[field] = 1 << 40
-    _raises_small(lambda: decode_entry(assemble(header, payload)))
+    if field.startswith("layer."):
+        header["layers"][0][field.split(".")[1]] = 1 << 40
+    elif field == "layers":  # a million layers: the header itself is over its limit
+        header["layers"] = header["layers"] * 1_000_000
+    elif field == "state":
+        header["layers"][0] |= {"kind": "hybrid", "state": {"ssm": {"shape": [1 << 20] * 3, "dtype": "float64"}}}
+    else:
+        header[field] = 1 << 40
+    blob = assemble(header, payload)
+    _raises_small(lambda: decode_entry(blob))
 
 
 def test_huge_shape_with_consistent_raw_bytes():
     # the header is self-consistent (raw_bytes matches the shape); only the payload size betrays it
     header, payload = split(encode(kv_layers(n_layers=1), "raw"))
-    header["n_tokens"] = 1 << 30
-    header["raw_bytes"] = 2 * header["kv_heads"] * header["head_dim"] * (1 << 30) * 4 + 8 * (1 << 30)
+    layer = header["layers"][0]
+    header["n_tokens"] = layer["length"] = 1 << 30
+    header["raw_bytes"] = 2 * layer["kv_heads"] * layer["head_dim"] * (1 << 30) * 4 + 8 * (1 << 30)
     _raises_small(lambda: decode_entry(assemble(header, payload)), match="implausible")
 
 

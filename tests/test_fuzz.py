@@ -28,9 +28,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from helpers.entries import assemble, encode, seal, split
+from helpers.entries import assemble, encode, encode_v1, seal, split
 from kvstore.errors import CorruptEntryError, FormatVersionError
-from kvstore.store.entry import MAX_COMPRESSION_RATIO, decode_entry, read_header
+from kvstore.store.entry import MAX_COMPRESSION_RATIO, Entry, decode_entry, encode_entry, read_header
 from kvstore.store.kvstore import KVStore
 
 CI_EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "150"))
@@ -70,11 +70,22 @@ def base_entries() -> tuple[bytes, ...]:
             for _ in range(n_layers)
         ]
         out.append(encode(layers, codec, key=KEY, created=1.7e9))
+    # every layer kind (sliding window, recurrent state in its own dtype, hybrid), a chunk of a chain
+    g = torch.arange(2 * 5 * 4, dtype=torch.float64).reshape(2, 5, 4) / 16
+    state = {"conv": torch.ones(3, 4), "ssm": -torch.ones(2, 2, 2)}
+    for codec in ("raw", "zstd-shuffle:1"):
+        entry = Entry(KEY, "f" * 64, "tiny", torch.arange(5), ((g, -g), (g[:, 2:], g[:, 2:]), None, (g, g)), 1.7e9,
+                      parent="e" * 64, start=6, states=(None, None, state, state),
+                      kinds=("attn", "sliding", "state", "hybrid"), windows=(None, 4, None, None))  # fmt: skip
+        out.append(encode_entry(entry, codec))
+    # format 1 (phase 1), still read
+    out += [encode_v1(layers, c, key=KEY) for c in ("raw", "zstd-shuffle:1")]
     return tuple(out)
 
 
 # -- strategies ------------------------------------------------------------------------------------------
 base = st.integers(0, len(base_entries()) - 1).map(lambda i: base_entries()[i])
+v2 = st.integers(0, len(base_entries()) - 3).map(lambda i: base_entries()[i])  # all but the format-1 entries
 big_ints = st.one_of(
     st.integers(-3, 64),
     st.sampled_from([2**31 - 1, 2**31, 2**32, 2**40, 2**62, 2**63 - 1, 2**63, 2**64, 10**30, -(2**63)]),
@@ -128,27 +139,17 @@ def spliced(draw):
 
 
 HEADER_FIELDS = [
-    "format",
-    "key",
-    "model",
-    "model_name",
-    "dtype",
-    "n_tokens",
-    "n_layers",
-    "kv_heads",
-    "head_dim",
-    "codec",
-    "raw_bytes",
-    "created",
-    "extra",
+    *("format", "key", "parent", "model", "model_name", "dtype", "start", "n_tokens", "layers", "numerics"),
+    *("n_layers", "kv_heads", "head_dim", "codec", "raw_bytes", "created", "extra"),
 ]
+LAYER_FIELDS = ["kind", "length", "kv_heads", "head_dim", "window", "state", "extra"]
 
 
 @st.composite
 def header_edits(draw):
     """The entry header's JSON edited (fields set to anything, removed, or the text replaced), resealed."""
     header, payload = split(draw(base))
-    kind = draw(st.sampled_from(["set", "set", "delete", "codec", "text"]))
+    kind = draw(st.sampled_from(["set", "set", "delete", "codec", "text", "layer"]))
     if kind == "text":
         return "header-text", assemble(draw(st.one_of(st.binary(max_size=80), json_values.map(_json))), payload)
     if kind == "delete":
@@ -156,6 +157,10 @@ def header_edits(draw):
     elif kind == "codec":
         codec = header["codec"]
         codec[draw(st.sampled_from(["name", "shuffle", "level", "frames"]))] = draw(json_values)
+    elif kind == "layer":
+        layers = header.get("layers") or [{}]
+        layer = layers[draw(st.integers(0, len(layers) - 1))]
+        layer[draw(st.sampled_from(LAYER_FIELDS))] = draw(json_values)
     else:
         header[draw(st.sampled_from(HEADER_FIELDS))] = draw(json_values)
     return f"header-{kind}", assemble(header, payload)
@@ -164,11 +169,22 @@ def header_edits(draw):
 @st.composite
 def consistent_size_edits(draw):
     """Shape fields scaled with raw_bytes kept consistent with them: only the payload can tell."""
-    header, payload = split(draw(base))
-    field = draw(st.sampled_from(["n_tokens", "n_layers", "kv_heads", "head_dim"]))
-    header[field] = draw(st.integers(1, 2**40))
+    header, payload = split(draw(v2))
+    value = draw(st.integers(1, 2**40))
+    layers = [x for x in header["layers"] if "length" in x]
+    field = draw(st.sampled_from(["n_tokens", "length", "kv_heads", "head_dim", "n_layers"]))
+    if field == "n_tokens":  # every full layer follows the chunk's length
+        header["n_tokens"] = value
+        for x in layers:
+            if x["kind"] in ("attn", "hybrid"):
+                x["length"] = value
+    elif field == "n_layers":
+        header["layers"] = header["layers"] * min(value, 64)
+    else:
+        for x in layers:
+            x[field] = value
     item = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[header["dtype"]]
-    kv = 2 * header["n_layers"] * header["kv_heads"] * header["n_tokens"] * header["head_dim"] * item
+    kv = sum(2 * x["kv_heads"] * x["length"] * x["head_dim"] * item for x in header["layers"] if "length" in x)
     header["raw_bytes"] = kv + 8 * header["n_tokens"] + draw(st.integers(0, 4096))
     return "consistent-size", assemble(header, payload)
 

@@ -101,7 +101,9 @@ def test_corrupt_entries_are_detected_recomputed_and_collected(tiny_llama_dir, t
     code, out, err = run_main(capsys, "verify", "--store", store, "--quiet")
     assert (
         code == 1
-        and err == f"kvstore: error: {n_bad} of {n_contexts} entries corrupt; `kvstore gc --corrupt` removes them\n"
+        and err
+        == f"kvstore: error: {n_bad} of {n_contexts + 1} entries corrupt; {n_bad} of {n_contexts} contexts "
+        "broken; `kvstore gc --corrupt` removes corrupt entries\n"  # + 1: the chat head, shared by every context
     )
     assert {line.split()[1] for line in out.splitlines() if line.startswith("corrupt")} == set(bad)
 
@@ -124,7 +126,7 @@ def test_corrupt_entries_are_detected_recomputed_and_collected(tiny_llama_dir, t
 
     # gc removes exactly the damaged entries
     code, out, err = run_main(capsys, "gc", "--corrupt", "--yes", "--store", store, "--quiet")
-    assert code == 0 and f"Removed {n_bad} entries" in out, err
+    assert code == 0 and f"Removed {n_bad} contexts and {n_bad} entries" in out, err
     intact, corrupt = verify_store(store)
     assert not corrupt and intact == set(keys.values()) - set(bad)
 
@@ -305,9 +307,9 @@ def test_simulated_write_failures(monkeypatch, tmp_path, message, free, expected
     import types
 
     import lmdb
-    from test_cli_manage import make_entry  # noqa: E402 - a small real entry
 
     import kvstore.errors as errors
+    from helpers.entries import make_entry  # noqa: E402 - a small real entry
     from kvstore.store.backends import lmdb as lmdb_backend
     from kvstore.store.kvstore import KVStore
 
@@ -325,8 +327,9 @@ def test_simulated_write_failures(monkeypatch, tmp_path, message, free, expected
     if expected == "StoreFullError":
         assert str(exc.value).startswith("disk full while writing to") and "intact" in str(exc.value)
     monkeypatch.undo()
-    intact, corrupt = verify_store(tmp_path / "s")
-    assert intact == {entries[0].key, entries[1].key} and not corrupt
+    with KVStore(str(tmp_path / "s"), readonly=True) as s:
+        info = s.verify()
+    assert {e.key for e in info.entries} == {entries[0].key, entries[1].key} and not info.corrupt
 
 
 def test_simulated_disk_full_during_a_cli_build(tiny_llama_dir, tmp_path, capsys, monkeypatch):
@@ -334,9 +337,8 @@ def test_simulated_disk_full_during_a_cli_build(tiny_llama_dir, tmp_path, capsys
 
     dataset = write_dataset(tmp_path / "data.jsonl", range(10), questions=1)
     store = tmp_path / "store"
-    fail_lmdb_writes(
-        monkeypatch, lmdb.Error("mdb_txn_commit: No space left on device"), ok_commits=4
-    )  # meta + 3 entries
+    # meta, the shared chat head, then (chunk, context record) twice
+    fail_lmdb_writes(monkeypatch, lmdb.Error("mdb_txn_commit: No space left on device"), ok_commits=6)
     code, out, err = run_main(
         capsys, "build", dataset, "--model", tiny_llama_dir, "--store", store, "--quiet", "--batch-size", "2"
     )
@@ -347,7 +349,7 @@ def test_simulated_disk_full_during_a_cli_build(tiny_llama_dir, tmp_path, capsys
         "and re-run\n"
     )
     intact, corrupt = verify_store(store)
-    assert len(intact) == 3 and not corrupt
+    assert len(intact) == 2 and not corrupt
 
 
 # == 5. foreign caches =================================================================================

@@ -319,33 +319,33 @@ def test_plot_writes_a_png(tmp_path):
 
 # -- measured in a store ----------------------------------------------------------------------
 def test_summarize_groups_by_model_and_dtype():
-    def info(dtype, codec, n_tokens, raw_bytes, stored_bytes):
+    from kvstore.store.entry import LayerSpec
+    from kvstore.store.scan import StoreInfo, _context
+
+    def info(key, dtype, codec, n_tokens, raw_bytes, stored_bytes):
         params = {"name": "raw"} if codec == "raw" else {"name": "zstd", "level": 1, "shuffle": True, "frames": []}
-        header = EntryHeader(
-            key=f"k{n_tokens}",
-            model="f" * 64,
-            model_name="m",
-            dtype=dtype,
-            n_tokens=n_tokens,
-            n_layers=2,
-            kv_heads=1,
-            head_dim=4,
-            codec=params,
-            raw_bytes=raw_bytes,
-            created=1.0,
-        )
+        header = EntryHeader(key=key, model="f" * 64, model_name="m", dtype=dtype, n_tokens=n_tokens,
+                             layers=(LayerSpec("attn", n_tokens, 1, 4),) * 2, codec=params, raw_bytes=raw_bytes,
+                             created=1.0)  # fmt: skip
         return EntryInfo(header, stored_bytes)
 
-    entries = [
-        info("float32", "raw", 10, 700, 800),
-        info("float32", "zstd", 30, 2000, 1200),
-        info("bfloat16", "raw", 5, 200, 300),
-    ]
-    bf16, fp32 = summarize(entries, by=("model_name", "dtype"))
-    assert (fp32.entries, fp32.n_tokens, fp32.codec) == (2, 40, "raw, zstd-shuffle:1")
+    entries = [info("a", "float32", "raw", 10, 700, 800), info("b", "float32", "zstd", 30, 2000, 1200),
+               info("c", "bfloat16", "raw", 5, 200, 300)]  # fmt: skip
+    by_key = {e.key: e for e in entries}
+    # "b2" extends "b": its chain shares b's chunk, so physical bytes count it once
+    contexts = tuple(_context(k, chunks, n, 1.0, by_key, {}) for k, chunks, n in
+                     (("a", ("a",), 10), ("b", ("b",), 30), ("c", ("c",), 5), ("b2", ("b", "c"), 35)))  # fmt: skip
+    store = StoreInfo("memory://x", 2, "raw", 0.0, tuple(entries), (), None, False, contexts[:3], 256, {})
+    bf16, fp32 = summarize(store, by=("model_name", "dtype"))
+    assert (fp32.contexts, fp32.n_tokens, fp32.codec) == (2, 40, "raw, zstd-shuffle:1")
     assert fp32.kv_bytes == 2 * 2 * 1 * 4 * 40 * 4 and fp32.kv_bytes_per_token == 64
     assert fp32.bytes_per_token == 2000 / 40 and fp32.stored_to_kv == 2000 / 2560 and fp32.ratio == 2000 / 2700
-    assert bf16.kv_bytes_per_token == 32
+    assert bf16.kv_bytes_per_token == 32 and fp32.dedupe_ratio == 1.0
+    shared = StoreInfo(
+        "memory://x", 2, "raw", 0.0, tuple(entries), (), None, False, contexts[1:2] + contexts[3:], 256, {}
+    )
+    [group] = summarize(shared, by=("model_name",))
+    assert (group.stored_bytes, group.physical_bytes) == (1200 + 1200 + 300, 1200 + 300)
 
 
 def test_store_measured_column(tmp_path):
@@ -363,14 +363,15 @@ def test_store_measured_column(tmp_path):
             layers = tuple(
                 (torch.ones(kv_heads, n, head_dim), torch.zeros(kv_heads, n, head_dim)) for _ in range(layers_)
             )
-            key = cache_key("ab" * 32, "float32", ids)
+            key = cache_key("ab" * 32, "float32", ids)  # format-1-style keys: any key names a one-chunk context
             store.put(Entry(key, "ab" * 32, "tiny-gqa", ids, layers), codec=codec)
+            store.put_context(key, [key], n)
         info = store.scan()
 
     per_token = 2 * layers_ * kv_heads * head_dim * 4
     stored = sum(e.stored_bytes for e in info.entries)
     [m] = size_report(["pythia-70m"], store=str(path)).measured
-    assert (m.model_name, m.dtype, m.entries, m.n_tokens) == ("tiny-gqa", "float32", 2, 64)
+    assert (m.model_name, m.dtype, m.contexts, m.n_tokens) == ("tiny-gqa", "float32", 2, 64)
     assert m.kv_bytes_per_token == per_token and m.bytes_per_token == stored / 64
     assert m.stored_to_kv == pytest.approx(stored / (per_token * 64))
 

@@ -21,8 +21,9 @@ from kvstore.errors import (
     ReadOnlyStoreError,
     StoreNotFoundError,
 )
-from kvstore.store.entry import FORMAT_VERSION, Entry, EntryHeader
-from kvstore.store.keys import cache_key
+from kvstore.store import scan
+from kvstore.store.entry import FORMAT_VERSION, Entry, EntryHeader, LayerSpec
+from kvstore.store.keys import cache_key, chain_keys, chain_seed
 from kvstore.store.kvstore import KVStore
 from kvstore.store.scan import CorruptInfo, EntryInfo, StoreInfo, execute_plan, plan_gc
 
@@ -41,7 +42,8 @@ def make_entry(n_tokens=6, *, fp=FP_A, name="tiny", dtype=torch.float32, n_layer
         )
         for _ in range(n_layers)
     )
-    return Entry(cache_key(fp, dtype, ids), fp, name, ids, layers, created)
+    [key] = chain_keys(chain_seed(fp, dtype, device="cpu", attn="sdpa"), ids.tolist(), [(0, n_tokens)])
+    return Entry(key, fp, name, ids, layers, created)
 
 
 def same(a: Entry, b: Entry) -> bool:
@@ -129,8 +131,8 @@ def test_reopen_keeps_entries_and_meta(url):
     with KVStore(url, codec="zstd:5") as s:
         for e in entries:
             s.put(e)
-        meta = dict(s.meta)
-    assert meta["format"] == FORMAT_VERSION and meta["codec"] == "zstd:5"
+        meta = s.meta
+    assert meta.format == FORMAT_VERSION and meta.codec == "zstd:5" and meta.chunk_tokens == 256
     with KVStore(url) as s:  # a restart: nothing but the store itself says how it was made
         assert s.meta == meta
         assert s.codec.spec == "zstd:5"
@@ -139,7 +141,7 @@ def test_reopen_keeps_entries_and_meta(url):
         s.put(make_entry(seed=7))
         assert s.header(make_entry(seed=7).key).codec_spec == "zstd:5"
     with KVStore(url, codec="raw") as s:  # overriding the codec for a session does not rewrite the store
-        assert s.codec.spec == "raw" and s.meta["codec"] == "zstd:5"
+        assert s.codec.spec == "raw" and s.meta.codec == "zstd:5"
 
 
 def test_future_store_format_is_refused(url):
@@ -200,6 +202,7 @@ def test_scan_and_verify(url):
     with KVStore(url) as s:
         for e in entries:
             s.put(e)
+            s.put_context(e.key, [e.key], e.n_tokens)
         clean = s.scan()
         assert clean.n_entries == 4 and not clean.corrupt and not clean.verified
         assert clean.n_tokens == 24 and clean.stored_bytes == sum(e.stored_bytes for e in clean.entries)
@@ -312,23 +315,20 @@ DAY = 86400.0
 
 
 def info_of(*entries: EntryInfo, corrupt: tuple[CorruptInfo, ...] = ()) -> StoreInfo:
-    return StoreInfo("memory://plan", FORMAT_VERSION, "zstd-shuffle:1", 0.0, tuple(entries), corrupt, None, False)
+    """A scan of a store whose every entry is a one-chunk context."""
+    by_key = {e.key: e for e in entries}
+    access = {e.key: e.last_access for e in entries if e.last_access is not None}
+    contexts = tuple(scan._context(e.key, (e.key,), e.n_tokens, e.created, by_key, access) for e in entries)
+    refs = {e.key: 1 for e in entries}
+    return StoreInfo("memory://plan", FORMAT_VERSION, "zstd-shuffle:1", 0.0, tuple(entries), corrupt, None, False,
+                     contexts, 256, refs)  # fmt: skip
 
 
 def ei(key: str, *, model=FP_A, name="tiny", size=100, used_days_ago=None, created_days_ago=100.0) -> EntryInfo:
     header = EntryHeader(
-        key=key,
-        model=model,
-        model_name=name,
-        dtype="float32",
-        n_tokens=10,
-        n_layers=2,
-        kv_heads=2,
-        head_dim=4,
-        codec={"name": "raw"},
-        raw_bytes=size,
-        created=NOW - created_days_ago * DAY,
-    )
+        key=key, model=model, model_name=name, dtype="float32", n_tokens=10, layers=(LayerSpec("attn", 10, 2, 4),) * 2,
+        codec={"name": "raw"}, raw_bytes=size, created=NOW - created_days_ago * DAY,
+    )  # fmt: skip
     return EntryInfo(header, size, None if used_days_ago is None else NOW - used_days_ago * DAY)
 
 
@@ -351,6 +351,7 @@ def sample_info() -> StoreInfo:
 def test_plan_nothing(sample_info):
     plan = plan_gc(sample_info, now=NOW)
     assert plan.n == 0 and plan.freed_bytes == 0 and plan.keep_bytes == 1500
+    assert removed(plan_gc(sample_info, orphans=True, now=NOW)) == set()  # every chunk is used
 
 
 def test_plan_corrupt(sample_info):
@@ -376,6 +377,7 @@ def test_plan_by_age(sample_info):
 def test_plan_size_budget_least_recently_used_first(sample_info):
     plan = plan_gc(sample_info, max_bytes=1000, now=NOW)
     assert [k for k, _, _ in plan.remove] == ["bb02", "aa02"]  # LRU order: 100 days, then 40
+    assert [k for k, _, _ in plan.contexts] == ["bb02", "aa02"]
     assert plan.keep_bytes == 900 <= 1000
     assert removed(plan_gc(sample_info, max_bytes=1500, now=NOW)) == set()
     assert [k for k, _, _ in plan_gc(sample_info, max_bytes=0, now=NOW).remove] == [
@@ -413,9 +415,11 @@ def test_execute_plan(url):
     with KVStore(url) as s:
         for e in entries:
             s.put(e)
+            s.put_context(e.key, [e.key], e.n_tokens)
         flip(s, entries[0].key, -20)
         plan = plan_gc(s.verify(), corrupt=True, older_than=2.5 * DAY)
         assert removed(plan) == {entries[0].key, entries[3].key}
         assert execute_plan(s, plan) == 2
         assert sorted(s.keys()) == sorted(e.key for e in entries[1:3])
+        assert sorted(s.context_keys()) == sorted(e.key for e in entries[1:3])
         assert not s.verify().corrupt

@@ -15,14 +15,15 @@ from transformers import PreTrainedModel
 
 from kvstore import dtypes
 from kvstore.errors import ContextTooLongError, ModelError
-from kvstore.model import build, decode, families
-from kvstore.model.build import BuildReport, LayerKV
-from kvstore.model.cache import KVShape
+from kvstore.model import build, chains, decode, families
+from kvstore.model.build import BuildReport
+from kvstore.model.cache import KVShape, LayerKV
+from kvstore.model.chains import ContextPlan
 from kvstore.model.decode import SampleResult
 from kvstore.model.identity import model_fingerprint
 from kvstore.progress import Progress
 from kvstore.store.entry import Entry
-from kvstore.store.keys import cache_key
+from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, chain_seed
 from kvstore.store.kvstore import KVStore
 
 TextOrIds = str | Sequence[int]
@@ -54,6 +55,7 @@ class Adapter:
         self.reserve_tokens = reserve_tokens
         self._fingerprint = fingerprint
         self._shapes: list[KVShape] | None = None
+        self._prefixes: dict[tuple, list[int]] = {}
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -100,13 +102,66 @@ class Adapter:
             self._fingerprint = model_fingerprint(self.model, weight_files=self._weight_files)
         return self._fingerprint
 
-    def key(self, context_ids: Sequence[int]) -> str:
-        """The store key of a tokenized context for this model and dtype."""
-        return cache_key(self.fingerprint, self.dtype, context_ids)
+    @property
+    def attn_implementation(self) -> str:
+        return str(getattr(self.model.config, "_attn_implementation", None) or "eager")
 
-    def entry(self, key: str, context_ids: Sequence[int], layers: LayerKV) -> Entry:
-        """An :class:`Entry` of this model holding ``layers`` for a tokenized context."""
-        return Entry(key, self.fingerprint, self.name, torch.as_tensor(context_ids, dtype=torch.int64), layers)
+    @property
+    def numerics(self) -> dict[str, str]:
+        """Where this adapter's numbers come from: device type and attention implementation (both
+        part of every key: other kernels give other low-order bits), torch and transformers
+        versions (recorded in every entry, not keyed)."""
+        import transformers
+
+        return {
+            "device": self.device.type,
+            "attn": self.attn_implementation,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        }
+
+    def chain_seed(self, lossy: str = "") -> str:
+        """The seed of this model's chains: fingerprint, dtype, device type, attention
+        implementation and a lossy codec's spec (see :mod:`kvstore.store.keys`)."""
+        return chain_seed(
+            self.fingerprint, self.dtype, device=self.device.type, attn=self.attn_implementation, lossy=lossy
+        )
+
+    def plan(
+        self, context_ids: Sequence[int], store: KVStore | None = None, *, prefix: TextOrIds | None = None,
+        special_tokens: bool = True,
+    ) -> ContextPlan:  # fmt: skip
+        """A tokenized context as a chain of chunks for ``store`` (its chunk size and lossy codec;
+        without a store: 256-token chunks, lossless). ``prefix``: the contexts' shared head (text
+        or ids, e.g. a chat template's system turn); when the context's ids start with it, a
+        chunk ends there, so the head is stored once for every context."""
+        boundaries = []
+        if prefix is not None:
+            head = self._prefix_ids(prefix, special_tokens)
+            if head and len(head) < len(context_ids) and list(context_ids[: len(head)]) == head:
+                boundaries.append(len(head))
+        return chains.plan(
+            self, context_ids, chunk_tokens=store.chunk_tokens if store is not None else DEFAULT_CHUNK_TOKENS,
+            lossy=store.codec.identity if store is not None else "", boundaries=boundaries,
+        )  # fmt: skip
+
+    def _prefix_ids(self, prefix: TextOrIds, special_tokens: bool) -> list[int]:
+        key = (prefix if isinstance(prefix, str) else tuple(prefix), special_tokens)
+        if key not in self._prefixes:
+            self._prefixes[key] = self.encode_context(prefix, special_tokens=special_tokens) if prefix else []
+        return self._prefixes[key]
+
+    def key(self, context_ids: Sequence[int], store: KVStore | None = None, **kwargs) -> str:
+        """The key of a tokenized context (its chain's last chunk) for this model, in ``store``
+        (see :meth:`plan`)."""
+        return self.plan(context_ids, store, **kwargs).key
+
+    def entry(self, key: str, token_ids: Sequence[int], layers: LayerKV, *, parent: str = "", start: int = 0) -> Entry:
+        """An :class:`Entry` (a chunk at context position ``start``) of this model holding ``layers``."""
+        return Entry(
+            key, self.fingerprint, self.name, torch.as_tensor(token_ids, dtype=torch.int64), layers, parent=parent,
+            start=start, kinds=("attn",) * len(layers), numerics=self.numerics,
+        )  # fmt: skip
 
     def check_supported(self) -> None:
         """Raise ModelError (one line naming the family and why) unless kvstore can store and reuse
@@ -199,14 +254,18 @@ class Adapter:
         skip_errors: bool = False,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
+        prefix: TextOrIds | None = None,
     ) -> BuildReport:
-        """Prefill every distinct context not yet in ``store`` and store its KV cache.
+        """Store the cache of every distinct context not stored whole and intact in ``store``.
 
         Contexts are tokenized with the model's special tokens (``special_tokens=False`` when the
-        text already contains them, as a rendered chat template does), deduplicated by key, sorted
-        by length and run in batches of up to ``batch_size`` rows and ``max_batch_tokens`` padded
-        tokens. Encoding and writing happen on a background thread. Stored entries that fail
-        verification are rebuilt. ``labels`` name the rows in error messages (default ``row i``).
+        text already contains them, as a rendered chat template does) and stored as chains of
+        chunks (see :meth:`plan`; ``prefix`` names the contexts' shared head). A context whose
+        chain is stored whole and intact is skipped; the others are computed from their longest
+        stored prefix on, in batches of up to ``batch_size`` rows and ``max_batch_tokens`` padded
+        tokens; chunks several of them share are computed once. Corrupt chunks are rebuilt.
+        Encoding and writing happen on a background thread. ``labels`` name the rows in error
+        messages (default ``row i``).
 
         Raises ContextTooLongError (naming the row) for a context longer than
         :meth:`context_limit` unless ``truncate`` is set, which keeps the last tokens, or
@@ -216,7 +275,7 @@ class Adapter:
         return build.build_caches(
             self, contexts, store, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
             special_tokens=special_tokens, truncate=truncate, max_context_tokens=max_context_tokens,
-            skip_errors=skip_errors, labels=labels, progress=progress,
+            skip_errors=skip_errors, labels=labels, progress=progress, prefix=prefix,
         )  # fmt: skip
 
     def greedy_sample(
@@ -236,6 +295,7 @@ class Adapter:
         return_scores: bool = False,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
+        prefix: TextOrIds | None = None,
     ) -> torch.Tensor | SampleResult:
         """Greedy answers to ``questions[i]`` about ``contexts[i]``.
 
@@ -243,15 +303,18 @@ class Adapter:
         ``return_details``). A row that produced EOS keeps it and is filled with the pad id
         (``self.pad_id``) after it when ``stop_at_eos``; decoding stops once every row has.
 
-        ``use_cache=True`` reads each context's KV from ``store`` (computing, storing and using
-        from memory the ones that are missing; without a store everything is computed in memory).
-        ``use_cache=False`` is the reference: context and question run through the model together.
-        Both give the same tokens (exactly in float64; in float32 up to rounding near ties).
+        ``use_cache=True`` loads the longest stored prefix of each context's chain from ``store``
+        and computes only the rest (storing what it computed unless the store is read-only;
+        without a store everything is computed in memory). ``use_cache=False`` is the reference:
+        context and question run through the model together. Both give the same tokens (exactly
+        in float64; in float32 up to rounding near ties). ``prefix``: as for
+        :meth:`generate_kv_cache` (use the same value for both, or keys will not match).
         """
         result = decode.greedy_sample(
             self, contexts, questions, num_new_tokens, use_cache=use_cache, store=store, batch_size=batch_size,
             stop_at_eos=stop_at_eos, special_tokens=special_tokens, truncate=truncate,
             max_context_tokens=max_context_tokens, return_scores=return_scores, labels=labels, progress=progress,
+            prefix=prefix,
         )  # fmt: skip
         return result if return_details else result.tokens
 

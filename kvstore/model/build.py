@@ -1,12 +1,19 @@
-"""Building caches: prefill contexts in batches and store each one's keys/values.
+"""Building caches: compute each distinct context's missing chunks once and store them.
 
-Prefill layout: contexts are *right*-padded. Real tokens sit at slots ``0..n-1`` with positions
-``0..n-1``, so causal attention never lets them see a pad and every pad query still has real keys
-to attend to (a fully masked row turns into NaN under eager fp64 attention, and ``0 * NaN`` would
-poison real rows). Each row's KV is sliced back to its ``n`` real tokens, so a stored entry does
-not depend on its batch-mates.
+A context whose chain is stored whole and intact is skipped (its record written if it lacks one);
+any other context is computed from its longest stored prefix on:
 
-Encoding and writing run on a background thread (:class:`Writer`), so storing overlaps compute.
+* no stored prefix: a **prefill** in right-padded batches. Real tokens sit at slots ``0..n-1``
+  with positions ``0..n-1``, so causal attention never lets them see a pad and every pad query
+  still has real keys to attend to (a fully masked row turns into NaN under eager fp64 attention,
+  and ``0 * NaN`` would poison real rows). Each row's KV is sliced back to its real tokens, so a
+  stored chunk does not depend on its batch-mates;
+* a stored prefix: only the rest is computed on top of it (:func:`kvstore.model.chains.extend`).
+
+Chunks that several pending contexts share (a few-shot block, a document and its extension) are
+computed first, once, and then extended. Encoding and writing run on a background thread
+(:class:`Writer`): each context's chunks first, then its record, so a reader or a concurrent gc
+never sees a record whose chunks were not written yet.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ import torch
 from transformers import DynamicCache
 
 from kvstore.errors import ContextTooLongError, ModelError
+from kvstore.model import chains
+from kvstore.model.cache import LayerKV
+from kvstore.model.chains import ContextPlan
 from kvstore.progress import Progress
 from kvstore.store.entry import Entry
 from kvstore.store.kvstore import KVStore
@@ -29,8 +39,7 @@ from kvstore.store.kvstore import KVStore
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.adapter import Adapter, TextOrIds
 
-LayerKV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values) [kv_heads, n, head_dim]
-WRITER_QUEUE = 2  # entries waiting for the writer; bounds the memory a fast prefill can pile up
+WRITER_QUEUE = 2  # chunks waiting for the writer; bounds the memory a fast prefill can pile up
 
 
 @dataclass
@@ -39,10 +48,12 @@ class BuildReport:
 
     contexts: int = 0  # contexts given (with duplicates)
     distinct: int = 0
-    built: int = 0
-    skipped: int = 0  # already in the store
+    built: int = 0  # contexts computed (whole or from a stored prefix)
+    skipped: int = 0  # already stored whole and intact
     failed: int = 0
-    tokens: int = 0  # tokens prefilled
+    tokens: int = 0  # context tokens run through the model
+    tokens_reused: int = 0  # context tokens found stored (skipped contexts and stored prefixes)
+    chunks_written: int = 0
     raw_bytes: int = 0
     stored_bytes: int = 0
     seconds: float = 0.0
@@ -64,9 +75,18 @@ class BuildReport:
         return d | {"ratio": round(self.ratio, 4), "tokens_per_second": round(self.tokens_per_second, 1)}
 
 
+@dataclass(frozen=True)
+class _Record:
+    key: str
+    chunks: tuple[str, ...]
+    n_tokens: int
+
+
 class Writer:
-    """Encodes and writes entries on a background thread so that storing overlaps compute.
-    Errors are re-raised on the caller's thread (at the next ``put`` or at ``close``)."""
+    """Encodes and writes chunks, then context records, on a background thread (in the order
+    given) so that storing overlaps compute. A chunk already in the store is not rewritten unless
+    asked (a corrupt one is). Errors are re-raised on the caller's thread (next ``put`` or
+    ``close``)."""
 
     def __init__(self, store: KVStore, report: BuildReport | None, maxsize: int = WRITER_QUEUE):
         self.store, self.report = store, report
@@ -77,29 +97,60 @@ class Writer:
 
     def _run(self) -> None:
         while True:
-            entry = self.q.get()
-            if entry is None:
-                return
-            if self.error is not None:
-                continue
-            t0 = time.perf_counter()
+            item = self.q.get()
             try:
-                blob = self.store.encode(entry)
-                self.store.put_bytes(entry.key, blob)
+                if item is None:
+                    return
+                if self.error is None:
+                    self._write(*item)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 self.error = exc
-                continue
-            if self.report is not None:
-                r = self.report
-                r.stored_bytes += len(blob)
-                r.raw_bytes += entry.kv_bytes + 8 * entry.n_tokens
-                r.store_seconds += time.perf_counter() - t0
-                r.built += 1
+            finally:
+                self.q.task_done()
 
-    def put(self, entry: Entry) -> None:
+    def _write(self, item: Entry | _Record, overwrite: bool) -> None:
+        if isinstance(item, _Record):
+            self.store.put_context(item.key, item.chunks, item.n_tokens)
+            return
+        if not overwrite and self.store.contains(item.key):
+            return
+        t0 = time.perf_counter()
+        blob = self.store.encode(item)
+        self.store.put_bytes(item.key, blob)
+        if self.report is not None:
+            r = self.report
+            r.stored_bytes += len(blob)
+            r.raw_bytes += item.kv_bytes + 8 * item.n_tokens
+            r.store_seconds += time.perf_counter() - t0
+            r.chunks_written += 1
+
+    def put(self, entry: Entry, *, overwrite: bool = False) -> None:
+        self._enqueue((entry, overwrite))
+
+    def put_context(self, plan: ContextPlan) -> None:
+        """Record ``plan``'s context once the chunks put before it are written."""
+        self._enqueue((_Record(plan.key, plan.keys, plan.n_tokens), True))
+
+    def put_chunks(
+        self, adapter: Adapter, plan: ContextPlan, layers: LayerKV, depth: int = 0, offset: int = 0, record: bool = True
+    ) -> None:
+        """Chunks ``depth..`` of ``plan`` from ``layers`` (positions ``offset..``), then (with
+        ``record``) its context record. The chunk at ``depth`` is written even if present: it is
+        missing or corrupt (a repair)."""
+        for i, entry in enumerate(chains.chunk_entries(adapter, plan, layers, depth, offset)):
+            self.put(entry, overwrite=i == 0)
+        if record:
+            self.put_context(plan)
+
+    def flush(self) -> None:
+        """Wait until everything put so far is written (raises the writer's error, if any)."""
+        self.q.join()
+        self._check()
+
+    def _enqueue(self, item: Any) -> None:
         self._check()
         t0 = time.perf_counter()
-        self.q.put(entry)
+        self.q.put(item)
         if self.report is not None:
             self.report.store_wait_seconds += time.perf_counter() - t0
 
@@ -161,6 +212,79 @@ def batches(
         yield batch
 
 
+def stored_depth(adapter: Adapter, store: KVStore, plan: ContextPlan) -> int:
+    """How many leading chunks of ``plan`` are stored, intact and this model's (verified)."""
+    with store.open_chain(plan.keys) as views:
+        return sum(1 for _ in _fitting(adapter, plan, views))
+
+
+def _fitting(adapter: Adapter, plan: ContextPlan, views):
+    for j, view in enumerate(views):
+        if not chains.fits(adapter, view, plan, j):
+            return
+        yield view
+
+
+def load_prefix_kv(adapter: Adapter, store: KVStore, plan: ContextPlan, depth: int) -> LayerKV | None:
+    """The keys/values of ``plan``'s first ``depth`` chunks, materialized (None if they are no
+    longer all stored intact)."""
+    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    with store.open_chain(plan.keys[:depth]) as views:
+        for view in _fitting(adapter, plan, views):
+            pieces.append([(k.materialize(), v.materialize()) for k, v in filter(None, view.layers)])
+    if len(pieces) < depth:
+        return None
+    return tuple(
+        (torch.cat([p[i][0] for p in pieces], 1), torch.cat([p[i][1] for p in pieces], 1))
+        for i in range(len(pieces[0]))
+    )
+
+
+def compute(
+    adapter: Adapter, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer, report: BuildReport,
+    batch_size: int, max_batch_tokens: int | None, progress: Progress | None, count: bool = True,
+) -> None:  # fmt: skip
+    """Compute and write ``(plan, depth)`` jobs: each plan's chunks from ``depth`` on, then (when
+    ``count``: they are contexts, not shared prefixes) its record. Jobs with nothing stored are
+    prefilled; the others extend their stored prefix."""
+    fresh = [(p, d) for p, d in jobs if d == 0]
+    lengths = [p.n_tokens for p, _ in fresh]
+    for batch in batches(sorted(range(len(fresh)), key=lambda i: lengths[i]), lengths, batch_size, max_batch_tokens):
+        rows = prefill(adapter, [fresh[i][0].ids for i in batch])
+        for i, layers in zip(batch, rows):
+            writer.put_chunks(adapter, fresh[i][0], layers, record=count)
+        _account(report, [fresh[i][0].n_tokens for i in batch], count, progress)
+    partial = [(p, d) for p, d in jobs if d > 0]
+    rest = [p.n_tokens - p.spans[d - 1][1] for p, d in partial]
+    sizes = [p.n_tokens for p, _ in partial]
+    for batch in batches(sorted(range(len(partial)), key=lambda i: sizes[i]), sizes, batch_size, max_batch_tokens):
+        prefixes, todo = [], []
+        for i in batch:
+            plan, depth = partial[i]
+            kv = load_prefix_kv(adapter, store, plan, depth)
+            if kv is None:  # the prefix went away meanwhile: compute the whole context
+                compute(adapter, store, [(plan, 0)], writer, report, batch_size, max_batch_tokens, progress, count)
+                continue
+            prefixes.append(kv)
+            todo.append(i)
+        if todo:
+            starts = [partial[i][0].spans[partial[i][1] - 1][1] for i in todo]
+            rests = chains.extend(adapter, prefixes, [partial[i][0].ids[s:] for i, s in zip(todo, starts)])
+            for i, s, layers in zip(todo, starts, rests):
+                writer.put_chunks(adapter, partial[i][0], layers, partial[i][1], s, record=count)
+            if count:
+                report.tokens_reused += sum(starts)
+            _account(report, [rest[i] for i in todo], count, progress)
+
+
+def _account(report: BuildReport, tokens: Sequence[int], count: bool, progress: Progress | None) -> None:
+    report.tokens += sum(tokens)
+    if count:
+        report.built += len(tokens)
+        if progress:
+            progress(len(tokens), sum(tokens))
+
+
 def build_caches(
     adapter: Adapter,
     contexts: Sequence[TextOrIds],
@@ -174,53 +298,53 @@ def build_caches(
     skip_errors: bool = False,
     labels: Sequence[str] | None = None,
     progress: Progress | None = None,
+    prefix: TextOrIds | None = None,
 ) -> BuildReport:
-    """Prefill every distinct context not yet (intact) in ``store`` and store its KV cache.
-    See :meth:`kvstore.model.adapter.Adapter.generate_kv_cache`."""
+    """Store the cache of every distinct context of ``contexts`` that is not stored whole and
+    intact. See :meth:`kvstore.model.adapter.Adapter.generate_kv_cache`."""
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
     adapter.check_supported()
     t_start = time.perf_counter()
     report = BuildReport(contexts=len(contexts))
-    ids: list[list[int]] = []
+    plans: list[ContextPlan | None] = []
     for i, c in enumerate(contexts):
         try:
-            ids.append(
-                adapter.context_ids(
-                    c,
-                    special_tokens=special_tokens,
-                    truncate=truncate,
-                    max_context_tokens=max_context_tokens,
-                    label=adapter.row_label(labels, i),
-                )
+            label = adapter.row_label(labels, i)
+            ids = adapter.context_ids(
+                c, special_tokens=special_tokens, truncate=truncate, max_context_tokens=max_context_tokens, label=label
             )
+            plans.append(adapter.plan(ids, store, prefix=prefix, special_tokens=special_tokens))
         except ContextTooLongError as exc:
             if not skip_errors:
                 raise
             report.errors.append(str(exc))
-            ids.append([])
-    report.keys = [adapter.key(x) if x else "" for x in ids]
-    first: dict[str, int] = {}
-    for i, k in enumerate(report.keys):
-        if k:
-            first.setdefault(k, i)
-    report.failed = sum(1 for x in ids if not x)
-    report.distinct = len(first)
-    todo = [i for k, i in first.items() if not store.is_intact(k)]  # corrupt entries are rebuilt
-    report.skipped = report.distinct - len(todo)
+            plans.append(None)
+    report.keys = [p.key if p else "" for p in plans]
+    report.failed = sum(1 for p in plans if p is None)
+    distinct = list({p.key: p for p in plans if p is not None}.values())
+    report.distinct = len(distinct)
+    pending: list[tuple[ContextPlan, int]] = []
+    for plan in distinct:
+        depth = stored_depth(adapter, store, plan)  # verified: corrupt chunks are rebuilt
+        if depth == len(plan.keys):
+            report.skipped += 1
+            report.tokens_reused += plan.n_tokens
+            if store.context(plan.key) is None and not store.readonly:
+                store.put_context(plan.key, plan.keys, plan.n_tokens)
+        else:
+            pending.append((plan, depth))
     if progress and report.skipped:
         progress(report.skipped, 0)
-    lengths = [len(x) for x in ids]
-    order = sorted(todo, key=lambda i: lengths[i])
     writer = Writer(store, report)
     try:
-        for batch in batches(order, lengths, batch_size, max_batch_tokens):
-            rows = prefill(adapter, [ids[i] for i in batch])
-            for i, layers in zip(batch, rows):
-                writer.put(adapter.entry(report.keys[i], ids[i], layers))
-            report.tokens += sum(lengths[i] for i in batch)
-            if progress:
-                progress(len(batch), sum(lengths[i] for i in batch))
+        store.touch(k for plan, depth in pending for k in plan.keys[:depth])  # a concurrent gc spares them
+        shared = _shared_prefixes(pending)
+        if shared:  # chunks several pending contexts start with: computed once, first
+            compute(adapter, store, shared, writer, report, batch_size, max_batch_tokens, None, count=False)
+            writer.flush()
+            pending = [(plan, max(depth, _depth_in(plan, shared))) for plan, depth in pending]
+        compute(adapter, store, pending, writer, report, batch_size, max_batch_tokens, progress)
     finally:
         try:
             writer.close()
@@ -229,4 +353,28 @@ def build_caches(
     return report
 
 
-__all__ = ["BuildReport", "LayerKV", "Writer", "batches", "build_caches", "prefill"]
+def _shared_prefixes(pending: Sequence[tuple[ContextPlan, int]]) -> list[tuple[ContextPlan, int]]:
+    """The longest not-yet-stored chunk prefixes that at least two pending contexts share, as
+    ``(plan of the prefix, stored depth)`` jobs (their chunks only: a prefix is not a context)."""
+    uses: dict[str, int] = {}
+    for plan, depth in pending:
+        for k in plan.keys[depth:]:
+            uses[k] = uses.get(k, 0) + 1
+    jobs: dict[str, tuple[ContextPlan, int]] = {}
+    for plan, depth in pending:
+        shared = depth
+        while shared < len(plan.keys) and uses[plan.keys[shared]] > 1:
+            shared += 1
+        if shared > depth and shared < len(plan.keys):
+            end = plan.spans[shared - 1][1]
+            sub = ContextPlan(plan.ids[:end], plan.spans[:shared], plan.keys[:shared], "")
+            jobs.setdefault(sub.key, (sub, depth))
+    return list(jobs.values())
+
+
+def _depth_in(plan: ContextPlan, shared: Sequence[tuple[ContextPlan, int]]) -> int:
+    keys = {sub.key: len(sub.keys) for sub, _ in shared}
+    return max((keys[k] for k in plan.keys if k in keys), default=0)
+
+
+__all__ = ["BuildReport", "LayerKV", "Writer", "batches", "build_caches", "compute", "prefill", "stored_depth"]

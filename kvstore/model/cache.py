@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 KVShape = tuple[int, int, int]  # (kv_heads, key head_dim, value head_dim) of one layer
+LayerKV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values) [kv_heads, n, head_dim]
 Buffers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [B, kv_heads, T, head_dim]
 
 
@@ -65,4 +66,4 @@ def new_buffers(shapes: Sequence[KVShape], batch: int, slots: int, dtype: torch.
     ]
 
 
-__all__ = ["Buffers", "KVShape", "PreallocatedCache", "PreallocatedLayer", "new_buffers"]
+__all__ = ["Buffers", "KVShape", "LayerKV", "PreallocatedCache", "PreallocatedLayer", "new_buffers"]

@@ -2,12 +2,15 @@
 
 Layouts (B rows; exactness depends on them):
 
-* **Cached decode**: stored contexts are *left*-padded to the batch's longest ``P`` (pads are zero
-  KV, masked), questions are left-padded to the longest ``Q`` and placed after the contexts, then
+* **Cached decode**: contexts are *left*-padded to the batch's longest ``P`` (pads are zero KV,
+  masked), questions are left-padded to the longest ``Q`` and placed after the contexts, then
   ``N`` generated tokens follow: ``[pad | context_i | pad | question_i | new tokens]``. Explicit
   ``position_ids`` continue each row at its own context length (``c_i + j``); without them every
   row would continue at ``P``. The KV buffers are preallocated for ``P + Q + N`` slots, so no decode
-  step copies the cache.
+  step copies the cache. Each distinct context's longest stored chain prefix is copied straight
+  into its slots; what is missing is computed and written back: a whole context by a prefill, the
+  rest of a partly stored one on top of its prefix (:func:`kvstore.model.chains.extend`), so rows
+  of one batch may hit at different depths.
 * **Reference decode** (``use_cache=False``): context + question ids of each row right-padded in
   one sequence, the same preallocated cache, logits taken at each row's last real token.
 
@@ -18,16 +21,16 @@ Hugging Face ``generate``, which shares nothing with them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore.errors import ContextTooLongError
+from kvstore.model import chains
 from kvstore.model.build import Writer, prefill
-from kvstore.model.cache import Buffers, KVShape, PreallocatedCache, new_buffers
+from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
 from kvstore.progress import Progress
-from kvstore.store.entry import EntryView
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,12 +41,13 @@ if TYPE_CHECKING:  # pragma: no cover
 class SampleResult:
     """Tokens from :meth:`Adapter.greedy_sample` with ``return_details=True``.
 
-    ``tokens``: ``[n_rows, num_new_tokens]`` int64; after a row's EOS the rest is ``fill_id``.
+    ``tokens``: ``[n_rows, num_new_tokens]`` int64; after a row's EOS the rest is the pad id.
     ``scores``: per row ``[steps, vocab]`` float32 logits (only with ``return_scores``).
-    ``cache_hit``: per row, whether its context came from the store.
-    ``prefill_tokens_computed``: context tokens run through the model (each missing context once
-    per batch; with ``use_cache=False``, every row's context). ``prefill_tokens_saved``: context
-    tokens the no-cache path would have computed and this run did not.
+    ``cache_hit``: per row, whether its whole context came from the store; ``cached_tokens``: how
+    many of its context tokens did. ``prefill_tokens_computed``: context tokens run through the
+    model (each distinct context once per batch; with ``use_cache=False``, every row's context).
+    ``prefill_tokens_saved``: context tokens the no-cache path would have computed and this run
+    did not.
     """
 
     tokens: torch.Tensor
@@ -52,6 +56,7 @@ class SampleResult:
     scores: list[torch.Tensor] | None = None
     prefill_tokens_saved: int = 0
     prefill_tokens_computed: int = 0
+    cached_tokens: list[int] = field(default_factory=list)
 
 
 def greedy_sample(
@@ -70,6 +75,7 @@ def greedy_sample(
     return_scores: bool = False,
     labels: Sequence[str] | None = None,
     progress: Progress | None = None,
+    prefix: TextOrIds | None = None,
 ) -> SampleResult:
     """See :meth:`kvstore.model.adapter.Adapter.greedy_sample`."""
     if len(contexts) != len(questions):
@@ -79,32 +85,26 @@ def greedy_sample(
     adapter.check_supported()
     q_ids = [adapter.encode_question(q) for q in questions]
     c_ids = [
-        adapter.context_ids(
-            c,
-            special_tokens=special_tokens,
-            truncate=truncate,
-            max_context_tokens=max_context_tokens,
-            label=adapter.row_label(labels, i),
-        )
+        adapter.context_ids(c, special_tokens=special_tokens, truncate=truncate, max_context_tokens=max_context_tokens,
+                            label=adapter.row_label(labels, i))
         for i, c in enumerate(contexts)
-    ]
+    ]  # fmt: skip
     n = len(c_ids)
     if adapter.max_positions:
         for i in range(n):
             if len(c_ids[i]) + len(q_ids[i]) + num_new_tokens > adapter.max_positions:
                 raise ContextTooLongError(
                     f"{adapter.row_label(labels, i)}: context ({len(c_ids[i])}) + question ({len(q_ids[i])}) + "
-                    f"{num_new_tokens} "
-                    f"new tokens exceed the model's {adapter.max_positions} positions; use a shorter question, "
-                    "fewer new "
-                    "tokens or a lower max_context_tokens"
+                    f"{num_new_tokens} new tokens exceed the model's {adapter.max_positions} positions; use a shorter "
+                    "question, fewer new tokens or a lower max_context_tokens"
                 )
     out = torch.full((n, num_new_tokens), adapter.pad_id, dtype=torch.long)
     lengths = [0] * n
-    hits = [False] * n
+    cached = [0] * n
     scores: list[torch.Tensor] | None = [torch.empty(0)] * n if return_scores else None
-    saved = computed = 0
-    keys = [adapter.key(c) for c in c_ids] if use_cache else [""] * n
+    computed = 0
+    plans = [adapter.plan(c, store, prefix=prefix, special_tokens=special_tokens) for c in c_ids] if use_cache else []
+    keys = [p.key for p in plans] if use_cache else [""] * n
     # cluster rows of equal contexts, then by length, to share loads and waste little padding
     order = sorted(range(n), key=lambda i: (len(c_ids[i]), keys[i], i))
     writer = Writer(store, None) if (use_cache and store is not None and not store.readonly) else None
@@ -112,22 +112,13 @@ def greedy_sample(
         for start in range(0, n, batch_size):
             rows = order[start : start + batch_size]
             if use_cache:
-                tokens, step_scores, row_hits = decode_cached(
-                    adapter,
-                    [c_ids[i] for i in rows],
-                    [q_ids[i] for i in rows],
-                    [keys[i] for i in rows],
-                    num_new_tokens,
-                    store,
-                    writer,
-                    stop_at_eos,
-                    return_scores,
-                )
-                for i, hit in zip(rows, row_hits):
-                    hits[i] = hit
-                missing = {keys[i]: len(c_ids[i]) for i, h in zip(rows, row_hits) if not h}
-                computed += sum(missing.values())
-                saved += sum(len(c_ids[i]) for i in rows) - sum(missing.values())
+                tokens, step_scores, row_cached, row_computed = decode_cached(
+                    adapter, [plans[i] for i in rows], [q_ids[i] for i in rows], num_new_tokens, store, writer,
+                    stop_at_eos, return_scores,
+                )  # fmt: skip
+                for i, got in zip(rows, row_cached):
+                    cached[i] = got
+                computed += row_computed
             else:
                 tokens, step_scores = decode_reference(
                     adapter, [c_ids[i] + q_ids[i] for i in rows], num_new_tokens, stop_at_eos, return_scores
@@ -143,7 +134,9 @@ def greedy_sample(
     finally:
         if writer is not None:
             writer.close()
-    return SampleResult(out, lengths, hits, scores, saved, computed)
+    hits = [use_cache and cached[i] == len(c_ids[i]) for i in range(n)]
+    saved = sum(len(c) for c in c_ids) - computed
+    return SampleResult(out, lengths, hits, scores, saved, computed, cached)
 
 
 def row_length(adapter: Adapter, row: torch.Tensor, stop_at_eos: bool) -> int:
@@ -155,63 +148,49 @@ def row_length(adapter: Adapter, row: torch.Tensor, stop_at_eos: bool) -> int:
     return int(row.numel())
 
 
-def fits(adapter: Adapter, view: EntryView, ids: Sequence[int], shapes: Sequence[KVShape]) -> bool:
-    """A stored entry must be this model's, in its dtype, of these tokens, in the layout it
-    produces (else: treat as a miss). The key already says all that; the entry must agree, so
-    that a misfiled or forged entry never feeds another model's tensors to this one."""
-    header = view.header
-    return (
-        header.n_tokens == len(ids)
-        and header.model == adapter.fingerprint
-        and header.dtype == adapter.dtype_name
-        and header.n_layers == len(shapes)
-        and all(s == (header.kv_heads, header.head_dim, header.head_dim) for s in shapes)
-        and view.token_ids() == list(ids)
-    )
-
-
 @torch.inference_mode()
-def decode_cached(adapter: Adapter, c_ids, q_ids, keys, N, store, writer, stop_at_eos, return_scores):
-    B = len(c_ids)
-    c_len = [len(c) for c in c_ids]
+def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos, return_scores):
+    """One batch from stored caches (see the module docstring). Returns ``(tokens, scores, cached
+    tokens per row, context tokens computed)``."""
+    B = len(plans)
+    c_len = [p.n_tokens for p in plans]
     q_len = [len(q) for q in q_ids]
     P, Q = max(c_len), max(q_len)
     if Q == 0:
         raise ValueError("every question needs at least one token")
     T = P + Q + N
     dev = adapter.device
-    shapes = adapter.kv_shapes()
-    bufs = new_buffers(shapes, B, T, adapter.dtype, dev)
+    bufs = new_buffers(adapter.kv_shapes(), B, T, adapter.dtype, dev)
     rows_of: dict[str, list[int]] = {}
-    for r, k in enumerate(keys):
-        rows_of.setdefault(k, []).append(r)
-    hits = [False] * B
-    missing: list[str] = []
+    for r, p in enumerate(plans):
+        rows_of.setdefault(p.key, []).append(r)
+    loaded: dict[str, int] = {}
     for k, rs in rows_of.items():
-        c = c_len[rs[0]]
-        got = False
-        if store is not None:
-            with store.open_entry(k) as view:
-                if view is not None and fits(adapter, view, c_ids[rs[0]], shapes):
-                    r0 = rs[0]
-                    for (kb, vb), (kr, vr) in zip(bufs, view.layers):
-                        kr.copy_into(kb[r0, :, P - c : P])
-                        vr.copy_into(vb[r0, :, P - c : P])
-                    got = True
-        if got:
-            for r in rs:
-                hits[r] = True
-        else:
-            missing.append(k)
+        r0, c = rs[0], c_len[rs[0]]
+        loaded[k] = chains.load_prefix(adapter, store, plans[r0], bufs, r0, P - c) if store is not None else 0
+    missing = [k for k in rows_of if loaded[k] == 0]
     if missing:
-        rows = prefill(adapter, [c_ids[rows_of[k][0]] for k in missing])
-        for k, layers in zip(missing, rows):
+        computed_rows = prefill(adapter, [plans[rows_of[k][0]].ids for k in missing])
+        for k, layers in zip(missing, computed_rows):
             r0, c = rows_of[k][0], c_len[rows_of[k][0]]
             for (kb, vb), (kl, vl) in zip(bufs, layers):
                 kb[r0, :, P - c : P].copy_(kl)
                 vb[r0, :, P - c : P].copy_(vl)
             if writer is not None:
-                writer.put(adapter.entry(k, c_ids[r0], layers))
+                writer.put_chunks(adapter, plans[r0], layers)
+    partial = [k for k in rows_of if 0 < loaded[k] < c_len[rows_of[k][0]]]
+    if partial:
+        heads = [rows_of[k][0] for k in partial]
+        spans = [(P - c_len[r0], P - c_len[r0] + loaded[k]) for k, r0 in zip(partial, heads)]
+        prefixes = [tuple((kb[r0, :, a:b], vb[r0, :, a:b]) for kb, vb in bufs) for r0, (a, b) in zip(heads, spans)]
+        rests = chains.extend(adapter, prefixes, [plans[r0].ids[loaded[k] :] for k, r0 in zip(partial, heads)])
+        for k, r0, layers in zip(partial, heads, rests):
+            start = P - c_len[r0] + loaded[k]
+            for (kb, vb), (kl, vl) in zip(bufs, layers):
+                kb[r0, :, start:P].copy_(kl)
+                vb[r0, :, start:P].copy_(vl)
+            if writer is not None:
+                writer.put_chunks(adapter, plans[r0], layers, plans[r0].depth_of(loaded[k]), loaded[k])
     _fill_pads_and_repeats(bufs, rows_of, c_len, P)
     cache = PreallocatedCache(bufs, P)
     mask = torch.zeros((B, T), dtype=torch.long)
@@ -238,7 +217,8 @@ def decode_cached(adapter: Adapter, c_ids, q_ids, keys, N, store, writer, stop_a
     tokens, scores = greedy_loop(
         adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop_at_eos, return_scores
     )
-    return tokens, scores, hits
+    computed = sum(c_len[rows_of[k][0]] - loaded[k] for k in rows_of)
+    return tokens, scores, [loaded[p.key] for p in plans], computed
 
 
 def _fill_pads_and_repeats(bufs: Buffers, rows_of: dict[str, list[int]], c_len: Sequence[int], P: int) -> None:
@@ -320,4 +300,4 @@ def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, 
     return tokens, per_row
 
 
-__all__ = ["SampleResult", "decode_cached", "decode_reference", "fits", "greedy_loop", "greedy_sample", "row_length"]
+__all__ = ["SampleResult", "decode_cached", "decode_reference", "greedy_loop", "greedy_sample", "row_length"]

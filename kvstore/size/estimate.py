@@ -124,7 +124,7 @@ def measure_store(path: str) -> list[GroupStats]:
 
     with KVStore(path, readonly=True) as store:
         info = store.scan()
-    return summarize(info.entries, by=("model_name", "dtype"))
+    return summarize(info, by=("model_name", "dtype"))
 
 
 @dataclass(frozen=True)

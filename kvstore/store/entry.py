@@ -1,27 +1,51 @@
-"""The on-disk entry format (version 1): one stored value per context.
+"""The on-disk entry format: one stored value per chunk of a context (format 2), or per whole
+context (format 1, still read).
 
 ::
 
-    magic     8 bytes   b"\\x89KVS\\r\\n\\x1a\\n"
-    hlen      u32 LE    length of the header
-    header    hlen bytes  canonical JSON (sorted keys): format, key, model, model_name, dtype,
-                          n_tokens, n_layers, kv_heads, head_dim, codec params, raw_bytes, created
-    payload   codec output (see kvstore.store.codecs): a safetensors file, optionally in zstd frames,
-              holding ``layers.{i}.keys`` / ``layers.{i}.values`` ``[kv_heads, n_tokens, head_dim]``
-              (or their quantized parts) and ``token_ids`` ``[n_tokens]`` int64, with the same facts
-              in its ``__metadata__``
-    checksum  u64 LE    xxh3-64 of every byte before it
+    magic     8 bytes     b"\\x89KVS\\r\\n\\x1a\\n"
+    hlen      u32 LE      length of the header
+    header    hlen bytes  canonical JSON (sorted keys), see below
+    payload   codec output (kvstore.store.codecs): a safetensors file, optionally in zstd frames
+    checksum  u64 LE      xxh3-64 of every byte before it
+
+**Format 2 header**: ``format`` (2), ``key`` (this chunk's key), ``parent`` (the previous chunk's
+key, ``""`` for the first), ``model`` (fingerprint), ``model_name``, ``dtype`` (the model's),
+``start`` and ``n_tokens`` (this chunk covers context positions ``[start, start + n_tokens)``),
+``layers`` (one record per model layer, below), ``numerics`` (device type, attention
+implementation, torch and transformers versions: where the numbers came from), ``codec``,
+``raw_bytes`` and ``created``.
+
+A layer record says what the layer keeps for later tokens:
+
+* ``{"kind": "attn", "length": n, "kv_heads": h, "head_dim": d}``: keys and values of every
+  token of the chunk (``length == n_tokens``);
+* ``"sliding"`` / ``"chunked"`` (with ``"window"``): the same, for the last ``length`` tokens only
+  (what a later token can still attend to);
+* ``{"kind": "state", "state": {name: {"shape": [...], "dtype": ...}}}``: a recurrent state at the
+  chunk's end (convolution and SSM states), in its own dtype (float32 in a bf16 model, say);
+* ``"hybrid"``: both.
+
+A layer's stored keys and values cover context positions ``[start + n_tokens - length, start +
+n_tokens)``. Payload tensors: ``layers.{i}.keys`` / ``layers.{i}.values`` ``[kv_heads, length,
+head_dim]`` (or a lossy codec's parts of them), ``layers.{i}.state.{name}``, and ``token_ids``
+``[n_tokens]`` int64; the safetensors ``__metadata__`` repeats key, model, dtype, tokens and layers.
+
+**Format 1** (phase 1): one entry per whole context, every layer ``attn`` with the same shape; the
+header had ``n_layers``, ``kv_heads`` and ``head_dim`` instead of ``layers`` and no ``parent``,
+``start`` or ``numerics``. It is read as a one-chunk chain.
 
 The checksum is verified on every load before anything is decoded; the header alone (no checksum
 pass, no decompression) is enough for listings. Anything inconsistent is a CorruptEntryError.
 
-:class:`Entry` is a context's cache materialized in memory (what gets encoded);
-:class:`EntryView` is a verified stored entry seen without copying (what the load path reads).
+:class:`Entry` is a chunk materialized in memory (what gets encoded); :class:`EntryView` is a
+verified stored entry seen without copying (what the load path reads).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 from collections.abc import Mapping
@@ -35,12 +59,42 @@ from kvstore import dtypes
 from kvstore.errors import CorruptEntryError, DtypeError, FormatVersionError
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"\x89KVS\r\n\x1a\n"
 _PREFIX = len(MAGIC) + 4
 _TRAILER = 8
 MAX_ENTRY_HEADER = 1 << 20
 MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
+KV_KINDS = frozenset({"attn", "sliding", "chunked", "hybrid"})  # layer kinds that keep keys and values
+STATE_KINDS = frozenset({"state", "hybrid"})  # layer kinds that keep a recurrent state
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer of an entry keeps (see the module docstring)."""
+
+    kind: str = "attn"
+    length: int = 0  # tokens of keys/values kept (the last ``length`` of the chunk)
+    kv_heads: int = 0
+    head_dim: int = 0
+    window: int | None = None
+    state: tuple[tuple[str, tuple[int, ...], str], ...] = ()  # (name, shape, dtype) of each state tensor
+
+    @property
+    def kv_bytes_per_element(self) -> int:
+        return 2 * self.length * self.kv_heads * self.head_dim
+
+    def record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.kind in KV_KINDS:
+            out |= {"length": self.length, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        if self.window is not None:
+            out["window"] = self.window
+        if self.state:
+            out["state"] = {n: {"shape": list(s), "dtype": d} for n, s, d in self.state}
+        return out
 
 
 @dataclass(frozen=True)
@@ -52,43 +106,96 @@ class EntryHeader:
     model_name: str
     dtype: str
     n_tokens: int
-    n_layers: int
-    kv_heads: int
-    head_dim: int
+    layers: tuple[LayerSpec, ...]
     codec: Mapping = field(hash=False, compare=False)
     raw_bytes: int
     created: float
     format: int = FORMAT_VERSION
+    parent: str = ""
+    start: int = 0
+    numerics: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def end(self) -> int:
+        """Context position just after this chunk's last token."""
+        return self.start + self.n_tokens
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of the first layer that keeps keys and values (0 when none does)."""
+        return next((s.kv_heads for s in self.layers if s.kind in KV_KINDS), 0)
+
+    @property
+    def head_dim(self) -> int:
+        return next((s.head_dim for s in self.layers if s.kind in KV_KINDS), 0)
 
     @property
     def codec_spec(self) -> str:
-        """The codec as a spec string (``zstd-shuffle:1``, ``raw``...)."""
+        """The codec as a spec string (``zstd-shuffle:1``, ``raw``, ``int8:64+zstd:1``...)."""
         try:
             return codec_from_params(self.codec).spec
         except CorruptEntryError:
             return "?"
 
     @property
+    def lossless(self) -> bool:
+        try:
+            return codec_from_params(self.codec).lossless
+        except CorruptEntryError:
+            return True
+
+    @property
     def kv_bytes(self) -> int:
-        """Bytes of the keys and values alone, uncompressed."""
-        return dtypes.kv_bytes(self.n_layers * self.n_tokens, self.kv_heads, self.head_dim, self.dtype)
+        """Bytes of the keys and values alone, uncompressed, in the model's dtype."""
+        return sum(s.kv_bytes_per_element for s in self.layers) * dtypes.bits(self.dtype) // 8
+
+    @property
+    def state_bytes(self) -> int:
+        total = 0
+        for s in self.layers:
+            for _, shape, dtype in s.state:
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n * dtypes.bits(dtype) // 8
+        return total
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One context's KV cache, materialized: ``layers[i] = (keys, values)`` each
-    ``[kv_heads, n_tokens, head_dim]``; ``token_ids`` ``[n_tokens]`` int64."""
+    """One chunk of a context's cache (or a whole context), materialized.
+
+    ``layers[i]``: layer ``i``'s ``(keys, values)``, each ``[kv_heads, length_i, head_dim]`` for the
+    last ``length_i`` tokens of the chunk (all of them for full attention), or ``None`` for a
+    layer without keys and values; ``states[i]``: its recurrent state tensors at the chunk's end,
+    by name, or ``None``; ``kinds[i]``: the layer's kind (default ``attn`` or ``state``);
+    ``windows[i]``: its window for ``sliding``/``chunked`` layers. ``token_ids`` ``[n_tokens]``
+    int64 are the chunk's own tokens, at context positions ``start`` onwards; ``parent`` is the
+    previous chunk's key (``""`` for the first)."""
 
     key: str
     model: str
     model_name: str
     token_ids: torch.Tensor
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]
     created: float = field(default_factory=time.time)
+    parent: str = ""
+    start: int = 0
+    states: tuple[Mapping[str, torch.Tensor] | None, ...] | None = None
+    kinds: tuple[str, ...] | None = None
+    windows: tuple[int | None, ...] | None = None
+    numerics: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0][0].dtype
+        kv = next((x for x in self.layers if x is not None), None)
+        if kv is not None:
+            return kv[0].dtype
+        raise ValueError("entry has no keys/values to take a dtype from")
 
     @property
     def n_tokens(self) -> int:
@@ -96,82 +203,147 @@ class Entry:
 
     @property
     def kv_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in filter(None, self.layers))
 
     def to_dynamic_cache(self, device: torch.device | str | None = None, config: Any = None):
-        """A ``transformers.DynamicCache`` holding this context (batch of 1), ready for
-        ``model.generate(input_ids=context_ids + question_ids, past_key_values=cache)``."""
+        """A ``transformers.DynamicCache`` holding this entry's keys and values (batch of 1), ready
+        for ``model.generate(input_ids=context_ids + question_ids, past_key_values=cache)``; only
+        for a whole context (``start == 0``) of full-attention layers."""
         from transformers import DynamicCache
 
-        device = torch.device(device) if device is not None else self.layers[0][0].device
-        data = [(k.unsqueeze(0).to(device), v.unsqueeze(0).to(device)) for k, v in self.layers]
+        if self.start != 0 or any(x is None for x in self.layers) or (self.kinds and set(self.kinds) != {"attn"}):
+            raise ValueError("to_dynamic_cache needs a whole context of full-attention layers")
+        first = self.layers[0]
+        assert first is not None
+        device = torch.device(device) if device is not None else first[0].device
+        data = [(k.unsqueeze(0).to(device), v.unsqueeze(0).to(device)) for k, v in filter(None, self.layers)]
         return DynamicCache(data, config=config) if config is not None else DynamicCache(data)
 
 
 @dataclass(frozen=True)
 class EntryView:
-    """A verified entry seen without copying. ``records`` are every stored tensor (views into the
-    stored or decompressed bytes); ``layers[i]`` reads layer ``i``'s keys and values through the
-    entry's codec. Valid only while the buffer it was decoded from is (``KVStore.open_entry``)."""
+    """A verified entry seen without copying. ``records``: every stored tensor (views into the
+    stored or decompressed bytes); ``layers[i]``: layer ``i``'s keys and values read through the
+    entry's codec, or None; ``states[i]``: its state tensors by name, or None. Valid only while the
+    buffer it was decoded from is (``KVStore.open_entry``)."""
 
     header: EntryHeader
     records: Mapping[str, TensorRecord]
-    layers: tuple[tuple[StoredTensor, StoredTensor], ...]
+    layers: tuple[tuple[StoredTensor, StoredTensor] | None, ...]
+    states: tuple[Mapping[str, TensorRecord] | None, ...]
 
     def layer(self, i: int) -> tuple[StoredTensor, StoredTensor]:
-        return self.layers[i]
+        kv = self.layers[i]
+        if kv is None:
+            raise KeyError(f"layer {i} keeps no keys and values")
+        return kv
 
     def token_ids(self) -> list[int]:
         return self.records["token_ids"].materialize().tolist()
 
     def materialize(self) -> Entry:
         h = self.header
-        layers = tuple((k.materialize(), v.materialize()) for k, v in self.layers)
-        return Entry(h.key, h.model, h.model_name, self.records["token_ids"].materialize(), layers, h.created)
+        layers = tuple(None if kv is None else (kv[0].materialize(), kv[1].materialize()) for kv in self.layers)
+        states = tuple(None if s is None else {n: r.materialize() for n, r in s.items()} for s in self.states)
+        return Entry(
+            h.key, h.model, h.model_name, self.records["token_ids"].materialize(), layers, h.created, h.parent, h.start,
+            states if any(s is not None for s in states) else None, tuple(s.kind for s in h.layers),
+            tuple(s.window for s in h.layers), dict(h.numerics),
+        )  # fmt: skip
 
 
 def kv_tensor_name(layer: int, role: str) -> str:
     return f"layers.{layer}.{role}"
 
 
+def state_tensor_name(layer: int, name: str) -> str:
+    return f"layers.{layer}.state.{name}"
+
+
+def _layer_specs(
+    entry: Entry, n_tokens: int
+) -> tuple[list[LayerSpec], list[tuple[str, torch.Tensor, str | None]], str]:
+    tensors: list[tuple[str, torch.Tensor, str | None]] = []
+    specs: list[LayerSpec] = []
+    dtype: torch.dtype | None = None
+    states = entry.states or (None,) * len(entry.layers)
+    if len(states) != len(entry.layers):
+        raise ValueError(f"{len(entry.layers)} layers but {len(states)} layer states")
+    for i, (kv, state) in enumerate(zip(entry.layers, states)):
+        kind = entry.kinds[i] if entry.kinds else ("attn" if kv is not None else "state")
+        window = entry.windows[i] if entry.windows else None
+        length = kv_heads = head_dim = 0
+        if kv is not None:
+            k, v = (t[0] if t.dim() == 4 else t for t in kv)
+            dtype = dtype or k.dtype
+            for t in (k, v):
+                if t.dim() != 3 or t.dtype != dtype or tuple(t.shape) != tuple(k.shape) or t.shape[1] > n_tokens:
+                    raise ValueError(
+                        f"layer {i}: expected keys and values [kv_heads, <= {n_tokens}, head_dim] {dtype}, "
+                        f"got {tuple(t.shape)} {t.dtype}"
+                    )
+            kv_heads, length, head_dim = k.shape
+            tensors += [(kv_tensor_name(i, "keys"), k, "keys"), (kv_tensor_name(i, "values"), v, "values")]
+        state_specs = []
+        for name in sorted(state or {}):
+            t = state[name]  # type: ignore[index]
+            if not _STATE_NAME.match(name):
+                raise ValueError(f"layer {i}: state tensor name {name!r} is not a lowercase identifier")
+            state_specs.append((name, tuple(t.shape), dtypes.name(t.dtype)))
+            tensors.append((state_tensor_name(i, name), t, None))
+        spec = LayerSpec(kind, length, kv_heads, head_dim, window, tuple(state_specs))
+        _check_layer(spec, n_tokens, i, ValueError)
+        specs.append(spec)
+    if dtype is None:
+        raise ValueError("an entry needs at least one layer with keys and values")
+    return specs, tensors, dtypes.parse_kv(dtype)
+
+
+def _check_layer(spec: LayerSpec, n_tokens: int, i: int, error: type[Exception]) -> None:
+    if spec.kind not in KV_KINDS | STATE_KINDS:
+        raise error(f"layer {i}: unknown kind {spec.kind!r}")
+    if spec.kind in KV_KINDS:
+        if spec.kv_heads < 1 or spec.head_dim < 1:
+            raise error(f"layer {i}: keys and values need kv_heads and head_dim")
+        full = spec.kind in ("attn", "hybrid")
+        if not 0 <= spec.length <= n_tokens or (full and spec.length != n_tokens):
+            raise error(f"layer {i}: {spec.kind} layer keeps {spec.length} of the chunk's {n_tokens} tokens")
+    elif spec.length or spec.kv_heads or spec.head_dim:
+        raise error(f"layer {i}: a state layer keeps no keys and values")
+    if (spec.kind in STATE_KINDS) != bool(spec.state):
+        raise error(f"layer {i}: {spec.kind} layer {'needs' if spec.kind in STATE_KINDS else 'has no'} state tensors")
+    if (spec.kind in ("sliding", "chunked")) != (spec.window is not None) or (
+        spec.window is not None and spec.window < 1
+    ):
+        raise error(f"layer {i}: only sliding and chunked layers have a window")
+
+
 def encode_entry(entry: Entry, codec: Codec | str | None = None) -> bytes:
-    """Serialize ``entry``: per layer ``(keys, values)`` ``[kv_heads, n_tokens, head_dim]`` (a
-    leading batch dim of 1 is accepted), all of one float dtype. Returns the bytes to store."""
+    """Serialize ``entry`` in the current format (2). Returns the bytes to store. Raises
+    ValueError for layers of inconsistent shapes or dtypes."""
     codec = get_codec(codec)
     ids = torch.as_tensor(entry.token_ids, dtype=torch.int64).reshape(-1).cpu()
     n_tokens = int(ids.numel())
-    tensors: list[tuple[str, torch.Tensor, str | None]] = []
-    shape0: tuple[int, ...] | None = None
-    dtype = None
-    for i, (k, v) in enumerate(entry.layers):
-        k = k[0] if k.dim() == 4 else k
-        v = v[0] if v.dim() == 4 else v
-        if shape0 is None:
-            shape0, dtype = tuple(k.shape), k.dtype
-        for t in (k, v):
-            if t.dim() != 3 or tuple(t.shape) != shape0 or t.dtype != dtype or t.shape[1] != n_tokens:
-                raise ValueError(
-                    f"layer {i}: expected [kv_heads, {n_tokens}, head_dim] {dtype} like layer 0 {shape0}, got "
-                    f"{tuple(t.shape)} {t.dtype}"
-                )
-        tensors += [(kv_tensor_name(i, "keys"), k, "keys"), (kv_tensor_name(i, "values"), v, "values")]
-    if shape0 is None:
-        raise ValueError("an entry needs at least one layer")
+    if n_tokens < 1:
+        raise ValueError("an entry needs at least one token")
+    specs, tensors, dtype = _layer_specs(entry, n_tokens)
     tensors.append(("token_ids", ids, None))
     created = time.time() if entry.created is None else entry.created
-    facts = {
+    facts: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "key": entry.key,
+        "parent": entry.parent,
         "model": entry.model,
         "model_name": entry.model_name,
-        "dtype": dtypes.parse_kv(dtype),
+        "dtype": dtype,
+        "start": entry.start,
         "n_tokens": n_tokens,
-        "n_layers": len(entry.layers),
-        "kv_heads": shape0[0],
-        "head_dim": shape0[2],
+        "layers": [s.record() for s in specs],
+        "numerics": dict(entry.numerics),
         "created": round(created, 6),
     }
-    metadata = {k: str(v) for k, v in facts.items()} | {"codec": codec.spec}
+    metadata = {k: str(facts[k]) for k in ("format", "key", "parent", "model", "dtype", "start", "n_tokens")}
+    metadata |= {"n_layers": str(len(specs)), "codec": codec.spec}
     payload, params, raw_bytes = codec.encode(tensors, metadata)
     header = json.dumps(
         facts | {"codec": params, "raw_bytes": raw_bytes}, sort_keys=True, separators=(",", ":")
@@ -187,8 +359,42 @@ def _int(h: Mapping, name: str, low: int = 0) -> int:
     return v
 
 
+def _layers_v2(h: Mapping, n_tokens: int) -> tuple[LayerSpec, ...]:
+    raw = h.get("layers")
+    if not isinstance(raw, list) or not raw:
+        raise CorruptEntryError("entry header lists no layers")
+    specs = []
+    for i, r in enumerate(raw):
+        if not isinstance(r, dict) or not isinstance(r.get("kind"), str):
+            raise CorruptEntryError(f"entry header layer {i} is malformed")
+        kind = r["kind"]
+        has_kv = kind in KV_KINDS
+        state: list[tuple[str, tuple[int, ...], str]] = []
+        raw_state = r.get("state", {})
+        if not isinstance(raw_state, dict):
+            raise CorruptEntryError(f"entry header layer {i} has a malformed state")
+        for name, t in sorted(raw_state.items()):
+            try:
+                shape = tuple(int(d) for d in t["shape"])
+                if not _STATE_NAME.match(name) or any(d < 0 for d in shape) or len(shape) > 8:
+                    raise ValueError
+                state.append((name, shape, dtypes.name(t["dtype"])))
+            except (KeyError, TypeError, ValueError, OverflowError, DtypeError):
+                raise CorruptEntryError(f"entry header layer {i} has a malformed state tensor {name!r}") from None
+        window = r.get("window")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
+            raise CorruptEntryError(f"entry header layer {i} has a malformed window")
+        spec = LayerSpec(
+            kind, _int(r, "length") if has_kv else 0, _int(r, "kv_heads", 1) if has_kv else 0,
+            _int(r, "head_dim", 1) if has_kv else 0, window, tuple(state),
+        )  # fmt: skip
+        _check_layer(spec, n_tokens, i, CorruptEntryError)
+        specs.append(spec)
+    return tuple(specs)
+
+
 def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
-    """Parse an entry's header without verifying the checksum.
+    """Parse an entry's header (format 1 or 2) without verifying the checksum.
 
     Returns ``(header, payload_offset)``. Raises CorruptEntryError or FormatVersionError."""
     if len(buf) < _PREFIX + _TRAILER or bytes(buf[: len(MAGIC)]) != MAGIC:
@@ -220,19 +426,32 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
     # a printable date (json.loads also accepts NaN, Infinity and 10**400; datetime stops at 9999)
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < 2.5e11:
         raise CorruptEntryError("entry header field 'created' is missing or invalid")
+    n_tokens = _int(h, "n_tokens", 1)
+    if fmt == 1:
+        spec = LayerSpec("attn", n_tokens, _int(h, "kv_heads", 1), _int(h, "head_dim", 1))
+        layers = (spec,) * _int(h, "n_layers", 1)
+        parent, start, numerics = "", 0, {}  # type: ignore[var-annotated]
+    else:
+        layers = _layers_v2(h, n_tokens)
+        parent, start, numerics = h.get("parent"), _int(h, "start"), h.get("numerics")  # type: ignore[assignment]
+        if not isinstance(parent, str) or (parent and not _HEX64.match(parent)):
+            raise CorruptEntryError("entry header field 'parent' is missing or invalid")
+        if not isinstance(numerics, dict) or not all(isinstance(v, str) for v in numerics.values()):
+            raise CorruptEntryError("entry header field 'numerics' is missing or invalid")
     header = EntryHeader(
         key=h["key"],
         model=h["model"],
         model_name=h["model_name"],
         dtype=h["dtype"],
-        n_tokens=_int(h, "n_tokens", 1),
-        n_layers=_int(h, "n_layers", 1),
-        kv_heads=_int(h, "kv_heads", 1),
-        head_dim=_int(h, "head_dim", 1),
+        n_tokens=n_tokens,
+        layers=layers,
         codec=h["codec"],
         raw_bytes=_int(h, "raw_bytes"),
         created=float(created),
         format=fmt,
+        parent=parent,
+        start=start,
+        numerics=numerics,
     )
     return header, _PREFIX + hlen
 
@@ -242,12 +461,12 @@ def verify_checksum(buf: bytes | memoryview) -> None:
     if len(buf) < _PREFIX + _TRAILER:
         raise CorruptEntryError("entry is truncated")
     (want,) = struct.unpack_from("<Q", buf, len(buf) - _TRAILER)
-    if xxhash.xxh3_64_intdigest(buf[: len(buf) - _TRAILER]) != want:
+    if xxhash.xxh3_64_intdigest(memoryview(buf)[: len(buf) - _TRAILER]) != want:  # no copy of the body
         raise CorruptEntryError("entry checksum mismatch (flipped or truncated bytes)")
 
 
 def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: int = 1) -> EntryView:
-    """Verify and decode an entry. The returned view's records may view ``buf``.
+    """Verify and decode an entry (format 1 or 2). The returned view's records may view ``buf``.
 
     Checks, in order: checksum, header, declared sizes (before allocating anything), the payload's
     tensors against the header (names, shapes, dtypes), and the safetensors metadata against the
@@ -259,47 +478,62 @@ def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: in
         raise CorruptEntryError(f"entry stored under {key[:12]} says it is {header.key[:12]}")
     payload = memoryview(buf)[offset : len(buf) - _TRAILER]
     codec = codec_from_params(header.codec)
-    dtype = dtypes.to_torch(header.dtype)
-    if codec.lossless:
-        data_bytes = header.kv_bytes + 8 * header.n_tokens
-        if not data_bytes <= header.raw_bytes <= data_bytes + (16 << 20):
-            raise CorruptEntryError("entry declares a size that does not match its shape")
-    elif header.raw_bytes > header.kv_bytes + 8 * header.n_tokens + (16 << 20):
+    data_bytes = header.kv_bytes + header.state_bytes + 8 * header.n_tokens
+    if header.raw_bytes > data_bytes + (16 << 20) or (codec.lossless and header.raw_bytes < data_bytes):
         raise CorruptEntryError("entry declares a size that does not match its shape")
     if header.raw_bytes > MAX_COMPRESSION_RATIO * len(payload) + (1 << 20):
         raise CorruptEntryError("entry declares an implausible compression ratio")
     decoded = codec.packing.unpack(payload, header.codec, header.raw_bytes, threads)
     records = decoded.tensors
     want = ["token_ids"]
-    for i in range(header.n_layers):
-        for role in ("keys", "values"):
-            want += codec.quantizer.stored_names(kv_tensor_name(i, role))
+    for i, spec in enumerate(header.layers):
+        if spec.kind in KV_KINDS:
+            for role in ("keys", "values"):
+                want += codec.quantizer.stored_names(kv_tensor_name(i, role))
+        want += [state_tensor_name(i, name) for name, _, _ in spec.state]
     if sorted(records) != sorted(want):
         raise CorruptEntryError("entry holds other tensors than its header describes")
-    kv_shape = (header.kv_heads, header.n_tokens, header.head_dim)
-    layers = tuple(
-        tuple(
-            codec.quantizer.reader(role, kv_tensor_name(i, role), records, kv_shape, dtype)
-            for role in ("keys", "values")
-        )
-        for i in range(header.n_layers)
-    )
+    dtype = dtypes.to_torch(header.dtype)
+    layers: list[tuple[StoredTensor, StoredTensor] | None] = []
+    states: list[dict[str, TensorRecord] | None] = []
+    for i, spec in enumerate(header.layers):
+        if spec.kind in KV_KINDS:
+            kv_shape = (spec.kv_heads, spec.length, spec.head_dim)
+            k, v = (
+                codec.quantizer.reader(role, kv_tensor_name(i, role), records, kv_shape, dtype)
+                for role in ("keys", "values")
+            )
+            layers.append((k, v))
+        else:
+            layers.append(None)
+        found = {}
+        for name, shape, dname in spec.state:
+            rec = records[state_tensor_name(i, name)]
+            if rec.shape != shape or rec.dtype != dtypes.to_torch(dname):
+                raise CorruptEntryError(
+                    f"state tensor {rec.name} is {rec.shape} {rec.dtype}, header says {shape} {dname}"
+                )
+            found[name] = rec
+        states.append(found or None)
     ids = records["token_ids"]
     if ids.shape != (header.n_tokens,) or ids.dtype != torch.int64:
         raise CorruptEntryError("token_ids do not match the header")
     meta = decoded.metadata
-    for name in ("key", "model", "dtype", "n_tokens", "n_layers"):
+    for name in ("key", "model", "dtype", "n_tokens", "n_layers") + (("parent", "start") if header.format >= 2 else ()):
         if meta.get(name) != str(getattr(header, name)):
             raise CorruptEntryError(f"payload metadata {name!r} disagrees with the entry header")
-    return EntryView(header, records, layers)  # type: ignore[arg-type]
+    return EntryView(header, records, tuple(layers), tuple(states))
 
 
 __all__ = [
     "FORMAT_VERSION",
+    "KV_KINDS",
     "MAGIC",
+    "STATE_KINDS",
     "Entry",
     "EntryHeader",
     "EntryView",
+    "LayerSpec",
     "decode_entry",
     "encode_entry",
     "read_header",

@@ -1,21 +1,42 @@
-"""Content addressing: the key of a context's cache.
+"""Content addressing: the keys of stored caches.
 
-A key is the sha256 of canonical bytes naming everything that changes the cached tensors: the
-entry format version, the model fingerprint (see ``kvstore.model.identity``), the dtype the KV was
-computed in, and the context's token ids (u32 little-endian). Never Python's ``hash()`` (seeded
-per process), never pickle.
+**Format 2 (chains).** A context is stored as a chain of chunks. A chunk's key is the sha256 of its
+parent's key and its own token ids; the first chunk's parent is the chain *seed*, the sha256 of
+everything that changes the tensors besides the tokens:
+
+* the format version, the model fingerprint (``kvstore.model.identity``) and the dtype;
+* the numerics the KV was computed with: device type (``cpu``, ``cuda``...) and attention
+  implementation (``sdpa``, ``eager``...): other kernels give other low-order bits, and a cache
+  must never stand in for a computation it did not come from;
+* a lossy codec's spec (``int8:64``...), so a quantized cache never answers a lossless request
+  (lossless codecs are not part of it: entries under different lossless codecs are interchangeable).
+
+Two contexts that start with the same tokens therefore share the keys of their common chunks, so
+a shared prefix is stored once, and a context that extends a stored one finds its chunks.
+
+Chunk boundaries (:func:`chunk_spans`) fall every ``chunk_tokens`` tokens, restarting at explicit
+boundaries (the end of a prompt's fixed head, e.g. a chat template's system turn), so a shared
+prefix of any length ends on a boundary.
+
+**Format 1** keyed a whole context as one entry: sha256 of the format version, fingerprint, dtype
+and token ids (:func:`cache_key`); such entries are still read, for their exact context.
+
+Everything is hashed from canonical bytes (token ids as u32 little-endian) with sha256: never
+Python's ``hash()`` (seeded per process), never pickle.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvstore import dtypes
-from kvstore.store.entry import FORMAT_VERSION
+
+CHAIN_FORMAT = 2
+DEFAULT_CHUNK_TOKENS = 256
 
 
 def token_bytes(token_ids: Sequence[int] | Any) -> bytes:
@@ -27,14 +48,69 @@ def token_bytes(token_ids: Sequence[int] | Any) -> bytes:
 
 
 def cache_key(fingerprint: str, dtype: Any, token_ids: Sequence[int] | Any) -> str:
-    """sha256 (hex) naming one context's KV cache for one model and dtype."""
+    """Format 1: sha256 (hex) naming one whole context's KV cache for one model and dtype."""
     h = hashlib.sha256()
     h.update(b"kvstore-key\x00")
-    h.update(FORMAT_VERSION.to_bytes(4, "little"))
+    h.update((1).to_bytes(4, "little"))
     h.update(fingerprint.encode("ascii") + b"\x00")
     h.update(dtypes.parse_kv(dtype).encode("ascii") + b"\x00")
     h.update(token_bytes(token_ids))
     return h.hexdigest()
 
 
-__all__ = ["cache_key", "token_bytes"]
+def chain_seed(fingerprint: str, dtype: Any, *, device: str, attn: str, lossy: str = "") -> str:
+    """The seed of a model's chains (hex): what every chunk key descends from. ``device`` is a
+    device *type* (``cpu``, ``cuda``, ``mps``), ``attn`` the attention implementation, ``lossy``
+    the spec of a lossy codec (``""`` for lossless)."""
+    h = hashlib.sha256()
+    h.update(b"kvstore-chain\x00")
+    h.update(CHAIN_FORMAT.to_bytes(4, "little"))
+    for part in (fingerprint, dtypes.parse_kv(dtype), device, attn, lossy):
+        h.update(part.encode("utf-8") + b"\x00")
+    return h.hexdigest()
+
+
+def chunk_key(parent: str, token_ids: Sequence[int] | Any) -> str:
+    """The key (hex) of a chunk holding ``token_ids`` after ``parent`` (a chunk key, or the seed)."""
+    h = hashlib.sha256()
+    h.update(b"kvstore-chunk\x00")
+    h.update(bytes.fromhex(parent))
+    h.update(token_bytes(token_ids))
+    return h.hexdigest()
+
+
+def chunk_spans(n_tokens: int, chunk_tokens: int, boundaries: Iterable[int] = ()) -> list[tuple[int, int]]:
+    """``[start, end)`` spans covering ``n_tokens`` tokens: ``chunk_tokens`` each, restarting at
+    every explicit boundary in ``(0, n_tokens)``; a span before a boundary or at the end may be
+    shorter."""
+    if chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be at least 1")
+    cuts = sorted({b for b in boundaries if 0 < b < n_tokens} | {n_tokens})
+    spans, start = [], 0
+    for cut in cuts:
+        while start < cut:
+            end = min(start + chunk_tokens, cut)
+            spans.append((start, end))
+            start = end
+    return spans
+
+
+def chain_keys(seed: str, token_ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[str]:
+    """The key of every chunk of a context: chunk ``i`` holds ``token_ids[spans[i][0]:spans[i][1]]``."""
+    keys, parent = [], seed
+    for start, end in spans:
+        parent = chunk_key(parent, token_ids[start:end])
+        keys.append(parent)
+    return keys
+
+
+__all__ = [
+    "CHAIN_FORMAT",
+    "DEFAULT_CHUNK_TOKENS",
+    "cache_key",
+    "chain_keys",
+    "chain_seed",
+    "chunk_key",
+    "chunk_spans",
+    "token_bytes",
+]

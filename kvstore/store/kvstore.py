@@ -3,28 +3,34 @@
 ::
 
     with KVStore("cache/store") as store:
-        store.put(entry)                      # an Entry (see below), encoded with the store's codec
-        entry = store.get(key)                # verified; None if missing *or* corrupt (with a warning)
-        with store.open_entry(key) as view:   # zero-copy variant for the load path
-            view.layers[0][0].copy_into(dest)  # keys of layer 0, decoded into dest
+        store.put(entry)                      # an Entry (one chunk), encoded with the store's codec
+        store.put_context(key, chunk_keys, n) # the record naming a context's chain of chunks
+        with store.open_chain(chunk_keys) as views:   # the longest verified prefix, zero-copy
+            views[0].layers[0][0].copy_into(dest)     # keys of layer 0, decoded into dest
         info = store.scan()                   # headers only; scan(verify=True) checks every byte
 
-Backend keys: ``e/<key>`` entries, ``a/<key>`` last access time (float64 seconds, written in one
-batch when the store closes), ``meta`` the store's own description (format version, default codec,
-creation time). Reopening a store reads its description back; a store from a newer format is
-refused, never misread.
+Backend keys: ``e/<key>`` entries (chunks, or format-1 whole contexts), ``r/<key>`` context records
+(JSON: the chain's chunk keys, its tokens, its creation time; the key is the last chunk's),
+``a/<key>`` last access time (float64 seconds, written in one batch when the store closes, and at
+once for chunks a build reuses, so that a concurrent gc's grace period sees them), ``meta`` the
+store's own description (format version, default codec, chunk size, creation time). Reopening a
+store reads its description back; a store from a newer format is refused, never misread; a
+format-1 store opened for writing is upgraded in place (its entries stay readable).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import struct
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from kvstore.errors import (
+    CodecError,
     CorruptEntryError,
     CorruptEntryWarning,
     EntryNotFoundError,
@@ -34,17 +40,35 @@ from kvstore.errors import (
 )
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
-from kvstore.store.codecs import Codec, get_codec
+from kvstore.store.codecs import DEFAULT_CODEC, Codec, get_codec
 from kvstore.store.entry import FORMAT_VERSION, Entry, EntryHeader, EntryView, decode_entry, encode_entry, read_header
-from kvstore.store.scan import CorruptInfo, EntryInfo, StoreInfo
+from kvstore.store.keys import DEFAULT_CHUNK_TOKENS
+from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
 
 _META = b"meta"
 _E = b"e/"
 _A = b"a/"
+_R = b"r/"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_CHUNK_TOKENS = 1 << 20
 
 
 def _ekey(key: str) -> bytes:
     return _E + key.encode("ascii")
+
+
+@dataclass(frozen=True)
+class _Meta:
+    format: int
+    codec: str
+    chunk_tokens: int
+    created: float
+
+    def record(self) -> bytes:
+        return json.dumps(
+            {"format": self.format, "codec": self.codec, "chunk_tokens": self.chunk_tokens, "created": self.created},
+            sort_keys=True,
+        ).encode()
 
 
 class KVStore:
@@ -52,7 +76,11 @@ class KVStore:
     default ``$KVSTORE_STORE`` or ``<home>/store``.
 
     ``readonly`` opens for reading only (a missing store is then an error). ``codec`` sets the
-    codec for new entries (default: the one recorded in the store, else ``zstd-shuffle:1``).
+    codec for the entries this handle writes (default: the store's, itself ``zstd-shuffle:1``
+    unless chosen when the store was created). A store's recorded default is always lossless: a
+    lossy codec applies only to the handle that names it, and is part of the keys it computes
+    (see :attr:`codec`). ``chunk_tokens`` sets the chunk size of a new store (default 256); an
+    existing store keeps its own.
     """
 
     def __init__(
@@ -61,47 +89,66 @@ class KVStore:
         *,
         readonly: bool = False,
         codec: str | Codec | None = None,
+        chunk_tokens: int | None = None,
         **backend_options,
     ):
         from kvstore.paths import default_store
 
         self.url = str(path_or_url or default_store())
+        if chunk_tokens is not None and not 1 <= chunk_tokens <= MAX_CHUNK_TOKENS:
+            raise ValueError(f"chunk_tokens must be between 1 and {MAX_CHUNK_TOKENS}")
         self.backend: Backend = open_backend(self.url, readonly=readonly, **backend_options)
         self.readonly = readonly
         self._touched: dict[str, float] = {}
         try:
-            self.meta = self._load_meta(codec)
-            self.codec = get_codec(codec or self.meta.get("codec"))
+            chosen = get_codec(codec) if codec is not None else None
+            self.meta = self._load_meta(chosen, chunk_tokens)
+            self.codec: Codec = chosen or get_codec(self.meta.codec)
         except BaseException:
             self.backend.close()
             raise
 
     # -- description --------------------------------------------------------------------------
-    def _load_meta(self, codec: str | Codec | None = None) -> dict:
+    def _load_meta(self, codec: Codec | None, chunk_tokens: int | None) -> _Meta:
         raw = self.backend.get(_META)
+        default = codec.spec if codec is not None and codec.lossless else DEFAULT_CODEC
         if raw is None:
-            # a new store records the codec it was created with, so a reopen uses it again
-            meta = {"format": FORMAT_VERSION, "codec": get_codec(codec).spec, "created": time.time()}
+            # a new store records its (lossless) codec and chunk size, so a reopen uses them again
+            meta = _Meta(FORMAT_VERSION, default, chunk_tokens or DEFAULT_CHUNK_TOKENS, time.time())
             if not self.readonly:
-                self.backend.put(_META, json.dumps(meta, sort_keys=True).encode())
+                self.backend.put(_META, meta.record())
             return meta
         try:
-            meta = json.loads(raw)
-            fmt = int(meta["format"])
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            d = json.loads(raw)
+            fmt = int(d["format"])
+            meta = _Meta(fmt, str(d.get("codec", DEFAULT_CODEC)), int(d.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)),
+                         float(d.get("created", 0.0)))  # fmt: skip
+            get_codec(meta.codec)
+            if not 1 <= meta.chunk_tokens <= MAX_CHUNK_TOKENS:
+                raise ValueError
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError, CodecError):
             raise KVStoreError(
                 f"store {self.url} has an unreadable description record; is it a kvstore store?"
             ) from None
         if fmt > FORMAT_VERSION:
             raise FormatVersionError(
-                f"store {self.url} was written by format version {fmt}; this kvstore reads up to {FORMAT_VERSION} - "
-                "upgrade kvstore"
+                f"store {self.url} was written by format version {fmt}; this kvstore reads up to "
+                f"{FORMAT_VERSION} - upgrade kvstore"
             )
+        if fmt < FORMAT_VERSION and not self.readonly:
+            # a format-1 store: its entries stay as they are (and readable); new ones are chunks
+            meta = _Meta(FORMAT_VERSION, meta.codec, DEFAULT_CHUNK_TOKENS, meta.created)
+            self.backend.put(_META, meta.record())
         return meta
 
     @property
     def format(self) -> int:
-        return int(self.meta["format"])
+        return self.meta.format
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per chunk of the chains this store holds (a store setting)."""
+        return self.meta.chunk_tokens
 
     # -- context manager ------------------------------------------------------------------------
     def __enter__(self) -> KVStore:
@@ -118,21 +165,25 @@ class KVStore:
         self._touched.clear()
         self.backend.close()
 
-    # -- single entries -------------------------------------------------------------------------
+    def _writable(self) -> None:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.url} was opened read-only")
+
+    # -- entries --------------------------------------------------------------------------------
     def encode(self, entry: Entry, codec: str | Codec | None = None) -> bytes:
         """The stored bytes for ``entry`` (what :meth:`put` writes)."""
         return encode_entry(entry, get_codec(codec) if codec is not None else self.codec)
 
     def put(self, entry: Entry, *, codec: str | Codec | None = None) -> int:
         """Store ``entry`` atomically under ``entry.key``; returns the stored size in bytes."""
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.url} was opened read-only")
+        self._writable()
         blob = self.encode(entry, codec)
         self.backend.put(_ekey(entry.key), blob)
         return len(blob)
 
     def put_bytes(self, key: str, blob: bytes) -> None:
         """Store already-encoded entry bytes (see :meth:`encode`) under ``key``."""
+        self._writable()
         self.backend.put(_ekey(key), blob)
 
     def contains(self, key: str) -> bool:
@@ -141,14 +192,19 @@ class KVStore:
     __contains__ = contains
 
     def delete(self, key: str) -> bool:
-        """Remove an entry; True if it existed."""
-        found = self.backend.delete(_ekey(key))
+        """Remove an entry (and a context record of the same key); True if either existed."""
+        self._writable()
+        found = self.backend.delete_many([_ekey(key), _R + key.encode()])
         self.backend.delete(_A + key.encode())
-        return found
+        return bool(found)
 
-    def delete_many(self, keys: Iterable[str]) -> int:
+    def delete_many(self, keys: Iterable[str], *, contexts: Iterable[str] = ()) -> int:
+        """Remove entries ``keys`` and context records ``contexts`` in one batch; returns how many
+        entries existed."""
+        self._writable()
         keys = list(keys)
         n = self.backend.delete_many([_ekey(k) for k in keys])
+        self.backend.delete_many([_R + k.encode() for k in contexts])
         self.backend.delete_many([_A + k.encode() for k in keys])
         return n
 
@@ -157,21 +213,21 @@ class KVStore:
         """Verified zero-copy access to one entry; yields None when it is missing or corrupt
         (a corrupt entry also emits a :class:`CorruptEntryWarning`: treat it as a miss)."""
         with self.backend.view(_ekey(key)) as buf:
-            if buf is None:
-                yield None
-                return
-            try:
-                view = decode_entry(buf, key=key, threads=self.codec.decode_threads())
-            except CorruptEntryError as exc:
-                warnings.warn(
-                    f"kvstore: entry {key[:16]} is corrupt ({exc}); treating it as a miss",
-                    CorruptEntryWarning,
-                    stacklevel=3,
-                )
-                yield None
-                return
-            self._touched[key] = time.time()
+            view = None if buf is None else self._decode(key, buf)
             yield view
+
+    def _decode(self, key: str, buf) -> EntryView | None:
+        try:
+            view = decode_entry(buf, key=key, threads=self.codec.decode_threads())
+        except CorruptEntryError as exc:
+            warnings.warn(
+                f"kvstore: entry {key[:16]} is corrupt ({exc}); treating it as a miss",
+                CorruptEntryWarning,
+                stacklevel=4,
+            )
+            return None
+        self._touched[key] = time.time()
+        return view
 
     def is_intact(self, key: str) -> bool:
         """True when ``key`` holds an entry that verifies and decodes; False when it is missing or
@@ -198,13 +254,75 @@ class KVStore:
             return None if buf is None else read_header(buf)[0]
 
     def keys(self) -> list[str]:
+        """Keys of every entry (chunks and format-1 contexts)."""
         return [k[len(_E) :].decode() for k in self.backend.keys(_E)]
 
     def __len__(self) -> int:
         return len(self.keys())
 
+    def touch(self, keys: Iterable[str]) -> None:
+        """Record now as the last use of ``keys`` at once (not at close): a build that reuses a
+        chunk marks it so that a concurrent gc, whose grace period counts from the last use,
+        leaves it alone."""
+        now = time.time()
+        items = [(_A + k.encode(), struct.pack("<d", now)) for k in keys]
+        if items and not self.readonly:
+            self.backend.put_many(items)
+
+    # -- chains ---------------------------------------------------------------------------------
+    def stored_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading chunks of a chain are present (not verified: :meth:`open_chain` does)."""
+        depth = 0
+        for k in keys:
+            if not self.contains(k):
+                break
+            depth += 1
+        return depth
+
+    @contextlib.contextmanager
+    def open_chain(self, keys: Sequence[str], *, parent: str = "") -> Iterator[list[EntryView]]:
+        """Verified zero-copy views of the longest prefix of the chain ``keys`` that is stored
+        intact and links up (each chunk's parent is the previous key, the first one's is
+        ``parent``, and each starts where the previous ended). A missing or corrupt chunk ends the
+        prefix (a corrupt one warns): the rest of the chain is a miss from there on."""
+        with contextlib.ExitStack() as stack:
+            views: list[EntryView] = []
+            expected_parent, expected_start = parent, 0
+            for key in keys:
+                buf = stack.enter_context(self.backend.view(_ekey(key)))
+                view = None if buf is None else self._decode(key, buf)
+                if view is None:
+                    break
+                h = view.header
+                if h.format < 2 or h.parent != expected_parent or h.start != expected_start:
+                    warnings.warn(
+                        f"kvstore: entry {key[:16]} does not continue its chain; treating it as a miss",
+                        CorruptEntryWarning,
+                        stacklevel=3,
+                    )
+                    break
+                views.append(view)
+                expected_parent, expected_start = key, h.end
+            yield views
+
+    # -- contexts -------------------------------------------------------------------------------
+    def put_context(self, key: str, chunks: Sequence[str], n_tokens: int) -> None:
+        """Record that the context ``key`` (its last chunk's key) is the chain ``chunks``."""
+        self._writable()
+        record = ContextRecord(key, tuple(chunks), n_tokens, time.time())
+        self.backend.put(_R + key.encode("ascii"), record.to_bytes())
+
+    def context(self, key: str) -> ContextRecord | None:
+        """The context record ``key``, or None when there is none (or it is unreadable)."""
+        raw = self.backend.get(_R + key.encode("ascii"))
+        return None if raw is None else ContextRecord.parse(key, raw)
+
+    def context_keys(self) -> list[str]:
+        return [k[len(_R) :].decode() for k in self.backend.keys(_R)]
+
     # -- scanning -------------------------------------------------------------------------------
-    def _last_access(self) -> dict[str, float]:
+    def last_access(self) -> dict[str, float]:
+        """Last-use times by entry key (what was recorded, plus this handle's unsaved ones)."""
         out = {}
         for k in self.backend.keys(_A):
             raw = self.backend.get(k)
@@ -213,41 +331,10 @@ class KVStore:
         return out | self._touched
 
     def scan(self, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:
-        """Describe every entry from its header; with ``verify`` also check each checksum and
-        decode each payload. Corrupt entries are reported in ``corrupt``, never raised.
-        ``progress(1, stored bytes)`` is called after each entry."""
-        access = self._last_access()
-        entries, corrupt = [], []
-        keys = self.keys()
-        for key in keys:
-            with self.backend.view(_ekey(key)) as buf:
-                if buf is None:  # deleted while we scanned
-                    continue
-                size = len(buf)
-                try:
-                    if verify:
-                        header = decode_entry(buf, key=key).header
-                    else:
-                        header, _ = read_header(buf)
-                        if header.key != key:
-                            raise CorruptEntryError("entry header names another key")
-                except (CorruptEntryError, FormatVersionError) as exc:
-                    corrupt.append(CorruptInfo(key, str(exc), size))
-                else:
-                    entries.append(EntryInfo(header, size, access.get(key)))
-            if progress is not None:
-                progress(1, size)
-        disk = getattr(self.backend, "disk_bytes", None)
-        return StoreInfo(
-            url=self.url,
-            format=self.format,
-            codec=self.codec.spec,
-            created=float(self.meta.get("created", 0.0)),
-            entries=tuple(entries),
-            corrupt=tuple(corrupt),
-            disk_bytes=disk() if disk else None,
-            verified=verify,
-        )
+        """Describe every entry from its header and every context from its record; with ``verify``
+        also check each entry's checksum and decode its payload. Corrupt entries are reported,
+        never raised; ``progress(1, stored bytes)`` is called after each entry."""
+        return scan_store(self, verify=verify, progress=progress)
 
     def verify(self, progress: Progress | None = None) -> StoreInfo:
         """Same as ``scan(verify=True)``."""

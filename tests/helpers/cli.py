@@ -210,14 +210,15 @@ def start_cli(
 
 
 def store_keys(path: str | Path, *, strict: bool = True) -> set[str]:
-    """Keys of the entries in a store, read through a read-only KVStore. With ``strict=False`` a
-    store that does not exist yet (or is being created) has no keys."""
+    """Keys of the contexts a store holds (a context is committed once its record is: after its
+    chunks), read through a read-only KVStore. With ``strict=False`` a store that does not exist
+    yet (or is being created) has none."""
     from kvstore.errors import StoreError
     from kvstore.store.kvstore import KVStore
 
     try:
         with KVStore(str(path), readonly=True) as s:
-            return set(s.keys())
+            return set(s.context_keys())
     except StoreError:
         if strict:
             raise
@@ -225,12 +226,13 @@ def store_keys(path: str | Path, *, strict: bool = True) -> set[str]:
 
 
 def verify_store(path: str | Path) -> tuple[set[str], dict[str, str]]:
-    """(intact keys, {corrupt key: reason}) after checking every byte of every entry."""
+    """(keys of the contexts whose every chunk is intact, {corrupt entry key: reason}) after
+    checking every byte of every entry."""
     from kvstore.store.kvstore import KVStore
 
     with KVStore(str(path), readonly=True) as s:
         info = s.verify()
-    return {e.key for e in info.entries}, {c.key: c.reason for c in info.corrupt}
+    return {c.key for c in info.contexts if c.complete}, {c.key: c.reason for c in info.corrupt}
 
 
 def context_keys(model_dir: str | Path, contexts: Iterable[str], *, dtype: str = "float32") -> dict[str, str]:
@@ -245,7 +247,15 @@ def context_keys(model_dir: str | Path, contexts: Iterable[str], *, dtype: str =
         if getattr(a.tokenizer, "chat_template", None)
         else PromptFormat.plain()
     )
-    return {c: a.key(a.encode_context(fmt.context_part(c), special_tokens=fmt.add_special_tokens)) for c in contexts}
+    special = fmt.add_special_tokens
+    return {
+        c: a.key(
+            a.encode_context(fmt.context_part(c), special_tokens=special),
+            prefix=fmt.head or None,
+            special_tokens=special,
+        )
+        for c in contexts
+    }
 
 
 def read_predictions(path: str | Path) -> dict[str, dict]:

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 
 import torch
 import xxhash
 
 from kvstore.store.entry import MAGIC, Entry, encode_entry, read_header
+from kvstore.store.keys import chain_keys, chain_seed
+from kvstore.store.kvstore import KVStore
+
+FP_TINY = "1" * 64
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -143,3 +148,53 @@ def hostile_entries() -> dict[str, bytes]:
         "entry header nested 100k deep": assemble(b"[" * 100_000, r_payload),
         "entry header length 2**32-1": assemble(r_header, r_payload)[:8] + struct.pack("<I", 0xFFFFFFFF) + r_payload,
     }
+
+
+def make_entry(seed: int, *, fp: str = FP_TINY, name="tiny", n_tokens=8, dtype=torch.float32, created=None) -> Entry:
+    """A whole context of ``n_tokens`` tokens as a one-chunk chain of a made-up model."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1000, (n_tokens,), generator=g)
+    layers = tuple(
+        (torch.randn(2, n_tokens, 4, generator=g).to(dtype), torch.randn(2, n_tokens, 4, generator=g).to(dtype))
+        for _ in range(2)
+    )
+    [key] = chain_keys(chain_seed(fp, dtype, device="cpu", attn="sdpa"), ids.tolist(), [(0, n_tokens)])
+    numerics = {"device": "cpu", "attn": "sdpa"}
+    return Entry(key, fp, name, ids, layers, time.time() if created is None else created, numerics=numerics)
+
+
+def put_contexts(path: str, entries: list[Entry]) -> None:
+    """Store one-chunk contexts: each entry, then its context record."""
+    with KVStore(path) as s:
+        for e in entries:
+            s.put(e)
+            s.put_context(e.key, [e.key], e.n_tokens)
+
+
+def encode_v1(layers, codec: str = "zstd-shuffle:1", ids=None, key: str = "k" * 64, created: float = 1.7e9,
+              model: str = "f" * 64, model_name: str = "tiny") -> bytes:  # fmt: skip
+    """An entry in format 1 (what phase 1 wrote: one whole context, every layer the same shape), to
+    test that this kvstore still reads it. ``test_entry.py`` checks that it reproduces the golden
+    format-1 files byte for byte."""
+    from kvstore.store.codecs import get_codec
+
+    k0 = layers[0][0]
+    n_tokens = k0.shape[1]
+    ids = torch.arange(n_tokens) if ids is None else torch.as_tensor(ids, dtype=torch.int64)
+    facts = {
+        "format": 1, "key": key, "model": model, "model_name": model_name,
+        "dtype": str(k0.dtype).removeprefix("torch."), "n_tokens": n_tokens, "n_layers": len(layers),
+        "kv_heads": k0.shape[0], "head_dim": k0.shape[2],
+        "created": round(created, 6),
+    }  # fmt: skip
+    tensors = [
+        (f"layers.{i}.{role}", t, role) for i, kv in enumerate(layers) for role, t in zip(("keys", "values"), kv)
+    ]
+    c = get_codec(codec)
+    payload, params, raw_bytes = c.encode(
+        [*tensors, ("token_ids", ids, None)], {k: str(v) for k, v in facts.items()} | {"codec": c.spec}
+    )
+    header = json.dumps(
+        facts | {"codec": params, "raw_bytes": raw_bytes}, sort_keys=True, separators=(",", ":")
+    ).encode()
+    return seal(MAGIC + struct.pack("<I", len(header)) + header + payload)

@@ -1,0 +1,162 @@
+"""Contexts as chains of chunks: planning their keys, loading stored prefixes, computing the rest.
+
+A context's :class:`ContextPlan` lists its chunks (spans of ``chunk_tokens`` tokens, restarting at
+an explicit boundary such as the end of a prompt's fixed head) and their keys, seeded by the
+model's identity and numerics and the store's lossy codec (``kvstore.store.keys``). Loading copies
+the longest verified stored prefix of the chain straight into the batch buffers; computing the rest
+runs only the missing tokens on top of that prefix (:func:`extend`), in the same left-padded
+layout with explicit positions as decoding, so rows of one batch may hit at different depths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.model.cache import Buffers, LayerKV, PreallocatedCache, new_buffers
+from kvstore.store.entry import Entry, EntryView
+from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, cache_key, chain_keys, chunk_spans
+from kvstore.store.kvstore import KVStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.model.adapter import Adapter
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    """One tokenized context as a chain: ``spans[i]`` are chunk ``i``'s positions, ``keys[i]``
+    its key. ``key`` (the last chunk's) names the context; ``v1_key`` is the format-1 key of the
+    whole context, under which a phase-1 store may hold it."""
+
+    ids: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
+    keys: tuple[str, ...]
+    v1_key: str
+
+    @property
+    def key(self) -> str:
+        return self.keys[-1]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.ids)
+
+    def depth_of(self, n_tokens: int) -> int:
+        """How many whole chunks ``n_tokens`` leading tokens cover."""
+        return sum(1 for _, end in self.spans if end <= n_tokens)
+
+
+def plan(
+    adapter: Adapter, ids: Sequence[int], *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, lossy: str = "",
+    boundaries: Sequence[int] = (),
+) -> ContextPlan:  # fmt: skip
+    """The chain of a tokenized context for this adapter's model, dtype and numerics."""
+    spans = chunk_spans(len(ids), chunk_tokens, boundaries)
+    seed = adapter.chain_seed(lossy)
+    return ContextPlan(
+        tuple(ids),
+        tuple(spans),
+        tuple(chain_keys(seed, ids, spans)),
+        cache_key(adapter.fingerprint, adapter.dtype, ids),
+    )
+
+
+def chunk_entries(
+    adapter: Adapter, plan_: ContextPlan, layers: LayerKV, first: int = 0, offset: int = 0
+) -> list[Entry]:
+    """Entries for chunks ``first..`` of ``plan_`` cut from ``layers`` (per layer ``(keys, values)``
+    ``[kv_heads, n, head_dim]`` holding positions ``offset..offset+n-1``)."""
+    out = []
+    for j in range(first, len(plan_.spans)):
+        s, e = plan_.spans[j]
+        kv = tuple((k[:, s - offset : e - offset], v[:, s - offset : e - offset]) for k, v in layers)
+        out.append(adapter.entry(plan_.keys[j], plan_.ids[s:e], kv, parent=plan_.keys[j - 1] if j else "", start=s))
+    return out
+
+
+def fits(adapter: Adapter, view: EntryView, plan_: ContextPlan, j: int) -> bool:
+    """Whether a stored chunk is chunk ``j`` of ``plan_`` for this model: its model, dtype, span,
+    tokens and layer shapes. Its key already says all that; the entry must agree too, so that a
+    misfiled or forged entry never feeds another model's tensors to this one."""
+    h = view.header
+    start, end = plan_.spans[j]
+    shapes = adapter.kv_shapes()
+    return (
+        h.model == adapter.fingerprint
+        and h.dtype == adapter.dtype_name
+        and (h.start, h.end) == (start, end)
+        and h.n_layers == len(shapes)
+        and all(
+            s.kind == "attn" and (s.kv_heads, s.head_dim, s.head_dim) == shape for s, shape in zip(h.layers, shapes)
+        )
+        and view.token_ids() == list(plan_.ids[start:end])
+    )
+
+
+def load_prefix(adapter: Adapter, store: KVStore, plan_: ContextPlan, bufs: Buffers, row: int, slot0: int) -> int:
+    """Copy the longest verified stored prefix of ``plan_`` into batch row ``row`` of ``bufs``,
+    context position ``p`` at slot ``slot0 + p``. Falls back to a format-1 entry holding exactly
+    this context. Returns how many context tokens were loaded (0: nothing)."""
+    loaded = 0
+    with store.open_chain(plan_.keys) as views:
+        for j, view in enumerate(views):
+            if not fits(adapter, view, plan_, j):
+                break
+            h = view.header
+            for (kb, vb), kv, spec in zip(bufs, view.layers, h.layers):
+                if kv is None:
+                    continue
+                lo = slot0 + h.end - spec.length
+                kv[0].copy_into(kb[row, :, lo : slot0 + h.end])
+                kv[1].copy_into(vb[row, :, lo : slot0 + h.end])
+            loaded = h.end
+    if loaded == 0 and store.contains(plan_.v1_key):
+        with store.open_entry(plan_.v1_key) as v1:
+            one_chunk = ContextPlan(plan_.ids, ((0, plan_.n_tokens),), (plan_.v1_key,), plan_.v1_key)
+            if v1 is not None and v1.header.format == 1 and fits(adapter, v1, one_chunk, 0):
+                for (kb, vb), (k, v) in zip(bufs, v1.layers):  # type: ignore[misc]
+                    k.copy_into(kb[row, :, slot0 : slot0 + plan_.n_tokens])
+                    v.copy_into(vb[row, :, slot0 : slot0 + plan_.n_tokens])
+                loaded = plan_.n_tokens
+    return loaded
+
+
+@torch.inference_mode()
+def extend(adapter: Adapter, prefixes: Sequence[LayerKV], rests: Sequence[Sequence[int]]) -> list[LayerKV]:
+    """Run ``rests[i]`` (token ids) on top of ``prefixes[i]`` (per layer ``(keys, values)``
+    ``[kv_heads, L_i, head_dim]`` of the context's first ``L_i >= 1`` positions), all rows in one
+    forward: prefixes left-padded to the longest, rests left-padded after them, explicit
+    positions. Returns per row the per-layer keys/values of the rest's tokens (views)."""
+    B = len(prefixes)
+    lengths = [prefix[0][0].shape[1] for prefix in prefixes]
+    sizes = [len(r) for r in rests]
+    L, S = max(lengths), max(sizes)
+    dev = adapter.device
+    bufs = new_buffers(adapter.kv_shapes(), B, L + S, adapter.dtype, dev)
+    mask = torch.zeros((B, L + S), dtype=torch.long)
+    pos = torch.empty((B, S), dtype=torch.long)
+    input_ids = torch.full((B, S), adapter.pad_id, dtype=torch.long)
+    for i, (prefix, rest) in enumerate(zip(prefixes, rests)):
+        n, s = lengths[i], sizes[i]
+        for (kb, vb), (k, v) in zip(bufs, prefix):
+            kb[i, :, : L - n].zero_()  # masked pads must be finite: 0 * NaN would still poison
+            vb[i, :, : L - n].zero_()
+            kb[i, :, L - n : L].copy_(k)
+            vb[i, :, L - n : L].copy_(v)
+        mask[i, L - n : L] = 1
+        mask[i, L + S - s :] = 1
+        pos[i] = n  # pad slots: any in-range position, they are masked
+        pos[i, S - s :] = torch.arange(n, n + s)
+        input_ids[i, S - s :] = torch.as_tensor(rest, dtype=torch.long)
+    cache = PreallocatedCache(bufs, L)
+    adapter.model(
+        input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), past_key_values=cache,
+        use_cache=True, logits_to_keep=1,
+    )  # fmt: skip
+    return [tuple((kb[i, :, L + S - s :], vb[i, :, L + S - s :]) for kb, vb in bufs) for i, s in enumerate(sizes)]
+
+
+__all__ = ["ContextPlan", "chunk_entries", "extend", "fits", "load_prefix", "plan"]
