@@ -260,6 +260,7 @@ def build(**kwargs):
         "failed": report.failed,
         "tokens_computed": report.tokens,
         "tokens_reused": report.tokens_reused,
+        "migrated": report.migrated,
         "chunks_written": report.chunks_written,
         "raw_bytes": report.raw_bytes,
         "stored_bytes": report.stored_bytes,

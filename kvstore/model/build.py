@@ -53,6 +53,7 @@ class BuildReport:
     failed: int = 0
     tokens: int = 0  # context tokens run through the model
     tokens_reused: int = 0  # context tokens found stored (skipped contexts and stored prefixes)
+    migrated: int = 0  # contexts found as format-1 entries and rewritten as chains (nothing recomputed)
     chunks_written: int = 0
     raw_bytes: int = 0
     stored_bytes: int = 0
@@ -240,6 +241,18 @@ def load_prefix_kv(adapter: Adapter, store: KVStore, plan: ContextPlan, depth: i
     )
 
 
+def load_v1(adapter: Adapter, store: KVStore, plan: ContextPlan) -> LayerKV | None:
+    """The keys/values of a format-1 entry holding exactly ``plan``'s context, materialized (None
+    when there is none, or it is corrupt or another model's)."""
+    if not store.contains(plan.v1_key):
+        return None
+    whole = ContextPlan(plan.ids, ((0, plan.n_tokens),), (plan.v1_key,), plan.v1_key)
+    with store.open_entry(plan.v1_key) as view:
+        if view is None or view.header.format != 1 or not chains.fits(adapter, view, whole, 0):
+            return None
+        return tuple((k.materialize(), v.materialize()) for k, v in filter(None, view.layers))
+
+
 def compute(
     adapter: Adapter, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer, report: BuildReport,
     batch_size: int, max_batch_tokens: int | None, progress: Progress | None, count: bool = True,
@@ -325,6 +338,7 @@ def build_caches(
     distinct = list({p.key: p for p in plans if p is not None}.values())
     report.distinct = len(distinct)
     pending: list[tuple[ContextPlan, int]] = []
+    legacy: list[tuple[ContextPlan, LayerKV]] = []
     for plan in distinct:
         depth = stored_depth(adapter, store, plan)  # verified: corrupt chunks are rebuilt
         if depth == len(plan.keys):
@@ -332,12 +346,20 @@ def build_caches(
             report.tokens_reused += plan.n_tokens
             if store.context(plan.key) is None and not store.readonly:
                 store.put_context(plan.key, plan.keys, plan.n_tokens)
+        elif depth == 0 and (old := load_v1(adapter, store, plan)) is not None:
+            legacy.append((plan, old))
         else:
             pending.append((plan, depth))
     if progress and report.skipped:
         progress(report.skipped, 0)
     writer = Writer(store, report)
     try:
+        for plan, layers in legacy:  # a format-1 entry of exactly this context: rewritten as a chain
+            writer.put_chunks(adapter, plan, layers)
+            report.migrated += 1
+            report.tokens_reused += plan.n_tokens
+            if progress:
+                progress(1, 0)
         store.touch(k for plan, depth in pending for k in plan.keys[:depth])  # a concurrent gc spares them
         shared = _shared_prefixes(pending)
         if shared:  # chunks several pending contexts start with: computed once, first
@@ -377,4 +399,14 @@ def _depth_in(plan: ContextPlan, shared: Sequence[tuple[ContextPlan, int]]) -> i
     return max((keys[k] for k in plan.keys if k in keys), default=0)
 
 
-__all__ = ["BuildReport", "LayerKV", "Writer", "batches", "build_caches", "compute", "prefill", "stored_depth"]
+__all__ = [
+    "BuildReport",
+    "LayerKV",
+    "Writer",
+    "batches",
+    "build_caches",
+    "compute",
+    "load_v1",
+    "prefill",
+    "stored_depth",
+]
