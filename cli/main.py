@@ -21,12 +21,18 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "sample",
         "Answer a dataset's questions with greedy decoding from stored caches.",
     ),
-    "ls": ("kvstore.cli.manage", "ls", "List the entries of a store."),
-    "stats": ("kvstore.cli.manage", "stats", "Totals of a store per model and dtype."),
-    "verify": ("kvstore.cli.manage", "verify", "Check every entry's checksum and structure."),
-    "rm": ("kvstore.cli.manage", "rm", "Remove entries by key, model or age."),
-    "gc": ("kvstore.cli.manage", "gc", "Remove corrupt entries, old entries, or shrink to a size budget."),
+    "ls": ("kvstore.cli.manage", "ls", "List the contexts (or chunks) of a store."),
+    "stats": ("kvstore.cli.manage", "stats", "Totals of a store per model, dtype and codec; dedupe."),
+    "verify": ("kvstore.cli.manage", "verify", "Check every entry's checksum and structure, and every chain."),
+    "rm": ("kvstore.cli.manage", "rm", "Remove contexts by key, model or age."),
+    "gc": ("kvstore.cli.manage", "gc", "Remove unused chunks, corrupt entries, old contexts; fit a budget."),
     "size": ("kvstore.cli.size", "size", "KV-cache size per model: estimated, and measured in a store."),
+    "export": ("kvstore.cli.exchange", "export", "Write a store's contexts as plain safetensors files."),
+    "import-llminference": (
+        "kvstore.cli.exchange",
+        "import_llminference",
+        "Import KV caches written by the llminference research code.",
+    ),
 }
 
 

@@ -13,15 +13,15 @@ import warnings
 
 import pytest
 import torch
+
 from helpers.cli import read_predictions, run_main, start_cli, write_dataset
 from helpers.entries import encode_v1
-from tiny import make_tiny_model
-
 from kvstore.errors import CorruptEntryWarning
 from kvstore.model.adapter import Adapter
 from kvstore.store.keys import cache_key
 from kvstore.store.kvstore import KVStore
 from kvstore.store.scan import execute_plan, plan_gc
+from tiny import make_tiny_model
 
 CHUNK = 8
 N_NEW = 6

@@ -597,7 +597,14 @@ def test_no_pickle_or_code_execution_in_the_library():
         "cli/workflow.py",
     } <= names
     risks = [r for f in files for r in code_execution_risks(f.read_text(), str(f.relative_to(REPO)))]
-    assert not risks, risks
+    # The one exception, named: importing llminference's torch.save files, tensors only
+    # (weights_only=True), in a module of its own that no load path imports.
+    exception = [r for r in risks if r.startswith("kvstore/model/llminference.py:") and r.endswith(": torch.load")]
+    assert len(exception) == 1
+    importers = {str(f.relative_to(REPO)) for f in files if "kvstore.model.llminference import" in f.read_text()}
+    assert importers == {"cli/exchange.py"}  # only the import command reaches it
+    assert "weights_only=True" in (REPO / "kvstore/model/llminference.py").read_text()
+    assert not [r for r in risks if r not in exception], risks
 
 
 def test_load_path_runs_with_pickle_and_torch_load_disabled(tiny_llama_dir, tmp_path, capsys, monkeypatch):

@@ -1,0 +1,141 @@
+"""Import KV caches written by the llminference research code (the notebook kvstore replaces).
+
+That code saved one file per context, ``<CACHE_DIR>/<name>.pt``: ``torch.save`` of one tensor
+``(layers, 2, 1, kv_heads, tokens, head_dim)`` (keys and values of every layer, batch of one). The
+name is the MD5 hex digest of the model config's JSON (``config.to_json_string(use_diff=False)``,
+as transformers 4 wrote it: pass that text with ``config_json``), then the context text (UTF-8),
+then the context token limit as a u32 little-endian; the context was tokenized with the tokenizer's
+special tokens and cut from the left to that limit.
+
+This module holds the one place kvstore reads a pickle-based file: ``torch.load`` with
+``weights_only=True`` (tensors only, no code) on the CPU; nothing else in kvstore loads pickles,
+and the source scan in ``tests/test_reliability.py`` names this exception. Imported contexts are
+spot-checked by recomputing a few of them before anything is stored, then stored as chains like
+any other context (keyed as plain, template-free contexts: sample them with ``--no-chat`` and a
+template whose context part is the context itself, such as the default one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.errors import KVStoreError
+from kvstore.progress import Progress
+from kvstore.store.kvstore import KVStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.model.adapter import Adapter
+
+SPOT_CHECK_ATOL = {torch.float64: 1e-8, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 2e-1}
+
+
+@dataclass
+class ImportReport:
+    imported: int = 0
+    already_stored: int = 0
+    missing: list[str] = field(default_factory=list)  # contexts with no file
+    unmatched: list[str] = field(default_factory=list)  # files that match no context
+    rejected: list[str] = field(default_factory=list)  # "file: why"
+    checked: int = 0
+    max_abs_diff: float = 0.0  # largest difference of a spot-checked file from recomputing it
+
+
+def cache_name(config_json: str, context: str, limit: int) -> str:
+    """The file name (without ``.pt``) llminference gave a context's cache."""
+    h = hashlib.md5()  # noqa: S324 - their naming, not a security boundary
+    h.update(config_json.encode())
+    h.update(context.encode())
+    h.update(struct.pack("<L", limit))
+    return h.hexdigest()
+
+
+def _load(path: Path) -> torch.Tensor:
+    value = torch.load(path, map_location="cpu", weights_only=True)  # the one pickle reader in kvstore
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"holds a {type(value).__name__}, not a tensor")
+    return value
+
+
+def import_caches(
+    adapter: Adapter,
+    cache_dir: str | os.PathLike,
+    contexts: Sequence[str],
+    store: KVStore,
+    *,
+    max_context_length: int,
+    config_json: str | None = None,
+    check: int = 3,
+    progress: Progress | None = None,
+) -> ImportReport:
+    """Store the llminference caches of ``contexts`` found in ``cache_dir`` (see the module
+    docstring). ``check`` contexts are recomputed first and must match (else nothing is stored and
+    a KVStoreError says so: wrong model, config text, limit or dtype)."""
+    directory = Path(cache_dir)
+    if not directory.is_dir():
+        raise KVStoreError(f"{directory} is not a directory of llminference caches")
+    config_json = config_json if config_json is not None else adapter.model.config.to_json_string(use_diff=False)
+    files = {p.stem: p for p in directory.glob("*.pt")}
+    report = ImportReport()
+    found: list[tuple[str, Path]] = []
+    for text in dict.fromkeys(contexts):
+        name = cache_name(config_json, text, max_context_length)
+        if name in files:
+            found.append((text, files.pop(name)))
+        else:
+            report.missing.append(text[:60])
+    report.unmatched = sorted(p.name for p in files.values())
+    shapes = adapter.kv_shapes()
+    jobs = []
+    for text, path in found:
+        ids = adapter.encode_context(text)
+        ids = ids[len(ids) - max_context_length :] if len(ids) > max_context_length else ids
+        try:
+            t = _load(path)
+            want = (len(shapes), 2, 1, shapes[0][0], len(ids), shapes[0][1])
+            if tuple(t.shape) != want:
+                raise ValueError(f"is {tuple(t.shape)}, this model's context would be {want}")
+            if t.dtype != adapter.dtype:
+                raise ValueError(f"holds {t.dtype}, the model runs in {adapter.dtype}; import with --dtype to match")
+        except (OSError, RuntimeError, ValueError, EOFError) as exc:  # torch.load's errors on a bad file
+            report.rejected.append(f"{path.name}: {exc}")
+            continue
+        jobs.append((ids, t))
+    for ids, t in jobs[: max(0, check)]:  # spot check: recompute, compare
+        fresh = adapter.prefill([ids])[0]
+        diff = max(float((t[i, j, 0] - kv).abs().max()) for i, layer in enumerate(fresh) for j, kv in enumerate(layer))
+        report.checked += 1
+        report.max_abs_diff = max(report.max_abs_diff, diff)
+    tolerance = SPOT_CHECK_ATOL.get(adapter.dtype, 1e-3)
+    if report.max_abs_diff > tolerance:
+        raise KVStoreError(
+            f"the llminference caches do not match this model: recomputing {report.checked} context(s) differs by up "
+            f"to {report.max_abs_diff:.3g} (> {tolerance:g}); check --model, --dtype, --config-json and "
+            "--max-context-length; nothing was stored"
+        )
+    from kvstore.model.build import Writer
+
+    writer = Writer(store, None)
+    try:
+        for ids, t in jobs:
+            plan = adapter.plan(ids, store)
+            if store.context(plan.key) is not None and store.stored_prefix(plan.keys) == len(plan.keys):
+                report.already_stored += 1
+            else:
+                writer.put_chunks(adapter, plan, tuple((layer[0, 0], layer[1, 0]) for layer in t))
+                report.imported += 1
+            if progress:
+                progress(1, len(ids))
+    finally:
+        writer.close()
+    return report
+
+
+__all__ = ["ImportReport", "cache_name", "import_caches"]

@@ -1,0 +1,125 @@
+"""Export a store's contexts as plain safetensors files other tools can read.
+
+One file per complete context, ``<DIR>/<context key>.safetensors``, uncompressed, loadable with
+``safetensors.torch.load_file``:
+
+* ``layers.{i}.keys`` / ``layers.{i}.values`` ``[kv_heads, tokens, head_dim]`` in the model's
+  dtype (lossy entries dequantized);
+* ``layers.{i}.positions`` ``[tokens]`` int64, only for a layer that keeps fewer than all of the
+  context's tokens (a sliding window): the context position of each kept token;
+* ``layers.{i}.state.{name}``: a recurrent layer's state at the context's end;
+* ``token_ids`` ``[n_tokens]`` int64.
+
+The safetensors metadata holds the context key, model fingerprint and name, dtype, tokens, the
+codec it was stored with, its chunk keys and the numerics it was computed with. A file that
+already exists is skipped, so an interrupted export resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvstore.progress import Progress
+from kvstore.store.kvstore import KVStore
+
+
+@dataclass
+class ExportReport:
+    written: int = 0
+    skipped: int = 0  # already exported
+    incomplete: list[str] = field(default_factory=list)  # contexts with a missing or corrupt chunk
+    bytes: int = 0
+
+
+def export_context(store: KVStore, chunks: tuple[str, ...], path: Path) -> int | None:
+    """Write one context (its chain ``chunks``) to ``path``; returns its size in bytes, or None
+    when a chunk is missing, corrupt or does not continue the chain."""
+    first = store.header(chunks[0])
+    if first is not None and first.format == 1:  # a format-1 entry: a whole context of its own
+        with store.open_entry(chunks[0]) as view:
+            return None if view is None else _write([view], chunks, path)
+    with store.open_chain(chunks) as views:
+        return _write(views, chunks, path) if len(views) == len(chunks) else None
+
+
+def _write(views, chunks: tuple[str, ...], path: Path) -> int:
+    first, last = views[0].header, views[-1].header
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(len(first.layers)):
+        keys, values, positions = [], [], []
+        for view in views:
+            kv = view.layers[i]
+            if kv is None:
+                continue
+            h = view.header
+            keys.append(kv[0].materialize())
+            values.append(kv[1].materialize())
+            positions.append(torch.arange(h.end - h.layers[i].length, h.end))
+        if keys:
+            tensors[f"layers.{i}.keys"] = torch.cat(keys, 1)
+            tensors[f"layers.{i}.values"] = torch.cat(values, 1)
+            pos = torch.cat(positions)
+            if pos.numel() != last.end:
+                tensors[f"layers.{i}.positions"] = pos
+        for name, rec in (views[-1].states[i] or {}).items():
+            tensors[f"layers.{i}.state.{name}"] = rec.materialize()
+    tensors["token_ids"] = torch.cat([v.records["token_ids"].materialize() for v in views])
+    metadata = {
+        "key": chunks[-1],
+        "model": first.model,
+        "model_name": first.model_name,
+        "dtype": first.dtype,
+        "n_tokens": str(last.end),
+        "codec": first.codec_spec,
+        "chunks": json.dumps(list(chunks)),
+        "numerics": json.dumps(dict(first.numerics)),
+        "format": str(first.format),
+    }
+    from safetensors.torch import save_file
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)  # whole or absent
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path.stat().st_size
+
+
+def export_store(
+    store: KVStore, directory: str | os.PathLike, *, model: str | None = None, progress: Progress | None = None
+) -> ExportReport:
+    """Export every complete context of ``store`` (of ``model``: a name or fingerprint prefix)
+    into ``directory`` (created if absent). See the module docstring."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    report = ExportReport()
+    for c in store.scan().contexts:
+        if not c.matches_model(model):
+            continue
+        path = out / f"{c.key}.safetensors"
+        if path.exists():
+            report.skipped += 1
+        elif not c.complete:
+            report.incomplete.append(c.key)
+        else:
+            size = export_context(store, c.chunks, path)
+            if size is None:
+                report.incomplete.append(c.key)
+            else:
+                report.written += 1
+                report.bytes += size
+        if progress:
+            progress(1, 0)
+    return report
+
+
+__all__ = ["ExportReport", "export_context", "export_store"]

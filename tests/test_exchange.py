@@ -1,0 +1,102 @@
+"""Caches out and in: `kvstore export` (plain safetensors files) and `kvstore import-llminference`
+(the research code's torch.save files), through the CLI on a tiny saved model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from helpers.cli import read_predictions, run_main, write_dataset
+from kvstore.model.adapter import Adapter
+from kvstore.model.llminference import cache_name
+from kvstore.store.kvstore import KVStore
+
+
+def test_export_writes_plain_safetensors_per_context(tiny_llama_dir, tmp_path, capsys):
+    dataset = write_dataset(tmp_path / "data.jsonl", range(3))
+    store = tmp_path / "store"
+    common = ["--model", tiny_llama_dir, "--store", store, "--quiet", "--dtype", "float64"]
+    assert run_main(capsys, "build", dataset, *common)[0] == 0
+    out = tmp_path / "exported"
+    code, stdout, err = run_main(capsys, "export", "--store", store, str(out), "--quiet", "--format", "json")
+    assert code == 0, err
+    assert json.loads(stdout)["written"] == 3
+    adapter = Adapter.from_pretrained(str(tiny_llama_dir), dtype="float64")
+    with KVStore(str(store), readonly=True) as s:
+        for c in s.scan().contexts:
+            tensors = load_file(out / f"{c.key}.safetensors")
+            n = c.n_tokens
+            assert tensors["token_ids"].shape == (n,) and tensors["layers.0.keys"].shape == (2, n, 16)
+            assert tensors["layers.1.values"].dtype == torch.float64 and "layers.0.positions" not in tensors
+            # the same keys and values as computing the context now
+            fresh = adapter.prefill([tensors["token_ids"].tolist()])[0]
+            torch.testing.assert_close(tensors["layers.1.keys"], fresh[1][0], atol=1e-10, rtol=0)
+            with safe_open(out / f"{c.key}.safetensors", "pt") as f:
+                meta = f.metadata()
+            assert (meta["key"], meta["model"], meta["dtype"], meta["n_tokens"]) == (c.key, c.model, "float64", str(n))
+            assert json.loads(meta["chunks"]) == list(c.chunks) and json.loads(meta["numerics"])["device"] == "cpu"
+    again = run_main(capsys, "export", "--store", store, str(out), "--quiet")
+    assert again[0] == 0 and "0 context(s)" in again[1] and "3 already there" in again[1]
+
+
+def _write_llminference_cache(adapter: Adapter, directory, contexts, limit: int, config_json: str) -> None:
+    """What the research code wrote: per context, torch.save of (layers, 2, 1, heads, tokens, dim)."""
+    directory.mkdir()
+    for text in contexts:
+        ids = adapter.encode_context(text)[-limit:]
+        layers = adapter.prefill([ids])[0]
+        t = torch.stack([torch.stack([k, v]) for k, v in layers]).unsqueeze(2).clone()
+        torch.save(t, directory / f"{cache_name(config_json, text, limit)}.pt")
+
+
+def test_import_llminference_then_sample_equals_no_cache(tiny_neox_dir, tmp_path, capsys):
+    adapter = Adapter.from_pretrained(str(tiny_neox_dir), dtype="float64")
+    dataset = write_dataset(tmp_path / "data.jsonl", range(4), questions=2)
+    contexts = list(dict.fromkeys(json.loads(x)["context"] for x in dataset.read_text().splitlines()))
+    config_json = tmp_path / "config.json"  # what transformers wrote when llminference ran
+    config_json.write_text(adapter.model.config.to_json_string(use_diff=False))
+    cache = tmp_path / "llminference-cache"
+    _write_llminference_cache(adapter, cache, contexts[:3], 256, config_json.read_text())
+    torch.save(torch.zeros(2, 2, 1, 2, 5, 16, dtype=torch.float64), cache / f"{'0' * 32}.pt")  # matches nothing
+    store = tmp_path / "store"
+    code, out, err = run_main(
+        capsys, "import-llminference", cache, dataset, "--model", tiny_neox_dir, "--dtype", "float64",
+        "--max-context-length", "256", "--config-json", config_json, "--store", store, "--quiet", "--format", "json",
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out)
+    assert (report["imported"], report["missing"], report["unmatched_files"], report["checked"]) == (3, 1, 1, 3)
+    assert report["max_abs_diff"] < 1e-10 and report["unmatched"] == [f"{'0' * 32}.pt"]
+    common = ["--model", tiny_neox_dir, "--store", store, "--dtype", "float64", "--no-chat", "-n", "5", "--quiet"]
+    assert run_main(capsys, "sample", dataset, *common, "-o", tmp_path / "a.jsonl", "--readonly-store")[0] == 0
+    assert run_main(capsys, "sample", dataset, *common, "-o", tmp_path / "b.jsonl", "--no-cache")[0] == 0
+    cached, reference = read_predictions(tmp_path / "a.jsonl"), read_predictions(tmp_path / "b.jsonl")
+    assert {k: r["raw_output"] for k, r in cached.items()} == {k: r["raw_output"] for k, r in reference.items()}
+    assert sum(r["cache_hit"] for r in cached.values()) == 6  # 3 imported contexts x 2 questions
+
+
+@pytest.mark.parametrize("problem", ["wrong-values", "wrong-limit"])
+def test_import_refuses_caches_of_another_computation(problem, tiny_neox_dir, tmp_path, capsys):
+    adapter = Adapter.from_pretrained(str(tiny_neox_dir), dtype="float64")
+    dataset = write_dataset(tmp_path / "data.jsonl", range(2), questions=1)
+    contexts = list(dict.fromkeys(json.loads(x)["context"] for x in dataset.read_text().splitlines()))
+    config = adapter.model.config.to_json_string(use_diff=False)
+    cache = tmp_path / "cache"
+    _write_llminference_cache(adapter, cache, contexts, 64, config)
+    if problem == "wrong-values":  # e.g. computed by other weights of the same shape
+        for path in cache.glob("*.pt"):
+            t = torch.load(path, weights_only=True)
+            torch.save(t + 0.01, path)
+    limit = "64" if problem == "wrong-values" else "65"
+    code, out, err = run_main(
+        capsys, "import-llminference", cache, dataset, "--model", tiny_neox_dir, "--dtype", "float64",
+        "--max-context-length", limit, "--store", tmp_path / "store", "--quiet",
+    )  # fmt: skip
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert ("do not match this model" in err) if problem == "wrong-values" else ("matches a context" in err)
+    with KVStore(str(tmp_path / "store"), readonly=True) as s:
+        assert len(s) == 0  # nothing stored
