@@ -19,15 +19,21 @@ import click
 
 from kvstore import dtypes
 from kvstore.cli.common import CLIError
-from kvstore.errors import DtypeError
+from kvstore.errors import CodecError, DtypeError
 from kvstore.size.estimate import DEFAULT_EXAMPLES, DEFAULT_SEQ_LEN, FORMULA, SizeReport, size_report
 from kvstore.units import human_bytes
 
 
 def render_table(report: SizeReport) -> str:
     """Aligned text: exact integers with thousands separators and binary units beside them."""
-    lines = [
-        f"KV cache per example = {FORMULA}",
+    lines = [f"KV cache per example = {FORMULA}"]
+    if report.codec is not None:
+        bpv = sorted({round(r.bits_per_value, 3) for r in report.estimates})
+        lines.append(
+            f"stored with codec {report.codec}: {' / '.join(f'{b:g}' for b in bpv)} bits per value (scales and "
+            "zeros included) instead of the dtype's width"
+        )
+    lines += [
         f"{report.seq_len:,} tokens per example, {report.examples:,} examples; cumulative adds the models in the "
         "order listed.",
         "",
@@ -119,6 +125,7 @@ def render_json(report: SizeReport) -> str:
         "examples": report.examples,
         "dtypes": list(report.dtypes),
         "notes": list(report.notes),
+        "codec": report.codec,
         "estimated": [asdict(r) for r in report.estimates],
     }
     if report.measured is not None:
@@ -277,6 +284,12 @@ Examples:
 @click.option(
     "--store", type=click.Path(), default=None, help="Also measure what this store holds per model and dtype."
 )
+@click.option(
+    "--codec",
+    default=None,
+    help="Estimate as stored by this codec's quantizer (int8, int4, fp8, with a group size: int4:64); "
+    "zstd packings are lossless and data-dependent: measure them with --store.",
+)
 def size(
     models: tuple[str, ...],
     seq_len: int,
@@ -285,6 +298,7 @@ def size(
     fmt: str,
     plot: str | None,
     store: str | None,
+    codec: str | None,
 ) -> None:
     """Bytes of KV cache per token, per example and per dataset, for each MODEL.
 
@@ -295,7 +309,12 @@ def size(
     EleutherAI/pythia-1b), 'default' (the bundled SmolLM2-135M-Instruct), a .gguf file, a directory
     holding config.json, or a hub id. The cumulative column adds the models up in the order given.
     """
-    report = size_report(models, seq_len=seq_len, examples=examples, dtype_names=dtype_names, store=store)
+    try:
+        report = size_report(
+            models, seq_len=seq_len, examples=examples, dtype_names=dtype_names, store=store, codec=codec
+        )
+    except CodecError as exc:
+        raise click.BadParameter(str(exc), param_hint="--codec") from None
     if fmt == "table":
         click.echo(render_table(report), nl=False)
     elif fmt == "csv":

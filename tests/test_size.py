@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from kvstore.size.estimate import (
     size_report,
 )
 from kvstore.size.shapes import PYTHIA, ModelShape, resolve_shape, shape_from_config, shape_from_gguf
+from kvstore.store.codecs import get_codec
 from kvstore.store.entry import EntryHeader
 from kvstore.store.scan import EntryInfo, summarize
 
@@ -81,6 +83,33 @@ def test_pythia_70m_by_hand():
     assert kv_bytes_per_example(shape, 2048, "float16") == 25_165_824
     [row] = estimate_size([shape], seq_len=2048, examples=225)
     assert row.bytes_dataset == row.bytes_cumulative == 50_331_648 * 225
+
+
+@pytest.mark.parametrize(
+    ("codec", "bits"),
+    [("int8", 8 + 16 / 64 + 16 / 64), ("int4", 4 + 16 / 32 + 16 / 64), ("int4:64", 4.5), ("fp8", 8.25)],
+)
+def test_codec_estimates_use_the_quantizer_bits(codec, bits):
+    """``--codec``: codes plus 16-bit scales and zeros per group (int8:64 is 8.5 bits a value)."""
+    shape = resolve_shape("pythia-70m")
+    for dtype in ("float32", "bfloat16"):
+        [row] = estimate_size([shape], seq_len=2048, examples=225, dtype_names=(dtype,), codec=codec)
+        raw = kv_bytes_per_example(shape, 2048, dtype)
+        assert row.bits_per_value == bits and row.codec == get_codec(codec).quantizer.spec
+        assert row.bytes_per_example == math.ceil(raw * bits / (32 if dtype == "float32" else 16))
+    out = run("--codec", codec, "--format", "json").output
+    assert json.loads(out)["estimated"][0]["bytes_per_example"] == math.ceil(50_331_648 * bits / 32)
+    assert f"stored with codec {get_codec(codec).quantizer.spec}" in run("--codec", codec).output
+
+
+def test_codec_estimate_of_a_lossless_codec_is_the_raw_size():
+    [row] = estimate_size([resolve_shape("pythia-70m")], codec="zstd-shuffle:1")
+    assert row.bytes_per_example == 50_331_648 and row.codec == "none"
+
+
+def test_unknown_codec_fails_with_one_line():
+    result = CliRunner().invoke(app, ["size", "--codec", "int3"])
+    assert result.exit_code == 2 and "unknown codec 'int3'" in result.output.splitlines()[-1]
 
 
 def test_gqa_counts_kv_heads_not_hidden_size():

@@ -11,6 +11,7 @@ layers are capped at their window. Rendering (tables, CSV, JSON, plots) is the C
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,8 @@ class SizeEstimate:
     bytes_per_example: int
     bytes_dataset: int
     bytes_cumulative: int  # this model and every model before it in the list, same dtype
+    codec: str = "none"  # the quantizer the estimate assumes (``none``: values stored as they are)
+    bits_per_value: float = 0.0  # stored bits per key/value element under that quantizer
 
     @property
     def per_token_str(self) -> str:
@@ -80,21 +83,41 @@ class SizeEstimate:
         return human_bytes(self.bytes_cumulative)
 
 
+def _quantized(nbytes: int, bits_per_value: float, dtype: str) -> int:
+    """``nbytes`` of ``dtype`` values stored at ``bits_per_value`` bits each."""
+    return math.ceil(nbytes * bits_per_value / dtypes.bits(dtype))
+
+
 def estimate_size(
     shapes: Sequence[ModelShape],
     seq_len: int = DEFAULT_SEQ_LEN,
     examples: int = DEFAULT_EXAMPLES,
     dtype_names: Sequence[str] = ("float32",),
+    codec: str | None = None,
 ) -> list[SizeEstimate]:
     """Estimated KV-cache sizes, dtype by dtype, models in the order given (the cumulative column
-    adds them up in that order). Raises ValueError for a non-positive ``seq_len``/``examples``."""
+    adds them up in that order). ``codec``: estimate as stored by that codec's quantizer (e.g.
+    ``int8``: 8.5 bits per value); a packing (zstd) is lossless and data-dependent, so it is not
+    estimated (``kvstore size --store`` measures it). Raises ValueError for a non-positive
+    ``seq_len``/``examples`` and CodecError for an unknown codec."""
     if seq_len < 1 or examples < 1:
         raise ValueError(f"seq_len and examples must be positive, got {seq_len} and {examples}")
+    quantizer = None
+    if codec is not None:
+        from kvstore.store.codecs import get_codec  # imports torch: only when a codec is asked for
+
+        quantizer = get_codec(codec).quantizer
     rows = []
     for dtype in dict.fromkeys(dtypes.parse_kv(d) for d in dtype_names):
         total = 0
         for shape in shapes:
-            per_example = kv_bytes_per_example(shape, seq_len, dtype)
+            bpv = (
+                float(dtypes.bits(dtype))
+                if quantizer is None
+                else quantizer.bits_per_value(shape.head_dim, dtypes.bits(dtype))
+            )
+            per_token = _quantized(kv_bytes_per_token(shape, dtype), bpv, dtype)
+            per_example = _quantized(kv_bytes_per_example(shape, seq_len, dtype), bpv, dtype)
             total += per_example * examples
             rows.append(
                 SizeEstimate(
@@ -107,10 +130,12 @@ def estimate_size(
                     window=shape.window_str,
                     seq_len=seq_len,
                     examples=examples,
-                    bytes_per_token=kv_bytes_per_token(shape, dtype),
+                    bytes_per_token=per_token,
                     bytes_per_example=per_example,
                     bytes_dataset=per_example * examples,
                     bytes_cumulative=total,
+                    codec=quantizer.spec if quantizer is not None else "none",
+                    bits_per_value=bpv,
                 )
             )
     return rows
@@ -138,6 +163,7 @@ class SizeReport:
     notes: tuple[str, ...] = ()
     store: str | None = None
     measured: tuple[GroupStats, ...] | None = None
+    codec: str | None = None  # the quantizer spec the estimates assume (None: values as they are)
 
     def records(self) -> list[dict[str, Any]]:
         """One flat dict per row: ``kind`` ``estimated`` (then ``measured`` rows with a store)."""
@@ -153,6 +179,7 @@ def size_report(
     examples: int = DEFAULT_EXAMPLES,
     dtype_names: Sequence[str] = ("float32",),
     store: str | None = None,
+    codec: str | None = None,
 ) -> SizeReport:
     """Resolve ``models`` (none: the eight Pythia models), estimate their cache sizes and, with
     ``store``, measure what that store holds. Raises ModelNotFoundError / ModelError for a model
@@ -162,14 +189,16 @@ def size_report(
     notes = (
         [PYTHIA_NOTE] if any(s.name.startswith("pythia-") and s.source.startswith("built-in") for s in shapes) else []
     )
+    estimates = tuple(estimate_size(shapes, seq_len, examples, names, codec))
     return SizeReport(
         seq_len=seq_len,
         examples=examples,
         dtypes=names,
-        estimates=tuple(estimate_size(shapes, seq_len, examples, names)),
+        estimates=estimates,
         notes=tuple(notes),
         store=store,
         measured=tuple(measure_store(store)) if store is not None else None,
+        codec=estimates[0].codec if codec is not None and estimates else None,
     )
 
 

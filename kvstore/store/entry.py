@@ -344,7 +344,7 @@ def encode_entry(entry: Entry, codec: Codec | str | None = None) -> bytes:
     }
     metadata = {k: str(facts[k]) for k in ("format", "key", "parent", "model", "dtype", "start", "n_tokens")}
     metadata |= {"n_layers": str(len(specs)), "codec": codec.spec}
-    payload, params, raw_bytes = codec.encode(tensors, metadata)
+    payload, params, raw_bytes = codec.encode(tensors, metadata, start=entry.start)
     header = json.dumps(
         facts | {"codec": params, "raw_bytes": raw_bytes}, sort_keys=True, separators=(",", ":")
     ).encode()

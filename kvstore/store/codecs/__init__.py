@@ -64,9 +64,10 @@ class Quantizer(Protocol):
         """What an entry header records to decode (JSON-serialisable)."""
         ...
 
-    def encode(self, role: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The stored tensors for ``tensor``: ``(suffix, tensor)`` pairs, stored under
-        ``name + suffix`` (suffix ``""``: under the tensor's own name)."""
+    def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
+        """The stored tensors for ``tensor`` (a chunk starting at context position ``start``):
+        ``(suffix, tensor)`` pairs, stored under ``name + suffix`` (suffix ``""``: under the
+        tensor's own name). Raises CodecError for a tensor this quantizer cannot store."""
         ...
 
     def reader(
@@ -78,6 +79,11 @@ class Quantizer(Protocol):
 
     def stored_names(self, name: str) -> list[str]:
         """The names under which ``encode`` stores tensor ``name``."""
+        ...
+
+    def bits_per_value(self, head_dim: int, dtype_bits: int) -> float:
+        """Stored bits per key/value element, scales and zeros included (averaged over keys and
+        values; a context's first few tokens and partial groups aside): size estimates use it."""
         ...
 
 
@@ -158,14 +164,15 @@ class Codec:
         return out
 
     def encode(
-        self, tensors: Sequence[tuple[str, torch.Tensor, str | None]], metadata: Mapping[str, str]
+        self, tensors: Sequence[tuple[str, torch.Tensor, str | None]], metadata: Mapping[str, str], start: int = 0
     ) -> tuple[bytes, dict, int]:
         """Serialize ``(name, tensor, role)`` triples (``role`` ``keys``/``values`` for KV tensors,
-        ``None`` for anything stored as is). Returns ``(payload, header codec params, raw_bytes)``."""
+        ``None`` for anything stored as is) of a chunk starting at context position ``start``.
+        Returns ``(payload, header codec params, raw_bytes)``."""
         stored: list[tuple[str, torch.Tensor]] = []
         for name, tensor, role in tensors:
             if role in KV_ROLES:
-                stored += [(name + suffix, t) for suffix, t in self.quantizer.encode(role, tensor)]
+                stored += [(name + suffix, t) for suffix, t in self.quantizer.encode(role, tensor, start)]
             else:
                 stored.append((name, tensor))
         payload, packing_params, raw_bytes = self.packing.pack(stored, metadata)
@@ -234,6 +241,7 @@ def choices() -> str:
 
 # Built-in codecs register themselves on import.
 from kvstore.store.codecs import plain as _plain  # noqa: E402,F401
+from kvstore.store.codecs import quant as _quant  # noqa: E402,F401
 from kvstore.store.codecs import zstd as _zstd  # noqa: E402,F401
 
 __all__ = [

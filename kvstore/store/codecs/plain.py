@@ -30,11 +30,14 @@ class Identity:
     def params(self) -> dict:
         return {}
 
-    def encode(self, role: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
         return [("", tensor)]
 
     def stored_names(self, name: str) -> list[str]:
         return [name]
+
+    def bits_per_value(self, head_dim: int, dtype_bits: int) -> float:
+        return float(dtype_bits)
 
     def reader(
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
