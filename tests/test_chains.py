@@ -137,6 +137,20 @@ def test_build_computes_a_shared_prefix_once(llama, tmp_path):
         assert torch.equal(got, want)
 
 
+def test_head_boundary_tolerates_a_merged_last_token(llama):
+    """A head that ends in a space tokenizes differently once the context's first word follows
+    (the space joins that word): the chunk boundary falls where the ids stop agreeing, so such a
+    head is still shared; a context that does not start with the head gets no boundary."""
+    head = _ids(llama.tokenizer, 20, 8)
+    merged = head[:-1] + [head[-1] + 1]  # the head's last token became another one
+    for context, boundary in ((head + [5, 6, 7], 20), (merged + [5, 6], 19), (head[:-3] + [1, 2, 3], None)):
+        spans = llama.plan(context, None, prefix=head).spans
+        ends = {e for _, e in spans}
+        assert (boundary in ends) if boundary else ends == {e for _, e in llama.plan(context, None).spans}
+    other = _ids(llama.tokenizer, 30, 99)
+    assert llama.plan(other, None, prefix=head).spans == llama.plan(other, None).spans
+
+
 def test_longer_contexts_reuse_shorter_ones(llama, tmp_path):
     adapter = llama
     short = [_ids(adapter.tokenizer, 24, 40 + i) for i in range(3)]

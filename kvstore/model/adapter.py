@@ -28,6 +28,8 @@ from kvstore.store.kvstore import KVStore
 
 TextOrIds = str | Sequence[int]
 DEFAULT_RESERVE_TOKENS = 256
+# Tokens at the end of a prompt head that may merge with the context's first word when tokenized together.
+HEAD_MERGE_TOKENS = 2
 
 
 class Adapter:
@@ -133,13 +135,20 @@ class Adapter:
     ) -> ContextPlan:  # fmt: skip
         """A tokenized context as a chain of chunks for ``store`` (its chunk size and lossy codec;
         without a store: 256-token chunks, lossless). ``prefix``: the contexts' shared head (text
-        or ids, e.g. a chat template's system turn); when the context's ids start with it, a
-        chunk ends there, so the head is stored once for every context."""
+        or ids, e.g. a chat template's system turn or a few-shot block); a chunk ends where the
+        context's ids stop agreeing with the head's, so the head is stored once for every context.
+        (A head ending in a space or newline may merge with the context's first word into one
+        token: the boundary then falls just before that token.)"""
         boundaries = []
         if prefix is not None:
             head = self._prefix_ids(prefix, special_tokens)
-            if head and len(head) < len(context_ids) and list(context_ids[: len(head)]) == head:
-                boundaries.append(len(head))
+            agree = 0
+            for a, b in zip(head, context_ids):
+                if a != b:
+                    break
+                agree += 1
+            if agree >= max(1, len(head) - HEAD_MERGE_TOKENS) and agree < len(context_ids):
+                boundaries.append(agree)
         return chains.plan(
             self, context_ids, chunk_tokens=store.chunk_tokens if store is not None else DEFAULT_CHUNK_TOKENS,
             lossy=store.codec.identity if store is not None else "", boundaries=boundaries,
