@@ -293,3 +293,30 @@ def test_position_schemes_that_survive_the_layout_are_exact(name, dtype):
     assert adapter.layout.dense
     contexts, questions = _rows(tok)
     _check_exact(adapter, model, contexts, questions)
+
+
+# -- size: a state does not grow with the context ----------------------------------------------------
+@pytest.mark.parametrize("name", ["mamba", "mamba2", "bamba", "jamba", "falcon_h1", "lfm2", "qwen3_next"])
+def test_size_counts_the_state_per_example(name, tmp_path, capsys):
+    """``kvstore size`` on a saved config: the state per example (from the config alone) is what the
+    model's own cache holds, in bfloat16 and float64 (Mamba-2 style states stay float32), and the
+    per-example bytes grow only with the attention layers' keys and values."""
+    from kvstore.size.estimate import kv_bytes_per_example
+    from kvstore.size.shapes import resolve_shape
+
+    shape = resolve_shape(str(save_family_model(tmp_path / name, name)))
+    for dtype in (torch.bfloat16, torch.float64):
+        model, tok = make_family_model(name, dtype=dtype, attn_implementation=None if "mamba" in name else "eager")
+        layout = Adapter(model, tok).layout
+        probed = sum(
+            torch.Size(s).numel() * torch.empty(0, dtype=getattr(torch, d)).element_size()
+            for layer in layout.layers for _, s, d in layer.state
+        )  # fmt: skip
+        dname = str(dtype).removeprefix("torch.")
+        assert shape.state_bytes(dname) == probed > 0
+        per_token = kv_bytes_per_example(shape, 2001, dname) - kv_bytes_per_example(shape, 2000, dname)
+        assert per_token == sum(2 * lay.kv_heads * lay.head_dim for lay in layout.layers) * dtype.itemsize
+    capsys.readouterr()
+    code, out, err = run_main(capsys, "size", tmp_path / name, "--seq-len", "100")
+    assert code == 0, err
+    assert "state/example" in out and f"{shape.state_bytes('float32'):,}" in out
