@@ -83,6 +83,7 @@ def _check_exact(adapter, model, contexts, questions):
     with KVStore("memory://", chunk_tokens=CHUNK) as store:
         report = adapter.generate_kv_cache(contexts[:5], store, batch_size=3)
         assert report.built == 5 and report.chunks_written == 1 + 1 + 4 + 2 + 1
+        _assert_finite(store)  # a fully masked pad row (NaN under eager float64) must never reach an entry
         for bs in (1, 3, 8):
             kw = dict(batch_size=bs, stop_at_eos=False, return_details=True)
             got = adapter.greedy_sample(contexts, questions, N_NEW, store=store, **kw)
@@ -95,6 +96,14 @@ def _check_exact(adapter, model, contexts, questions):
             assert ref.tokens.tolist() == want, f"no cache, batch size {bs}"
 
 
+def _assert_finite(store):
+    for key in store.keys():
+        entry = store.get(key)
+        tensors = [t for kv in entry.layers if kv is not None for t in kv]
+        tensors += [t for st in entry.states or () if st is not None for t in st.values()]
+        assert all(bool(torch.isfinite(t).all()) for t in tensors), key
+
+
 @pytest.mark.parametrize(
     "name,dtype,attn",
     [pytest.param(n, d, a, id=f"{n}-{str(d)[6:]}-{a or 'default'}") for n, runs in EXACT.items() for d, a in runs],
@@ -104,6 +113,24 @@ def test_cached_equals_no_cache_equals_generate(name, dtype, attn):
     adapter = Adapter(model, tok)
     contexts, questions = _rows(tok)
     _check_exact(adapter, model, contexts, questions)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mamba", "bamba"])
+def test_shared_prefixes_are_built_once_and_exact(name):
+    """All eight contexts in one build: the chunks rows 2 and 6 (16 tokens) and rows 3 and 5
+    (8 tokens) share are computed first, once, and the rest extends them; then every row is a hit
+    and exact."""
+    model, tok = make_family_model(name, dtype=torch.float32, seed=5, attn_implementation=None)
+    adapter = Adapter(model, tok)
+    contexts, questions = _rows(tok, seed=1)
+    want = _per_row_generate(model, [c + q for c, q in zip(contexts, questions)], N_NEW)
+    with KVStore("memory://", chunk_tokens=CHUNK) as store:
+        report = adapter.generate_kv_cache(contexts, store, batch_size=4)
+        assert (report.distinct, report.built) == (7, 7)
+        # 1 + 1 + 4 + 2 + 1 chunks for rows 0-4, then 2 + 1 new ones for rows 5 and 6
+        assert report.chunks_written == 12 and len(store) == 12
+        got = adapter.greedy_sample(contexts, questions, N_NEW, store=store, stop_at_eos=False, return_details=True)
+        assert got.tokens.tolist() == want and all(got.cache_hit) and got.prefill_tokens_computed == 0
 
 
 def _entry_layers(adapter, contexts):
@@ -190,6 +217,24 @@ def test_no_window_would_be_caught(monkeypatch):
     _broken(monkeypatch, "mistral", lambda mp: mp.setattr(slots, "position_mask", full))
 
 
+def test_a_fully_masked_pad_would_be_caught(monkeypatch):
+    """A pad query that sees nothing (not even its own slot) is NaN under eager float64 and poisons
+    the keys and values of real tokens in the next global layer: the finiteness check fails."""
+    original = masks.position_mask
+
+    def no_own_slot(kv_pos, q_pos, q_slot, group, dtype, attn):
+        mask = original(kv_pos, q_pos, q_slot, group, dtype, attn)
+        pad = (q_pos < 0)[:, None, :, None].expand_as(mask)
+        return mask.masked_fill(pad, torch.finfo(dtype).min) if attn == "eager" else mask & ~pad
+
+    model, tok = make_family_model("gemma3", dtype=torch.float64, seed=3, attn_implementation="eager")
+    adapter = Adapter(model, tok)
+    contexts, questions = _rows(tok)
+    monkeypatch.setattr(slots, "position_mask", no_own_slot)
+    with pytest.raises(AssertionError):
+        _check_exact(adapter, model, contexts, questions)
+
+
 def test_a_lost_state_would_be_caught(monkeypatch):
     """Restoring the stored convolution state but not the SSM state changes tokens."""
     original = slots._fill_state
@@ -226,6 +271,15 @@ def test_refused_families_name_the_reason(name):
     for use_cache in (True, False):  # the no-cache path lays rows out the same way: refused too
         with pytest.raises(ModelError, match=re.escape(REFUSED[name])):
             adapter.greedy_sample([[5, 6, 7]], [[8]], 2, use_cache=use_cache)
+
+
+def test_encoder_decoder_models_are_refused():
+    from transformers import BartConfig, T5Config
+
+    from kvstore.model.families import refusal
+
+    for config in (T5Config(), BartConfig()):
+        assert "encoder-decoder" in refusal(config) and "bidirectionally" in refusal(config)
 
 
 def test_position_masks_need_sdpa_or_eager():
