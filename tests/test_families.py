@@ -43,6 +43,7 @@ EXACT = {
     "gemma3": FULL,
     "qwen2-sliding": [(F64, "eager"), (F32, "sdpa")],
     "gemma2": [(F64, "eager"), (F32, "eager")],  # eager only: transformers refuses SDPA for Gemma 2
+    "gpt-oss": [(F64, "eager"), (F32, "eager")],  # learned sinks need eager attention
     "llama4-chunked": [(F64, "sdpa"), (F32, "eager")],
     "mamba": [(F64, None), (F32, None)],
     "mamba2": [(F64, None), (F32, None)],

@@ -233,6 +233,10 @@ def _family_configs(vocab: int) -> dict[str, PreTrainedConfig]:
             **attn, **pos, num_hidden_layers=4, head_dim=16, sliding_window=8,
             layer_types=["sliding_attention", "full_attention"] * 2,
         ),
+        "gpt-oss": T.GptOssConfig(  # learned attention sinks (per-head logits), sliding + full layers
+            **{**attn, "intermediate_size": 64}, **pos, head_dim=16, num_hidden_layers=2, sliding_window=8,
+            num_local_experts=2, num_experts_per_tok=1,
+        ),
         "llama4-chunked": T.Llama4TextConfig(
             **attn, **pos, intermediate_size_mlp=128, head_dim=16, num_hidden_layers=4, attention_chunk_size=8,
             num_local_experts=2, attn_temperature_tuning=False,
