@@ -44,6 +44,10 @@ EXACT = {
     "qwen2-sliding": [(F64, "eager"), (F32, "sdpa")],
     "gemma2": [(F64, "eager"), (F32, "eager")],  # eager only: transformers refuses SDPA for Gemma 2
     "gpt-oss": [(F64, "eager"), (F32, "eager")],  # learned sinks need eager attention
+    "mixtral": [(F64, "sdpa"), (F32, "eager")],
+    "qwen3-sliding": [(F64, "eager"), (F32, "sdpa")],
+    "starcoder2": [(F64, "sdpa"), (F32, "eager")],
+    "cohere2": [(F64, "eager"), (F32, "sdpa")],
     "llama4-chunked": [(F64, "sdpa"), (F32, "eager")],
     "mamba": [(F64, None), (F32, None)],
     "mamba2": [(F64, None), (F32, None)],
@@ -290,9 +294,10 @@ def test_position_masks_need_sdpa_or_eager():
         Adapter(model, tok).greedy_sample([[5, 6, 7]], [[8]], 2, use_cache=False)
 
 
-def test_unverified_state_family_is_refused():
-    model, tok = make_family_model("mamba2", attn_implementation=None)
-    model.config.model_type = "nemotron_h_like"  # a mixer kvstore has not measured
+@pytest.mark.parametrize("name", ["mamba2", "mistral"])
+def test_unverified_families_are_refused(name):
+    model, tok = make_family_model(name, attn_implementation=None)
+    model.config.model_type = "unmeasured_like"  # a mixer or a mask builder kvstore has not measured
     with pytest.raises(ModelError, match="not verified exact"):
         Adapter(model, tok).check_supported()
 

@@ -229,6 +229,19 @@ def _family_configs(vocab: int) -> dict[str, PreTrainedConfig]:
         "qwen2-sliding": T.Qwen2Config(
             **attn, **pos, num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1
         ),
+        "mixtral": T.MixtralConfig(
+            **attn, **pos, num_hidden_layers=2, sliding_window=8, head_dim=16, num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
+        "qwen3-sliding": T.Qwen3Config(
+            **attn, **pos, num_hidden_layers=3, head_dim=16, use_sliding_window=True, sliding_window=8,
+            max_window_layers=1,
+        ),
+        "starcoder2": T.Starcoder2Config(**attn, **pos, num_hidden_layers=2, sliding_window=8),
+        "cohere2": T.Cohere2Config(
+            **attn, **pos, num_hidden_layers=4, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        ),
         "gemma2": T.Gemma2Config(
             **attn, **pos, num_hidden_layers=4, head_dim=16, sliding_window=8,
             layer_types=["sliding_attention", "full_attention"] * 2,

@@ -34,8 +34,12 @@ _STATE_FAMILIES = {
 }
 # kinds of layer kvstore stores and reuses exactly (kvstore.model.layout says what each keeps)
 SUPPORTED_KINDS = frozenset({"full", "sliding", "chunked", "state", "hybrid"})
-# state-space and hybrid families measured exact against per-row generate (tests/test_families.py);
-# the others are refused until they are: a new mixer may treat stored states differently
+# windowed, state-space and hybrid families measured exact against per-row generate
+# (tests/test_families.py); the others are refused until they are: a model may build its masks
+# its own way, use the cache length, or its mixer may treat a stored state differently
+VERIFIED_WINDOWED_TYPES = frozenset(
+    {"mistral", "mixtral", "qwen2", "qwen3", "starcoder2", "cohere2", "gemma2", "gemma3_text", "gpt_oss", "llama4_text"}
+)
 VERIFIED_STATE_TYPES = frozenset({"mamba", "mamba2", "bamba", "lfm2", "qwen3_next", "jamba", "falcon_h1"})
 _STATE_REFUSALS = {
     "zamba2": "its Mamba-2 layers clamp dt to time_step_min when reading a prompt but not one token at a time, so "
@@ -155,6 +159,11 @@ def refusal(config: Any, supported: frozenset[str] = SUPPORTED_KINDS) -> str | N
                 f"{what} is a {family.name} model whose stored states kvstore has not verified exact; it refuses it "
                 "rather than answer wrongly"
             )
+    elif kinds & {"sliding", "chunked"} and family.model_type not in VERIFIED_WINDOWED_TYPES:
+        return (
+            f"{what} is a {family.name} model kvstore has not verified exact with its position masks; it refuses it "
+            "rather than answer wrongly"
+        )
     attn = str(_get(config, "_attn_implementation", None) or "eager")
     if kinds - {"full", "state"} or ("full" in kinds and "state" in kinds):
         if attn not in POSITION_MASK_ATTN:
@@ -169,6 +178,7 @@ __all__ = [
     "POSITION_MASK_ATTN",
     "SUPPORTED_KINDS",
     "VERIFIED_STATE_TYPES",
+    "VERIFIED_WINDOWED_TYPES",
     "Family",
     "describe",
     "refusal",
