@@ -145,6 +145,8 @@ def refusal(config: Any, supported: frozenset[str] = SUPPORTED_KINDS) -> str | N
             f"{'/'.join(unsupported)} layers exactly, so it refuses it rather than answer wrongly"
         )
     cfg = text_config(config)
+    # the model's own type: a vision-language wrapper around a verified decoder is not verified itself
+    top = str(_get(config, "model_type", "") or "")
     if kinds & {"state", "hybrid"}:
         if family.model_type in _STATE_REFUSALS:
             return f"{what}: {_STATE_REFUSALS[family.model_type]}; kvstore refuses it rather than answer wrongly"
@@ -154,15 +156,15 @@ def refusal(config: Any, supported: frozenset[str] = SUPPORTED_KINDS) -> str | N
                 f"{what}: its Mamba-2 layers limit dt to {tuple(limit)} when reading a prompt but not one token at a "
                 "time, so a question continued from a stored state differs from the model's own run; kvstore refuses it"
             )
-        if family.model_type not in VERIFIED_STATE_TYPES:
+        if top not in VERIFIED_STATE_TYPES:
             return (
-                f"{what} is a {family.name} model whose stored states kvstore has not verified exact; it refuses it "
-                "rather than answer wrongly"
+                f"{top or what} is a {family.name} model whose stored states kvstore has not verified exact; it "
+                "refuses it rather than answer wrongly"
             )
-    elif kinds & {"sliding", "chunked"} and family.model_type not in VERIFIED_WINDOWED_TYPES:
+    elif kinds & {"sliding", "chunked"} and top not in VERIFIED_WINDOWED_TYPES:
         return (
-            f"{what} is a {family.name} model kvstore has not verified exact with its position masks; it refuses it "
-            "rather than answer wrongly"
+            f"{top or what} is a {family.name} model kvstore has not verified exact with its position masks; it "
+            "refuses it rather than answer wrongly"
         )
     attn = str(_get(config, "_attn_implementation", None) or "eager")
     if kinds - {"full", "state"} or ("full" in kinds and "state" in kinds):
