@@ -33,6 +33,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, LinearAttentionAndFullAttentionLayer, LinearAttentionLayer
 
+from kvstore import dtypes
 from kvstore.model.cache import PreallocatedLayer
 from kvstore.model.layout import MASK_KEYS, STATE_MASK_KEYS, CacheLayout
 from kvstore.model.masks import position_mask
@@ -135,7 +136,7 @@ class Slots:
             if lay.has_state:
                 state = {}
                 for name, shape, dname in lay.state:
-                    t = torch.zeros((B, *shape), dtype=_torch_dtype(dname), device=dev)
+                    t = torch.zeros((B, *shape), dtype=dtypes.to_torch(dname), device=dev)
                     for r, row in enumerate(rows):
                         st = row.states[i] if row is not None else None
                         if st is not None:
@@ -272,12 +273,6 @@ class Slots:
             None if layer is None else {k: v[r].clone() for k, v in _layer_state(layer).items()}
             for layer in self.states
         )
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    from kvstore import dtypes
-
-    return dtypes.to_torch(name)
 
 
 __all__ = ["PreallocatedHybridLayer", "RowCache", "Slots"]
