@@ -39,7 +39,9 @@ def render_table(report: SizeReport) -> str:
         "",
     ]
     windowed = any(r.window != "-" for r in report.estimates)
+    stateful = any(r.state_bytes for r in report.estimates)
     headers = ["model", "dtype", "layers", "kv_heads x head_dim"] + (["window"] if windowed else [])
+    headers += ["state/example", ""] if stateful else []
     for title in (
         "bytes/token",
         f"per example ({report.seq_len:,} tokens)",
@@ -52,6 +54,7 @@ def render_table(report: SizeReport) -> str:
         if i and r.dtype != report.estimates[i - 1].dtype:
             body.append(None)
         row = [r.model, r.dtype, str(r.n_layers), f"{r.kv_heads} x {r.head_dim}"] + ([r.window] if windowed else [])
+        row += [f"{r.state_bytes:,}", f"({human_bytes(r.state_bytes)})"] if stateful else []
         for exact, human in (
             (r.bytes_per_token, r.per_token_str),
             (r.bytes_per_example, r.per_example_str),
@@ -61,6 +64,7 @@ def render_table(report: SizeReport) -> str:
             row += [f"{exact:,}", f"({human})"]
         body.append(row)
     right = {2} | set(range(len(headers) - 8, len(headers), 2))  # numbers right, their units left
+    right |= {len(headers) - 10} if stateful else set()
     lines += _render(headers, body, right)
     for note in report.notes:
         lines += ["", textwrap.fill(note, 100, initial_indent="note: ", subsequent_indent="      ")]

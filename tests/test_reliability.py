@@ -69,7 +69,10 @@ def test_kill_9_during_build_loses_nothing(tiny_llama_dir, tmp_path, capsys):
     assert code == 0, err
     summary = json.loads(out)
     assert summary["contexts"] == n_contexts
-    assert summary["skipped"] == len(present) and summary["built"] == n_contexts - len(present)
+    # skipped: the contexts with a record, plus any whose chunks were all written when a kill came
+    # between its last chunk and its record (at most one per kill: the writer goes context by context)
+    assert len(present) <= summary["skipped"] <= len(present) + 3, summary
+    assert summary["built"] == n_contexts - summary["skipped"]
     intact, corrupt = verify_store(store)
     assert not corrupt and len(intact) == n_contexts and present <= intact
     assert (

@@ -229,6 +229,31 @@ def _family_configs(vocab: int) -> dict[str, PreTrainedConfig]:
         "qwen2-sliding": T.Qwen2Config(
             **attn, **pos, num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1
         ),
+        "mixtral": T.MixtralConfig(
+            **attn, **pos, num_hidden_layers=2, sliding_window=8, head_dim=16, num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
+        "qwen3-sliding": T.Qwen3Config(
+            **attn, **pos, num_hidden_layers=3, head_dim=16, use_sliding_window=True, sliding_window=8,
+            max_window_layers=1,
+        ),
+        "starcoder2": T.Starcoder2Config(**attn, **pos, num_hidden_layers=2, sliding_window=8),
+        "cohere2": T.Cohere2Config(
+            **attn, **pos, num_hidden_layers=4, sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        ),
+        "gemma2": T.Gemma2Config(
+            **attn, **pos, num_hidden_layers=4, head_dim=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+        "gpt-oss": T.GptOssConfig(  # learned attention sinks (per-head logits), sliding + full layers
+            **{**attn, "intermediate_size": 64}, **pos, head_dim=16, num_hidden_layers=2, sliding_window=8,
+            num_local_experts=2, num_experts_per_tok=1,
+        ),
+        "llama4-chunked": T.Llama4TextConfig(
+            **attn, **pos, intermediate_size_mlp=128, head_dim=16, num_hidden_layers=4, attention_chunk_size=8,
+            num_local_experts=2, attn_temperature_tuning=False,
+        ),
         # state-space and hybrids
         "mamba2": T.Mamba2Config(
             vocab_size=vocab, hidden_size=32, state_size=8, num_heads=4, head_dim=16, expand=2, n_groups=1,
@@ -239,6 +264,29 @@ def _family_configs(vocab: int) -> dict[str, PreTrainedConfig]:
             mamba_d_head=32, mamba_n_groups=1, mamba_chunk_size=8,
         ),
         "lfm2": T.Lfm2Config(**attn, **pos, num_hidden_layers=4, full_attn_idxs=[1, 3], conv_L_cache=3),
+        "mamba": T.MambaConfig(
+            vocab_size=vocab, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4
+        ),
+        "jamba": T.JambaConfig(
+            **attn, **pos, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, num_experts=2,
+            expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            use_mamba_kernels=False,
+        ),
+        "falcon_h1": T.FalconH1Config(
+            **attn, **pos, num_hidden_layers=2, head_dim=16, mamba_n_heads=4, mamba_d_ssm=128, mamba_d_head=32,
+            mamba_expand=2, mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=8,
+        ),
+        "qwen3_next": T.Qwen3NextConfig(
+            **attn, **pos, num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=2,
+            num_experts_per_tok=1, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        ),
+        "zamba2": T.Zamba2Config(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+            **pos, num_hidden_layers=4, attention_head_dim=32, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            mamba_headdim=16, n_mamba_heads=8, chunk_size=8, num_mem_blocks=1, use_mem_rope=True,
+            layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid"],
+        ),
         # position features
         "mpt": T.MptConfig(vocab_size=vocab, d_model=64, n_heads=4, n_layers=2, max_seq_len=MAX_POSITIONS),
         "llama-dynamic-rope": T.LlamaConfig(

@@ -21,6 +21,7 @@ from kvstore.model.cache import KVShape, LayerKV
 from kvstore.model.chains import ContextPlan
 from kvstore.model.decode import SampleResult
 from kvstore.model.identity import model_fingerprint
+from kvstore.model.layout import CacheLayout, cache_layout
 from kvstore.progress import Progress
 from kvstore.store.entry import Entry
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, chain_seed
@@ -57,6 +58,7 @@ class Adapter:
         self.reserve_tokens = reserve_tokens
         self._fingerprint = fingerprint
         self._shapes: list[KVShape] | None = None
+        self._layout: CacheLayout | None = None
         self._prefixes: dict[tuple, list[int]] = {}
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
@@ -174,10 +176,20 @@ class Adapter:
 
     def check_supported(self) -> None:
         """Raise ModelError (one line naming the family and why) unless kvstore can store and reuse
-        this model's caches exactly; see :mod:`kvstore.model.families`."""
+        this model's caches exactly; see :mod:`kvstore.model.families` and
+        :mod:`kvstore.model.layout`."""
         reason = families.refusal(self.model.config)
         if reason is not None:
             raise ModelError(reason)
+        self.layout  # noqa: B018 - a windowed or recurrent model is probed once here; raises ModelError
+
+    @property
+    def layout(self) -> CacheLayout:
+        """What each layer keeps and how it is handed back (:mod:`kvstore.model.layout`);
+        computed on first use."""
+        if self._layout is None:
+            self._layout = cache_layout(self.model, self.pad_id)
+        return self._layout
 
     def kv_shapes(self) -> list[KVShape]:
         """Per layer (kv_heads, key head_dim, value head_dim), from one tiny forward."""
@@ -247,7 +259,10 @@ class Adapter:
     # -- work -----------------------------------------------------------------------------------
     def prefill(self, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
         """Run the model over a batch of token-id lists (right-padded together); per row, the
-        per-layer ``(keys, values)`` ``[kv_heads, n_i, head_dim]`` of its own tokens only."""
+        per-layer ``(keys, values)`` ``[kv_heads, n_i, head_dim]`` of its own tokens only.
+        Dense (full-attention) models only: raises ModelError for the others."""
+        if not self.layout.dense:
+            raise ModelError(f"{self.name}: prefill gives full-attention keys and values; use generate_kv_cache")
         return build.prefill(self, batch)
 
     def generate_kv_cache(

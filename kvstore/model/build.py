@@ -121,7 +121,7 @@ class Writer:
         if self.report is not None:
             r = self.report
             r.stored_bytes += len(blob)
-            r.raw_bytes += item.kv_bytes + 8 * item.n_tokens
+            r.raw_bytes += item.kv_bytes + item.state_bytes + 8 * item.n_tokens
             r.store_seconds += time.perf_counter() - t0
             r.chunks_written += 1
 
@@ -260,6 +260,11 @@ def compute(
     """Compute and write ``(plan, depth)`` jobs: each plan's chunks from ``depth`` on, then (when
     ``count``: they are contexts, not shared prefixes) its record. Jobs with nothing stored are
     prefilled; the others extend their stored prefix."""
+    if not adapter.layout.dense:  # windows and recurrent states: stored per layer as the model needs them
+        from kvstore.model import contexts
+
+        args = (batch_size, max_batch_tokens, progress, count, _account)
+        return contexts.compute_jobs(adapter, store, jobs, writer, report, *args)
     fresh = [(p, d) for p, d in jobs if d == 0]
     lengths = [p.n_tokens for p, _ in fresh]
     for batch in batches(sorted(range(len(fresh)), key=lambda i: lengths[i]), lengths, batch_size, max_batch_tokens):

@@ -83,6 +83,14 @@ def fits(adapter: Adapter, view: EntryView, plan_: ContextPlan, j: int) -> bool:
     misfiled or forged entry never feeds another model's tensors to this one."""
     h = view.header
     start, end = plan_.spans[j]
+    if not adapter.layout.dense:  # every layer's record: kind, kept length, window, state shapes and dtypes
+        return (
+            h.model == adapter.fingerprint
+            and h.dtype == adapter.dtype_name
+            and (h.start, h.end) == (start, end)
+            and h.layers == adapter.layout.specs(start, end)
+            and view.token_ids() == list(plan_.ids[start:end])
+        )
     shapes = adapter.kv_shapes()
     return (
         h.model == adapter.fingerprint

@@ -152,6 +152,10 @@ def row_length(adapter: Adapter, row: torch.Tensor, stop_at_eos: bool) -> int:
 def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos, return_scores):
     """One batch from stored caches (see the module docstring). Returns ``(tokens, scores, cached
     tokens per row, context tokens computed)``."""
+    if not adapter.layout.dense:  # windowed, state-space, hybrid: position masks, stored states
+        from kvstore.model import contexts
+
+        return contexts.decode_cached(adapter, plans, q_ids, N, store, writer, stop_at_eos, return_scores)
     B = len(plans)
     c_len = [p.n_tokens for p in plans]
     q_len = [len(q) for q in q_ids]
@@ -236,6 +240,10 @@ def _fill_pads_and_repeats(bufs: Buffers, rows_of: dict[str, list[int]], c_len: 
 
 @torch.inference_mode()
 def decode_reference(adapter: Adapter, full_ids, N, stop_at_eos, return_scores):
+    if not adapter.layout.dense:
+        from kvstore.model import contexts
+
+        return contexts.decode_reference(adapter, full_ids, N, stop_at_eos, return_scores)
     B = len(full_ids)
     lens = [len(x) for x in full_ids]
     L = max(lens)
@@ -265,9 +273,10 @@ def decode_reference(adapter: Adapter, full_ids, N, stop_at_eos, return_scores):
     return greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, L, N, stop_at_eos, return_scores)
 
 
-def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, stop_at_eos, return_scores):
+def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, stop_at_eos, return_scores, step=None):
     """Greedy decoding from the logits of each row's last prompt token. Slot ``first_slot + t``
-    holds generated token ``t`` at position ``next_pos + t``."""
+    holds generated token ``t`` at position ``next_pos + t``. ``step(tokens, t)``, if given,
+    runs the model on each row's token ``t`` instead and returns the next logits."""
     B = logits.shape[0]
     dev = logits.device
     tokens = torch.full((B, N), adapter.pad_id, dtype=torch.long, device=dev)
@@ -286,6 +295,9 @@ def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, 
                 break
         if t == N - 1:
             break
+        if step is not None:
+            logits = step(nxt, t)
+            continue
         out = adapter.model(
             input_ids=nxt[:, None],
             attention_mask=mask[:, : first_slot + t + 1],

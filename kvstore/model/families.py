@@ -32,8 +32,23 @@ _STATE_MODEL_TYPES = {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"}
 _STATE_FAMILIES = {
     *("jamba", "bamba", "falcon_h1", "zamba", "zamba2", "lfm2", "qwen3_next", "nemotron_h", "granitemoehybrid"),
 }
-# kinds of layer kvstore stores and reuses exactly today
-SUPPORTED_KINDS = frozenset({"full"})
+# kinds of layer kvstore stores and reuses exactly (kvstore.model.layout says what each keeps)
+SUPPORTED_KINDS = frozenset({"full", "sliding", "chunked", "state", "hybrid"})
+# windowed, state-space and hybrid families measured exact against per-row generate
+# (tests/test_families.py); the others are refused until they are: a model may build its masks
+# its own way, use the cache length, or its mixer may treat a stored state differently
+VERIFIED_WINDOWED_TYPES = frozenset(
+    {"mistral", "mixtral", "qwen2", "qwen3", "starcoder2", "cohere2", "gemma2", "gemma3_text", "gpt_oss", "llama4_text"}
+)
+VERIFIED_STATE_TYPES = frozenset({"mamba", "mamba2", "bamba", "lfm2", "qwen3_next", "jamba", "falcon_h1"})
+_STATE_REFUSALS = {
+    "zamba2": "its Mamba-2 layers clamp dt to time_step_min when reading a prompt but not one token at a time, so "
+    "a question continued from a stored state differs from the model's own run",
+    "nemotron_h": "its Mamba-2 layers limit dt (time_step_limit) when reading a prompt but not one token at a time, "
+    "so a question continued from a stored state differs from the model's own run",
+}
+# windowed and hybrid layers get 4-D masks built from positions; these implementations take them
+POSITION_MASK_ATTN = frozenset({"sdpa", "eager"})
 
 
 @dataclass(frozen=True)
@@ -106,7 +121,10 @@ def describe(config: Any) -> Family:
     if _get(cfg, "num_kv_shared_layers") or any(k.startswith("unknown:") for k in kinds):
         problems.append("layers that share or lack a KV cache")
     if _get(cfg, "is_encoder_decoder"):
-        problems.append("an encoder-decoder model encodes the question with the context (no prefix to reuse)")
+        problems.append(
+            "an encoder-decoder model encodes the question together with the context bidirectionally (no prefix to "
+            "reuse)"
+        )
     if _get(cfg, "attn_temperature_tuning"):
         problems.append("attention temperature tuning scales queries by the cache length")
     return Family(model_type=model_type, kinds=kinds, window=window, problems=tuple(problems))
@@ -118,14 +136,53 @@ def refusal(config: Any, supported: frozenset[str] = SUPPORTED_KINDS) -> str | N
     what = family.model_type or "this model"
     if family.problems:
         return f"{what}: {family.problems[0]}, so cached answers would differ from the model's own; kvstore refuses it"
-    unsupported = sorted(set(family.kinds) - supported)
+    kinds = set(family.kinds)
+    unsupported = sorted(kinds - supported)
     if unsupported:
         detail = f" (window {family.window})" if family.window and {"sliding", "chunked"} & set(unsupported) else ""
         return (
             f"{what} is a {family.name} model{detail}; kvstore does not store and reuse "
             f"{'/'.join(unsupported)} layers exactly, so it refuses it rather than answer wrongly"
         )
+    cfg = text_config(config)
+    # the model's own type: a vision-language wrapper around a verified decoder is not verified itself
+    top = str(_get(config, "model_type", "") or "")
+    if kinds & {"state", "hybrid"}:
+        if family.model_type in _STATE_REFUSALS:
+            return f"{what}: {_STATE_REFUSALS[family.model_type]}; kvstore refuses it rather than answer wrongly"
+        limit = _get(cfg, "time_step_limit")
+        if limit is not None and tuple(float(x) for x in limit) != (0.0, float("inf")):
+            return (
+                f"{what}: its Mamba-2 layers limit dt to {tuple(limit)} when reading a prompt but not one token at a "
+                "time, so a question continued from a stored state differs from the model's own run; kvstore refuses it"
+            )
+        if top not in VERIFIED_STATE_TYPES:
+            return (
+                f"{top or what} is a {family.name} model whose stored states kvstore has not verified exact; it "
+                "refuses it rather than answer wrongly"
+            )
+    elif kinds & {"sliding", "chunked"} and top not in VERIFIED_WINDOWED_TYPES:
+        return (
+            f"{top or what} is a {family.name} model kvstore has not verified exact with its position masks; it "
+            "refuses it rather than answer wrongly"
+        )
+    attn = str(_get(config, "_attn_implementation", None) or "eager")
+    if kinds - {"full", "state"} or ("full" in kinds and "state" in kinds):
+        if attn not in POSITION_MASK_ATTN:
+            return (
+                f"{what}: kvstore masks its {family.name} layers by position, which {attn} attention does not take; "
+                "load it with sdpa or eager attention"
+            )
     return None
 
 
-__all__ = ["SUPPORTED_KINDS", "Family", "describe", "refusal", "text_config"]
+__all__ = [
+    "POSITION_MASK_ATTN",
+    "SUPPORTED_KINDS",
+    "VERIFIED_STATE_TYPES",
+    "VERIFIED_WINDOWED_TYPES",
+    "Family",
+    "describe",
+    "refusal",
+    "text_config",
+]

@@ -6,7 +6,9 @@
 
 ``kv_heads x head_dim`` is the hidden size only without grouped-query attention (Pythia); a GQA
 model such as SmolLM2-135M (9 query heads, 3 KV heads) caches a third of that. Sliding-window
-layers are capped at their window. Rendering (tables, CSV, JSON, plots) is the CLI's business.
+layers are capped at their window. State-space and hybrid models add a recurrent state per example
+that does not grow with its length (``state_bytes``, included in the per-example bytes).
+Rendering (tables, CSV, JSON, plots) is the CLI's business.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ PYTHIA_NOTE = (
     "--dtype (exactness is measured in float32), hence the float32 default here; the cache takes the "
     "dtype the model runs in, and --dtype all shows every width."
 )
+STATE_NOTE = (
+    "state-space and hybrid models keep a recurrent state (convolution window and SSM state) per example "
+    "whatever its length; it is included in the per-example bytes and shown as state/example (kvstore stores "
+    "one at every chunk end of a context)."
+)
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype: str = "float32") -> int:
@@ -40,10 +47,12 @@ def kv_bytes_per_token(shape: ModelShape, dtype: str = "float32") -> int:
 
 
 def kv_bytes_per_example(shape: ModelShape, seq_len: int, dtype: str = "float32") -> int:
-    """Bytes of one ``seq_len``-token example's cache (sliding layers capped at their window)."""
+    """Bytes of one ``seq_len``-token example's cache (sliding layers capped at their window), its
+    recurrent state included."""
     if seq_len < 0:
         raise ValueError(f"seq_len must be >= 0, got {seq_len}")
-    return dtypes.kv_bytes(shape.cached_layer_tokens(seq_len), shape.kv_heads, shape.head_dim, dtype)
+    kv = dtypes.kv_bytes(shape.cached_layer_tokens(seq_len), shape.kv_heads, shape.head_dim, dtype)
+    return kv + shape.state_bytes(dtype)
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class SizeEstimate:
     bytes_per_example: int
     bytes_dataset: int
     bytes_cumulative: int  # this model and every model before it in the list, same dtype
+    state_bytes: int = 0  # recurrent state per example (in bytes_per_example), whatever its length
     codec: str = "none"  # the quantizer the estimate assumes (``none``: values stored as they are)
     bits_per_value: float = 0.0  # stored bits per key/value element under that quantizer
 
@@ -117,7 +127,8 @@ def estimate_size(
                 else quantizer.bits_per_value(shape.head_dim, dtypes.bits(dtype))
             )
             per_token = _quantized(kv_bytes_per_token(shape, dtype), bpv, dtype)
-            per_example = _quantized(kv_bytes_per_example(shape, seq_len, dtype), bpv, dtype)
+            state = shape.state_bytes(dtype)  # recurrent states are stored as they are, whatever the codec
+            per_example = _quantized(kv_bytes_per_example(shape, seq_len, dtype) - state, bpv, dtype) + state
             total += per_example * examples
             rows.append(
                 SizeEstimate(
@@ -134,6 +145,7 @@ def estimate_size(
                     bytes_per_example=per_example,
                     bytes_dataset=per_example * examples,
                     bytes_cumulative=total,
+                    state_bytes=state,
                     codec=quantizer.spec if quantizer is not None else "none",
                     bits_per_value=bpv,
                 )
@@ -189,6 +201,8 @@ def size_report(
     notes = (
         [PYTHIA_NOTE] if any(s.name.startswith("pythia-") and s.source.startswith("built-in") for s in shapes) else []
     )
+    if any(s.state for s in shapes):
+        notes.append(STATE_NOTE)
     estimates = tuple(estimate_size(shapes, seq_len, examples, names, codec))
     return SizeReport(
         seq_len=seq_len,

@@ -22,6 +22,7 @@ from typing import Any
 from kvstore import dtypes
 from kvstore.errors import DtypeError, ModelError, ModelNotFoundError
 from kvstore.model.gguf import read_gguf_metadata
+from kvstore.size.states import STATE_MODEL_TYPES, model_state, state_dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -33,7 +34,10 @@ class ModelShape:
 
     ``windows``: per layer, the most tokens that layer caches (``None`` = all of them, ``0`` = it
     caches none, e.g. a linear-attention layer); ``None`` when every layer caches every token.
-    ``config_dtype``: the dtype the model's config declares, if it declares one.
+    ``config_dtype``: the dtype the model's config declares, if it declares one. ``state``: the
+    recurrent state a state-space or hybrid model keeps per example whatever its length, as
+    ``(elements, dtype rule)`` per tensor (:mod:`kvstore.size.states`); a model of only such layers has
+    ``kv_heads`` and ``head_dim`` 0.
     """
 
     name: str
@@ -43,11 +47,14 @@ class ModelShape:
     windows: tuple[int | None, ...] | None = None
     source: str = "built-in"
     config_dtype: str | None = None
+    state: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
+        no_kv = self.windows is not None and not any(w != 0 for w in self.windows)
         for field_ in ("n_layers", "kv_heads", "head_dim"):
             value = getattr(self, field_)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            low = 0 if (no_kv and field_ != "n_layers") else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ModelError(f"{self.name}: {field_} must be a positive integer, got {value!r}")
         if self.windows is not None and len(self.windows) != self.n_layers:
             raise ModelError(f"{self.name}: {len(self.windows)} layer windows for {self.n_layers} layers")
@@ -70,6 +77,10 @@ class ModelShape:
         if none:
             parts.append(f"no KV on {none}/{self.n_layers} layers")
         return "; ".join(parts) or "-"
+
+    def state_bytes(self, dtype: str = "float32") -> int:
+        """Bytes of the recurrent state one example keeps, for a model running in ``dtype``."""
+        return sum(n * dtypes.bits(state_dtype(d, dtype)) // 8 for n, d in self.state)
 
     def cached_layer_tokens(self, seq_len: int) -> int:
         """Sum over layers of the tokens each layer caches for a ``seq_len``-token example."""
@@ -180,16 +191,30 @@ def _layer_windows(
     return None if all(c is None for c in caps) else tuple(caps)
 
 
+def _special_floats(value: Any) -> Any:
+    """transformers writes infinity as ``{"__float__": "Infinity"}`` in a config.json."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(value["__float__"].lower().replace("infinity", "inf"))
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
+
+
 def _config_with_transformers(config: Mapping[str, Any], name: str) -> Any:
-    """Build transformers' config object from a config dict, which derives ``layer_types``."""
+    """Build transformers' config object from a config dict, which derives ``layer_types`` (a
+    sliding window's pattern, a hybrid's attention layers)."""
     model_type = config.get("model_type")
     try:
         from transformers import AutoConfig
 
-        return AutoConfig.for_model(str(model_type), **{k: v for k, v in config.items() if k != "model_type"})
+        fields = {k: _special_floats(v) for k, v in config.items() if k != "model_type"}
+        return AutoConfig.for_model(str(model_type), **fields)
     except (ImportError, ValueError, TypeError, KeyError) as exc:
         raise ModelError(
-            f"{name}: its config sets a sliding window but no layer_types, and transformers cannot derive them "
+            f"{name}: its config sets a sliding window or recurrent layers but no layer_types, and transformers cannot "
+            "derive them "
             f"for model_type {model_type!r} ({exc}); add layer_types to its config.json"
         ) from None
 
@@ -204,7 +229,14 @@ def shape_from_config(config: Mapping[str, Any] | Any, name: str | None = None, 
     """
     name = name or str(_lookup(config, "name_or_path", "_name_or_path") or "model")
     cfg = _text_part(config)
+    model_type = str(_lookup(cfg, "model_type") or "")
+    recurrent = model_type in STATE_MODEL_TYPES
+    if isinstance(config, Mapping) and recurrent and _lookup(cfg, "layer_types") is None:
+        return shape_from_config(_config_with_transformers(config, name), name=name, source=source)
+    layer_types = _lookup(cfg, "layer_types")
     n_layers = _lookup(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
+    if recurrent and n_layers and layer_types is not None and not set(layer_types) - {"linear_attention", "conv"}:
+        return _state_only_shape(cfg, name, source, model_type, list(layer_types), int(n_layers), config)
     heads = _lookup(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads")
     hidden = _lookup(cfg, "hidden_size", "n_embd", "d_model")
     if n_layers is None or heads is None:
@@ -227,7 +259,6 @@ def shape_from_config(config: Mapping[str, Any] | Any, name: str | None = None, 
             )
         head_dim = hidden // heads
 
-    layer_types = _lookup(cfg, "layer_types")
     sliding = _lookup(cfg, "sliding_window")
     chunk = _lookup(cfg, "attention_chunk_size")
     if _lookup(cfg, "use_sliding_window") is False:  # Qwen2 family: the window is configured but off
@@ -243,7 +274,20 @@ def shape_from_config(config: Mapping[str, Any] | Any, name: str | None = None, 
         windows=_layer_windows(name, layer_types, int(n_layers), sliding, chunk),
         source=source,
         config_dtype=_dtype_of(config) or _dtype_of(cfg),
+        state=model_state(cfg, model_type, layer_types),
     )
+
+
+def _state_only_shape(
+    cfg: Any, name: str, source: str, model_type: str, layer_types: list[str], n_layers: int, config: Any
+) -> ModelShape:
+    """A model whose layers keep only recurrent states (Mamba, Mamba-2): no keys and values."""
+    if len(layer_types) != n_layers:
+        raise ModelError(f"{name}: config lists {len(layer_types)} layer_types for {n_layers} layers")
+    return ModelShape(
+        name=name, n_layers=n_layers, kv_heads=0, head_dim=0, windows=(0,) * n_layers, source=source,
+        config_dtype=_dtype_of(config) or _dtype_of(cfg), state=model_state(cfg, model_type, layer_types),
+    )  # fmt: skip
 
 
 # -- GGUF -------------------------------------------------------------------------------------
@@ -408,4 +452,11 @@ def resolve_shape(name: str) -> ModelShape:
     )
 
 
-__all__ = ["BUNDLED_NAME", "PYTHIA", "ModelShape", "resolve_shape", "shape_from_config", "shape_from_gguf"]
+__all__ = [
+    "BUNDLED_NAME",
+    "PYTHIA",
+    "ModelShape",
+    "resolve_shape",
+    "shape_from_config",
+    "shape_from_gguf",
+]

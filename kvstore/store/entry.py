@@ -175,7 +175,8 @@ class Entry:
     by name, or ``None``; ``kinds[i]``: the layer's kind (default ``attn`` or ``state``);
     ``windows[i]``: its window for ``sliding``/``chunked`` layers. ``token_ids`` ``[n_tokens]``
     int64 are the chunk's own tokens, at context positions ``start`` onwards; ``parent`` is the
-    previous chunk's key (``""`` for the first)."""
+    previous chunk's key (``""`` for the first). ``kv_dtype``: the model's dtype, needed only when
+    no layer keeps keys and values (a state-space model; states keep their own dtypes)."""
 
     key: str
     model: str
@@ -189,12 +190,15 @@ class Entry:
     kinds: tuple[str, ...] | None = None
     windows: tuple[int | None, ...] | None = None
     numerics: Mapping[str, str] = field(default_factory=dict)
+    kv_dtype: torch.dtype | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         kv = next((x for x in self.layers if x is not None), None)
         if kv is not None:
             return kv[0].dtype
+        if self.kv_dtype is not None:
+            return self.kv_dtype
         raise ValueError("entry has no keys/values to take a dtype from")
 
     @property
@@ -204,6 +208,10 @@ class Entry:
     @property
     def kv_bytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in filter(None, self.layers))
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in filter(None, self.states or ()) for t in s.values())
 
     def to_dynamic_cache(self, device: torch.device | str | None = None, config: Any = None):
         """A ``transformers.DynamicCache`` holding this entry's keys and values (batch of 1), ready
@@ -248,7 +256,7 @@ class EntryView:
         return Entry(
             h.key, h.model, h.model_name, self.records["token_ids"].materialize(), layers, h.created, h.parent, h.start,
             states if any(s is not None for s in states) else None, tuple(s.kind for s in h.layers),
-            tuple(s.window for s in h.layers), dict(h.numerics),
+            tuple(s.window for s in h.layers), dict(h.numerics), dtypes.to_torch(h.dtype),
         )  # fmt: skip
 
 
@@ -265,7 +273,7 @@ def _layer_specs(
 ) -> tuple[list[LayerSpec], list[tuple[str, torch.Tensor, str | None]], str]:
     tensors: list[tuple[str, torch.Tensor, str | None]] = []
     specs: list[LayerSpec] = []
-    dtype: torch.dtype | None = None
+    dtype: torch.dtype | None = entry.kv_dtype
     states = entry.states or (None,) * len(entry.layers)
     if len(states) != len(entry.layers):
         raise ValueError(f"{len(entry.layers)} layers but {len(states)} layer states")
@@ -295,7 +303,7 @@ def _layer_specs(
         _check_layer(spec, n_tokens, i, ValueError)
         specs.append(spec)
     if dtype is None:
-        raise ValueError("an entry needs at least one layer with keys and values")
+        raise ValueError("an entry needs at least one layer with keys and values, or its kv_dtype")
     return specs, tensors, dtypes.parse_kv(dtype)
 
 
