@@ -19,7 +19,7 @@ import click
 
 from kvstore import dtypes
 from kvstore.cli.common import CLIError
-from kvstore.errors import CodecError, DtypeError
+from kvstore.errors import DtypeError
 from kvstore.size.estimate import DEFAULT_EXAMPLES, DEFAULT_SEQ_LEN, FORMULA, SizeReport, size_report
 from kvstore.units import human_bytes
 
@@ -313,12 +313,7 @@ def size(
     EleutherAI/pythia-1b), 'default' (the bundled SmolLM2-135M-Instruct), a .gguf file, a directory
     holding config.json, or a hub id. The cumulative column adds the models up in the order given.
     """
-    try:
-        report = size_report(
-            models, seq_len=seq_len, examples=examples, dtype_names=dtype_names, store=store, codec=codec
-        )
-    except CodecError as exc:
-        raise click.BadParameter(str(exc), param_hint="--codec") from None
+    report = size_report(models, seq_len=seq_len, examples=examples, dtype_names=dtype_names, store=store, codec=codec)
     if fmt == "table":
         click.echo(render_table(report), nl=False)
     elif fmt == "csv":

@@ -52,7 +52,9 @@ def emit_summary(title: str, summary: dict, fmt: str) -> None:
     for k, v in summary.items():
         if v is None:
             continue
-        if isinstance(v, int) and k.endswith("bytes"):
+        if isinstance(v, bool):
+            v = "yes" if v else "no"
+        elif isinstance(v, int) and k.endswith("bytes"):
             from kvstore.units import human_bytes
 
             v = f"{v:,} ({human_bytes(v)})"
@@ -204,13 +206,24 @@ def _load_everything(opts: RunOptions, *, require_question: bool):
     return data, adapter, fmt
 
 
+def _codec_option(help_text: str):
+    return click.option("--codec", default=None, help=help_text)
+
+
+def _check_codec(spec: str | None) -> None:
+    """Reject a bad codec before anything is loaded (CodecError: one line, exit 1)."""
+    from kvstore.store.codecs import get_codec
+
+    get_codec(spec)
+
+
 @click.command()
 @_dataset_options
 @_model_options
-@click.option(
-    "--codec",
-    default=None,
-    help="Codec for new entries: raw, zstd[:LEVEL], zstd-shuffle[:LEVEL] [default: the store's, zstd-shuffle:1].",
+@_codec_option(
+    "Codec for new entries: lossless raw, zstd[:LEVEL] or zstd-shuffle[:LEVEL] [default: the store's, "
+    "zstd-shuffle:1], or lossy int8[:G], int4[:G] or fp8 (optionally +zstd): lossy entries are found only by "
+    "sample --codec with the same codec."
 )
 def build(**kwargs):
     """Prefill every distinct context of DATASET once and store its KV cache.
@@ -218,12 +231,11 @@ def build(**kwargs):
     Contexts already in the store are skipped, so an interrupted build resumes where it stopped.
     DATASET is a .jsonl, .csv or SQuAD-style .json file.
     """
-    from kvstore.store.codecs import get_codec
     from kvstore.store.kvstore import KVStore
 
     opts = RunOptions.take(kwargs)
     codec = kwargs.pop("codec")
-    get_codec(codec)  # reject a bad codec before loading anything
+    _check_codec(codec)
     data, adapter, prompt = _load_everything(opts, require_question=False)
     dataset = opts.dataset
     contexts = data.contexts()
@@ -252,6 +264,7 @@ def build(**kwargs):
         "model": adapter.name,
         "dtype": adapter.dtype_name,
         "codec": kv.codec.spec,
+        "lossy": not kv.codec.lossless,
         "rows": len(data.examples),
         "bad_rows_skipped": data.skipped,
         "contexts": report.distinct,
@@ -292,6 +305,10 @@ def build(**kwargs):
     "--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per question here."
 )
 @click.option("--readonly-store", is_flag=True, help="Do not store contexts computed for missing entries.")
+@_codec_option(
+    "Answer from caches stored with this codec. Lossless codecs are interchangeable (the default: the store's); "
+    "a lossy one (int8[:G], int4[:G], fp8) uses only entries built with it, and stores missing contexts with it."
+)
 def sample(**kwargs):
     """Answer every question of DATASET with greedy decoding from stored context caches.
 
@@ -302,16 +319,18 @@ def sample(**kwargs):
     from kvstore.store.kvstore import KVStore
 
     opts = RunOptions.take(kwargs)
-    max_new_tokens, no_cache, output, readonly_store = (
-        kwargs.pop(k) for k in ("max_new_tokens", "no_cache", "output", "readonly_store")
+    max_new_tokens, no_cache, output, readonly_store, codec = (
+        kwargs.pop(k) for k in ("max_new_tokens", "no_cache", "output", "readonly_store", "codec")
     )
+    _check_codec(codec)
     data, adapter, prompt = _load_everything(opts, require_question=True)
     dataset = opts.dataset
     examples = data.examples
     contexts = [prompt.context_part(ex.context) for ex in examples]
     questions = [prompt.question_part(ex.question) for ex in examples]
     labels = [f"{dataset}: row {ex.id}" for ex in examples]
-    kv = None if no_cache else KVStore(opts.store, readonly=readonly_store)
+    kv = None if no_cache else KVStore(opts.store, readonly=readonly_store, codec=codec)
+    lossy = kv is not None and not kv.codec.lossless
     bar = progress_bar(len(examples), "sample", opts.quiet, unit="q", rate="tok")
     t0 = time.perf_counter()
     try:
@@ -350,6 +369,7 @@ def sample(**kwargs):
                 "contains_answer": bool(ex.answers) and contains_match(pred, ex.answers),
                 "cache_hit": bool(result.cache_hit[i]),
                 "cached_tokens": result.cached_tokens[i] if not no_cache else 0,
+                "codec": result.codecs[i] if not no_cache else None,
                 "raw_output": text,
             }
         )
@@ -371,6 +391,8 @@ def sample(**kwargs):
         "seconds": round(seconds, 3),
         "questions_per_second": round(n / seconds, 3) if seconds else None,
         "cache_hit_rate": round(sum(result.cache_hit) / n, 4) if n else None,
+        "codec": kv.codec.spec if kv is not None else None,
+        "lossy": lossy,
         "prefill_tokens_saved": result.prefill_tokens_saved,
         "prefill_tokens_computed": result.prefill_tokens_computed,
         "output": output,
@@ -381,5 +403,11 @@ def sample(**kwargs):
                 f"  {r['id']}: {r['question']!r} -> {r['prediction']!r} ({'correct' if r['correct'] else 'wrong'})",
                 err=True,
             )
+    if lossy:
+        click.echo(
+            f"kvstore: answers came from lossy {kv.codec.spec} caches (quantized keys and values, not the model's "
+            "own); see the codec table in the README for how often they differ",
+            err=True,
+        )
     emit_summary("sample", summary, opts.fmt)
     sys.stdout.flush()

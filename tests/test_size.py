@@ -107,9 +107,11 @@ def test_codec_estimate_of_a_lossless_codec_is_the_raw_size():
     assert row.bytes_per_example == 50_331_648 and row.codec == "none"
 
 
-def test_unknown_codec_fails_with_one_line():
-    result = CliRunner().invoke(app, ["size", "--codec", "int3"])
-    assert result.exit_code == 2 and "unknown codec 'int3'" in result.output.splitlines()[-1]
+def test_unknown_codec_fails_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["size", "--codec", "int3"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 1 and err.startswith("kvstore: error: unknown codec 'int3'") and err.count("\n") == 1
 
 
 def test_gqa_counts_kv_heads_not_hidden_size():

@@ -174,14 +174,20 @@ class Adapter:
             start=start, kinds=("attn",) * len(layers), numerics=self.numerics,
         )  # fmt: skip
 
-    def check_supported(self) -> None:
+    def check_supported(self, store: KVStore | None = None) -> None:
         """Raise ModelError (one line naming the family and why) unless kvstore can store and reuse
-        this model's caches exactly; see :mod:`kvstore.model.families` and
-        :mod:`kvstore.model.layout`."""
+        this model's caches exactly (see :mod:`kvstore.model.families` and
+        :mod:`kvstore.model.layout`), and, with ``store``, in that store's codec: lossy codecs
+        are measured on models whose every layer is full attention, and refused for the others."""
         reason = families.refusal(self.model.config)
         if reason is not None:
             raise ModelError(reason)
-        self.layout  # noqa: B018 - a windowed or recurrent model is probed once here; raises ModelError
+        layout = self.layout  # a windowed or recurrent model is probed once here; raises ModelError
+        if store is not None and not store.codec.lossless and not layout.dense:
+            raise ModelError(
+                f"lossy codec {store.codec.spec} is only for models whose every layer is full attention "
+                f"(this {self.model.config.model_type} model has windowed or recurrent layers); use a lossless codec"
+            )
 
     @property
     def layout(self) -> CacheLayout:

@@ -109,14 +109,15 @@ class Writer:
             finally:
                 self.q.task_done()
 
-    def _write(self, item: Entry | _Record, overwrite: bool) -> None:
+    def _write(self, item: Entry | _Record, overwrite: bool, blob: bytes | None = None) -> None:
         if isinstance(item, _Record):
             self.store.put_context(item.key, item.chunks, item.n_tokens)
             return
         if not overwrite and self.store.contains(item.key):
             return
         t0 = time.perf_counter()
-        blob = self.store.encode(item)
+        if blob is None:
+            blob = self.store.encode(item)
         self.store.put_bytes(item.key, blob)
         if self.report is not None:
             r = self.report
@@ -127,6 +128,10 @@ class Writer:
 
     def put(self, entry: Entry, *, overwrite: bool = False) -> None:
         self._enqueue((entry, overwrite))
+
+    def put_encoded(self, entry: Entry, blob: bytes, *, overwrite: bool = False) -> None:
+        """Write ``blob``, already encoded from ``entry`` with the store's codec."""
+        self._enqueue((entry, overwrite, blob))
 
     def put_context(self, plan: ContextPlan) -> None:
         """Record ``plan``'s context once the chunks put before it are written."""
@@ -322,7 +327,7 @@ def build_caches(
     intact. See :meth:`kvstore.model.adapter.Adapter.generate_kv_cache`."""
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
-    adapter.check_supported()
+    adapter.check_supported(store)
     t_start = time.perf_counter()
     report = BuildReport(contexts=len(contexts))
     plans: list[ContextPlan | None] = []

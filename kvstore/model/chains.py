@@ -16,25 +16,30 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstore.errors import CorruptEntryError
 from kvstore.model.cache import Buffers, LayerKV, PreallocatedCache, new_buffers
-from kvstore.store.entry import Entry, EntryView
+from kvstore.store.codecs import identity_of, spec_of
+from kvstore.store.entry import Entry, EntryView, decode_entry
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, cache_key, chain_keys, chunk_spans
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.adapter import Adapter
+    from kvstore.model.build import Writer
 
 
 @dataclass(frozen=True)
 class ContextPlan:
     """One tokenized context as a chain: ``spans[i]`` are chunk ``i``'s positions, ``keys[i]``
     its key. ``key`` (the last chunk's) names the context; ``v1_key`` is the format-1 key of the
-    whole context, under which a phase-1 store may hold it."""
+    whole context, under which a phase-1 store may hold it. ``lossy``: the lossy codec the chain
+    is stored with (its quantizer spec, part of the keys), ``""`` for lossless."""
 
     ids: tuple[int, ...]
     spans: tuple[tuple[int, int], ...]
     keys: tuple[str, ...]
     v1_key: str
+    lossy: str = ""
 
     @property
     def key(self) -> str:
@@ -61,6 +66,7 @@ def plan(
         tuple(spans),
         tuple(chain_keys(seed, ids, spans)),
         cache_key(adapter.fingerprint, adapter.dtype, ids),
+        lossy,
     )
 
 
@@ -80,9 +86,15 @@ def chunk_entries(
 def fits(adapter: Adapter, view: EntryView, plan_: ContextPlan, j: int) -> bool:
     """Whether a stored chunk is chunk ``j`` of ``plan_`` for this model: its model, dtype, span,
     tokens and layer shapes. Its key already says all that; the entry must agree too, so that a
-    misfiled or forged entry never feeds another model's tensors to this one."""
+    misfiled or forged entry never feeds another model's tensors to this one, and a lossy entry
+    never answers a lossless request (or one for another lossy codec)."""
     h = view.header
     start, end = plan_.spans[j]
+    try:
+        if identity_of(h.codec) != plan_.lossy:
+            return False
+    except CorruptEntryError:
+        return False
     if not adapter.layout.dense:  # every layer's record: kind, kept length, window, state shapes and dtypes
         return (
             h.model == adapter.fingerprint
@@ -104,16 +116,22 @@ def fits(adapter: Adapter, view: EntryView, plan_: ContextPlan, j: int) -> bool:
     )
 
 
-def load_prefix(adapter: Adapter, store: KVStore, plan_: ContextPlan, bufs: Buffers, row: int, slot0: int) -> int:
+def load_prefix(
+    adapter: Adapter, store: KVStore, plan_: ContextPlan, bufs: Buffers, row: int, slot0: int,
+    codecs: list[str] | None = None,
+) -> int:  # fmt: skip
     """Copy the longest verified stored prefix of ``plan_`` into batch row ``row`` of ``bufs``,
     context position ``p`` at slot ``slot0 + p``. Falls back to a format-1 entry holding exactly
-    this context. Returns how many context tokens were loaded (0: nothing)."""
+    this (lossless) context. Returns how many context tokens were loaded (0: nothing); the codec
+    spec of each chunk loaded is appended to ``codecs``."""
     loaded = 0
     with store.open_chain(plan_.keys) as views:
         for j, view in enumerate(views):
             if not fits(adapter, view, plan_, j):
                 break
             h = view.header
+            if codecs is not None:
+                codecs.append(spec_of(h.codec))
             for (kb, vb), kv, spec in zip(bufs, view.layers, h.layers):
                 if kv is None:
                     continue
@@ -121,7 +139,7 @@ def load_prefix(adapter: Adapter, store: KVStore, plan_: ContextPlan, bufs: Buff
                 kv[0].copy_into(kb[row, :, lo : slot0 + h.end])
                 kv[1].copy_into(vb[row, :, lo : slot0 + h.end])
             loaded = h.end
-    if loaded == 0 and store.contains(plan_.v1_key):
+    if loaded == 0 and not plan_.lossy and store.contains(plan_.v1_key):
         with store.open_entry(plan_.v1_key) as v1:
             one_chunk = ContextPlan(plan_.ids, ((0, plan_.n_tokens),), (plan_.v1_key,), plan_.v1_key)
             if v1 is not None and v1.header.format == 1 and fits(adapter, v1, one_chunk, 0):
@@ -129,7 +147,33 @@ def load_prefix(adapter: Adapter, store: KVStore, plan_: ContextPlan, bufs: Buff
                     k.copy_into(kb[row, :, slot0 : slot0 + plan_.n_tokens])
                     v.copy_into(vb[row, :, slot0 : slot0 + plan_.n_tokens])
                 loaded = plan_.n_tokens
+                if codecs is not None:
+                    codecs.append(spec_of(v1.header.codec))
     return loaded
+
+
+def store_and_reload(
+    adapter: Adapter, store: KVStore, plan_: ContextPlan, layers: LayerKV, bufs: Buffers, row: int, slot0: int,
+    depth: int = 0, writer: Writer | None = None,
+) -> None:  # fmt: skip
+    """For a lossy codec: encode chunks ``depth..`` of ``plan_`` (``layers`` holding the positions
+    from the chunk at ``depth`` on) with the store's codec, hand the bytes to ``writer`` (then the
+    context record), and copy the values they decode to into batch row ``row`` of ``bufs``
+    (position ``p`` at slot ``slot0 + p``). The answer then comes from exactly what a later run
+    loads, whether or not the store can be written."""
+    offset = plan_.spans[depth][0]
+    for i, entry in enumerate(chunk_entries(adapter, plan_, layers, depth, offset)):
+        blob = store.encode(entry)
+        view = decode_entry(blob, key=entry.key)
+        h = view.header
+        for (kb, vb), kv in zip(bufs, view.layers):
+            assert kv is not None
+            kv[0].copy_into(kb[row, :, slot0 + h.start : slot0 + h.end])
+            kv[1].copy_into(vb[row, :, slot0 + h.start : slot0 + h.end])
+        if writer is not None:
+            writer.put_encoded(entry, blob, overwrite=i == 0)
+    if writer is not None:
+        writer.put_context(plan_)
 
 
 @torch.inference_mode()

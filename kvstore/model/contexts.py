@@ -26,6 +26,7 @@ import torch
 from kvstore.model import chains
 from kvstore.model.chains import ContextPlan
 from kvstore.model.slots import KV, RowCache, Slots
+from kvstore.store.codecs import spec_of
 from kvstore.store.entry import Entry
 from kvstore.store.kvstore import KVStore
 
@@ -47,9 +48,12 @@ class Computed:
     cache: RowCache
 
 
-def load(adapter: Adapter, store: KVStore, plan: ContextPlan, depth: int | None = None) -> RowCache | None:
+def load(
+    adapter: Adapter, store: KVStore, plan: ContextPlan, depth: int | None = None, codecs: list[str] | None = None
+) -> RowCache | None:
     """The longest verified stored prefix of ``plan`` (at most ``depth`` chunks) as a
-    :class:`RowCache` (materialized on the CPU), or None when nothing of it is stored."""
+    :class:`RowCache` (materialized on the CPU), or None when nothing of it is stored. The codec
+    spec of each chunk used is appended to ``codecs``."""
     layout = adapter.layout
     keys = plan.keys if depth is None else plan.keys[:depth]
     with store.open_chain(keys) as views:
@@ -60,6 +64,8 @@ def load(adapter: Adapter, store: KVStore, plan: ContextPlan, depth: int | None 
             fitting.append(view)
         if not fitting:
             return None
+        if codecs is not None:
+            codecs += [spec_of(view.header.codec) for view in fitting]
         end = fitting[-1].header.end
         kv: list[KV | None] = []
         for i, lay in enumerate(layout.layers):
@@ -206,9 +212,10 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos,
     distinct = list({p.key: p for p in plans}.values())
     caches: dict[str, RowCache] = {}
     loaded: dict[str, int] = {}
+    codecs: dict[str, list[str]] = {p.key: [] for p in distinct}
     todo = []
     for plan in distinct:
-        found = load(adapter, store, plan) if store is not None else None
+        found = load(adapter, store, plan, codecs=codecs[plan.key]) if store is not None else None
         loaded[plan.key] = found.end if found is not None else 0
         if found is not None and found.end == plan.n_tokens:
             caches[plan.key] = found
@@ -219,13 +226,16 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos,
             caches[plan.key] = done.cache
             if writer is not None:
                 _write(writer, adapter, plan, done, True)
+            if store is not None:
+                codecs[plan.key].append(store.codec.spec)
     Q = max(len(q) for q in q_ids)
     if min(len(q) for q in q_ids) == 0:
         raise ValueError("every question needs at least one token")
     slots = Slots(adapter, adapter.layout, [caches[p.key] for p in plans], Q + N)
     tokens, scores = _answer(adapter, slots, q_ids, N, stop_at_eos, return_scores, greedy_loop)
     computed = sum(p.n_tokens - loaded[p.key] for p in distinct)
-    return tokens, scores, [loaded[p.key] for p in plans], computed
+    labels = [",".join(dict.fromkeys(codecs[p.key])) or None for p in plans]
+    return tokens, scores, [loaded[p.key] for p in plans], computed, labels
 
 
 @torch.inference_mode()

@@ -47,7 +47,8 @@ class SampleResult:
     many of its context tokens did. ``prefill_tokens_computed``: context tokens run through the
     model (each distinct context once per batch; with ``use_cache=False``, every row's context).
     ``prefill_tokens_saved``: context tokens the no-cache path would have computed and this run
-    did not.
+    did not. ``codecs``: per row, the codec spec of the entries its context came from or was
+    stored with (``int8:64`` when the answer came from a lossy cache; None without a cache).
     """
 
     tokens: torch.Tensor
@@ -57,6 +58,7 @@ class SampleResult:
     prefill_tokens_saved: int = 0
     prefill_tokens_computed: int = 0
     cached_tokens: list[int] = field(default_factory=list)
+    codecs: list[str | None] = field(default_factory=list)
 
 
 def greedy_sample(
@@ -82,7 +84,7 @@ def greedy_sample(
         raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
     if num_new_tokens < 1 or batch_size < 1:
         raise ValueError("num_new_tokens and batch_size must be at least 1")
-    adapter.check_supported()
+    adapter.check_supported(store if use_cache else None)
     q_ids = [adapter.encode_question(q) for q in questions]
     c_ids = [
         adapter.context_ids(c, special_tokens=special_tokens, truncate=truncate, max_context_tokens=max_context_tokens,
@@ -101,6 +103,7 @@ def greedy_sample(
     out = torch.full((n, num_new_tokens), adapter.pad_id, dtype=torch.long)
     lengths = [0] * n
     cached = [0] * n
+    codecs: list[str | None] = [None] * n
     scores: list[torch.Tensor] | None = [torch.empty(0)] * n if return_scores else None
     computed = 0
     plans = [adapter.plan(c, store, prefix=prefix, special_tokens=special_tokens) for c in c_ids] if use_cache else []
@@ -112,12 +115,13 @@ def greedy_sample(
         for start in range(0, n, batch_size):
             rows = order[start : start + batch_size]
             if use_cache:
-                tokens, step_scores, row_cached, row_computed = decode_cached(
+                tokens, step_scores, row_cached, row_computed, row_codecs = decode_cached(
                     adapter, [plans[i] for i in rows], [q_ids[i] for i in rows], num_new_tokens, store, writer,
                     stop_at_eos, return_scores,
                 )  # fmt: skip
-                for i, got in zip(rows, row_cached):
+                for i, got, spec in zip(rows, row_cached, row_codecs):
                     cached[i] = got
+                    codecs[i] = spec
                 computed += row_computed
             else:
                 tokens, step_scores = decode_reference(
@@ -136,7 +140,7 @@ def greedy_sample(
             writer.close()
     hits = [use_cache and cached[i] == len(c_ids[i]) for i in range(n)]
     saved = sum(len(c) for c in c_ids) - computed
-    return SampleResult(out, lengths, hits, scores, saved, computed, cached)
+    return SampleResult(out, lengths, hits, scores, saved, computed, cached, codecs)
 
 
 def row_length(adapter: Adapter, row: torch.Tensor, stop_at_eos: bool) -> int:
@@ -169,19 +173,29 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos,
     for r, p in enumerate(plans):
         rows_of.setdefault(p.key, []).append(r)
     loaded: dict[str, int] = {}
+    codecs: dict[str, list[str]] = {k: [] for k in rows_of}
+    lossy = store is not None and not store.codec.lossless
     for k, rs in rows_of.items():
         r0, c = rs[0], c_len[rs[0]]
-        loaded[k] = chains.load_prefix(adapter, store, plans[r0], bufs, r0, P - c) if store is not None else 0
+        if store is not None:
+            loaded[k] = chains.load_prefix(adapter, store, plans[r0], bufs, r0, P - c, codecs[k])
+        else:
+            loaded[k] = 0
     missing = [k for k in rows_of if loaded[k] == 0]
     if missing:
         computed_rows = prefill(adapter, [plans[rows_of[k][0]].ids for k in missing])
         for k, layers in zip(missing, computed_rows):
             r0, c = rows_of[k][0], c_len[rows_of[k][0]]
-            for (kb, vb), (kl, vl) in zip(bufs, layers):
-                kb[r0, :, P - c : P].copy_(kl)
-                vb[r0, :, P - c : P].copy_(vl)
-            if writer is not None:
-                writer.put_chunks(adapter, plans[r0], layers)
+            if lossy:  # answer from the values the stored codes give back, as every later run will
+                chains.store_and_reload(adapter, store, plans[r0], layers, bufs, r0, P - c, 0, writer)
+            else:
+                for (kb, vb), (kl, vl) in zip(bufs, layers):
+                    kb[r0, :, P - c : P].copy_(kl)
+                    vb[r0, :, P - c : P].copy_(vl)
+                if writer is not None:
+                    writer.put_chunks(adapter, plans[r0], layers)
+            if store is not None:
+                codecs[k].append(store.codec.spec)
     partial = [k for k in rows_of if 0 < loaded[k] < c_len[rows_of[k][0]]]
     if partial:
         heads = [rows_of[k][0] for k in partial]
@@ -190,11 +204,16 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos,
         rests = chains.extend(adapter, prefixes, [plans[r0].ids[loaded[k] :] for k, r0 in zip(partial, heads)])
         for k, r0, layers in zip(partial, heads, rests):
             start = P - c_len[r0] + loaded[k]
-            for (kb, vb), (kl, vl) in zip(bufs, layers):
-                kb[r0, :, start:P].copy_(kl)
-                vb[r0, :, start:P].copy_(vl)
-            if writer is not None:
-                writer.put_chunks(adapter, plans[r0], layers, plans[r0].depth_of(loaded[k]), loaded[k])
+            depth = plans[r0].depth_of(loaded[k])
+            if lossy:
+                chains.store_and_reload(adapter, store, plans[r0], layers, bufs, r0, P - c_len[r0], depth, writer)
+            else:
+                for (kb, vb), (kl, vl) in zip(bufs, layers):
+                    kb[r0, :, start:P].copy_(kl)
+                    vb[r0, :, start:P].copy_(vl)
+                if writer is not None:
+                    writer.put_chunks(adapter, plans[r0], layers, depth, loaded[k])
+            codecs[k].append(store.codec.spec)
     _fill_pads_and_repeats(bufs, rows_of, c_len, P)
     cache = PreallocatedCache(bufs, P)
     mask = torch.zeros((B, T), dtype=torch.long)
@@ -222,7 +241,13 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos,
         adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop_at_eos, return_scores
     )
     computed = sum(c_len[rows_of[k][0]] - loaded[k] for k in rows_of)
-    return tokens, scores, [loaded[p.key] for p in plans], computed
+    return tokens, scores, [loaded[p.key] for p in plans], computed, [codec_label(codecs[p.key]) for p in plans]
+
+
+def codec_label(specs: Sequence[str]) -> str | None:
+    """The codec spec of the entries a row's context came from (their distinct specs joined by
+    ``,`` when its chunks differ; None without a store)."""
+    return ",".join(dict.fromkeys(specs)) or None
 
 
 def _fill_pads_and_repeats(bufs: Buffers, rows_of: dict[str, list[int]], c_len: Sequence[int], P: int) -> None:

@@ -197,6 +197,20 @@ def codec_from_params(params: Mapping) -> Codec:
     return Codec(quantizer, packing)
 
 
+def spec_of(params: Mapping) -> str:
+    """The codec spec an entry header's codec record describes (``zstd-shuffle:1``, ``int8:64``...).
+    Raises CorruptEntryError."""
+    return codec_from_params(params).spec
+
+
+def identity_of(params: Mapping) -> str:
+    """What of an entry's codec is part of its identity: its lossy quantizer's spec, or ``""``.
+    Raises CorruptEntryError."""
+    if isinstance(params, Mapping) and params.get("quant") is None:
+        return ""
+    return codec_from_params(params).identity
+
+
 _ALIASES = {"default": DEFAULT_CODEC, "none": "raw"}
 
 
@@ -255,6 +269,8 @@ __all__ = [
     "choices",
     "codec_from_params",
     "get_codec",
+    "identity_of",
     "register_packing",
     "register_quantizer",
+    "spec_of",
 ]
