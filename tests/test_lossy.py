@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers.cli import read_predictions, run_main, write_dataset
-from kvstore.errors import ModelError
+from kvstore.errors import CodecError, ModelError
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
 from tiny import make_family_model, make_tiny_model
@@ -164,3 +164,32 @@ def test_cli_build_and_sample_with_a_lossy_codec(tiny_llama_dir, tmp_path, capsy
     assert code == 0 and {c["codec"] for c in json.loads(out)} == {"int8:64"}
     code, out, err = run_main(capsys, "sample", data, *base, "--codec", "int3")
     assert code == 1 and err.startswith("kvstore: error: unknown codec 'int3'") and err.count("\n") == 1
+
+
+def test_convert_without_recompute_equals_a_lossy_build(llama, tmp_path):
+    """Converting stored lossless contexts to int8 gives the chunks a fresh int8 build writes:
+    same keys, same answers, bit for bit; lossy chains are refused with a reason."""
+    from kvstore.store.convert import convert_contexts
+
+    contexts, questions = _rows(llama, seed=6)
+    distinct = sorted({tuple(c) for c in contexts})
+    a_path, b_path = str(tmp_path / "a"), str(tmp_path / "b")
+    with KVStore(a_path, chunk_tokens=8) as src:
+        llama.generate_kv_cache(distinct, src)
+        report = convert_contexts(src, src, "int8")
+        assert (report.converted, report.present, report.problems) == (4, 0, [])
+        assert report.chunks_written == 14 and report.stored_bytes > 0  # (8-token chunks: headers dominate)
+        again = convert_contexts(src, src, "int8")
+        assert (again.converted, again.present, again.keys) == (0, 4, report.keys)
+        with pytest.raises(CodecError):
+            convert_contexts(src, src, "zstd:3")
+    with KVStore(b_path, codec="int8", chunk_tokens=8) as built:
+        llama.generate_kv_cache(distinct, built)
+        assert sorted(report.keys.values()) == sorted(built.context_keys())
+        b = _sample(llama, built, contexts, questions)
+        refused = convert_contexts(built, built, "int4")
+        assert refused.converted == 0 and all("lossy codec int8:64 already" in p for p in refused.problems)
+    with KVStore(a_path, codec="int8", readonly=True) as converted:
+        a = _sample(llama, converted, contexts, questions)
+    assert all(a.cache_hit) and all(b.cache_hit) and torch.equal(a.tokens, b.tokens)
+    assert all(torch.equal(x, y) for x, y in zip(a.scores, b.scores))

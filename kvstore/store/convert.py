@@ -1,0 +1,119 @@
+"""Converting stored contexts to a lossy codec without recomputing them.
+
+A lossy codec is part of a chain's identity (:func:`kvstore.store.keys.chain_seed`), so a
+converted context gets new chunk keys: the same spans and token ids, chained from the lossy seed of
+the same model, dtype, device type and attention implementation (all recorded in every format-2
+entry). Each chunk is decoded, quantized from its exact values, and written under its new key, then
+the context's record; the lossless chain stays where it is (in the same store, or the source).
+
+Refused (counted, with the reason): contexts whose chain is incomplete or corrupt, format-1 entries
+(no numerics to seed a chain from: ``kvstore build`` migrates them first), chains already lossy,
+and models with windowed or recurrent layers (lossy codecs are for full-attention models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.errors import CodecError, CorruptEntryError
+from kvstore.progress import Progress
+from kvstore.store.codecs import Codec, get_codec, identity_of
+from kvstore.store.entry import Entry
+from kvstore.store.keys import chain_keys, chain_seed
+from kvstore.store.kvstore import KVStore
+
+
+@dataclass
+class ConvertReport:
+    """What :func:`convert_contexts` did: contexts looked at, converted, already present in the
+    codec, refused (``problems``: one line each), chunks written, and their raw and stored bytes."""
+
+    contexts: int = 0
+    converted: int = 0
+    present: int = 0
+    chunks_written: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    keys: dict[str, str] = field(default_factory=dict)  # source context key -> converted context key
+
+    @property
+    def ratio(self) -> float:
+        return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+
+def _chain(src: KVStore, key: str, lossy: str) -> tuple[list[str], list[Entry]] | str:
+    """The converted keys and the materialized chunks of context ``key``, or why it cannot be converted."""
+    record = src.context(key)
+    if record is None:
+        return "no context record"
+    entries = []
+    with src.open_chain(record.chunks) as views:
+        if len(views) != len(record.chunks):
+            return "its chain is incomplete or corrupt (kvstore verify)"
+        for view in views:
+            h = view.header
+            if h.format < 2 or "device" not in h.numerics or "attn" not in h.numerics:
+                return "it is a format-1 entry (run kvstore build on its dataset first, which migrates it)"
+            try:
+                if identity_of(h.codec):
+                    return f"it is stored with lossy codec {h.codec_spec} already"
+            except CorruptEntryError:
+                return "its entry names an unknown codec"
+            if any(spec.kind != "attn" for spec in h.layers):
+                return "its model has windowed or recurrent layers (lossy codecs are for full-attention models)"
+            entries.append(view.materialize())
+    first = entries[0]
+    seed = chain_seed(
+        first.model, views[0].header.dtype, device=first.numerics["device"], attn=first.numerics["attn"], lossy=lossy
+    )
+    ids = [t for e in entries for t in e.token_ids.tolist()]
+    spans = [(e.start, e.start + int(e.token_ids.numel())) for e in entries]
+    return chain_keys(seed, ids, spans), entries
+
+
+def convert_contexts(
+    src: KVStore,
+    dst: KVStore,
+    codec: str | Codec,
+    keys: Sequence[str] | None = None,
+    *,
+    progress: Progress | None = None,
+) -> ConvertReport:
+    """Write ``src``'s contexts (``keys``, default all) into ``dst`` (which may be ``src``) as chains
+    of ``codec``, a lossy codec. Raises CodecError for a lossless one (copying is ``kvstore sync``'s
+    job: lossless codecs are interchangeable)."""
+    codec = get_codec(codec)
+    if codec.lossless:
+        raise CodecError(
+            f"{codec.spec} is lossless: its entries are interchangeable with the source's, nothing to convert"
+        )
+    report = ConvertReport()
+    for key in src.context_keys() if keys is None else keys:
+        report.contexts += 1
+        got = _chain(src, key, codec.identity)
+        if isinstance(got, str):
+            report.problems.append(f"context {key[:12]}: {got}")
+        else:
+            new_keys, entries = got
+            report.keys[key] = new_keys[-1]
+            if dst.context(new_keys[-1]) is not None and dst.stored_prefix(new_keys) == len(new_keys):
+                report.present += 1
+            else:
+                for j, (new, entry) in enumerate(zip(new_keys, entries)):
+                    moved = dataclasses.replace(entry, key=new, parent=new_keys[j - 1] if j else "")
+                    blob = dst.encode(moved, codec)
+                    dst.put_bytes(new, blob)
+                    report.chunks_written += 1
+                    report.stored_bytes += len(blob)
+                    report.raw_bytes += moved.kv_bytes + moved.state_bytes + 8 * moved.n_tokens
+                dst.put_context(new_keys[-1], new_keys, sum(e.n_tokens for e in entries))
+                report.converted += 1
+        if progress:
+            progress(1, 0)
+    return report
+
+
+__all__ = ["ConvertReport", "convert_contexts"]
