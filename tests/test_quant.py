@@ -306,3 +306,31 @@ def test_golden_lossy_entries(spec):
     view = decode_entry(file.read_bytes())
     assert torch.equal(view.layers[0][0].materialize(), decode_entry(golden_lossy(spec)).layers[0][0].materialize())
     assert math.isclose(view.header.created, 1700000000.75)
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8", "int8"])
+def test_decodes_inside_and_outside_inference_mode(spec):
+    """The per-thread scratch buffers, first allocated under inference mode, still serve a decode
+    outside it (and the other way round). Run in a fresh thread: fresh scratch buffers."""
+    import threading
+
+    failures: list[BaseException] = []
+
+    def work():
+        try:
+            x = kv(dtype=torch.bfloat16)
+            q = get_codec(spec).quantizer
+            reader = q.reader("keys", "t", records(q.encode("keys", x)), tuple(x.shape), x.dtype)
+            with torch.inference_mode():
+                a = reader.materialize()
+            b = reader.materialize()
+            with torch.inference_mode():
+                c = reader.materialize()
+            assert torch.equal(a, b) and torch.equal(b, c)
+        except BaseException as exc:  # noqa: BLE001 - reported on the test's thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not failures, failures

@@ -57,7 +57,8 @@ def _scratch(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
     """A per-thread reusable 1-D buffer of at least ``n`` elements."""
     buf = getattr(_local, name, None)
     if buf is None or buf.numel() < n:
-        buf = torch.empty(max(n, 1), dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: usable inside and outside inference mode
+            buf = torch.empty(max(n, 1), dtype=dtype)
         setattr(_local, name, buf)
     return buf[:n]
 
