@@ -91,7 +91,7 @@ def _memo_path() -> Path:
     return home() / "fingerprints.json"
 
 
-def _file_identity(files: Iterable[Path], dtype: torch.dtype) -> str:
+def _file_identity(files: Iterable[str | os.PathLike], dtype: torch.dtype) -> str:
     parts = [str(dtype)]
     for f in sorted(Path(p).resolve() for p in files):
         st = f.stat()
