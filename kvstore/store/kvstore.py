@@ -13,6 +13,11 @@ Backend keys: ``e/<key>`` entries, ``a/<key>`` last access time (float64 seconds
 batch when the store closes), ``meta`` the store's own description (format version, default codec,
 creation time). Reopening a store reads its description back; a store from a newer format is
 refused, never misread.
+
+Entries are written once: a key that already holds an intact entry keeps it (on an object store
+that is one conditional request), so concurrent builders and re-runs never replace each other's
+entries; a corrupt one is replaced. Listings read each entry's header only (``Backend.peek``), so
+``scan`` of a remote store does not download the entries.
 """
 
 from __future__ import annotations
@@ -35,12 +40,22 @@ from kvstore.errors import (
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import Codec, get_codec
-from kvstore.store.entry import FORMAT_VERSION, Entry, EntryHeader, EntryView, decode_entry, encode_entry, read_header
+from kvstore.store.entry import (
+    FORMAT_VERSION,
+    MAX_ENTRY_HEADER,
+    Entry,
+    EntryHeader,
+    EntryView,
+    decode_entry,
+    encode_entry,
+    read_header,
+)
 from kvstore.store.scan import CorruptInfo, EntryInfo, StoreInfo
 
 _META = b"meta"
 _E = b"e/"
 _A = b"a/"
+_PEEK = 64 << 10  # first read of an entry's header; a longer header is read again in full
 
 
 def _ekey(key: str) -> bytes:
@@ -48,11 +63,13 @@ def _ekey(key: str) -> bytes:
 
 
 class KVStore:
-    """A KV-cache store. ``path_or_url``: a directory (LMDB), ``lmdb://DIR`` or ``memory://NAME``;
-    default ``$KVSTORE_STORE`` or ``<home>/store``.
+    """A KV-cache store. ``path_or_url``: a directory (LMDB), ``lmdb://DIR``, ``s3://BUCKET[/PREFIX]``
+    or ``memory://NAME``; default ``$KVSTORE_STORE`` or ``<home>/store``.
 
     ``readonly`` opens for reading only (a missing store is then an error). ``codec`` sets the
     codec for new entries (default: the one recorded in the store, else ``zstd-shuffle:1``).
+    ``backend_options`` go to :func:`kvstore.store.backends.open_backend`, e.g. ``cache_dir`` and
+    ``cache_size`` for a local tier in front of a remote store.
     """
 
     def __init__(
@@ -82,9 +99,11 @@ class KVStore:
         if raw is None:
             # a new store records the codec it was created with, so a reopen uses it again
             meta = {"format": FORMAT_VERSION, "codec": get_codec(codec).spec, "created": time.time()}
-            if not self.readonly:
-                self.backend.put(_META, json.dumps(meta, sort_keys=True).encode())
-            return meta
+            if self.readonly or self.backend.put_if_absent(_META, json.dumps(meta, sort_keys=True).encode()):
+                return meta
+            raw = self.backend.get(_META)  # another process created the store meanwhile: use its description
+            if raw is None:
+                raise KVStoreError(f"store {self.url} lost its description record while opening; open it again")
         try:
             meta = json.loads(raw)
             fmt = int(meta["format"])
@@ -128,12 +147,23 @@ class KVStore:
         if self.readonly:
             raise ReadOnlyStoreError(f"store {self.url} was opened read-only")
         blob = self.encode(entry, codec)
-        self.backend.put(_ekey(entry.key), blob)
+        self.put_bytes(entry.key, blob)
         return len(blob)
 
     def put_bytes(self, key: str, blob: bytes) -> None:
-        """Store already-encoded entry bytes (see :meth:`encode`) under ``key``."""
-        self.backend.put(_ekey(key), blob)
+        """Store already-encoded entry bytes (see :meth:`encode`) under ``key``, unless ``key``
+        already holds an intact entry (a corrupt one is replaced)."""
+        if self.backend.put_if_absent(_ekey(key), blob):
+            return
+        with self.backend.view(_ekey(key)) as buf:
+            try:
+                intact = buf is not None and decode_entry(buf, key=key) is not None
+            except CorruptEntryError:
+                intact = False
+            except FormatVersionError:
+                intact = True  # a newer kvstore's entry: leave it to that version
+        if not intact:
+            self.backend.put(_ekey(key), blob)
 
     def contains(self, key: str) -> bool:
         return self.backend.contains(_ekey(key))
@@ -193,9 +223,25 @@ class KVStore:
             return view.materialize()
 
     def header(self, key: str) -> EntryHeader | None:
-        """An entry's header without verifying or decoding its payload."""
-        with self.backend.view(_ekey(key)) as buf:
-            return None if buf is None else read_header(buf)[0]
+        """An entry's header without verifying or decoding its payload (None when missing).
+        Raises CorruptEntryError or FormatVersionError for an unreadable header."""
+        got = self._peek_header(key)
+        return None if got is None else got[0]
+
+    def _peek_header(self, key: str) -> tuple[EntryHeader, int] | None:
+        """(header, stored size) from the first bytes of an entry, or None when it is missing."""
+        got = self.backend.peek(_ekey(key), _PEEK)
+        if got is None:
+            return None
+        head, size = got
+        try:
+            return read_header(head)[0], size
+        except CorruptEntryError:
+            if size <= len(head):
+                raise
+        # a header longer than the first read (or a truncated entry): read as much as one can hold
+        got = self.backend.peek(_ekey(key), MAX_ENTRY_HEADER + 64)
+        return None if got is None else (read_header(got[0])[0], got[1])
 
     def keys(self) -> list[str]:
         return [k[len(_E) :].decode() for k in self.backend.keys(_E)]
@@ -206,8 +252,8 @@ class KVStore:
     # -- scanning -------------------------------------------------------------------------------
     def _last_access(self) -> dict[str, float]:
         out = {}
-        for k in self.backend.keys(_A):
-            raw = self.backend.get(k)
+        names = list(self.backend.keys(_A))
+        for k, raw in zip(names, self.backend.get_many(names)):
             if raw is not None and len(raw) == 8:
                 out[k[len(_A) :].decode()] = struct.unpack("<d", raw)[0]
         return out | self._touched
@@ -220,21 +266,24 @@ class KVStore:
         entries, corrupt = [], []
         keys = self.keys()
         for key in keys:
-            with self.backend.view(_ekey(key)) as buf:
-                if buf is None:  # deleted while we scanned
-                    continue
-                size = len(buf)
-                try:
-                    if verify:
-                        header = decode_entry(buf, key=key).header
-                    else:
-                        header, _ = read_header(buf)
-                        if header.key != key:
-                            raise CorruptEntryError("entry header names another key")
-                except (CorruptEntryError, FormatVersionError) as exc:
-                    corrupt.append(CorruptInfo(key, str(exc), size))
+            size = 0
+            try:
+                if verify:
+                    with self.backend.view(_ekey(key)) as buf:
+                        got = None if buf is None else (decode_entry(buf, key=key).header, len(buf))
                 else:
-                    entries.append(EntryInfo(header, size, access.get(key)))
+                    got = self._peek_header(key)
+                    if got is not None and got[0].key != key:
+                        raise CorruptEntryError("entry header names another key")
+            except (CorruptEntryError, FormatVersionError) as exc:
+                peeked = self.backend.peek(_ekey(key), 1)
+                size = 0 if peeked is None else peeked[1]
+                corrupt.append(CorruptInfo(key, str(exc), size))
+            else:
+                if got is None:  # deleted while we scanned
+                    continue
+                header, size = got
+                entries.append(EntryInfo(header, size, access.get(key)))
             if progress is not None:
                 progress(1, size)
         disk = getattr(self.backend, "disk_bytes", None)
