@@ -66,6 +66,7 @@ def private_seaweed(tmp_path: Path) -> Iterator[SeaweedServer]:
     try:
         yield server
     finally:
+        server.kill()  # its data goes anyway; a graceful stop can take seconds
         server.stop()
         shutil.rmtree(server.root, ignore_errors=True)
 

@@ -48,6 +48,12 @@ class BackendBase:
 
     readonly = False
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # type: ignore[attr-defined]
+
     def put_if_absent(self, key: bytes, value: bytes | memoryview) -> bool:
         if self.contains(key):  # type: ignore[attr-defined]
             return False

@@ -50,6 +50,11 @@ from kvstore.errors import (
 from kvstore.store.backends import BackendBase
 
 MiB = 1 << 20
+# Defaults, read when a backend opens. Worst case for an endpoint that accepts connections and
+# never answers: MAX_ATTEMPTS * READ_TIMEOUT + backoff, about 45 s.
+CONNECT_TIMEOUT = 5.0  # seconds to establish a connection
+READ_TIMEOUT = 15.0  # seconds of silence on an open connection (per socket read, not per transfer)
+MAX_ATTEMPTS = 3  # tries per request, the first included
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _FANNED = re.compile(r"^([a-z0-9_-]{1,32})/([0-9a-f]{2,})$")
 
@@ -124,7 +129,8 @@ class S3Backend(BackendBase):
 
     ``readonly`` refuses writes; ``readonly`` or ``create=False`` also require the prefix to
     hold a store already (else StoreNotFoundError). ``session``: a ``boto3.session.Session`` to
-    use instead of a new one. The other options tune parts, threads and timeouts.
+    use instead of a new one. The other options tune parts, threads and timeouts (None: the
+    module's ``CONNECT_TIMEOUT``, ``READ_TIMEOUT``, ``MAX_ATTEMPTS``).
     Raises StoreError subclasses (one line each) when the store cannot be used."""
 
     def __init__(
@@ -136,9 +142,9 @@ class S3Backend(BackendBase):
         part_size: int = 8 * MiB,
         threads: int = 8,
         multipart_threshold: int = 64 * MiB,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 15.0,
-        max_attempts: int = 3,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
+        max_attempts: int | None = None,
         page_size: int = 1000,
         version_retries: int = 3,
         down_seconds: float = 30.0,
@@ -155,15 +161,17 @@ class S3Backend(BackendBase):
         self.readonly = readonly
         self.part_size, self.threads, self.page_size = part_size, threads, page_size
         self.multipart_threshold, self.version_retries = multipart_threshold, version_retries
-        self.read_timeout, self.connect_timeout, self.max_attempts = read_timeout, connect_timeout, max_attempts
+        self.connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
+        self.read_timeout = READ_TIMEOUT if read_timeout is None else read_timeout
+        self.max_attempts = MAX_ATTEMPTS if max_attempts is None else max_attempts
         self.down_seconds = down_seconds
         self._down: tuple[float, StoreError] | None = None
         self._closed = False
         config = Config(
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
             # total_max_attempts counts the first try ({"max_attempts": n} would mean n retries)
-            retries={"total_max_attempts": max_attempts, "mode": "standard"},
+            retries={"total_max_attempts": self.max_attempts, "mode": "standard"},
             max_pool_connections=2 * threads + 2,
             s3={"addressing_style": "path"},  # an IP or localhost endpoint has no per-bucket host names
             # entries carry their own xxh3 checksum: skip botocore's CRC32 pass over every byte

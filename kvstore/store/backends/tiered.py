@@ -11,7 +11,8 @@ LMDB environment in ``DIR`` that holds at most ``BYTES`` of values:
   copied into the tier. A value the remote no longer has is dropped from the tier.
 * **writes** go to the remote first, then into the tier; deletes remove from both.
 * **bounds**: before a value goes in, the least recently used values go out until the values
-  held (plus the new one) fit in ``max_bytes``; a value larger than that is not cached. The
+  held (plus the new one) fit in ``max_bytes`` (values under ``SMALL`` bytes go last: they cost
+  next to nothing and let the tier open offline); a value larger than that is not cached. The
   LMDB file keeps its size (LMDB reuses freed pages), so the directory stays near ``max_bytes``.
   The bound is exact for one process; processes sharing a tier may overshoot by a value each.
 * **offline**: when the remote cannot be reached at open, the tier still answers every value it
@@ -122,7 +123,9 @@ class TieredBackend(BackendBase):
             held.pop(key, None)
             used = sum(s for _, s in held.values())
             victims = []
-            for k, (_, s) in sorted(held.items(), key=lambda kv: kv[1][0]):
+            # large values go first, least recently used first; small ones (the description, access
+            # times) cost next to nothing and let the tier open while the remote is down
+            for k, (_, s) in sorted(held.items(), key=lambda kv: (kv[1][1] < SMALL, kv[1][0])):
                 if used + size <= self.max_bytes:
                     break
                 victims.append(k)
