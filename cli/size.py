@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from kvstore import dtypes
-from kvstore.cli.common import CLIError
+from kvstore.cli.common import CLIError, store_options, tier_options
 from kvstore.errors import DtypeError
 from kvstore.size.estimate import DEFAULT_EXAMPLES, DEFAULT_SEQ_LEN, FORMULA, SizeReport, size_report
 from kvstore.units import human_bytes
@@ -275,8 +275,12 @@ Examples:
     help="Also draw bytes per example per model and dtype (PNG; needs matplotlib).",
 )
 @click.option(
-    "--store", type=click.Path(), default=None, help="Also measure what this store holds per model and dtype."
+    "--store",
+    metavar="PATH|URL",
+    default=None,
+    help="Also measure what this store (directory or s3://BUCKET[/PREFIX]) holds per model and dtype.",
 )
+@tier_options
 def size(
     models: tuple[str, ...],
     seq_len: int,
@@ -295,7 +299,9 @@ def size(
     EleutherAI/pythia-1b), 'default' (the bundled SmolLM2-135M-Instruct), a .gguf file, a directory
     holding config.json, or a hub id. The cumulative column adds the models up in the order given.
     """
-    report = size_report(models, seq_len=seq_len, examples=examples, dtype_names=dtype_names, store=store)
+    report = size_report(
+        models, seq_len=seq_len, examples=examples, dtype_names=dtype_names, store=store, store_options=store_options()
+    )
     if fmt == "table":
         click.echo(render_table(report), nl=False)
     elif fmt == "csv":

@@ -38,7 +38,8 @@ class BuildReport:
     """What :meth:`Adapter.generate_kv_cache` did. Sizes are bytes; times are seconds."""
 
     contexts: int = 0  # contexts given (with duplicates)
-    distinct: int = 0
+    distinct: int = 0  # in this shard
+    other_shards: int = 0  # distinct contexts left to the other shards
     built: int = 0
     skipped: int = 0  # already in the store
     failed: int = 0
@@ -161,6 +162,12 @@ def batches(
         yield batch
 
 
+def in_shard(key: str, i: int, n: int) -> bool:
+    """Whether shard ``i`` of ``n`` builds ``key``: its first 16 hex digits, read as a number,
+    are ``i`` modulo ``n`` (keys are sha256 hex, so shards get near-equal shares)."""
+    return int(key[:16], 16) % n == i
+
+
 def build_caches(
     adapter: Adapter,
     contexts: Sequence[TextOrIds],
@@ -174,9 +181,12 @@ def build_caches(
     skip_errors: bool = False,
     labels: Sequence[str] | None = None,
     progress: Progress | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> BuildReport:
     """Prefill every distinct context not yet (intact) in ``store`` and store its KV cache.
     See :meth:`kvstore.model.adapter.Adapter.generate_kv_cache`."""
+    if shard is not None and not 0 <= shard[0] < shard[1]:
+        raise ValueError(f"shard {shard[0]}/{shard[1]}: need 0 <= I < N")
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
     t_start = time.perf_counter()
@@ -203,12 +213,16 @@ def build_caches(
     for i, k in enumerate(report.keys):
         if k:
             first.setdefault(k, i)
+    if shard is not None:
+        mine = {k: i for k, i in first.items() if in_shard(k, *shard)}
+        report.other_shards = len(first) - len(mine)
+        first = mine
     report.failed = sum(1 for x in ids if not x)
     report.distinct = len(first)
     todo = [i for k, i in first.items() if not store.is_intact(k)]  # corrupt entries are rebuilt
     report.skipped = report.distinct - len(todo)
-    if progress and report.skipped:
-        progress(report.skipped, 0)
+    if progress and report.skipped + report.other_shards:
+        progress(report.skipped + report.other_shards, 0)  # nothing to do for these here
     lengths = [len(x) for x in ids]
     order = sorted(todo, key=lambda i: lengths[i])
     writer = Writer(store, report)
@@ -228,4 +242,4 @@ def build_caches(
     return report
 
 
-__all__ = ["BuildReport", "LayerKV", "Writer", "batches", "build_caches", "prefill"]
+__all__ = ["BuildReport", "LayerKV", "Writer", "batches", "build_caches", "in_shard", "prefill"]
