@@ -268,6 +268,8 @@ class S3Backend(BackendBase):
             )
         else:
             return StoreError(f"S3 {op} failed on {what}: {type(exc).__name__}: {_first_line(exc)}")
+        if op != "open" and "re-run" not in str(err):
+            err = StoreUnavailableError(f"{err} (what was stored before is intact: re-run once it is back)")
         self._down = (time.monotonic() + self.down_seconds, err)
         return err
 
