@@ -136,33 +136,49 @@ def test_load_is_one_buffer_filled_in_parts(be):
 def test_replaced_during_load_is_never_mixed(be, monkeypatch):
     old, new = os.urandom(4 * MiB), os.urandom(4 * MiB)
     be.put(b"e/5678", old)
-    real, fired = S3Backend._fill, []
+    real, fired = S3Backend._part, []
 
-    def fill(body, dest):
-        real(body, dest)
-        if not fired:  # the first part is in; another writer replaces the object
+    def part(self, name, etag, buf, start, end):
+        if not fired:  # the first part has been answered; another writer replaces the object
             fired.append(1)
             be.put(b"e/5678", new)
+        return real(self, name, etag, buf, start, end)
 
-    monkeypatch.setattr(S3Backend, "_fill", staticmethod(fill))
-    assert be.get(b"e/5678") == new  # 412 on the other parts: loaded again, the new version
+    monkeypatch.setattr(S3Backend, "_part", part)
+    # without If-Match the other parts would bring the new bytes after the old first part
+    assert be.get(b"e/5678") == new  # 412: loaded again, the new version whole
     assert fired
 
 
 def test_deleted_during_load_is_a_miss(be, monkeypatch):
     be.put(b"e/9abc", os.urandom(4 * MiB))
-    real, fired = S3Backend._fill, []
+    real, fired = S3Backend._part, []
 
-    def fill(body, dest):
-        real(body, dest)
+    def part(self, name, etag, buf, start, end):
         if not fired:
             fired.append(1)
             be.delete(b"e/9abc")
+        return real(self, name, etag, buf, start, end)
 
-    monkeypatch.setattr(S3Backend, "_fill", staticmethod(fill))
+    monkeypatch.setattr(S3Backend, "_part", part)
     with be.view(b"e/9abc") as buf:
         assert buf is None
     assert fired
+
+
+def test_load_buffers_are_recycled(be):
+    a, b = os.urandom(3 * MiB), os.urandom(2 * MiB)
+    be.put(b"e/aaaa", a)
+    be.put(b"e/bbbb", b)
+    with be.view(b"e/aaaa") as first:
+        assert first == a
+        with be.view(b"e/bbbb") as second:  # a view in use is never lent twice
+            assert second == b and first == a
+    with be.view(b"e/bbbb") as again:  # a buffer back from the pool, the best fit
+        assert again == b and len(again) == len(b)
+        assert again.obj is second.obj
+    with be.view(b"e/aaaa") as again:
+        assert again == a and again.obj is first.obj
 
 
 # -- errors: one line each, in bounded time -------------------------------------------------------
