@@ -18,11 +18,14 @@ every figure (SeaweedFS spends ~1.3-1.6 CPU-s per GiB read and 9-17 per GiB writ
 * ``shards``: ``kvstore build`` of the demo dataset into a fresh S3 prefix, as one process (2 torch
   threads) and as two concurrent ``--shard i/2`` processes (1 thread each); wall time including
   each process's start and model load.
+* ``failures``: seconds until the one-line error with the default timeouts (connect 5 s, read
+  15 s, 3 tries): nothing listening, an endpoint that accepts and never answers, a wrong secret,
+  a missing bucket, the server killed during a 200 MB put.
 * ``estimate``: no measurement; bytes, objects, requests, transfer time and list-price cost of the
   `kvstore size` Pythia example (8 models x 225 contexts x 2048 tokens, float32) built by N
   machines into one bucket. Every assumption is in the output.
 
-Command (from the repository root; writes experiments/results/s3_{load,sample,shards}.{csv,json}
+Command (from the repository root; writes experiments/results/s3_{load,sample,shards,failures}.{csv,json}
 and s3_estimate.json):
 
     .venv/bin/python experiments/bench_s3.py                     # all parts, 5 repeats (sample: 3)
@@ -39,6 +42,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import benchlib as bl
@@ -235,6 +239,55 @@ def part_shards(server: SeaweedServer, repeats: int) -> list[dict]:
     return rows
 
 
+# -- failures ------------------------------------------------------------------------------------------
+def part_failures(server: SeaweedServer) -> list[dict]:
+    """Seconds from the call to the one-line error, with the backend's default timeouts."""
+    import socket
+    import threading
+
+    from kvstore.errors import KVStoreError
+    from kvstore.store.backends.s3 import S3Backend
+
+    server.client().create_bucket(Bucket="failures")
+    rows = []
+
+    def timed(case: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            fn()
+            message, kind = "no error", ""
+        except KVStoreError as exc:
+            message, kind = str(exc), type(exc).__name__
+        seconds = time.perf_counter() - t0
+        rows.append({"case": case, "seconds": round(seconds, 2), "error": kind, "message": message})
+        print(f"  {case:<44} {seconds:6.2f} s  {kind}: {message}", flush=True)
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    try:
+        from helpers.seaweed import free_ports
+
+        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_ports(1)[0]}"
+        timed("connection refused (nothing listening)", lambda: S3Backend("s3://failures/kv"))
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(16)
+            os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{silent.getsockname()[1]}"
+            timed("endpoint accepts, never answers", lambda: S3Backend("s3://failures/kv"))
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    os.environ["AWS_SECRET_ACCESS_KEY"] = "wrong"
+    timed("wrong secret key", lambda: S3Backend("s3://failures/kv"))
+    os.environ["AWS_SECRET_ACCESS_KEY"] = secret
+    timed("missing bucket", lambda: S3Backend("s3://no-such-bucket/kv"))
+    backend = S3Backend("s3://failures/kv")
+    threading.Timer(0.3, server.kill).start()
+    timed("server SIGKILLed during a 200 MB put", lambda: backend.put(b"e/dead", os.urandom(200 * MB)))
+    backend.close()
+    server.start()
+    return rows
+
+
 # -- the Pythia example on paper ----------------------------------------------------------------------
 ASSUMPTIONS = {
     "part_bytes": 8 << 20,
@@ -303,7 +356,7 @@ def part_estimate(machines: list[int]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="load,sample,shards,estimate")
+    p.add_argument("--parts", default="load,sample,shards,failures,estimate")
     p.add_argument("--sizes-mb", default="10,50,200")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sample-repeats", type=int, default=3)
@@ -335,6 +388,8 @@ def main() -> None:
                 rows = part_sample(server, args.sample_repeats, [int(x) for x in args.new_tokens.split(",")])
             elif part == "shards":
                 rows = part_shards(server, max(1, args.repeats // 2))
+            elif part == "failures":
+                rows = part_failures(server)
             elif part == "estimate":
                 bl.write_json(bl.RESULTS / f"s3_estimate{suffix}.json", part_estimate([1, 2, 8, 32]))
                 continue

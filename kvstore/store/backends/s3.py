@@ -17,12 +17,12 @@ Semantics:
   multipart upload, completed (atomically) only after every part arrived, aborted on error.
   ``put_if_absent`` sends ``If-None-Match: *``: a 412 means the key is already stored.
 * **Loads.** The first GET asks for the first ``first_part`` bytes (2 parts): its answer carries
-  the total size and the ETag (no HEAD). One buffer of that size is taken (buffers are recycled once the
-  ``view`` that lent one ends) and the other parts are fetched by ``threads`` threads straight
-  into it, each pinned with ``If-Match: ETAG``. A 412
-  (the object was replaced meanwhile) restarts the load, at most ``version_retries`` times; a
-  404 (deleted meanwhile) is a miss. So a reader never sees a mix of two versions nor a part
-  of one, and a delete racing a read costs the reader a miss, never a partial value.
+  the total size and the ETag (no HEAD). One buffer of that size is taken (buffers are recycled
+  once the ``view`` that lent one ends) and the other parts are fetched by ``threads`` threads
+  straight into it, each pinned with ``If-Match: ETAG``. A 412 (the object was replaced
+  meanwhile) restarts the load, at most ``version_retries`` times; a 404 (deleted meanwhile) is
+  a miss. So a reader never sees a mix of two versions nor a part of one, and a delete racing a
+  read costs the reader a miss, never a partial value.
 * **Failures** become one line each (:mod:`kvstore.errors`): connect timeout ``connect_timeout``
   s, each socket read ``read_timeout`` s, at most ``max_attempts`` tries per request. The worst
   case (an endpoint that accepts connections and never answers) takes about
@@ -215,7 +215,7 @@ class S3Backend(BackendBase):
             self._down = None
         return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
 
-    def _error(self, exc: BaseException, op: str, key: bytes | None = None) -> StoreError:
+    def _error(self, exc: BaseException, op: str) -> StoreError:
         """The one-line StoreError for a failed request (codes as S3 and SeaweedFS send them)."""
         from botocore import exceptions as bx
 
@@ -342,7 +342,7 @@ class S3Backend(BackendBase):
                     return None
                 if status == 416:  # a range of an empty object cannot be satisfied
                     return bytearray(), 0
-                raise self._error(exc, "get", key) from None
+                raise self._error(exc, "get") from None
             m = _CONTENT_RANGE.match(r.get("ContentRange") or "")
             total = int(m.group(3)) if m else int(r["ContentLength"])  # a 200 carries the whole object
             buf = self._take(total)
@@ -367,7 +367,7 @@ class S3Backend(BackendBase):
                 continue  # replaced while we read it: load the new version
             except Exception as exc:  # noqa: BLE001
                 self._give(buf)
-                raise self._error(exc, "get", key) from None
+                raise self._error(exc, "get") from None
             return buf, total
         return None  # it kept changing under us: a miss now, the next load will try again
 
@@ -416,7 +416,7 @@ class S3Backend(BackendBase):
                 return None
             if status == 416:
                 return b"", 0
-            raise self._error(exc, "get", key) from None
+            raise self._error(exc, "get") from None
         m = _CONTENT_RANGE.match(r.get("ContentRange") or "")
         return data[:n], int(m.group(3)) if m else len(data)
 
@@ -427,7 +427,7 @@ class S3Backend(BackendBase):
         except Exception as exc:  # noqa: BLE001
             if _status(exc)[0] == 404:
                 return False
-            raise self._error(exc, "head", key) from None
+            raise self._error(exc, "head") from None
 
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
         found: set[bytes] = set()
@@ -451,24 +451,23 @@ class S3Backend(BackendBase):
     def _put(self, key: bytes, value: bytes | bytearray | memoryview, conditional: bool) -> bool:
         self._writable()
         name = self._name(key)
-        data = value if isinstance(value, (bytes, bytearray)) else bytes(value)
         cond = {"IfNoneMatch": "*"} if conditional else {}
         try:
-            if len(data) <= self.multipart_threshold:
+            if len(value) <= self.multipart_threshold:
+                data = value if isinstance(value, (bytes, bytearray)) else bytes(value)  # botocore wants bytes
                 self._call("put_object", Key=name, Body=data, **cond)
             else:
-                self._multipart(name, data, cond)
+                self._multipart(name, memoryview(value), cond)  # copies one part at a time
         except Exception as exc:  # noqa: BLE001
             # 412: the key exists; 409: another conditional write of it is in progress
             if conditional and _status(exc)[0] in (409, 412):
                 return False
-            raise self._error(exc, "put", key) from None
+            raise self._error(exc, "put") from None
         return True
 
-    def _multipart(self, name: str, data: bytes | bytearray, cond: dict[str, str]) -> None:
+    def _multipart(self, name: str, view: memoryview, cond: dict[str, str]) -> None:
         upload = self._call("create_multipart_upload", Key=name)["UploadId"]
-        part = max(self.part_size, 5 * MiB, -(-len(data) // 10_000))  # S3: parts >= 5 MiB, <= 10,000 of them
-        view = memoryview(data)
+        part = max(self.part_size, 5 * MiB, -(-len(view) // 10_000))  # S3: parts >= 5 MiB, <= 10,000 of them
 
         def one(i: int) -> dict[str, Any]:
             body = bytes(view[i * part : (i + 1) * part])
@@ -476,7 +475,7 @@ class S3Backend(BackendBase):
             return {"PartNumber": i + 1, "ETag": r["ETag"]}
 
         try:
-            parts = list(self._parts.map(one, range(-(-len(data) // part))))
+            parts = list(self._parts.map(one, range(-(-len(view) // part))))
             self._call("complete_multipart_upload", Key=name, UploadId=upload, MultipartUpload={"Parts": parts}, **cond)
         except BaseException:
             with contextlib.suppress(Exception):  # the server may be gone; `kvstore gc` cannot see these
@@ -496,7 +495,7 @@ class S3Backend(BackendBase):
             try:
                 self._call("delete_object", Key=self._name(key))
             except Exception as exc:  # noqa: BLE001
-                raise self._error(exc, "delete", key) from None
+                raise self._error(exc, "delete") from None
         return existed
 
     # -- batched ------------------------------------------------------------------------------------
