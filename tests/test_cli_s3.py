@@ -120,7 +120,11 @@ def test_server_killed_mid_build_is_one_line_and_a_rerun_completes(
 
     def prefill(adapter, batch):
         calls.append(1)
-        if len(calls) == 4:  # the fourth batch: the object store dies
+        if len(calls) == 4:  # the fourth batch: once an entry is in, the object store dies
+            client, deadline = server.client(), time.monotonic() + 30
+            while not client.list_objects_v2(Bucket="builds", Prefix="kv/e/").get("KeyCount"):
+                assert time.monotonic() < deadline, "the writer stored nothing"
+                time.sleep(0.05)
             server.kill()
         return real(adapter, batch)
 

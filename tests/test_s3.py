@@ -14,6 +14,7 @@ import time
 import uuid
 
 import pytest
+import torch
 
 from helpers.s3 import BUCKET
 from helpers.seaweed import READER, free_ports
@@ -314,3 +315,28 @@ def test_tier_stays_within_its_size_and_answers_offline(private_seaweed, tmp_pat
             list(tier.keys())
     with pytest.raises(StoreError, match="holds a tier of s3://tier/kv"):
         TieredBackend("s3://tier/other", cache, max_bytes=budget)
+
+
+def test_entries_are_written_once_unless_different(s3_url, seaweed):
+    from helpers.entries import kv_layers
+    from kvstore.store.entry import Entry
+    from kvstore.store.kvstore import KVStore
+
+    key = "cd" * 32
+    ids = torch.arange(5)
+    layers = tuple(map(tuple, kv_layers(2, 2, 5, 8, extremes=False)))
+    bucket, root = parse_url(s3_url)
+    name = root + object_name(f"e/{key}".encode())
+
+    def etag() -> str:
+        return seaweed.client().head_object(Bucket=bucket, Key=name)["ETag"]
+
+    with KVStore(s3_url) as kv:
+        kv.put(Entry(key, "f" * 64, "tiny", ids, layers, created=1.0))
+        first = etag()
+        kv.put(Entry(key, "f" * 64, "tiny", ids, layers, created=2.0))  # the same cache again: a 412, kept
+        assert etag() == first and kv.get(key).created == 1.0
+        kv.put(Entry(key, "e" * 64, "other", ids, layers, created=3.0))  # another model's: replaced
+        assert etag() != first and kv.get(key).model == "e" * 64
+        kv.put(Entry(key, "e" * 64, "other", ids.flip(0), layers, created=4.0))  # other tokens: replaced
+        assert kv.get(key).created == 4.0

@@ -62,6 +62,21 @@ def _ekey(key: str) -> bytes:
     return _E + key.encode("ascii")
 
 
+def _same_entry(stored: memoryview, blob: bytes, key: str) -> bool:
+    """Whether ``stored`` is an intact entry with the facts of ``blob`` (model, dtype, shape,
+    token ids): then it holds the same cache, written by someone else (only ``created`` and the
+    codec may differ). A newer format's entry counts as the same: it is left to that version."""
+    try:
+        old = decode_entry(stored, key=key)
+    except FormatVersionError:
+        return True
+    except CorruptEntryError:
+        return False
+    new = decode_entry(blob, key=key)
+    facts = lambda h: (h.model, h.dtype, h.n_tokens, h.n_layers, h.kv_heads, h.head_dim)
+    return facts(old.header) == facts(new.header) and old.token_ids() == new.token_ids()
+
+
 class KVStore:
     """A KV-cache store. ``path_or_url``: a directory (LMDB), ``lmdb://DIR``, ``s3://BUCKET[/PREFIX]``
     or ``memory://NAME``; default ``$KVSTORE_STORE`` or ``<home>/store``.
@@ -152,17 +167,13 @@ class KVStore:
 
     def put_bytes(self, key: str, blob: bytes) -> None:
         """Store already-encoded entry bytes (see :meth:`encode`) under ``key``, unless ``key``
-        already holds an intact entry (a corrupt one is replaced)."""
+        already holds an intact entry of the same model, dtype, shape and tokens (another writer's
+        copy, kept); a corrupt or different one is replaced."""
         if self.backend.put_if_absent(_ekey(key), blob):
             return
         with self.backend.view(_ekey(key)) as buf:
-            try:
-                intact = buf is not None and decode_entry(buf, key=key) is not None
-            except CorruptEntryError:
-                intact = False
-            except FormatVersionError:
-                intact = True  # a newer kvstore's entry: leave it to that version
-        if not intact:
+            keep = buf is not None and _same_entry(buf, blob, key)
+        if not keep:
             self.backend.put(_ekey(key), blob)
 
     def contains(self, key: str) -> bool:
