@@ -58,20 +58,71 @@ def _resolve_store(ctx: click.Context, param: click.Parameter, value: str | None
     return default_store()
 
 
+_TIER_META = "kvstore.tier"  # ctx.meta key: the --cache-dir / --cache-size values
+
+
+def _remember_tier(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    if value is not None:
+        ctx.meta.setdefault(_TIER_META, {})[param.name] = value
+
+
+def tier_options(fn: Callable) -> Callable:
+    """``--cache-dir DIR`` (or ``$KVSTORE_CACHE_DIR``) and ``--cache-size SIZE`` (or
+    ``$KVSTORE_CACHE_SIZE``, default 10GiB): a local LMDB tier in front of the store. They are not
+    passed to the command: :func:`open_store` and :func:`store_options` read them."""
+    fn = click.option(
+        "--cache-size",
+        type=SIZE,
+        metavar="SIZE",
+        default=None,
+        envvar="KVSTORE_CACHE_SIZE",
+        expose_value=False,
+        callback=_remember_tier,
+        show_default="10GiB",
+        help="Most bytes the --cache-dir tier holds; least recently used values go first.",
+    )(fn)
+    fn = click.option(
+        "--cache-dir",
+        type=click.Path(file_okay=False),
+        metavar="DIR",
+        default=None,
+        envvar="KVSTORE_CACHE_DIR",
+        expose_value=False,
+        callback=_remember_tier,
+        help="Local LMDB tier in front of a remote --store (read-through, write-through); answers what it "
+        "holds even when the remote is down.",
+    )(fn)
+    return fn
+
+
 def store_option(fn: Callable) -> Callable:
-    """``--store PATH``: the store directory (or ``lmdb://DIR``, ``memory://NAME``).
+    """``--store PATH|URL`` (a directory, ``lmdb://DIR``, ``s3://BUCKET[/PREFIX]``,
+    ``memory://NAME``) and the local tier in front of it (:func:`tier_options`).
 
     The command receives ``store: str``, already resolved: the option's value, else
     ``$KVSTORE_STORE``, else ``<kvstore home>/store`` (see :func:`kvstore.paths.default_store`)."""
+    fn = tier_options(fn)
     return click.option(
         "--store",
         "store",
-        metavar="PATH",
+        metavar="PATH|URL",
         default=None,
         callback=_resolve_store,
         show_default=STORE_DEFAULT_HELP,
-        help="Store directory.",
+        help="Store: a directory (LMDB) or s3://BUCKET[/PREFIX] (endpoint and credentials: the AWS_* variables).",
     )(fn)
+
+
+def store_options() -> dict[str, Any]:
+    """Backend options from ``--cache-dir`` / ``--cache-size`` of the running command (``{}``
+    without a tier), for ``KVStore(store, **store_options())``."""
+    ctx = click.get_current_context(silent=True)
+    tier = dict(ctx.meta.get(_TIER_META, {})) if ctx is not None else {}
+    if tier.get("cache_dir") is None:
+        if tier.get("cache_size") is not None:
+            raise click.UsageError("--cache-size needs --cache-dir")
+        return {}
+    return {k: v for k, v in tier.items() if v is not None}
 
 
 def format_option(
@@ -119,8 +170,8 @@ def open_store(store: str, *, readonly: bool, create: bool = False):
     from kvstore.store.kvstore import KVStore
 
     if readonly:
-        return KVStore(store, readonly=True)
-    return KVStore(store, create=create)
+        return KVStore(store, readonly=True, **store_options())
+    return KVStore(store, create=create, **store_options())
 
 
 # -- confirmation -------------------------------------------------------------------------------
@@ -375,6 +426,8 @@ __all__ = [
     "short",
     "stdin_is_tty",
     "store_option",
+    "store_options",
+    "tier_options",
     "warn",
     "yes_option",
 ]

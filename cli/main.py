@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "import_llminference",
         "Import KV caches written by the llminference research code.",
     ),
+    "sync": ("kvstore.cli.transfer", "sync", "Copy what one store lacks from another (any backends, e.g. to S3)."),
 }
 
 
@@ -66,9 +67,28 @@ def app() -> None:
     """
 
 
+def _one_line_warnings() -> None:
+    """Show kvstore's own warnings (kvstore.errors) as ``kvstore: warning: ...`` on stderr."""
+    import warnings
+
+    show = warnings.showwarning
+    if getattr(show, "kvstore_one_line", False):
+        return
+
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        if category.__module__ == "kvstore.errors":
+            click.echo(f"kvstore: warning: {str(message).removeprefix('kvstore: ')}", err=True)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    one_line.kvstore_one_line = True  # type: ignore[attr-defined]
+    warnings.showwarning = one_line
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning kvstore's errors into one line and an exit code."""
     debug = os.environ.get("KVSTORE_DEBUG", "") not in ("", "0")
+    _one_line_warnings()
     try:
         rc = app.main(args=argv, prog_name="kvstore", standalone_mode=False)
         if isinstance(rc, int) and rc:  # ctx.exit(n) returns n when standalone_mode is off

@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from kvstore import dtypes
-from kvstore.cli.common import CLIError
+from kvstore.cli.common import CLIError, store_options, tier_options
 from kvstore.errors import DtypeError
 from kvstore.size.estimate import DEFAULT_EXAMPLES, DEFAULT_SEQ_LEN, FORMULA, SizeReport, size_report
 from kvstore.units import human_bytes
@@ -286,7 +286,10 @@ Examples:
     help="Also draw bytes per example per model and dtype (PNG; needs matplotlib).",
 )
 @click.option(
-    "--store", type=click.Path(), default=None, help="Also measure what this store holds per model and dtype."
+    "--store",
+    metavar="PATH|URL",
+    default=None,
+    help="Also measure what this store (directory or s3://BUCKET[/PREFIX]) holds per model and dtype.",
 )
 @click.option(
     "--codec",
@@ -294,6 +297,7 @@ Examples:
     help="Estimate as stored by this codec's quantizer (int8, int4, fp8, with a group size: int4:64); "
     "zstd packings are lossless and data-dependent: measure them with --store.",
 )
+@tier_options
 def size(
     models: tuple[str, ...],
     seq_len: int,
@@ -313,7 +317,10 @@ def size(
     EleutherAI/pythia-1b), 'default' (the bundled SmolLM2-135M-Instruct), a .gguf file, a directory
     holding config.json, or a hub id. The cumulative column adds the models up in the order given.
     """
-    report = size_report(models, seq_len=seq_len, examples=examples, dtype_names=dtype_names, store=store, codec=codec)
+    report = size_report(
+        models, seq_len=seq_len, examples=examples, dtype_names=dtype_names, store=store, codec=codec,
+        store_options=store_options(),
+    )  # fmt: skip
     if fmt == "table":
         click.echo(render_table(report), nl=False)
     elif fmt == "csv":

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from kvstore import dtypes
-from kvstore.cli.common import echo_json, progress_bar, quiet_option, store_option
+from kvstore.cli.common import echo_json, progress_bar, quiet_option, store_option, store_options
 
 
 @contextlib.contextmanager
@@ -217,6 +217,18 @@ def _check_codec(spec: str | None) -> None:
     get_codec(spec)
 
 
+def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not I/N (e.g. 0/4)") from None
+    if not 0 <= i < n:
+        raise click.BadParameter(f"{value!r}: need 0 <= I < N")
+    return i, n
+
+
 @click.command()
 @_dataset_options
 @_model_options
@@ -225,16 +237,26 @@ def _check_codec(spec: str | None) -> None:
     "zstd-shuffle:1], or lossy int8[:G], int4[:G] or fp8 (optionally +zstd): lossy entries are found only by "
     "sample --codec with the same codec."
 )
+@click.option(
+    "--shard",
+    metavar="I/N",
+    default=None,
+    callback=_shard,
+    help="Build only the contexts whose key (first 16 hex digits as a number) is I modulo N; run N of these "
+    "(I = 0..N-1), anywhere, into one store.",
+)
 def build(**kwargs):
     """Prefill every distinct context of DATASET once and store its KV cache.
 
     Contexts already in the store are skipped, so an interrupted build resumes where it stopped.
-    DATASET is a .jsonl, .csv or SQuAD-style .json file.
+    DATASET is a .jsonl, .csv or SQuAD-style .json file. --shard I/N splits the work over N
+    jobs (e.g. a SLURM array writing into one s3:// store); each is idempotent like a build.
     """
     from kvstore.store.kvstore import KVStore
 
     opts = RunOptions.take(kwargs)
     codec = kwargs.pop("codec")
+    shard = kwargs.pop("shard")
     _check_codec(codec)
     data, adapter, prompt = _load_everything(opts, require_question=False)
     dataset = opts.dataset
@@ -244,7 +266,7 @@ def build(**kwargs):
         first_id.setdefault(ex.context, ex.id)
     labels = [f"{dataset}: context of row {first_id[c]}" for c in contexts]
     texts = [prompt.context_part(c) for c in contexts]
-    with KVStore(opts.store, codec=codec) as kv:
+    with KVStore(opts.store, codec=codec, **store_options()) as kv:
         with progress_bar(len(texts), "build", opts.quiet, unit="ctx", rate="tok") as bar:
             report = adapter.generate_kv_cache(
                 texts,
@@ -257,6 +279,7 @@ def build(**kwargs):
                 labels=labels,
                 progress=bar,
                 prefix=prompt.head or None,
+                shard=shard,
             )
     summary = {
         "dataset": dataset,
@@ -267,7 +290,9 @@ def build(**kwargs):
         "lossy": not kv.codec.lossless,
         "rows": len(data.examples),
         "bad_rows_skipped": data.skipped,
+        "shard": f"{shard[0]}/{shard[1]}" if shard else None,
         "contexts": report.distinct,
+        "other_shards": report.other_shards if shard else None,
         "built": report.built,
         "skipped": report.skipped,
         "failed": report.failed,
@@ -329,7 +354,7 @@ def sample(**kwargs):
     contexts = [prompt.context_part(ex.context) for ex in examples]
     questions = [prompt.question_part(ex.question) for ex in examples]
     labels = [f"{dataset}: row {ex.id}" for ex in examples]
-    kv = None if no_cache else KVStore(opts.store, readonly=readonly_store, codec=codec)
+    kv = None if no_cache else KVStore(opts.store, readonly=readonly_store, codec=codec, **store_options())
     lossy = kv is not None and not kv.codec.lossless
     bar = progress_bar(len(examples), "sample", opts.quiet, unit="q", rate="tok")
     t0 = time.perf_counter()

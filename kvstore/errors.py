@@ -26,6 +26,15 @@ class StoreFullError(StoreError, OSError):
     """The disk (not the LMDB map, which grows by itself) is full."""
 
 
+class StoreUnavailableError(StoreError, ConnectionError):
+    """A remote store's server cannot be reached, does not answer in time, or dropped the
+    connection. Everything committed before stays intact; re-run once the server is back."""
+
+
+class StoreAccessError(StoreError, PermissionError):
+    """A remote store's server rejected the credentials or denied reading."""
+
+
 class FormatVersionError(KVStoreError):
     """A store or entry was written by a newer kvstore format than this one reads."""
 
@@ -71,3 +80,7 @@ class DatasetError(KVStoreError, ValueError):
 
 class CorruptEntryWarning(UserWarning):
     """A stored entry failed verification on load and was treated as a miss."""
+
+
+class StoreOfflineWarning(UserWarning):
+    """A remote store is unreachable; a local tier in front of it answers what it holds."""

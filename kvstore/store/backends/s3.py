@@ -1,0 +1,540 @@
+"""S3 backend: a store in an S3-compatible object store (AWS S3, MinIO, SeaweedFS, R2...).
+
+URL ``s3://BUCKET`` or ``s3://BUCKET/PREFIX`` (a trailing slash changes nothing). The endpoint,
+credentials, region and profile come the standard AWS way: ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_PROFILE`` and
+``~/.aws/config``; an ``http://`` endpoint works as it is. boto3 is imported only here, when an
+``s3://`` store is opened (``pip install 'kvstore[s3]'``). kvstore never creates buckets.
+
+Layout: one object per backend key. Keys of the form ``NAME/HEX`` fan out on the first two hex
+digits (``e/ab12...`` -> ``PREFIX/e/ab/ab12...``), so that listings and request rates spread over
+many name prefixes; any other key is one percent-encoded name (``meta`` -> ``PREFIX/meta``). The
+mapping is one-to-one, so :meth:`S3Backend.keys` lists and decodes.
+
+Semantics:
+
+* **Atomic writes.** A PUT is all or nothing; values above ``multipart_threshold`` go up as a
+  multipart upload, completed (atomically) only after every part arrived, aborted on error.
+  ``put_if_absent`` sends ``If-None-Match: *``: a 412 means the key is already stored.
+* **Loads.** The first GET asks for the first ``first_part`` bytes (2 parts): its answer carries
+  the total size and the ETag (no HEAD). One buffer of that size is taken (buffers are recycled
+  once the ``view`` that lent one ends) and the other parts are fetched by ``threads`` threads
+  straight into it, each pinned with ``If-Match: ETAG``. A 412 (the object was replaced
+  meanwhile) restarts the load, at most ``version_retries`` times; a 404 (deleted meanwhile) is
+  a miss. So a reader never sees a mix of two versions nor a part of one, and a delete racing a
+  read costs the reader a miss, never a partial value.
+* **Failures** become one line each (:mod:`kvstore.errors`): connect timeout ``connect_timeout``
+  s, each socket read ``read_timeout`` s, at most ``max_attempts`` tries per request. The worst
+  case (an endpoint that accepts connections and never answers) takes about
+  ``max_attempts * read_timeout`` s. After a server has been unreachable, further requests fail
+  at once for ``down_seconds`` s instead of waiting for their own timeouts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvstore.errors import (
+    ReadOnlyStoreError,
+    StoreAccessError,
+    StoreError,
+    StoreNotFoundError,
+    StoreUnavailableError,
+)
+from kvstore.store.backends import BackendBase
+
+MiB = 1 << 20
+# Defaults, read when a backend opens. Worst case for an endpoint that accepts connections and
+# never answers: MAX_ATTEMPTS * READ_TIMEOUT + backoff, about 45 s.
+CONNECT_TIMEOUT = 5.0  # seconds to establish a connection
+READ_TIMEOUT = 15.0  # seconds of silence on an open connection (per socket read, not per transfer)
+MAX_ATTEMPTS = 3  # tries per request, the first included
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_FANNED = re.compile(r"^([a-z0-9_-]{1,32})/([0-9a-f]{2,})$")
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b/`` -> ``("bucket", "a/b/")``: the bucket and the object-name prefix (empty,
+    or ending in ``/``). Empty segments are dropped (S3 servers fold ``//``). Raises StoreError."""
+    if not url.startswith("s3://"):
+        raise StoreError(f"{url!r} is not an s3:// URL")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    if not bucket:
+        raise StoreError(f"{url!r} names no bucket; use s3://BUCKET or s3://BUCKET/PREFIX")
+    prefix = "/".join(p for p in prefix.split("/") if p)
+    return bucket, prefix + "/" if prefix else ""
+
+
+def object_name(key: bytes) -> str:
+    """Object name (below the store's prefix) of a backend key: ``NAME/HEX`` fans out as
+    ``NAME/HE/HEX``; anything else is percent-encoded into one name without ``/``."""
+    m = _FANNED.match(key.decode("latin-1"))
+    if m:
+        return f"{m.group(1)}/{m.group(2)[:2]}/{m.group(2)}"
+    return urllib.parse.quote_from_bytes(key, safe="")
+
+
+def backend_key(name: str) -> bytes | None:
+    """Inverse of :func:`object_name`; None for a name no key maps to (a foreign object)."""
+    parts = name.split("/")
+    if len(parts) == 3:
+        key = f"{parts[0]}/{parts[2]}"
+        return key.encode() if _FANNED.match(key) and parts[2][:2] == parts[1] else None
+    if len(parts) == 1 and parts[0]:
+        key_bytes = urllib.parse.unquote_to_bytes(parts[0])
+        return key_bytes if object_name(key_bytes) == parts[0] else None
+    return None
+
+
+def _listing_prefixes(prefix: bytes) -> list[str]:
+    """Object-name prefixes whose listings together hold every key starting with ``prefix``:
+    one for fanned-out names, one for percent-encoded ones (one alone when it covers the other)."""
+    flat = urllib.parse.quote_from_bytes(prefix, safe="")
+    text = prefix.decode("latin-1")
+    name, sep, digits = text.partition("/")
+    if not sep:
+        fanned = text if re.fullmatch(r"[a-z0-9_-]{0,32}", text) else None
+    elif re.fullmatch(r"[a-z0-9_-]{1,32}", name) and re.fullmatch(r"[0-9a-f]*", digits):
+        fanned = f"{name}/{digits[:2]}/{digits}" if len(digits) >= 2 else text
+    else:
+        fanned = None
+    if fanned is None or flat.startswith(fanned):
+        return [fanned if fanned is not None and flat.startswith(fanned) else flat]
+    return [flat] if fanned.startswith(flat) else [fanned, flat]
+
+
+def _status(exc: BaseException) -> tuple[int | None, str]:
+    """(HTTP status, error code) of a botocore ClientError; (None, "") for anything else."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None, ""
+    return response.get("ResponseMetadata", {}).get("HTTPStatusCode"), response.get("Error", {}).get("Code", "")
+
+
+class _Changed(Exception):
+    """The object was replaced (412) or deleted (404) while its parts were being read."""
+
+    def __init__(self, status: int):
+        self.status = status
+
+
+class S3Backend(BackendBase):
+    """A store under ``s3://BUCKET/PREFIX``; see the module docstring for layout and semantics.
+
+    ``readonly`` refuses writes; ``readonly`` or ``create=False`` also require the prefix to
+    hold a store already (else StoreNotFoundError). ``session``: a ``boto3.session.Session`` to
+    use instead of a new one. The other options tune parts, threads and timeouts (None: the
+    module's ``CONNECT_TIMEOUT``, ``READ_TIMEOUT``, ``MAX_ATTEMPTS``).
+    Raises StoreError subclasses (one line each) when the store cannot be used."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        readonly: bool = False,
+        create: bool = True,
+        part_size: int = 8 * MiB,
+        first_part: int | None = None,
+        threads: int = 8,
+        multipart_threshold: int = 64 * MiB,
+        connect_timeout: float | None = None,
+        read_timeout: float | None = None,
+        max_attempts: int | None = None,
+        page_size: int = 1000,
+        version_retries: int = 3,
+        down_seconds: float = 30.0,
+        buffer_pool_bytes: int = 1 << 30,
+        session: Any = None,
+    ):
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise StoreError(f"{url} needs boto3 for s3:// stores: pip install 'kvstore[s3]'") from None
+
+        self.bucket, self.root = parse_url(url)
+        self.url = f"s3://{self.bucket}/{self.root}".rstrip("/")
+        self.readonly = readonly
+        self.part_size, self.threads, self.page_size = part_size, threads, page_size
+        # the first request of a load is longer than the others: a value up to its size costs one
+        # request, as a plain GET would (each request costs ~2 ms of client CPU), and the other
+        # parts run while it streams
+        self.first_part = 2 * part_size if first_part is None else first_part
+        self.multipart_threshold, self.version_retries = multipart_threshold, version_retries
+        self.connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
+        self.read_timeout = READ_TIMEOUT if read_timeout is None else read_timeout
+        self.max_attempts = MAX_ATTEMPTS if max_attempts is None else max_attempts
+        self.down_seconds = down_seconds
+        self.buffer_pool_bytes = buffer_pool_bytes  # load buffers kept for reuse, at most this many bytes
+        self._free: list[bytearray] = []
+        self._free_lock = threading.Lock()
+        self._down: tuple[float, StoreError] | None = None
+        self._closed = False
+        config = Config(
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            # total_max_attempts counts the first try ({"max_attempts": n} would mean n retries)
+            retries={"total_max_attempts": self.max_attempts, "mode": "standard"},
+            max_pool_connections=2 * threads + 2,
+            s3={"addressing_style": "path"},  # an IP or localhost endpoint has no per-bucket host names
+            # entries carry their own xxh3 checksum: skip botocore's CRC32 pass over every byte
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        try:
+            session = session or boto3.session.Session()
+            self.client = session.client("s3", config=config)
+        except Exception as exc:  # noqa: BLE001 - profile or configuration problems, one line each
+            raise StoreError(f"cannot set up the S3 client for {self.url}: {_first_line(exc)}") from None
+        self.endpoint = str(self.client.meta.endpoint_url)
+        # parts of one value (loads, multipart uploads) run on _parts; batched calls on _batch,
+        # whose tasks may wait on _parts (never the other way round, so neither can deadlock)
+        self._parts = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-s3-part")
+        self._batch = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-s3")
+        try:
+            self._probe(must_exist=readonly or not create)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- requests and errors ----------------------------------------------------------------------
+    def _call(self, method: str, **kwargs: Any) -> Any:
+        """One client request (``Bucket`` filled in), failing at once while the server is down."""
+        if self._down is not None:
+            until, err = self._down
+            if time.monotonic() < until:
+                raise err
+            self._down = None
+        return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
+
+    def _error(self, exc: BaseException, op: str) -> StoreError:
+        """The one-line StoreError for a failed request (codes as S3 and SeaweedFS send them)."""
+        from botocore import exceptions as bx
+
+        if isinstance(exc, StoreError):
+            return exc
+        what = f"{self.url} at {self.endpoint}"
+        status, code = _status(exc)
+        err: StoreError
+        if status is not None:
+            message = str(getattr(exc, "response", {}).get("Error", {}).get("Message", "")).strip()
+            if code == "NoSuchBucket" or (op == "open" and status == 404):
+                err = StoreNotFoundError(
+                    f"bucket {self.bucket!r} does not exist at {self.endpoint}; create it first (kvstore never "
+                    "creates buckets) or check the name"
+                )
+            elif code == "InvalidAccessKeyId":
+                err = StoreAccessError(
+                    f"{self.endpoint} does not know this access key; check AWS_ACCESS_KEY_ID or AWS_PROFILE"
+                )
+            elif code == "SignatureDoesNotMatch":
+                err = StoreAccessError(
+                    f"{self.endpoint} rejected the request signature; check AWS_SECRET_ACCESS_KEY for this access key"
+                )
+            elif status == 403 and op in ("put", "delete"):
+                err = ReadOnlyStoreError(
+                    f"no permission to write to {what}; use credentials with write access, or read without "
+                    "storing (kvstore sample --readonly-store)"
+                )
+            elif status == 403:
+                err = StoreAccessError(f"access denied to {what} ({op}); use credentials allowed to read it")
+            elif code == "InvalidBucketName":
+                err = StoreError(f"{self.bucket!r} is not a valid bucket name (S3: 3-63 lowercase letters, digits, -)")
+            else:
+                detail = f"{status} {code}: {message}" if message else f"{status} {code}".strip()
+                err = StoreError(f"S3 {op} failed on {what}: {detail}")
+            return err
+        if isinstance(exc, bx.NoCredentialsError):
+            return StoreAccessError(
+                f"no AWS credentials found for {self.url}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                "AWS_PROFILE"
+            )
+        if isinstance(exc, bx.ConnectTimeoutError):
+            err = StoreUnavailableError(
+                f"cannot connect to {self.endpoint}: no answer within {self.connect_timeout:g} s "
+                f"({self.max_attempts} tries); check AWS_ENDPOINT_URL and the network"
+            )
+        elif isinstance(exc, bx.EndpointConnectionError):
+            err = StoreUnavailableError(
+                f"cannot connect to {self.endpoint} (connection refused or host unreachable); is the object "
+                "store running? check AWS_ENDPOINT_URL"
+            )
+        elif isinstance(exc, bx.ReadTimeoutError):
+            err = StoreUnavailableError(
+                f"{self.endpoint} accepted the connection but did not answer within {self.read_timeout:g} s "
+                f"({self.max_attempts} tries); is it an S3 server? check AWS_ENDPOINT_URL"
+            )
+        elif isinstance(exc, (bx.ConnectionError, bx.ResponseStreamingError, bx.IncompleteReadError, OSError)):
+            err = StoreUnavailableError(
+                f"the connection to {self.endpoint} broke during {op}; the object store may have stopped "
+                "(what was stored before is intact: re-run to complete the rest)"
+            )
+        else:
+            return StoreError(f"S3 {op} failed on {what}: {type(exc).__name__}: {_first_line(exc)}")
+        if op != "open" and "re-run" not in str(err):
+            err = StoreUnavailableError(f"{err} (what was stored before is intact: re-run once it is back)")
+        self._down = (time.monotonic() + self.down_seconds, err)
+        return err
+
+    def _probe(self, *, must_exist: bool) -> None:
+        """One LIST: maps a missing bucket, bad credentials or a dead endpoint to their own
+        message (a HEAD's error carries no code), and tells whether the prefix holds anything."""
+        try:
+            r = self._call("list_objects_v2", Prefix=self.root, MaxKeys=1)
+        except Exception as exc:  # noqa: BLE001 - mapped to one line
+            raise self._error(exc, "open") from None
+        if must_exist and not r.get("KeyCount", len(r.get("Contents", []))):
+            raise StoreNotFoundError(
+                f"no store at {self.url} ({self.endpoint}); build one first with `kvstore build`, or check the prefix"
+            )
+
+    def _writable(self) -> None:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.url} was opened read-only")
+
+    def _name(self, key: bytes) -> str:
+        return self.root + object_name(key)
+
+    # -- reads --------------------------------------------------------------------------------------
+    @staticmethod
+    def _fill(body: Any, dest: memoryview) -> None:
+        """Read exactly ``len(dest)`` bytes of a response body into ``dest``."""
+        pos = 0
+        while pos < len(dest):
+            n = body.readinto(dest[pos:])
+            if not n:
+                raise OSError(f"short read: {pos} of {len(dest)} bytes")
+            pos += n
+
+    def _take(self, n: int) -> bytearray:
+        """A buffer of at least ``n`` bytes: a recycled one when one fits (its pages are already
+        mapped: a fresh bytearray costs a memset and a page fault per 4 KiB, ~30% of a load)."""
+        with self._free_lock:
+            fits = [i for i, b in enumerate(self._free) if len(b) >= n]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+        return bytearray(n)
+
+    def _give(self, buf: bytearray) -> None:
+        with self._free_lock:
+            self._free.append(buf)
+            while sum(map(len, self._free)) > self.buffer_pool_bytes:
+                self._free.pop(0)
+
+    def _load(self, key: bytes) -> tuple[bytearray, int] | None:
+        """``(buffer, length)``: the whole value in the buffer's first ``length`` bytes, or None
+        when missing (see the module docstring). The caller hands the buffer back with _give."""
+        name = self._name(key)
+        for _ in range(self.version_retries + 1):
+            try:
+                r = self._call("get_object", Key=name, Range=f"bytes=0-{self.first_part - 1}")
+            except Exception as exc:  # noqa: BLE001
+                status, code = _status(exc)
+                if status == 404 and code != "NoSuchBucket":
+                    return None
+                if status == 416:  # a range of an empty object cannot be satisfied
+                    return bytearray(), 0
+                raise self._error(exc, "get") from None
+            m = _CONTENT_RANGE.match(r.get("ContentRange") or "")
+            total = int(m.group(3)) if m else int(r["ContentLength"])  # a 200 carries the whole object
+            buf = self._take(total)
+            view = memoryview(buf)
+            first = int(r["ContentLength"])
+            # the other parts start now, while this thread reads the first part's body
+            parts = [
+                self._parts.submit(self._part, name, r["ETag"], view, s, min(s + self.part_size, total))
+                for s in range(first, total, self.part_size)
+            ]
+            try:
+                try:
+                    self._fill(r["Body"], view[:first])
+                finally:
+                    futures.wait(parts)  # all of them, so that no straggler writes into a recycled buffer
+                for part in parts:
+                    part.result()
+            except _Changed as changed:
+                self._give(buf)
+                if changed.status == 404:
+                    return None  # deleted while we read it: a miss
+                continue  # replaced while we read it: load the new version
+            except Exception as exc:  # noqa: BLE001
+                self._give(buf)
+                raise self._error(exc, "get") from None
+            return buf, total
+        return None  # it kept changing under us: a miss now, the next load will try again
+
+    def _part(self, name: str, etag: str, buf: memoryview, start: int, end: int) -> None:
+        """Bytes ``start:end`` of version ``etag`` of ``name`` into ``buf[start:end]``."""
+        try:
+            r = self._call("get_object", Key=name, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
+        except Exception as exc:  # noqa: BLE001
+            status, code = _status(exc)
+            if status == 412 or (status == 404 and code != "NoSuchBucket"):
+                raise _Changed(status) from None
+            raise
+        if int(r["ContentLength"]) != end - start:
+            raise OSError(f"asked for {end - start} bytes at {start}, got {r['ContentLength']}")
+        self._fill(r["Body"], buf[start:end])
+
+    def get(self, key: bytes) -> bytes | None:
+        got = self._load(key)
+        if got is None:
+            return None
+        try:
+            return bytes(memoryview(got[0])[: got[1]])  # a copy; the load path uses view()
+        finally:
+            self._give(got[0])
+
+    @contextlib.contextmanager
+    def view(self, key: bytes) -> Iterator[memoryview | None]:
+        """The value in a buffer of this backend's, valid inside the ``with`` block only (the
+        buffer is reused by later loads, as LMDB reuses its pages)."""
+        got = self._load(key)
+        if got is None:
+            yield None
+            return
+        try:
+            yield memoryview(got[0])[: got[1]]
+        finally:
+            self._give(got[0])
+
+    def peek(self, key: bytes, n: int) -> tuple[bytes, int] | None:
+        try:
+            r = self._call("get_object", Key=self._name(key), Range=f"bytes=0-{max(n, 1) - 1}")
+            data = r["Body"].read()
+        except Exception as exc:  # noqa: BLE001
+            status, code = _status(exc)
+            if status == 404 and code != "NoSuchBucket":
+                return None
+            if status == 416:
+                return b"", 0
+            raise self._error(exc, "get") from None
+        m = _CONTENT_RANGE.match(r.get("ContentRange") or "")
+        return data[:n], int(m.group(3)) if m else len(data)
+
+    def contains(self, key: bytes) -> bool:
+        try:
+            self._call("head_object", Key=self._name(key))
+            return True
+        except Exception as exc:  # noqa: BLE001
+            if _status(exc)[0] == 404:
+                return False
+            raise self._error(exc, "head") from None
+
+    def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
+        found: set[bytes] = set()
+        for listing in _listing_prefixes(prefix):
+            token: dict[str, str] = {}
+            while True:
+                try:
+                    r = self._call("list_objects_v2", Prefix=self.root + listing, MaxKeys=self.page_size, **token)
+                except Exception as exc:  # noqa: BLE001
+                    raise self._error(exc, "list") from None
+                for obj in r.get("Contents", []):
+                    key = backend_key(obj["Key"][len(self.root) :])
+                    if key is not None and key.startswith(prefix):
+                        found.add(key)
+                if not r.get("IsTruncated"):
+                    break
+                token = {"ContinuationToken": r["NextContinuationToken"]}
+        return iter(sorted(found))
+
+    # -- writes -------------------------------------------------------------------------------------
+    def _put(self, key: bytes, value: bytes | bytearray | memoryview, conditional: bool) -> bool:
+        self._writable()
+        name = self._name(key)
+        cond = {"IfNoneMatch": "*"} if conditional else {}
+        try:
+            if len(value) <= self.multipart_threshold:
+                data = value if isinstance(value, (bytes, bytearray)) else bytes(value)  # botocore wants bytes
+                self._call("put_object", Key=name, Body=data, **cond)
+            else:
+                self._multipart(name, memoryview(value), cond)  # copies one part at a time
+        except Exception as exc:  # noqa: BLE001
+            # 412: the key exists; 409: another conditional write of it is in progress
+            if conditional and _status(exc)[0] in (409, 412):
+                return False
+            raise self._error(exc, "put") from None
+        return True
+
+    def _multipart(self, name: str, view: memoryview, cond: dict[str, str]) -> None:
+        upload = self._call("create_multipart_upload", Key=name)["UploadId"]
+        part = max(self.part_size, 5 * MiB, -(-len(view) // 10_000))  # S3: parts >= 5 MiB, <= 10,000 of them
+
+        def one(i: int) -> dict[str, Any]:
+            body = bytes(view[i * part : (i + 1) * part])
+            r = self._call("upload_part", Key=name, UploadId=upload, PartNumber=i + 1, Body=body)
+            return {"PartNumber": i + 1, "ETag": r["ETag"]}
+
+        try:
+            parts = list(self._parts.map(one, range(-(-len(view) // part))))
+            self._call("complete_multipart_upload", Key=name, UploadId=upload, MultipartUpload={"Parts": parts}, **cond)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the server may be gone; `kvstore gc` cannot see these
+                self._call("abort_multipart_upload", Key=name, UploadId=upload)
+            raise
+
+    def put(self, key: bytes, value: bytes | memoryview) -> None:
+        self._put(key, value, conditional=False)
+
+    def put_if_absent(self, key: bytes, value: bytes | memoryview) -> bool:
+        return self._put(key, value, conditional=True)
+
+    def delete(self, key: bytes) -> bool:
+        self._writable()
+        existed = self.contains(key)  # a DELETE answers 204 whether or not the key existed
+        if existed:
+            try:
+                self._call("delete_object", Key=self._name(key))
+            except Exception as exc:  # noqa: BLE001
+                raise self._error(exc, "delete") from None
+        return existed
+
+    # -- batched ------------------------------------------------------------------------------------
+    def _each(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        return list(self._batch.map(fn, list(items)))
+
+    def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
+        return self._each(self.get, keys)
+
+    def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
+        self._writable()
+        self._each(lambda kv: self.put(kv[0], kv[1]), items)
+
+    def delete_many(self, keys: Iterable[bytes]) -> int:
+        self._writable()
+        keys = list(keys)
+        present = [k for k, there in zip(keys, self._each(self.contains, keys)) if there]
+        for start in range(0, len(present), 1000):  # DeleteObjects takes up to 1000 names
+            chunk = present[start : start + 1000]
+            try:
+                r = self._call("delete_objects", Delete={"Objects": [{"Key": self._name(k)} for k in chunk]})
+            except Exception as exc:  # noqa: BLE001
+                raise self._error(exc, "delete") from None
+            if r.get("Errors"):
+                e = r["Errors"][0]
+                raise StoreError(f"S3 delete failed on {self.url} for {e.get('Key')}: {e.get('Code')}")
+        return len(present)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for pool in (getattr(self, "_batch", None), getattr(self, "_parts", None)):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
