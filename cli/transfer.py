@@ -29,7 +29,8 @@ def _open(url: str, *, readonly: bool):
 Examples:
   kvstore sync cache/store s3://my-bucket/kv        # upload a local store
   kvstore sync s3://my-bucket/kv /scratch/kv          # a local copy for a compute node
-  kvstore sync s3://my-bucket/kv s3://other/kv --dry-run"""
+  kvstore sync s3://my-bucket/kv s3://other/kv --dry-run
+  kvstore sync cache/store cache/store --codec int8   # add int8 copies of every context, in place"""
 )
 @click.argument("src", metavar="SRC")
 @click.argument("dst", metavar="DST")
@@ -37,9 +38,15 @@ Examples:
 @click.option(
     "--jobs", "-j", type=click.IntRange(min=1), default=4, show_default=True, help="Records copied at a time."
 )
+@click.option(
+    "--codec",
+    default=None,
+    help="Convert instead of copying: write SRC's contexts into DST re-encoded with this lossy codec (int8[:G], "
+    "int4[:G], fp8), no recompute; DST may be SRC. sample --codec with the same codec then finds them.",
+)
 @quiet_option
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def sync(src: str, dst: str, dry_run: bool, jobs: int, quiet: bool, fmt: str) -> None:
+def sync(src: str, dst: str, dry_run: bool, jobs: int, codec: str | None, quiet: bool, fmt: str) -> None:
     """Copy every record of store SRC that store DST lacks.
 
     SRC and DST are store directories or URLs (s3://BUCKET[/PREFIX], lmdb://DIR); DST is created
@@ -50,6 +57,9 @@ def sync(src: str, dst: str, dry_run: bool, jobs: int, quiet: bool, fmt: str) ->
     """
     from kvstore.store.transfer import execute_sync, plan_sync
 
+    if codec is not None:
+        _convert(src, dst, codec, dry_run, quiet, fmt)
+        return
     if src.rstrip("/") == dst.rstrip("/"):
         raise click.UsageError("SRC and DST are the same store")
     source = _open(src, readonly=True)
@@ -98,4 +108,65 @@ def sync(src: str, dst: str, dry_run: bool, jobs: int, quiet: bool, fmt: str) ->
         raise CLIError(
             f"{len(report.corrupt)} corrupt entries of {src} were not copied; `kvstore gc --corrupt --store {src}` "
             "removes them"
+        )
+
+
+def _convert(src: str, dst: str, codec: str, dry_run: bool, quiet: bool, fmt: str) -> None:
+    """``sync --codec``: SRC's lossless contexts re-encoded into DST (see :mod:`kvstore.store.convert`)."""
+    import contextlib
+
+    from kvstore.errors import StoreNotFoundError
+    from kvstore.store.codecs import get_codec
+    from kvstore.store.convert import convert_contexts
+    from kvstore.store.kvstore import KVStore
+
+    chosen = get_codec(codec)
+    if chosen.lossless:
+        raise CLIError(
+            f"--codec {chosen.spec} is lossless: entries under lossless codecs are interchangeable, so sync copies "
+            "them as they are; --codec takes a lossy codec (int8, int4, fp8)"
+        )
+    same = src.rstrip("/") == dst.rstrip("/")
+    with contextlib.ExitStack() as stack:
+        try:
+            source = stack.enter_context(KVStore(src, readonly=dry_run or not same))
+        except StoreNotFoundError:
+            raise CLIError(f"no store at {src}; check SRC") from None
+        if same:
+            target = source
+        else:
+            try:
+                target = stack.enter_context(KVStore(dst, readonly=dry_run))
+            except StoreNotFoundError:
+                if not dry_run:
+                    raise
+                target = None
+        keys = source.context_keys()
+        with progress_bar(len(keys), "convert", quiet, unit="ctx") as bar:
+            if target is None:  # a dry run into a store that does not exist yet: everything is to do
+                report = convert_contexts(source, source, chosen, keys, progress=bar, dry_run=True)
+                report.converted += report.present
+                report.present = 0
+            else:
+                report = convert_contexts(source, target, chosen, keys, progress=bar, dry_run=dry_run)
+    for problem in report.problems:
+        warn(f"not converted: {problem}")
+    summary = {
+        "src": src, "dst": dst, "codec": chosen.spec, "dry_run": dry_run, "contexts": report.contexts,
+        "converted": report.converted, "already_present": report.present, "refused": len(report.problems),
+        "chunks_written": report.chunks_written, "raw_bytes": report.raw_bytes, "stored_bytes": report.stored_bytes,
+        "ratio": round(report.ratio, 4),
+    }  # fmt: skip
+    if fmt == "json":
+        echo_json(summary)
+    elif dry_run:
+        click.echo(
+            f"Dry run: {report.converted:,} of {report.contexts:,} contexts would be converted to {chosen.spec}; "
+            f"{report.present:,} already are, {len(report.problems):,} cannot be."
+        )
+    else:
+        click.echo(
+            f"Converted {report.converted:,} contexts to {chosen.spec} ({report.chunks_written:,} chunks, "
+            f"{human_bytes(report.stored_bytes)}, {report.ratio:.3f}x their raw size); {report.present:,} already "
+            f"were, {len(report.problems):,} could not be."
         )

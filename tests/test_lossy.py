@@ -193,3 +193,27 @@ def test_convert_without_recompute_equals_a_lossy_build(llama, tmp_path):
         a = _sample(llama, converted, contexts, questions)
     assert all(a.cache_hit) and all(b.cache_hit) and torch.equal(a.tokens, b.tokens)
     assert all(torch.equal(x, y) for x, y in zip(a.scores, b.scores))
+
+
+def test_cli_sync_codec_converts_without_recompute(tiny_llama_dir, tmp_path, capsys):
+    data = write_dataset(tmp_path / "d.jsonl", range(3))
+    store, other = tmp_path / "store", tmp_path / "other"
+    base = ["--model", tiny_llama_dir, "--quiet", "--format", "json"]
+    assert run_main(capsys, "build", data, *base, "--store", store)[0] == 0
+
+    def sync(*args):
+        code, out, err = run_main(capsys, "sync", *args, "--quiet", "--format", "json")
+        assert code == 0, err
+        return json.loads(out)
+
+    dry = sync(store, store, "--codec", "int8", "--dry-run")
+    assert (dry["converted"], dry["already_present"]) == (3, 0)
+    done = sync(store, store, "--codec", "int8")
+    assert (done["converted"], done["refused"], done["codec"]) == (3, 0, "int8:64") and done["chunks_written"] >= 3
+    assert sync(store, store, "--codec", "int8")["already_present"] == 3
+    assert sync(store, other, "--codec", "int4:64")["converted"] == 3
+    for path, codec in ((store, "int8"), (other, "int4:64")):
+        code, out, err = run_main(capsys, "sample", data, *base, "--store", path, "--codec", codec, "--readonly-store")
+        assert code == 0 and json.loads(out)["cache_hit_rate"] == 1, err
+    code, out, err = run_main(capsys, "sync", store, other, "--codec", "zstd:3")
+    assert code == 1 and "is lossless" in err and err.count("\n") == 1

@@ -44,12 +44,13 @@ class ConvertReport:
         return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
 
-def _chain(src: KVStore, key: str, lossy: str) -> tuple[list[str], list[Entry]] | str:
-    """The converted keys and the materialized chunks of context ``key``, or why it cannot be converted."""
+def _chain(src: KVStore, dst: KVStore, key: str, lossy: str, load: bool) -> tuple[list[str], list[Entry]] | str:
+    """The converted keys of context ``key`` and (when ``load`` and ``dst`` lacks them) its
+    materialized chunks, or why it cannot be converted."""
     record = src.context(key)
     if record is None:
         return "no context record"
-    entries = []
+    entries: list[Entry] = []
     with src.open_chain(record.chunks) as views:
         if len(views) != len(record.chunks):
             return "its chain is incomplete or corrupt (kvstore verify)"
@@ -64,14 +65,13 @@ def _chain(src: KVStore, key: str, lossy: str) -> tuple[list[str], list[Entry]] 
                 return "its entry names an unknown codec"
             if any(spec.kind != "attn" for spec in h.layers):
                 return "its model has windowed or recurrent layers (lossy codecs are for full-attention models)"
-            entries.append(view.materialize())
-    first = entries[0]
-    seed = chain_seed(
-        first.model, views[0].header.dtype, device=first.numerics["device"], attn=first.numerics["attn"], lossy=lossy
-    )
-    ids = [t for e in entries for t in e.token_ids.tolist()]
-    spans = [(e.start, e.start + int(e.token_ids.numel())) for e in entries]
-    return chain_keys(seed, ids, spans), entries
+        h0 = views[0].header
+        seed = chain_seed(h0.model, h0.dtype, device=h0.numerics["device"], attn=h0.numerics["attn"], lossy=lossy)
+        ids = [t for view in views for t in view.token_ids()]
+        keys = chain_keys(seed, ids, [(view.header.start, view.header.end) for view in views])
+        if load and not (dst.context(keys[-1]) is not None and dst.stored_prefix(keys) == len(keys)):
+            entries = [view.materialize() for view in views]
+    return keys, entries
 
 
 def convert_contexts(
@@ -81,10 +81,12 @@ def convert_contexts(
     keys: Sequence[str] | None = None,
     *,
     progress: Progress | None = None,
+    dry_run: bool = False,
 ) -> ConvertReport:
     """Write ``src``'s contexts (``keys``, default all) into ``dst`` (which may be ``src``) as chains
-    of ``codec``, a lossy codec. Raises CodecError for a lossless one (copying is ``kvstore sync``'s
-    job: lossless codecs are interchangeable)."""
+    of ``codec``, a lossy codec (``dry_run``: count what would be converted, write nothing).
+    Raises CodecError for a lossless one (copying is ``kvstore sync``'s job: lossless codecs are
+    interchangeable)."""
     codec = get_codec(codec)
     if codec.lossless:
         raise CodecError(
@@ -93,13 +95,17 @@ def convert_contexts(
     report = ConvertReport()
     for key in src.context_keys() if keys is None else keys:
         report.contexts += 1
-        got = _chain(src, key, codec.identity)
+        got = _chain(src, dst, key, codec.identity, load=not dry_run)
         if isinstance(got, str):
             report.problems.append(f"context {key[:12]}: {got}")
         else:
             new_keys, entries = got
             report.keys[key] = new_keys[-1]
-            if dst.context(new_keys[-1]) is not None and dst.stored_prefix(new_keys) == len(new_keys):
+            if dry_run:
+                present = dst.context(new_keys[-1]) is not None and dst.stored_prefix(new_keys) == len(new_keys)
+                report.present += present
+                report.converted += not present
+            elif not entries:
                 report.present += 1
             else:
                 for j, (new, entry) in enumerate(zip(new_keys, entries)):
