@@ -16,8 +16,9 @@ import torch
 
 from helpers.cli import read_predictions, run_main, start_cli, write_dataset
 from helpers.entries import encode_v1
-from kvstore.errors import CorruptEntryWarning
+from kvstore.errors import CorruptEntryError, CorruptEntryWarning
 from kvstore.model.adapter import Adapter
+from kvstore.store.entry import decode_entry
 from kvstore.store.keys import cache_key
 from kvstore.store.kvstore import KVStore
 from kvstore.store.scan import execute_plan, plan_gc
@@ -112,6 +113,38 @@ def test_corrupt_chunk_mid_chain_is_a_miss_from_there_and_repaired(llama, tmp_pa
                 [context], [question], N_NEW, store=store, stop_at_eos=False, return_details=True
             )
         assert again.cached_tokens == [40] and torch.equal(again.tokens, want)
+
+
+def test_a_frame_that_does_not_decompress_mid_chain_is_a_miss_from_there(llama, tmp_path):
+    """A chunk whose checksum holds but one tensor's zstd frame is garbage (a forged or buggy
+    entry: only found when that tensor is decompressed straight into the batch buffers) ends the
+    loaded prefix there; the answer is still the reference's and the chunk is rewritten."""
+    import zstandard
+
+    from helpers.entries import split, with_frame
+
+    adapter = llama
+    context, question = _ids(adapter.tokenizer, 40, 16), _ids(adapter.tokenizer, 3, 17)
+    want = _reference(adapter, [context], [question])
+    with _store(tmp_path, codec="zstd:1") as store:
+        adapter.generate_kv_cache([context], store)
+        plan = adapter.plan(context, store)
+        key = plan.keys[3]
+        header, payload = split(store.backend.get(b"e/" + key.encode()))
+        index = len(header["codec"]["frames"]) - 2  # a key or value tensor near the end
+        size = header["codec"]["frames"][index][1]
+        garbage = zstandard.ZstdCompressor(write_content_size=True).compress(b"\1" * size)
+        garbage = garbage[:-4] + bytes(4) if len(garbage) > 8 else garbage  # declared size right, data broken
+        forged = with_frame(header, payload, index, garbage)
+        store.backend.put(b"e/" + key.encode(), forged)
+        with pytest.raises(CorruptEntryError):
+            decode_entry(forged)  # the eager decode notices at once
+        with pytest.warns(CorruptEntryWarning, match=key[:16]):
+            got = adapter.greedy_sample(
+                [context], [question], N_NEW, store=store, stop_at_eos=False, return_details=True
+            )
+        assert torch.equal(got.tokens, want) and got.cached_tokens == [24]
+        assert store.is_intact(key)
 
 
 def test_build_computes_a_shared_prefix_once(llama, tmp_path):

@@ -10,14 +10,17 @@ layout with explicit positions as decoding, so rows of one batch may hit at diff
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.errors import CorruptEntryError
+from kvstore.errors import CorruptEntryError, CorruptEntryWarning
 from kvstore.model.cache import Buffers, LayerKV, PreallocatedCache, new_buffers
+from kvstore.parallel import run_all
 from kvstore.store.codecs import identity_of, spec_of
 from kvstore.store.entry import Entry, EntryView, decode_entry
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, cache_key, chain_keys, chunk_spans
@@ -125,20 +128,39 @@ def load_prefix(
     this (lossless) context. Returns how many context tokens were loaded (0: nothing); the codec
     spec of each chunk loaded is appended to ``codecs``."""
     loaded = 0
-    with store.open_chain(plan_.keys) as views:
+    with store.open_chain(plan_.keys, lazy=True) as views:
+        fitting = []
         for j, view in enumerate(views):
-            if not fits(adapter, view, plan_, j):
+            try:
+                if not fits(adapter, view, plan_, j):
+                    break
+            except CorruptEntryError as exc:  # a lazily decoded record that does not decode
+                _warn_corrupt(plan_.keys[j], exc)
                 break
+            fitting.append(view)
+        # every tensor of every chunk straight into place, decompressed and copied on a few threads
+        tasks: list[tuple[int, Callable[[], None]]] = []
+        for j, view in enumerate(fitting):
             h = view.header
-            if codecs is not None:
-                codecs.append(spec_of(h.codec))
             for (kb, vb), kv, spec in zip(bufs, view.layers, h.layers):
                 if kv is None:
                     continue
-                lo = slot0 + h.end - spec.length
-                kv[0].copy_into(kb[row, :, lo : slot0 + h.end])
-                kv[1].copy_into(vb[row, :, lo : slot0 + h.end])
-            loaded = h.end
+                lo, hi = slot0 + h.end - spec.length, slot0 + h.end
+                tasks.append((j, functools.partial(kv[0].copy_into, kb[row, :, lo:hi])))
+                tasks.append((j, functools.partial(kv[1].copy_into, vb[row, :, lo:hi])))
+        errors = run_all([fn for _, fn in tasks], store.codec.decode_threads())
+        good = len(fitting)
+        for (j, _), err in zip(tasks, errors):
+            if err is not None:
+                if not isinstance(err, CorruptEntryError):
+                    raise err
+                if j < good:
+                    good = j
+                    _warn_corrupt(plan_.keys[j], err)
+        if good:
+            loaded = fitting[good - 1].header.end
+        if codecs is not None:
+            codecs += [spec_of(view.header.codec) for view in fitting[:good]]
     if loaded == 0 and not plan_.lossy and store.contains(plan_.v1_key):
         with store.open_entry(plan_.v1_key) as v1:
             one_chunk = ContextPlan(plan_.ids, ((0, plan_.n_tokens),), (plan_.v1_key,), plan_.v1_key)
@@ -150,6 +172,12 @@ def load_prefix(
                 if codecs is not None:
                     codecs.append(spec_of(v1.header.codec))
     return loaded
+
+
+def _warn_corrupt(key: str, exc: Exception) -> None:
+    warnings.warn(
+        f"kvstore: entry {key[:16]} is corrupt ({exc}); treating it as a miss", CorruptEntryWarning, stacklevel=3
+    )
 
 
 def store_and_reload(

@@ -473,8 +473,10 @@ def verify_checksum(buf: bytes | memoryview) -> None:
         raise CorruptEntryError("entry checksum mismatch (flipped or truncated bytes)")
 
 
-def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: int = 1) -> EntryView:
+def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: int = 1, lazy: bool = False) -> EntryView:
     """Verify and decode an entry (format 1 or 2). The returned view's records may view ``buf``.
+    ``lazy``: compressed tensors are decompressed when copied (a frame that does not decompress
+    then raises CorruptEntryError from the copy), not here.
 
     Checks, in order: checksum, header, declared sizes (before allocating anything), the payload's
     tensors against the header (names, shapes, dtypes), and the safetensors metadata against the
@@ -491,7 +493,7 @@ def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: in
         raise CorruptEntryError("entry declares a size that does not match its shape")
     if header.raw_bytes > MAX_COMPRESSION_RATIO * len(payload) + (1 << 20):
         raise CorruptEntryError("entry declares an implausible compression ratio")
-    decoded = codec.packing.unpack(payload, header.codec, header.raw_bytes, threads)
+    decoded = codec.packing.unpack(payload, header.codec, header.raw_bytes, threads, lazy)
     records = decoded.tensors
     want = ["token_ids"]
     for i, spec in enumerate(header.layers):

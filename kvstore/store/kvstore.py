@@ -260,9 +260,9 @@ class KVStore:
             view = None if buf is None else self._decode(key, buf)
             yield view
 
-    def _decode(self, key: str, buf) -> EntryView | None:
+    def _decode(self, key: str, buf, lazy: bool = False) -> EntryView | None:
         try:
-            view = decode_entry(buf, key=key, threads=self.codec.decode_threads())
+            view = decode_entry(buf, key=key, threads=self.codec.decode_threads(), lazy=lazy)
         except CorruptEntryError as exc:
             warnings.warn(
                 f"kvstore: entry {key[:16]} is corrupt ({exc}); treating it as a miss",
@@ -340,17 +340,18 @@ class KVStore:
         return depth
 
     @contextlib.contextmanager
-    def open_chain(self, keys: Sequence[str], *, parent: str = "") -> Iterator[list[EntryView]]:
+    def open_chain(self, keys: Sequence[str], *, parent: str = "", lazy: bool = False) -> Iterator[list[EntryView]]:
         """Verified zero-copy views of the longest prefix of the chain ``keys`` that is stored
         intact and links up (each chunk's parent is the previous key, the first one's is
         ``parent``, and each starts where the previous ended). A missing or corrupt chunk ends the
-        prefix (a corrupt one warns): the rest of the chain is a miss from there on."""
+        prefix (a corrupt one warns): the rest of the chain is a miss from there on. ``lazy``: see
+        :func:`kvstore.store.entry.decode_entry` (checksums are still verified here)."""
         with contextlib.ExitStack() as stack:
             views: list[EntryView] = []
             expected_parent, expected_start = parent, 0
             for key in keys:
                 buf = stack.enter_context(self.backend.view(_ekey(key)))
-                view = None if buf is None else self._decode(key, buf)
+                view = None if buf is None else self._decode(key, buf, lazy)
                 if view is None:
                     break
                 h = view.header

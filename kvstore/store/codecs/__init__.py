@@ -100,9 +100,13 @@ class Packing(Protocol):
         entry header and are what ``unpack`` needs; ``raw_bytes`` is the safetensors file's size."""
         ...
 
-    def unpack(self, payload: memoryview | bytes, params: Mapping, raw_bytes: int, threads: int) -> DecodedPayload:
+    def unpack(
+        self, payload: memoryview | bytes, params: Mapping, raw_bytes: int, threads: int, lazy: bool = False
+    ) -> DecodedPayload:
         """Records viewing ``payload`` (or buffers decompressed from it). Memory allocated is bounded
-        by ``raw_bytes``; anything inconsistent raises CorruptEntryError."""
+        by ``raw_bytes``; anything inconsistent raises CorruptEntryError. ``lazy``: records may
+        decompress when copied (and raise CorruptEntryError then), so that a load decodes each
+        tensor straight into place."""
         ...
 
 

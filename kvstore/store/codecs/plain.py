@@ -61,7 +61,9 @@ class RawPacking:
         payload = b"".join(parts)
         return payload, {"name": "raw"}, len(payload)
 
-    def unpack(self, payload: memoryview | bytes, params: Mapping, raw_bytes: int, threads: int) -> DecodedPayload:
+    def unpack(
+        self, payload: memoryview | bytes, params: Mapping, raw_bytes: int, threads: int, lazy: bool = False
+    ) -> DecodedPayload:
         if len(payload) != raw_bytes:
             raise CorruptEntryError(f"raw payload is {len(payload)} bytes, header says {raw_bytes}")
         (n,) = struct.unpack_from("<Q", payload, 0) if len(payload) >= 8 else (None,)

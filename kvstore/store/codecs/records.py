@@ -28,13 +28,17 @@ MAX_HEADER_BYTES = 16 << 20  # a safetensors header larger than this is hostile,
 @dataclass(frozen=True)
 class TensorRecord:
     """Where one stored tensor lives: ``source`` (its bytes, 1-D uint8) or, for a shuffled tensor,
-    ``planes`` (one 1-D uint8 buffer per byte of the element)."""
+    ``planes`` (one 1-D uint8 buffer per byte of the element); or, decoded lazily, ``frames``
+    (compressed zstd frames with their decompressed sizes: the whole tensor, or one per plane),
+    decompressed only when the tensor is copied, one frame at a time, so that its bytes are still
+    in the CPU's cache when they are copied into place."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     source: torch.Tensor | None
     planes: tuple[torch.Tensor, ...] | None = None
+    frames: tuple[tuple[memoryview, int], ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -42,35 +46,62 @@ class TensorRecord:
 
     def copy_into(self, dest: torch.Tensor) -> None:
         """Copy the tensor into ``dest`` (same shape and dtype; any device; may be a strided view,
-        such as one row of a padded batch buffer)."""
+        such as one row of a padded batch buffer). Raises CorruptEntryError for a lazy frame that
+        does not decompress to its size."""
         if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
             raise ValueError(f"{self.name}: destination {tuple(dest.shape)}/{dest.dtype} != {self.shape}/{self.dtype}")
-        if self.planes is None:
+        if self.frames is not None:
+            parts = [buffer_view(_decompress(frame, size)) for frame, size in self.frames]
+            if len(parts) == 1:
+                _copy_plain(dest, parts[0], self.dtype, self.shape)
+            else:
+                _copy_planes(dest, parts, self.dtype, self.shape)
+        elif self.planes is None:
             assert self.source is not None
-            dest.copy_(self.source.view(self.dtype).view(self.shape))
-            return
-        size, rows = self.dtype.itemsize, (self.shape[0] if len(self.shape) > 1 else 1)
-        target = None
-        if dest.device.type == "cpu" and self.numel:
-            try:  # rows of contiguous elements, e.g. [kv_heads, n, head_dim] inside a batch buffer
-                target = dest.view(rows, -1).view(torch.uint8).view(rows, -1, size)
-            except RuntimeError:
-                target = None
-        if target is not None:
-            # Unshuffle straight into the destination: one strided copy per byte plane.
-            for j, plane in enumerate(self.planes):
-                target[:, :, j].copy_(plane.view(rows, -1))
-            return
-        tmp = torch.empty((self.numel, size), dtype=torch.uint8)
-        for j, plane in enumerate(self.planes):
-            tmp[:, j].copy_(plane)
-        dest.copy_(tmp.view(self.dtype).view(self.shape))
+            _copy_plain(dest, self.source, self.dtype, self.shape)
+        else:
+            _copy_planes(dest, self.planes, self.dtype, self.shape)
 
     def materialize(self) -> torch.Tensor:
         """A fresh, writable CPU tensor holding this record's values."""
         out = torch.empty(self.shape, dtype=self.dtype)
         self.copy_into(out)
         return out
+
+
+def _decompress(frame: memoryview, size: int) -> bytes:
+    import zstandard
+
+    try:
+        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size) if size else b""
+    except zstandard.ZstdError as exc:
+        raise CorruptEntryError(f"zstd frame does not decompress ({exc})") from None
+    if len(out) != size:
+        raise CorruptEntryError("a zstd frame decompressed to a different size than declared")
+    return out
+
+
+def _copy_plain(dest: torch.Tensor, source: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    dest.copy_(source.view(dtype).view(shape))
+
+
+def _copy_planes(dest: torch.Tensor, planes, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    size, rows, numel = dtype.itemsize, (shape[0] if len(shape) > 1 else 1), math.prod(shape)
+    target = None
+    if dest.device.type == "cpu" and numel:
+        try:  # rows of contiguous elements, e.g. [kv_heads, n, head_dim] inside a batch buffer
+            target = dest.view(rows, -1).view(torch.uint8).view(rows, -1, size)
+        except RuntimeError:
+            target = None
+    if target is not None:
+        # Unshuffle straight into the destination: one strided copy per byte plane.
+        for j, plane in enumerate(planes):
+            target[:, :, j].copy_(plane.view(rows, -1))
+        return
+    tmp = torch.empty((numel, size), dtype=torch.uint8)
+    for j, plane in enumerate(planes):
+        tmp[:, j].copy_(plane)
+    dest.copy_(tmp.view(dtype).view(shape))
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,9 @@ class ZstdPacking:
         }
         return b"".join(frames), params, sum(len(p) for p in parts)
 
-    def unpack(self, payload: memoryview | bytes, params: Mapping, raw_bytes: int, threads: int) -> DecodedPayload:
+    def unpack(
+        self, payload: memoryview | bytes, params: Mapping, raw_bytes: int, threads: int, lazy: bool = False
+    ) -> DecodedPayload:
         import zstandard
 
         frames = params.get("frames")
@@ -98,7 +100,10 @@ class ZstdPacking:
         dctx = zstandard.ZstdDecompressor()
         chunks: list[Any]
         try:
-            if threads > 1 and len(views) > 2:
+            if lazy:  # only the safetensors header now; each tensor's frames when it is copied
+                chunks = [dctx.decompress(views[0], max_output_size=sizes[0][1])]
+                chunks += [None] * (len(views) - 1)
+            elif threads > 1 and len(views) > 2:
                 coll = dctx.multi_decompress_to_buffer(
                     views, decompressed_sizes=struct.pack(f"={len(sizes)}Q", *(d for _, d in sizes)), threads=threads
                 )
@@ -107,7 +112,7 @@ class ZstdPacking:
                 chunks = [dctx.decompress(v, max_output_size=d) if d else b"" for v, (_, d) in zip(views, sizes)]
         except zstandard.ZstdError as exc:
             raise CorruptEntryError(f"zstd frame does not decompress ({exc})") from None
-        if any(len(ch) != d for ch, (_, d) in zip(chunks, sizes)):
+        if any(ch is not None and len(ch) != d for ch, (_, d) in zip(chunks, sizes)):
             raise CorruptEntryError("a zstd frame decompressed to a different size than declared")
         head = bytes(chunks[0])
         (n,) = struct.unpack_from("<Q", head, 0) if len(head) >= 8 else (None,)
@@ -123,18 +128,17 @@ class ZstdPacking:
             if begin != expected:
                 raise CorruptEntryError("zstd frames are not aligned with the tensors")
             expected = end
-            if shuffle and dtype.itemsize > 1:
-                planes = chunks[i : i + dtype.itemsize]
-                i += dtype.itemsize
-                if any(len(p) * dtype.itemsize != end - begin for p in planes):
-                    raise CorruptEntryError("zstd frames are not aligned with the tensors")
-                out[name] = TensorRecord(name, dtype, shape, None, tuple(buffer_view(p) for p in planes))
+            n = dtype.itemsize if shuffle and dtype.itemsize > 1 else 1
+            if any(d * n != end - begin for _, d in sizes[i : i + n]):
+                raise CorruptEntryError("zstd frames are not aligned with the tensors")
+            if lazy:
+                frames = tuple((views[j], sizes[j][1]) for j in range(i, i + n))
+                out[name] = TensorRecord(name, dtype, shape, None, frames=frames)
+            elif n > 1:
+                out[name] = TensorRecord(name, dtype, shape, None, tuple(buffer_view(p) for p in chunks[i : i + n]))
             else:
-                chunk = chunks[i]
-                i += 1
-                if len(chunk) != end - begin:
-                    raise CorruptEntryError("zstd frames are not aligned with the tensors")
-                out[name] = TensorRecord(name, dtype, shape, buffer_view(chunk))
+                out[name] = TensorRecord(name, dtype, shape, buffer_view(chunks[i]))
+            i += n
         return DecodedPayload(out, metadata)
 
 

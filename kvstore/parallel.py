@@ -1,0 +1,53 @@
+"""A small shared thread pool for work that releases the GIL (zstd decompression, torch copies).
+
+:func:`run_all` runs callables on up to ``threads`` threads and returns each one's exception (or
+None) instead of raising, so that a caller can tell which piece of a load failed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_size = 0
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    global _pool, _size
+    with _lock:
+        if _pool is None or _size < threads:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool, _size = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-load"), threads
+        return _pool
+
+
+def _guarded(fn: Callable[[], object]) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+        return exc
+    return None
+
+
+def run_all(fns: Sequence[Callable[[], object]], threads: int) -> list[BaseException | None]:
+    """Run every callable of ``fns`` (on ``threads`` threads when more than one), returning per
+    callable the exception it raised, or None. Workers run in the caller's torch inference and
+    grad modes (both are per thread)."""
+    if threads <= 1 or len(fns) <= 1:
+        return [_guarded(fn) for fn in fns]
+    import torch
+
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def in_mode(fn: Callable[[], object]) -> BaseException | None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return _guarded(fn)
+
+    return list(_executor(threads).map(in_mode, fns))
+
+
+__all__ = ["run_all"]
