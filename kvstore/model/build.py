@@ -30,6 +30,7 @@ from transformers import DynamicCache
 
 from kvstore.errors import ContextTooLongError, ModelError
 from kvstore.model import chains
+from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import LayerKV
 from kvstore.model.chains import ContextPlan
 from kvstore.progress import Progress
@@ -315,6 +316,7 @@ def in_shard(key: str, i: int, n: int) -> bool:
     return int(key[:16], 16) % n == i
 
 
+@uses_grouped_kv
 def build_caches(
     adapter: Adapter,
     contexts: Sequence[TextOrIds],

@@ -28,6 +28,7 @@ import torch
 
 from kvstore.errors import ContextTooLongError
 from kvstore.model import chains
+from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.build import Writer, prefill
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
 from kvstore.progress import Progress
@@ -61,6 +62,7 @@ class SampleResult:
     codecs: list[str | None] = field(default_factory=list)
 
 
+@uses_grouped_kv
 def greedy_sample(
     adapter: Adapter,
     contexts: Sequence[TextOrIds],
