@@ -330,6 +330,19 @@ def build(**kwargs):
     "--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per question here."
 )
 @click.option("--readonly-store", is_flag=True, help="Do not store contexts computed for missing entries.")
+@click.option(
+    "--stop",
+    "stop_strings",
+    multiple=True,
+    help="End an answer once its text contains this string (repeatable; \\n and \\t are newline and tab), "
+    "e.g. --stop '\\n'.",
+)
+@click.option(
+    "--max-batch-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Memory budget: at most this many padded tokens (context + question + new) x rows per batch.",
+)
 @_codec_option(
     "Answer from caches stored with this codec. Lossless codecs are interchangeable (the default: the store's); "
     "a lossy one (int8[:G], int4[:G], fp8) uses only entries built with it, and stores missing contexts with it."
@@ -344,9 +357,11 @@ def sample(**kwargs):
     from kvstore.store.kvstore import KVStore
 
     opts = RunOptions.take(kwargs)
-    max_new_tokens, no_cache, output, readonly_store, codec = (
-        kwargs.pop(k) for k in ("max_new_tokens", "no_cache", "output", "readonly_store", "codec")
+    max_new_tokens, no_cache, output, readonly_store, codec, stop_strings, max_batch_tokens = (
+        kwargs.pop(k)
+        for k in ("max_new_tokens", "no_cache", "output", "readonly_store", "codec", "stop_strings", "max_batch_tokens")
     )
+    stop_strings = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop_strings)
     _check_codec(codec)
     data, adapter, prompt = _load_everything(opts, require_question=True)
     dataset = opts.dataset
@@ -374,6 +389,8 @@ def sample(**kwargs):
                 return_details=True,
                 progress=bar,
                 prefix=prompt.head or None,
+                stop_strings=stop_strings,
+                max_batch_tokens=max_batch_tokens,
             )
     finally:
         bar.close()
@@ -382,7 +399,7 @@ def sample(**kwargs):
     seconds = time.perf_counter() - t0
     rows = []
     for i, ex in enumerate(examples):
-        text = adapter.decode(result.tokens[i])
+        text = adapter.decode(result.tokens[i][: result.lengths[i]])
         pred = clean_prediction(text)
         rows.append(
             {

@@ -11,11 +11,13 @@ method produces the first answer token, batch 1, fp32 SmolLM2-135M-Instruct (bun
 * ``pt``              - one ``.pt`` per context holding a tuple of per-layer ``(k, v)``
   (``torch.load(weights_only=True)``, what the research Adapter did) -> ``DynamicCache`` -> forward.
 * ``safetensors``     - one safetensors file per context (``load_file``) -> ``DynamicCache`` -> forward.
-* ``floor``           - the question forward alone, on a cache already in memory in the Adapter's
-  preallocated buffers (``floor-dynamic``: on a ``DynamicCache`` already in memory).
-* rows marked ``+gqa`` patch in, for that row only, the change proposed in ``results/README.md``
-  (``benchlib.proposed``): SDPA handles the grouped KV heads itself (``enable_gqa``) in the
-  question step instead of transformers materializing K/V repeated to every query head.
+* ``kvstore:<codec> v1`` - the same through a format-1 entry (one whole-context entry, as phase 1
+  wrote it; written with ``tests/helpers/entries.encode_v1``), which this kvstore still answers from.
+* ``kvstore:<codec> chunk=<c>`` (``--chunk-sweep``, at the lengths in ``--sweep-lengths``): stores
+  with ``c``-token chunks, to measure the per-chunk overhead of format 2's chains.
+* ``floor``           - the question forward alone, on a cache already in memory in the same
+  preallocated buffers kvstore decodes into, with kvstore's grouped-KV attention
+  (``floor-dynamic``: on a ``DynamicCache`` already in memory, transformers' own path).
 
 Every method also reports its pieces (``load``: everything before the model call, ``forward``: the
 model call). Methods run round-robin within each repeat, so drift in the machine's load hits them
@@ -24,6 +26,7 @@ alike; one untimed run of each warms the page cache first. Files live under ``ca
 Command (from the repository root; writes experiments/results/ttft.{csv,json,png})::
 
     .venv/bin/python experiments/bench_ttft.py                 # full: 256..4096 tokens, 5 repeats
+    .venv/bin/python experiments/bench_ttft.py --chunk-sweep   # + chunk sizes 64..2048 at 2048 tokens
     .venv/bin/python experiments/bench_ttft.py --quick         # smoke test: 256/512, 2 repeats
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import time
 
 import torch
@@ -39,6 +43,7 @@ import benchlib as bl
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096)
 DEFAULT_CODECS = ("raw", "zstd-shuffle:1")
+SWEEP_CHUNKS = (64, 128, 256, 512, 1024, 2048)
 
 
 class ForwardTimer:
@@ -82,22 +87,25 @@ def run_length(
     scratch,
     repeats: int,
     recompute_repeats: int,
-    proposals: bool = True,
+    v1_stores: dict | None = None,
 ) -> list[dict]:
+    from helpers.entries import encode_v1
     from safetensors.torch import load_file, save_file
     from transformers import DynamicCache
 
-    from kvstore.model.cache import PreallocatedCache
-    from kvstore.store.entry import Entry
+    from kvstore.model.attention import grouped_kv
+    from kvstore.model.cache import PreallocatedCache, new_buffers
+    from kvstore.store.keys import cache_key
 
     model = adapter.model
     ctx = bl.synthetic_ids(n, seed=1000 + n)
-    key = adapter.key(ctx)
     layers = tuple((k.contiguous().clone(), v.contiguous().clone()) for k, v in adapter.prefill([ctx])[0])
-    entry = Entry(key, adapter.fingerprint, adapter.name, torch.tensor(ctx), layers)
     for store in stores.values():
-        if not store.contains(key):
-            store.put(entry)
+        adapter.generate_kv_cache([ctx], store, batch_size=1)  # a chain of the store's chunk size
+    v1_key = cache_key(adapter.fingerprint, adapter.dtype, ctx)
+    for spec, store in (v1_stores or {}).items():
+        blob = encode_v1(layers, spec, ctx, v1_key, time.time(), adapter.fingerprint, adapter.name)
+        store.put_bytes(v1_key, blob)
     f_pickle = scratch / f"ctx{n}.pickle.pt"
     f_pt = scratch / f"ctx{n}.pt"
     f_st = scratch / f"ctx{n}.safetensors"
@@ -108,14 +116,15 @@ def run_length(
 
     ft = ForwardTimer(model)
 
-    def via_adapter(gqa=False, **kw):
+    def via_adapter(**kw):
         def fn():
             ft.reset()
-            with bl.proposed(gqa=gqa):
-                t0 = time.perf_counter()
-                tok = int(adapter.greedy_sample([ctx], [q_ids], 1, batch_size=1, **kw)[0, 0])
-                total = time.perf_counter() - t0
-            return tok, {"total": total, "load": total - ft.seconds, "forward": ft.seconds}
+            t0 = time.perf_counter()
+            res = adapter.greedy_sample([ctx], [q_ids], 1, batch_size=1, return_details=True, **kw)
+            total = time.perf_counter() - t0
+            if kw.get("use_cache") and not res.cache_hit[0]:
+                raise SystemExit(f"{n} tokens: expected a cache hit ({kw})")
+            return int(res.tokens[0, 0]), {"total": total, "load": total - ft.seconds, "forward": ft.seconds}
 
         return fn
 
@@ -141,7 +150,7 @@ def run_length(
         d = load_file(f_st)
         return DynamicCache([(d[f"layers.{i}.keys"][None], d[f"layers.{i}.values"][None]) for i in range(len(layers))])
 
-    bufs = adapter._new_buffers(1, n + Q + 1)
+    bufs = new_buffers(adapter.kv_shapes(), 1, n + Q + 1, adapter.dtype, adapter.device)
     for (kb, vb), (k, v) in zip(bufs, layers):
         kb[0, :, :n].copy_(k)
         vb[0, :, :n].copy_(v)
@@ -149,11 +158,11 @@ def run_length(
     pos = torch.arange(n, n + Q)[None]
     ids = torch.tensor([q_ids])
 
-    def floor_(gqa=False):
+    def floor_():
         @torch.inference_mode()
         def floor():
             cache = PreallocatedCache(bufs, n)  # untimed: wraps the buffers, copies nothing
-            with bl.proposed(gqa=gqa):
+            with grouped_kv():
                 t0 = time.perf_counter()
                 out = model(
                     input_ids=ids,
@@ -177,8 +186,10 @@ def run_length(
         return tok, {"total": t, "load": 0.0, "forward": t}
 
     methods = {"recompute": via_adapter(use_cache=False)}
-    for spec, store in stores.items():
-        methods[f"kvstore:{spec}"] = via_adapter(use_cache=True, store=store)
+    for name, store in stores.items():
+        methods[f"kvstore:{name}"] = via_adapter(use_cache=True, store=store)
+    for spec, store in (v1_stores or {}).items():
+        methods[f"kvstore:{spec} v1"] = via_adapter(use_cache=True, store=store)
     methods |= {
         "pickle": via_dynamic(load_pickle),
         "pt": via_dynamic(load_pt),
@@ -186,10 +197,6 @@ def run_length(
         "floor": floor_(),
         "floor-dynamic": floor_dynamic,
     }
-    if proposals:  # the change proposed in results/README.md, patched in for these rows only
-        for spec, store in stores.items():
-            methods[f"kvstore:{spec} +gqa"] = via_adapter(gqa=True, use_cache=True, store=store)
-        methods["floor +gqa"] = floor_(gqa=True)
     first = {name: fn()[0] for name, fn in methods.items()}  # warm-up (page cache, lazy init)
     times: dict[str, list[dict]] = {name: [] for name in methods}
     for r in range(repeats):
@@ -309,7 +316,9 @@ def main() -> None:
     p.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="store codecs to compare (comma-separated)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--recompute-repeats", type=int, default=5, help="repeats for the (slow) recompute row")
-    p.add_argument("--no-proposals", action="store_true", help="skip the rows that patch in proposed library changes")
+    p.add_argument("--no-v1", action="store_true", help="skip the format-1 entry rows")
+    p.add_argument("--chunk-sweep", action="store_true", help="add stores with other chunk sizes (SWEEP_CHUNKS)")
+    p.add_argument("--sweep-lengths", default="2048", help="context lengths that get the chunk-size rows")
     p.add_argument(
         "--quick", action="store_true", help="smoke test: 256 and 512 tokens, 2 repeats, results to ttft_quick.*"
     )
@@ -317,7 +326,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads")
     args = p.parse_args()
     if args.quick:
-        args.lengths, args.repeats, args.recompute_repeats = "256,512", 2, 2
+        args.lengths, args.repeats, args.recompute_repeats, args.sweep_lengths = "256,512", 2, 2, "512"
+    sys.path.insert(0, str(bl.ROOT / "tests"))  # helpers.entries.encode_v1 writes the format-1 entries
     lengths = [int(x) for x in args.lengths.split(",")]
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
@@ -329,9 +339,18 @@ def main() -> None:
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     q_ids = bl.synthetic_ids(bl.QUESTION_TOKENS, seed=7)
-    stores = {
-        c: KVStore(str(scratch / f"store-{c.replace(':', '')}"), codec=c, sync=False) for c in args.codecs.split(",")
-    }
+    codecs = args.codecs.split(",")
+    stores = {c: KVStore(str(scratch / f"store-{c.replace(':', '')}"), codec=c, sync=False) for c in codecs}
+    v1_stores = {} if args.no_v1 else {c: KVStore(str(scratch / f"v1-{c.replace(':', '')}"), codec=c, sync=False)
+                                       for c in codecs}  # fmt: skip
+    sweep = {}
+    if args.chunk_sweep:
+        from kvstore.store.codecs import DEFAULT_CODEC as default
+        for c in SWEEP_CHUNKS:
+            sweep[f"{default} chunk={c}"] = KVStore(
+                str(scratch / f"chunk{c}"), codec=default, chunk_tokens=c, sync=False
+            )
+    sweep_lengths = {int(x) for x in args.sweep_lengths.split(",")}
     rows = []
     try:
         for n in lengths:
@@ -340,11 +359,11 @@ def main() -> None:
                 adapter,
                 n,
                 q_ids,
-                stores,
+                stores | (sweep if n in sweep_lengths else {}),
                 scratch,
                 args.repeats,
                 min(args.recompute_repeats, args.repeats),
-                proposals=not args.no_proposals,
+                v1_stores,
             )
             rows += rs
             print(f"{n} tokens ({time.perf_counter() - t0:.0f} s, load {bl.loadavg()}):")
@@ -357,7 +376,7 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        for s in stores.values():
+        for s in (stores | v1_stores | sweep).values():
             s.close()
         shutil.rmtree(scratch, ignore_errors=True)
     info["load_after"] = bl.loadavg()
@@ -369,6 +388,7 @@ def main() -> None:
             "machine": info,
             "question_tokens": len(q_ids),
             "repeats": args.repeats,
+            "chunk_sweep": sorted(sweep_lengths) if sweep else [],
             "recompute_repeats": min(args.recompute_repeats, args.repeats),
             "rows": rows,
         },

@@ -332,12 +332,20 @@ class Adapter:
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
         prefix: TextOrIds | None = None,
+        stop_strings: Sequence[str] = (),
+        max_batch_tokens: int | None = None,
     ) -> torch.Tensor | SampleResult:
         """Greedy answers to ``questions[i]`` about ``contexts[i]``.
 
         Returns ``[n_rows, num_new_tokens]`` int64 token ids (a :class:`SampleResult` with
         ``return_details``). A row that produced EOS keeps it and is filled with the pad id
-        (``self.pad_id``) after it when ``stop_at_eos``; decoding stops once every row has.
+        (``self.pad_id``) after it when ``stop_at_eos``; so is a row whose text contains one of
+        ``stop_strings`` (e.g. ``"\n"``: the token completing it is kept). Decoding stops once
+        every row has stopped.
+
+        Rows run in batches of up to ``batch_size`` rows and ``max_batch_tokens`` padded tokens
+        (context + question + new tokens, times rows: a memory budget). A batch that runs out of
+        memory is run again as two halves (answers do not depend on the batch).
 
         ``use_cache=True`` loads the longest stored prefix of each context's chain from ``store``
         and computes only the rest (storing what it computed unless the store is read-only;
@@ -350,7 +358,7 @@ class Adapter:
             self, contexts, questions, num_new_tokens, use_cache=use_cache, store=store, batch_size=batch_size,
             stop_at_eos=stop_at_eos, special_tokens=special_tokens, truncate=truncate,
             max_context_tokens=max_context_tokens, return_scores=return_scores, labels=labels, progress=progress,
-            prefix=prefix,
+            prefix=prefix, stop_strings=stop_strings, max_batch_tokens=max_batch_tokens,
         )  # fmt: skip
         return result if return_details else result.tokens
 

@@ -205,7 +205,7 @@ def compute_jobs(
 
 
 @torch.inference_mode()
-def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos, return_scores):
+def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop, return_scores):
     """:func:`kvstore.model.decode.decode_cached` for these models (same arguments and results)."""
     from kvstore.model.decode import greedy_loop
 
@@ -232,30 +232,30 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos,
     if min(len(q) for q in q_ids) == 0:
         raise ValueError("every question needs at least one token")
     slots = Slots(adapter, adapter.layout, [caches[p.key] for p in plans], Q + N)
-    tokens, scores = _answer(adapter, slots, q_ids, N, stop_at_eos, return_scores, greedy_loop)
+    tokens, scores = _answer(adapter, slots, q_ids, N, stop, return_scores, greedy_loop)
     computed = sum(p.n_tokens - loaded[p.key] for p in distinct)
     labels = [",".join(dict.fromkeys(codecs[p.key])) or None for p in plans]
     return tokens, scores, [loaded[p.key] for p in plans], computed, labels
 
 
 @torch.inference_mode()
-def decode_reference(adapter: Adapter, full_ids, N, stop_at_eos, return_scores):
+def decode_reference(adapter: Adapter, full_ids, N, stop, return_scores):
     """:func:`kvstore.model.decode.decode_reference` for these models: each row's context and
     question from nothing, in the same slots and masks."""
     from kvstore.model.decode import greedy_loop
 
     slots = Slots(adapter, adapter.layout, [None] * len(full_ids), max(map(len, full_ids)) + N)
-    return _answer(adapter, slots, full_ids, N, stop_at_eos, return_scores, greedy_loop)
+    return _answer(adapter, slots, full_ids, N, stop, return_scores, greedy_loop)
 
 
-def _answer(adapter, slots: Slots, prompts, N, stop_at_eos, return_scores, greedy_loop):
+def _answer(adapter, slots: Slots, prompts, N, stop, return_scores, greedy_loop):
     rows = list(range(len(prompts)))
     logits = slots.run(rows, prompts)
 
     def step(nxt: torch.Tensor, t: int) -> torch.Tensor:
         return slots.run(rows, [[x] for x in nxt.tolist()])
 
-    return greedy_loop(adapter, None, None, logits, None, 0, N, stop_at_eos, return_scores, step=step)
+    return greedy_loop(adapter, None, None, logits, None, 0, N, stop, return_scores, step=step)
 
 
 __all__ = ["Computed", "compute", "compute_jobs", "decode_cached", "decode_reference", "entries", "load"]

@@ -29,7 +29,7 @@ import torch
 from kvstore.errors import ContextTooLongError
 from kvstore.model import chains
 from kvstore.model.attention import uses_grouped_kv
-from kvstore.model.build import Writer, prefill
+from kvstore.model.build import Writer, batches, prefill
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
@@ -62,6 +62,31 @@ class SampleResult:
     codecs: list[str | None] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Stop:
+    """When a row stops: at its first EOS (``eos``), or once its text contains one of ``strings``
+    (the token that completes it is kept, as Hugging Face's ``stop_strings`` does)."""
+
+    eos: bool = True
+    strings: tuple[str, ...] = ()
+
+    def hit(self, adapter: Adapter, ids: Sequence[int]) -> bool:
+        """Whether generated ``ids`` (a row so far) end the row."""
+        if self.eos and ids and ids[-1] in adapter.eos_ids:
+            return True
+        if self.strings:
+            text = adapter.tokenizer.decode(list(ids), skip_special_tokens=False)
+            return any(s in text for s in self.strings)
+        return False
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A CUDA (or other accelerator) out-of-memory error, or the CPU allocator's failure."""
+    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
 @uses_grouped_kv
 def greedy_sample(
     adapter: Adapter,
@@ -80,8 +105,11 @@ def greedy_sample(
     labels: Sequence[str] | None = None,
     progress: Progress | None = None,
     prefix: TextOrIds | None = None,
+    stop_strings: Sequence[str] = (),
+    max_batch_tokens: int | None = None,
 ) -> SampleResult:
     """See :meth:`kvstore.model.adapter.Adapter.greedy_sample`."""
+    stop = Stop(stop_at_eos, tuple(s for s in stop_strings if s))
     if len(contexts) != len(questions):
         raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
     if num_new_tokens < 1 or batch_size < 1:
@@ -113,30 +141,48 @@ def greedy_sample(
     # cluster rows of equal contexts, then by length, to share loads and waste little padding
     order = sorted(range(n), key=lambda i: (len(c_ids[i]), keys[i], i))
     writer = Writer(store, None) if (use_cache and store is not None and not store.readonly) else None
-    try:
-        for start in range(0, n, batch_size):
-            rows = order[start : start + batch_size]
+
+    def run(rows: list[int]) -> None:
+        nonlocal computed
+        try:
             if use_cache:
                 tokens, step_scores, row_cached, row_computed, row_codecs = decode_cached(
                     adapter, [plans[i] for i in rows], [q_ids[i] for i in rows], num_new_tokens, store, writer,
-                    stop_at_eos, return_scores,
+                    stop, return_scores,
                 )  # fmt: skip
-                for i, got, spec in zip(rows, row_cached, row_codecs):
-                    cached[i] = got
-                    codecs[i] = spec
-                computed += row_computed
             else:
                 tokens, step_scores = decode_reference(
-                    adapter, [c_ids[i] + q_ids[i] for i in rows], num_new_tokens, stop_at_eos, return_scores
+                    adapter, [c_ids[i] + q_ids[i] for i in rows], num_new_tokens, stop, return_scores
                 )
-                computed += sum(len(c_ids[i]) for i in rows)
-            for j, i in enumerate(rows):
-                out[i] = tokens[j]
-                lengths[i] = row_length(adapter, tokens[j], stop_at_eos)
-                if scores is not None:
-                    scores[i] = step_scores[j]
-            if progress:
-                progress(len(rows), sum(len(c_ids[i]) + len(q_ids[i]) for i in rows))
+        except Exception as exc:
+            if not is_out_of_memory(exc) or len(rows) == 1:
+                raise
+            # out of memory: the same rows in two halves (answers do not depend on the batch)
+            del exc
+            if adapter.device.type == "cuda":
+                torch.cuda.empty_cache()
+            run(rows[: len(rows) // 2])
+            run(rows[len(rows) // 2 :])
+            return
+        if use_cache:
+            for i, got, spec in zip(rows, row_cached, row_codecs):
+                cached[i] = got
+                codecs[i] = spec
+            computed += row_computed
+        else:
+            computed += sum(len(c_ids[i]) for i in rows)
+        for j, i in enumerate(rows):
+            out[i] = tokens[j]
+            lengths[i] = row_length(adapter, tokens[j], stop)
+            if scores is not None:
+                scores[i] = step_scores[j]
+        if progress:
+            progress(len(rows), sum(len(c_ids[i]) + len(q_ids[i]) for i in rows))
+
+    sizes = [len(c_ids[i]) + len(q_ids[i]) + num_new_tokens for i in range(n)]
+    try:
+        for rows in batches(order, sizes, batch_size, max_batch_tokens):
+            run(rows)
     finally:
         if writer is not None:
             writer.close()
@@ -145,23 +191,23 @@ def greedy_sample(
     return SampleResult(out, lengths, hits, scores, saved, computed, cached, codecs)
 
 
-def row_length(adapter: Adapter, row: torch.Tensor, stop_at_eos: bool) -> int:
-    """Tokens of a generated row up to and including its first EOS (all of them without EOS)."""
-    if stop_at_eos:
-        for j, t in enumerate(row.tolist()):
-            if t in adapter.eos_ids:
-                return j + 1
-    return int(row.numel())
+def row_length(adapter: Adapter, row: torch.Tensor, stop: Stop) -> int:
+    """Tokens of a generated row up to and including the one that stopped it (all of them if none did)."""
+    ids = row.tolist()
+    for j in range(len(ids)):
+        if stop.hit(adapter, ids[: j + 1]):
+            return j + 1
+    return len(ids)
 
 
 @torch.inference_mode()
-def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos, return_scores):
+def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, return_scores):
     """One batch from stored caches (see the module docstring). Returns ``(tokens, scores, cached
     tokens per row, context tokens computed)``."""
     if not adapter.layout.dense:  # windowed, state-space, hybrid: position masks, stored states
         from kvstore.model import contexts
 
-        return contexts.decode_cached(adapter, plans, q_ids, N, store, writer, stop_at_eos, return_scores)
+        return contexts.decode_cached(adapter, plans, q_ids, N, store, writer, stop, return_scores)
     B = len(plans)
     c_len = [p.n_tokens for p in plans]
     q_len = [len(q) for q in q_ids]
@@ -239,9 +285,7 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop_at_eos,
         logits_to_keep=1,
     )
     next_pos = torch.tensor([c + q for c, q in zip(c_len, q_len)], device=dev)
-    tokens, scores = greedy_loop(
-        adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop_at_eos, return_scores
-    )
+    tokens, scores = greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop, return_scores)
     computed = sum(c_len[rows_of[k][0]] - loaded[k] for k in rows_of)
     return tokens, scores, [loaded[p.key] for p in plans], computed, [codec_label(codecs[p.key]) for p in plans]
 
@@ -266,11 +310,11 @@ def _fill_pads_and_repeats(bufs: Buffers, rows_of: dict[str, list[int]], c_len: 
 
 
 @torch.inference_mode()
-def decode_reference(adapter: Adapter, full_ids, N, stop_at_eos, return_scores):
+def decode_reference(adapter: Adapter, full_ids, N, stop: Stop, return_scores):
     if not adapter.layout.dense:
         from kvstore.model import contexts
 
-        return contexts.decode_reference(adapter, full_ids, N, stop_at_eos, return_scores)
+        return contexts.decode_reference(adapter, full_ids, N, stop, return_scores)
     B = len(full_ids)
     lens = [len(x) for x in full_ids]
     L = max(lens)
@@ -297,10 +341,10 @@ def decode_reference(adapter: Adapter, full_ids, N, stop_at_eos, return_scores):
         logits_to_keep=torch.tensor([[n - 1] for n in lens], device=dev),
     )
     next_pos = torch.tensor(lens, device=dev)
-    return greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, L, N, stop_at_eos, return_scores)
+    return greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, L, N, stop, return_scores)
 
 
-def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, stop_at_eos, return_scores, step=None):
+def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, stop: Stop, return_scores, step=None):
     """Greedy decoding from the logits of each row's last prompt token. Slot ``first_slot + t``
     holds generated token ``t`` at position ``next_pos + t``. ``step(tokens, t)``, if given,
     runs the model on each row's token ``t`` instead and returns the next logits."""
@@ -316,10 +360,15 @@ def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, 
         nxt = logits.argmax(dim=-1)
         nxt = torch.where(done, torch.full_like(nxt, adapter.pad_id), nxt)
         tokens[:, t] = nxt
-        if stop_at_eos and eos is not None:
+        if stop.eos and eos is not None:
             done |= torch.isin(nxt, eos)
-            if bool(done.all()):
-                break
+        if stop.strings:
+            rows = tokens[:, : t + 1].tolist()
+            for r in range(B):
+                if not bool(done[r]) and stop.hit(adapter, rows[r]):
+                    done[r] = True
+        if (stop.eos or stop.strings) and bool(done.all()):
+            break
         if t == N - 1:
             break
         if step is not None:
@@ -339,4 +388,13 @@ def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, 
     return tokens, per_row
 
 
-__all__ = ["SampleResult", "decode_cached", "decode_reference", "greedy_loop", "greedy_sample", "row_length"]
+__all__ = [
+    "SampleResult",
+    "Stop",
+    "is_out_of_memory",
+    "decode_cached",
+    "decode_reference",
+    "greedy_loop",
+    "greedy_sample",
+    "row_length",
+]

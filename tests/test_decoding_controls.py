@@ -1,0 +1,129 @@
+"""Stop strings, a token budget per batch, and out-of-memory batches run again as halves: none of
+them changes a row's tokens (beyond cutting them at the stop)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from helpers.cli import read_predictions, run_main, write_dataset
+from kvstore.model import decode
+from kvstore.model.adapter import Adapter
+from kvstore.store.kvstore import KVStore
+from tiny import make_tiny_model
+
+N_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, tok = make_tiny_model("llama", dtype=torch.float64, seed=4)
+    return Adapter(model, tok)
+
+
+def _rows(adapter, n=7, seed=0):
+    rng = random.Random(seed)
+    vocab = [i for i in range(len(adapter.tokenizer)) if i not in adapter.tokenizer.all_special_ids]
+    contexts = [[rng.choice(vocab) for _ in range(rng.randint(5, 30))] for _ in range(n)]
+    questions = [[rng.choice(vocab) for _ in range(rng.randint(1, 4))] for _ in range(n)]
+    return contexts, questions
+
+
+def _sample(adapter, contexts, questions, **kw):
+    return adapter.greedy_sample(contexts, questions, N_NEW, stop_at_eos=False, return_details=True, **kw)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_stop_strings_cut_each_row_where_its_text_first_contains_one(llama, tmp_path, use_cache):
+    contexts, questions = _rows(llama)
+    full = _sample(llama, contexts, questions, use_cache=False)
+    texts = [llama.tokenizer.decode(row[2:3].tolist()) for row in full.tokens]
+    stops = [t for t in texts if t.strip()][:2]  # pieces some rows produce at their third token
+    assert stops
+    with KVStore(str(tmp_path / "s")) as store:
+        got = _sample(llama, contexts, questions, use_cache=use_cache, store=store, stop_strings=stops, batch_size=3)
+    cut_somewhere = 0
+    for r, row in enumerate(full.tokens.tolist()):
+        end = next(
+            (j + 1 for j in range(N_NEW) if any(s in llama.tokenizer.decode(row[: j + 1]) for s in stops)), N_NEW
+        )
+        cut_somewhere += end < N_NEW
+        assert got.lengths[r] == end
+        assert got.tokens[r, :end].tolist() == row[:end]
+        assert (got.tokens[r, end:] == llama.pad_id).all()
+    assert cut_somewhere >= 1
+
+
+def test_out_of_memory_runs_the_batch_again_as_halves(llama, tmp_path, monkeypatch):
+    contexts, questions = _rows(llama, n=8, seed=1)
+    with KVStore(str(tmp_path / "a")) as store:
+        want = _sample(llama, contexts, questions, store=store, batch_size=8)
+    real, sizes = decode.decode_cached, []
+
+    def tight(adapter, plans, *args):
+        sizes.append(len(plans))
+        if len(plans) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return real(adapter, plans, *args)
+
+    monkeypatch.setattr(decode, "decode_cached", tight)
+    with KVStore(str(tmp_path / "b")) as store:
+        got = _sample(llama, contexts, questions, store=store, batch_size=8)
+    assert sizes == [8, 4, 2, 2, 4, 2, 2]  # halved until it fits, every row once
+    assert torch.equal(got.tokens, want.tokens) and got.cache_hit == want.cache_hit
+
+    def broken(adapter, plans, *args):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(decode, "decode_cached", broken)
+    with KVStore(str(tmp_path / "c")) as store, pytest.raises(RuntimeError, match="something else"):
+        _sample(llama, contexts, questions, store=store)
+
+
+def test_cpu_allocator_failure_counts_as_out_of_memory():
+    assert decode.is_out_of_memory(
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+            "8 bytes."
+        )
+    )
+    assert not decode.is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_max_batch_tokens_bounds_each_batch(llama, tmp_path, monkeypatch):
+    contexts, questions = _rows(llama, n=8, seed=2)
+    want = _sample(llama, contexts, questions, use_cache=False, batch_size=8)
+    real, batches = decode.decode_reference, []
+
+    def spy(adapter, full_ids, N, *args):
+        batches.append(len(full_ids) * (max(map(len, full_ids)) + N))
+        return real(adapter, full_ids, N, *args)
+
+    monkeypatch.setattr(decode, "decode_reference", spy)
+    got = _sample(llama, contexts, questions, use_cache=False, batch_size=8, max_batch_tokens=80)
+    assert len(batches) > 1 and max(batches) <= 80
+    assert torch.equal(got.tokens, want.tokens)
+
+
+def test_cli_stop(tiny_llama_dir, tmp_path, capsys):
+    data = write_dataset(tmp_path / "d.jsonl", range(3))
+    base = ["--model", tiny_llama_dir, "--store", tmp_path / "s", "--quiet", "--format", "json", "-n", "12"]
+
+    def sample(*extra):
+        out = tmp_path / f"o{len(list(tmp_path.glob('o*')))}.jsonl"
+        code, _, err = run_main(capsys, "sample", data, *base, "-o", out, *extra)
+        assert code == 0, err
+        return read_predictions(out)
+
+    plain = sample()
+    stop = next(r["raw_output"][2:4] for r in plain.values() if len(r["raw_output"].strip()) > 4)
+    cut = sample("--stop", stop, "--max-batch-tokens", "200")
+    for key, row in plain.items():
+        assert row["raw_output"].startswith(cut[key]["raw_output"])
+        if stop in row["raw_output"]:
+            assert stop in cut[key]["raw_output"] and len(cut[key]["raw_output"]) < len(row["raw_output"]) + 1
+    assert any(stop in r["raw_output"] and len(cut[k]["raw_output"]) < len(r["raw_output"]) for k, r in plain.items())
+    assert json.loads(json.dumps(cut))  # rows stay JSON
