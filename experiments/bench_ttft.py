@@ -89,10 +89,10 @@ def run_length(
     recompute_repeats: int,
     v1_stores: dict | None = None,
 ) -> list[dict]:
-    from helpers.entries import encode_v1
     from safetensors.torch import load_file, save_file
     from transformers import DynamicCache
 
+    from helpers.entries import encode_v1
     from kvstore.model.attention import grouped_kv
     from kvstore.model.cache import PreallocatedCache, new_buffers
     from kvstore.store.keys import cache_key
@@ -346,6 +346,7 @@ def main() -> None:
     sweep = {}
     if args.chunk_sweep:
         from kvstore.store.codecs import DEFAULT_CODEC as default
+
         for c in SWEEP_CHUNKS:
             sweep[f"{default} chunk={c}"] = KVStore(
                 str(scratch / f"chunk{c}"), codec=default, chunk_tokens=c, sync=False
