@@ -40,7 +40,7 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
 
 
 @click.command(name="import-llminference")
-@click.argument("cache_dir", type=click.Path(file_okay=False))
+@click.argument("source", metavar="CACHE_DIR", type=click.Path(file_okay=False))
 @click.argument("dataset")
 @click.option("--model", "-m", default=None, help="The model the caches were computed with [default: bundled].")
 @click.option("--max-context-length", type=click.IntRange(min=1), required=True,
@@ -57,7 +57,7 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
 @store_option
 @quiet_option
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def import_llminference(cache_dir: str, dataset: str, model: str | None, max_context_length: int,
+def import_llminference(source: str, dataset: str, model: str | None, max_context_length: int,
                         config_json: str | None, dtype: str, device: str, context_field: str, check: int, store: str,
                         quiet: bool, fmt: str) -> None:  # fmt: skip
     """Import the KV caches llminference wrote to CACHE_DIR for the contexts of DATASET.
@@ -80,7 +80,7 @@ def import_llminference(cache_dir: str, dataset: str, model: str | None, max_con
     config_text = Path(config_json).read_text() if config_json else None
     contexts = data.contexts()
     with KVStore(store) as kv, progress_bar(len(contexts), "import", quiet, unit="ctx") as bar:
-        report = import_caches(adapter, cache_dir, contexts, kv, max_context_length=max_context_length,
+        report = import_caches(adapter, source, contexts, kv, max_context_length=max_context_length,
                                config_json=config_text, check=check, progress=bar)  # fmt: skip
     summary = {
         "imported": report.imported, "already_stored": report.already_stored, "missing": len(report.missing),
@@ -98,4 +98,4 @@ def import_llminference(cache_dir: str, dataset: str, model: str | None, max_con
         for line in report.rejected[:10]:
             click.echo(f"rejected   {line}")
     if not report.imported and not report.already_stored:
-        raise CLIError(f"no llminference cache in {cache_dir} matches a context of {dataset}")
+        raise CLIError(f"no llminference cache in {source} matches a context of {dataset}")

@@ -298,6 +298,7 @@ def part_overhead(args, data: Path) -> dict:
     """Paired in-process comparison: prefill alone vs prefill + store, same contexts and batches."""
     from kvstore.data.datasets import load_dataset
     from kvstore.data.prompts import PromptFormat
+    from kvstore.model.build import batches as ka_batches
     from kvstore.store.kvstore import KVStore
 
     adapter = bl.load_adapter("float32")
@@ -306,7 +307,7 @@ def part_overhead(args, data: Path) -> dict:
     texts = [fmt.context_part(c) for c in contexts]
     ids = [adapter.encode_context(t, special_tokens=fmt.add_special_tokens) for t in texts]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    batches = list(adapter._batches(order, [len(x) for x in ids], args.batch_size, None))
+    batches = list(ka_batches(order, [len(x) for x in ids], args.batch_size, None))
     adapter.prefill([ids[0][:8]])  # warm-up
     plain, plain_b1, stored, store_s, wait_s = [], [], [], [], []
     for r in range(args.overhead_repeats):
@@ -358,7 +359,7 @@ def part_variants(args, data: Path) -> dict:
     import queue
     import types
 
-    import kvstore.model.adapter as ka
+    import kvstore.model.build as ka
     from kvstore.data.datasets import load_dataset
     from kvstore.data.prompts import PromptFormat
     from kvstore.store.kvstore import KVStore
@@ -393,7 +394,7 @@ def part_variants(args, data: Path) -> dict:
 
     for bs in (args.batch_size, 1):
         t0 = time.perf_counter()
-        for batch in adapter._batches(order, [len(x) for x in ids], bs, None):
+        for batch in ka.batches(order, [len(x) for x in ids], bs, None):
             adapter.prefill([ids[i] for i in batch])
         record(f"prefill only, batch {bs}", time.perf_counter() - t0)
     big_queue = types.SimpleNamespace(Queue=lambda maxsize=0: queue.Queue(maxsize=64))

@@ -90,7 +90,7 @@ def test_lossy_entries_never_answer_a_lossless_request(llama, tmp_path):
             assert torch.equal(got.tokens, reference.tokens)
             # float32: the layouts differ, so logits agree to rounding (the lossy ones do not: see above)
             assert all(torch.allclose(a, b, atol=1e-4, rtol=0) for a, b in zip(got.scores, reference.scores))
-    with KVStore(path, codec="int8:64", readonly=True) as store:
+    with KVStore(path, codec="int8:128/64", readonly=True) as store:
         assert all(_sample(llama, store, contexts, questions).cache_hit)
 
 
@@ -130,7 +130,7 @@ def test_windowed_and_recurrent_models_refuse_lossy_codecs(tmp_path):
         adapter = Adapter(model, tok)
         with KVStore(str(tmp_path / name), codec="int8") as store, pytest.raises(ModelError) as err:
             adapter.generate_kv_cache([[5, 6, 7, 8]], store)
-        assert "lossy codec int8:64" in str(err.value) and "\n" not in str(err.value)
+        assert "lossy codec int8:128/64" in str(err.value) and "\n" not in str(err.value)
 
 
 # -- the CLI ------------------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ def test_cli_build_and_sample_with_a_lossy_codec(tiny_llama_dir, tmp_path, capsy
     code, out, err = run_main(capsys, "build", data, *base, "--codec", "int8")
     assert code == 0, err
     built = json.loads(out)
-    assert built["codec"] == "int8:64" and built["lossy"] is True and built["built"] == 4
+    assert built["codec"] == "int8:128/64" and built["lossy"] is True and built["built"] == 4
 
     def sample(*extra):
         out_path = tmp_path / f"out{len(list(tmp_path.iterdir()))}.jsonl"
@@ -158,10 +158,10 @@ def test_cli_build_and_sample_with_a_lossy_codec(tiny_llama_dir, tmp_path, capsy
     assert {k: r["raw_output"] for k, r in plain.items()} == {k: r["raw_output"] for k, r in ref.items()}
     lossy_summary, lossy, err = sample("--codec", "int8")
     assert lossy_summary["cache_hit_rate"] == 1 and lossy_summary["lossy"] is True
-    assert lossy_summary["codec"] == "int8:64" and {r["codec"] for r in lossy.values()} == {"int8:64"}
-    assert "answers came from lossy int8:64 caches" in err
+    assert lossy_summary["codec"] == "int8:128/64" and {r["codec"] for r in lossy.values()} == {"int8:128/64"}
+    assert "answers came from lossy int8:128/64 caches" in err
     code, out, err = run_main(capsys, "ls", "--store", store, "--format", "json")
-    assert code == 0 and {c["codec"] for c in json.loads(out)} == {"int8:64"}
+    assert code == 0 and {c["codec"] for c in json.loads(out)} == {"int8:128/64"}
     code, out, err = run_main(capsys, "sample", data, *base, "--codec", "int3")
     assert code == 1 and err.startswith("kvstore: error: unknown codec 'int3'") and err.count("\n") == 1
 
@@ -188,7 +188,7 @@ def test_convert_without_recompute_equals_a_lossy_build(llama, tmp_path):
         assert sorted(report.keys.values()) == sorted(built.context_keys())
         b = _sample(llama, built, contexts, questions)
         refused = convert_contexts(built, built, "int4")
-        assert refused.converted == 0 and all("lossy codec int8:64 already" in p for p in refused.problems)
+        assert refused.converted == 0 and all("lossy codec int8:128/64 already" in p for p in refused.problems)
     with KVStore(a_path, codec="int8", readonly=True) as converted:
         a = _sample(llama, converted, contexts, questions)
     assert all(a.cache_hit) and all(b.cache_hit) and torch.equal(a.tokens, b.tokens)
@@ -209,7 +209,7 @@ def test_cli_sync_codec_converts_without_recompute(tiny_llama_dir, tmp_path, cap
     dry = sync(store, store, "--codec", "int8", "--dry-run")
     assert (dry["converted"], dry["already_present"]) == (3, 0)
     done = sync(store, store, "--codec", "int8")
-    assert (done["converted"], done["refused"], done["codec"]) == (3, 0, "int8:64") and done["chunks_written"] >= 3
+    assert (done["converted"], done["refused"], done["codec"]) == (3, 0, "int8:128/64") and done["chunks_written"] >= 3
     assert sync(store, store, "--codec", "int8")["already_present"] == 3
     assert sync(store, other, "--codec", "int4:64")["converted"] == 3
     for path, codec in ((store, "int8"), (other, "int4:64")):

@@ -149,7 +149,7 @@ def test_large_magnitudes_use_bfloat16_parameters():
 # -- sizes -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("spec", "most"),
-    [("int8", 0.267), ("int4", 0.150), ("int4:64", 0.142), ("fp8", 0.258)],
+    [("int8", 0.264), ("int8:64", 0.267), ("int4", 0.150), ("int4:64", 0.142), ("fp8", 0.258)],
 )
 def test_stored_size_of_a_chunk(spec, most):
     """Codes + scales + zeros of a 256-token chunk past the first (no sink), relative to float32."""
@@ -163,10 +163,10 @@ def test_stored_size_of_a_chunk(spec, most):
 
 # -- specs and identity ----------------------------------------------------------------------------
 def test_specs():
-    assert get_codec("int8").spec == "int8:64" and get_codec("int4").spec == "int4:32/64"
+    assert get_codec("int8").spec == "int8:128/64" and get_codec("int4").spec == "int4:32/64"
     assert get_codec("int4:64").spec == "int4:64" and get_codec("int8:32/32").spec == "int8:32"
-    assert get_codec("int8+zstd").spec == "int8:64+zstd:3" and get_codec("fp8").spec == "fp8"
-    for spec, identity in (("int8", "int8:64"), ("int4:64+zstd", "int4:64"), ("fp8+zstd-shuffle:1", "fp8")):
+    assert get_codec("int8+zstd").spec == "int8:128/64+zstd:3" and get_codec("fp8").spec == "fp8"
+    for spec, identity in (("int8", "int8:128/64"), ("int4:64+zstd", "int4:64"), ("fp8+zstd-shuffle:1", "fp8")):
         c = get_codec(spec)
         assert not c.lossless and c.identity == identity
     for spec in ("raw", "zstd:3", "zstd-shuffle:1"):

@@ -87,7 +87,13 @@ def test_pythia_70m_by_hand():
 
 @pytest.mark.parametrize(
     ("codec", "bits"),
-    [("int8", 8 + 16 / 64 + 16 / 64), ("int4", 4 + 16 / 32 + 16 / 64), ("int4:64", 4.5), ("fp8", 8.25)],
+    [
+        ("int8", 8 + 16 / 128 + 16 / 64),
+        ("int8:64", 8.5),
+        ("int4", 4 + 16 / 32 + 16 / 64),
+        ("int4:64", 4.5),
+        ("fp8", 8.25),
+    ],
 )
 def test_codec_estimates_use_the_quantizer_bits(codec, bits):
     """``--codec``: codes plus 16-bit scales and zeros per group (int8:64 is 8.5 bits a value)."""
