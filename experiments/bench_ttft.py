@@ -93,8 +93,6 @@ def run_length(
     from transformers import DynamicCache
 
     from helpers.entries import encode_v1
-    from kvstore.model.attention import grouped_kv
-    from kvstore.model.cache import PreallocatedCache, new_buffers
     from kvstore.store.keys import cache_key
 
     model = adapter.model
@@ -112,8 +110,6 @@ def run_length(
     torch.save(DynamicCache([(k[None], v[None]) for k, v in layers]), f_pickle)
     torch.save(tuple((k, v) for k, v in layers), f_pt)
     save_file({f"layers.{i}.{w}": t for i, kv in enumerate(layers) for w, t in zip(("keys", "values"), kv)}, f_st)
-    Q = len(q_ids)
-
     ft = ForwardTimer(model)
 
     def via_adapter(**kw):
@@ -150,33 +146,11 @@ def run_length(
         d = load_file(f_st)
         return DynamicCache([(d[f"layers.{i}.keys"][None], d[f"layers.{i}.values"][None]) for i in range(len(layers))])
 
-    bufs = new_buffers(adapter.kv_shapes(), 1, n + Q + 1, adapter.dtype, adapter.device)
-    for (kb, vb), (k, v) in zip(bufs, layers):
-        kb[0, :, :n].copy_(k)
-        vb[0, :, :n].copy_(v)
-    mask = torch.ones((1, n + Q), dtype=torch.long)
-    pos = torch.arange(n, n + Q)[None]
-    ids = torch.tensor([q_ids])
+    run_floor = bl.floor(adapter, layers, q_ids)
 
-    def floor_():
-        @torch.inference_mode()
-        def floor():
-            cache = PreallocatedCache(bufs, n)  # untimed: wraps the buffers, copies nothing
-            with grouped_kv():
-                t0 = time.perf_counter()
-                out = model(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                tok = int(out.logits[0, -1].argmax())
-                t = time.perf_counter() - t0
-            return tok, {"total": t, "load": 0.0, "forward": t}
-
-        return floor
+    def floor():
+        tok, t = run_floor()
+        return tok, {"total": t, "load": 0.0, "forward": t}
 
     def floor_dynamic():
         cache = DynamicCache([(k[None], v[None]) for k, v in layers])  # untimed
@@ -194,7 +168,7 @@ def run_length(
         "pickle": via_dynamic(load_pickle),
         "pt": via_dynamic(load_pt),
         "safetensors": via_dynamic(load_st),
-        "floor": floor_(),
+        "floor": floor,
         "floor-dynamic": floor_dynamic,
     }
     first = {name: fn()[0] for name, fn in methods.items()}  # warm-up (page cache, lazy init)

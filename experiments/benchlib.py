@@ -229,6 +229,36 @@ def proposed(gqa: bool = False):
             os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = old_env
 
 
+# -- the floor --------------------------------------------------------------------------------------
+def floor(adapter, layers, q_ids: list[int]):
+    """kvstore's question step alone, on a context's cache already in its preallocated buffers (the
+    in-memory floor a stored load is compared with): a function returning ``(first token, seconds
+    of the model call)``. ``layers``: per layer ``(keys, values)`` ``[kv_heads, n, head_dim]``."""
+    from kvstore.model.attention import grouped_kv
+    from kvstore.model.cache import PreallocatedCache, new_buffers
+
+    n, Q = layers[0][0].shape[1], len(q_ids)
+    bufs = new_buffers(adapter.kv_shapes(), 1, n + Q + 1, adapter.dtype, adapter.device)
+    for (kb, vb), (k, v) in zip(bufs, layers):
+        kb[0, :, :n].copy_(k)
+        vb[0, :, :n].copy_(v)
+    mask = torch.ones((1, n + Q), dtype=torch.long)
+    pos = torch.arange(n, n + Q)[None]
+    ids = torch.tensor([q_ids])
+
+    @torch.inference_mode()
+    def run() -> tuple[int, float]:
+        cache = PreallocatedCache(bufs, n)  # wraps the buffers, copies nothing
+        with grouped_kv():
+            t0 = time.perf_counter()
+            out = adapter.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                use_cache=True, logits_to_keep=1)  # fmt: skip
+            tok = int(out.logits[0, -1].argmax())
+            return tok, time.perf_counter() - t0
+
+    return run
+
+
 # -- peak memory ----------------------------------------------------------------------------------
 def rss_mib() -> float:
     """Peak resident set size of this process so far (MiB)."""

@@ -1,4 +1,4 @@
-"""Print the markdown tables of experiments/results/README.md from the committed result files.
+"""Print the markdown tables the README's benchmark section quotes, from the committed result files.
 
 Command (from the repository root)::
 
@@ -222,9 +222,100 @@ def e2e() -> None:
         )
 
 
+def prefix() -> None:
+    d = load("prefix")
+    if not d:
+        return
+    print(f"### prefix\n\n{machine_line(d['meta']['machine'])}\n")
+    rows = [
+        (
+            r["part"],
+            r["variant"],
+            r["format"],
+            r["contexts"],
+            f"{r['tokens_computed']:,}",
+            f"{r['tokens_reused']:,}",
+            f"{r['build_seconds']:.1f}",
+            r["entries"],
+            f"{r['stored_bytes'] / 1e6:,.0f}",
+        )
+        for r in d["rows"]
+    ]
+    heads = ["part", "variant", "format", "contexts", "tokens computed", "tokens reused", "build s", "entries", "MB"]
+    print(bl.md_table(rows, heads) + "\n")
+
+
+def quant() -> None:
+    d = load("quant")
+    if not d:
+        return
+    print(f"### quant\n\n{machine_line(d['machine'])}\n")
+    rows = [
+        (
+            r["dtype"],
+            r["set"],
+            r["codec"],
+            f"{r['size_vs_f32']:.3f}" if "size_vs_f32" in r else "",
+            f"{r['rows_identical']}/{r['rows']}",
+            f"{r['tokens_before_divergence']:.2f}/12",
+            f"{r['max_dlogit']:.3f}",
+            f"{r['contains']}",
+            f"{r['load_ms']:.0f}" if "load_ms" in r else "",
+            f"{r['ttft_ms']:.0f}" if "ttft_ms" in r else "",
+        )
+        for r in d["rows"]
+    ]
+    heads = ["dtype", "set", "codec", "size vs fp32", "rows identical", "tokens before divergence", "max dlogit",
+             "contains", "load ms", "TTFT ms"]  # fmt: skip
+    print(bl.md_table(rows, heads) + "\n")
+
+
+def llamacpp() -> None:
+    d = load("llamacpp")
+    if not d:
+        return
+    print(f"### llamacpp\n\n{machine_line(d['machine'])}; {d['repeats']} repeats\n")
+    rows = [
+        (
+            r["context_tokens"],
+            r["method"],
+            f"{r['median_s'] * 1e3:.0f} ({r['min_s'] * 1e3:.0f}-{r['max_s'] * 1e3:.0f})",
+            f"{r['vs_llamacpp_state_file']:.2f}",
+            f"{r['vs_llamacpp_seq_memory']:.2f}",
+            r.get("state_bytes", r.get("stored_bytes", "")),
+        )
+        for r in d["rows"]
+    ]
+    heads = ["tokens", "method", "ms median (min-max)", "x state file", "x seq in memory", "bytes"]
+    print(bl.md_table(rows, heads) + "\n")
+
+
+def demo_prompt() -> None:
+    d = load("demo_prompt")
+    if not d:
+        return
+    print(f"### demo prompt\n\n{machine_line(d['machine'])}\n")
+    rows = [
+        (
+            r["variant"],
+            f"{r['accuracy']:.1%}",
+            f"{r['contains']:.1%}",
+            f"{r['exact_match']:.1%}",
+            f"{r['f1']:.1%}",
+            f"{r['mean_words']:.1f}",
+        )  # fmt: skip
+        for r in d["rows"]
+    ]
+    print(bl.md_table(rows, ["prompt", "accuracy", "contains", "EM", "F1", "words"]) + "\n")
+
+
 if __name__ == "__main__":
     classic()
     ttft()
     throughput()
     codecs()
     e2e()
+    prefix()
+    quant()
+    llamacpp()
+    demo_prompt()

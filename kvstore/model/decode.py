@@ -180,8 +180,11 @@ def greedy_sample(
             progress(len(rows), sum(len(c_ids[i]) + len(q_ids[i]) for i in rows))
 
     sizes = [len(c_ids[i]) + len(q_ids[i]) + num_new_tokens for i in range(n)]
+    todo = list(batches(order, sizes, batch_size, max_batch_tokens))
     try:
-        for rows in batches(order, sizes, batch_size, max_batch_tokens):
+        for b, rows in enumerate(todo):
+            if use_cache and store is not None and b + 1 < len(todo):  # a remote store fetches ahead
+                store.prefetch(k for i in todo[b + 1] for k in plans[i].keys)
             run(rows)
     finally:
         if writer is not None:

@@ -152,6 +152,7 @@ class S3Backend(BackendBase):
         version_retries: int = 3,
         down_seconds: float = 30.0,
         buffer_pool_bytes: int = 1 << 30,
+        prefetch_limit: int = 256,
         session: Any = None,
     ):
         try:
@@ -176,6 +177,10 @@ class S3Backend(BackendBase):
         self.buffer_pool_bytes = buffer_pool_bytes  # load buffers kept for reuse, at most this many bytes
         self._free: list[bytearray] = []
         self._free_lock = threading.Lock()
+        # values being fetched ahead of their load (prefetch): key -> future of _load's result
+        self.prefetch_limit = prefetch_limit
+        self._ahead: dict[bytes, futures.Future] = {}
+        self._ahead_lock = threading.Lock()
         self._down: tuple[float, StoreError] | None = None
         self._closed = False
         config = Config(
@@ -199,6 +204,7 @@ class S3Backend(BackendBase):
         # whose tasks may wait on _parts (never the other way round, so neither can deadlock)
         self._parts = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-s3-part")
         self._batch = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-s3")
+        self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="kvstore-s3-ahead")  # tasks wait on _parts
         try:
             self._probe(must_exist=readonly or not create)
         except BaseException:
@@ -384,8 +390,39 @@ class S3Backend(BackendBase):
             raise OSError(f"asked for {end - start} bytes at {start}, got {r['ContentLength']}")
         self._fill(r["Body"], buf[start:end])
 
+    def prefetch(self, keys: Iterable[bytes]) -> None:
+        """Start loading ``keys`` in the background (e.g. the next batch's entries while this one
+        decodes): a later :meth:`view` or :meth:`get` of one of them takes the loaded value (or
+        the error its load met) instead of asking again. At most ``prefetch_limit`` values wait
+        at a time; a put or delete of a key forgets its prefetched value."""
+        with self._ahead_lock:
+            for key in keys:
+                if self._closed or len(self._ahead) >= self.prefetch_limit:
+                    return
+                if key not in self._ahead:
+                    self._ahead[key] = self._prefetcher.submit(self._load, key)
+
+    def _forget(self, key: bytes) -> None:
+        with self._ahead_lock:
+            fut = self._ahead.pop(key, None)
+        if fut is not None:
+            self._discard(fut)
+
+    def _discard(self, fut: futures.Future) -> None:
+        if fut.cancel():
+            return
+        with contextlib.suppress(Exception):
+            got = fut.result()
+            if got is not None:
+                self._give(got[0])
+
+    def _load_or_ahead(self, key: bytes) -> tuple[bytearray, int] | None:
+        with self._ahead_lock:
+            fut = self._ahead.pop(key, None)
+        return self._load(key) if fut is None else fut.result()
+
     def get(self, key: bytes) -> bytes | None:
-        got = self._load(key)
+        got = self._load_or_ahead(key)
         if got is None:
             return None
         try:
@@ -397,7 +434,7 @@ class S3Backend(BackendBase):
     def view(self, key: bytes) -> Iterator[memoryview | None]:
         """The value in a buffer of this backend's, valid inside the ``with`` block only (the
         buffer is reused by later loads, as LMDB reuses its pages)."""
-        got = self._load(key)
+        got = self._load_or_ahead(key)
         if got is None:
             yield None
             return
@@ -450,6 +487,7 @@ class S3Backend(BackendBase):
     # -- writes -------------------------------------------------------------------------------------
     def _put(self, key: bytes, value: bytes | bytearray | memoryview, conditional: bool) -> bool:
         self._writable()
+        self._forget(key)
         name = self._name(key)
         cond = {"IfNoneMatch": "*"} if conditional else {}
         try:
@@ -490,6 +528,7 @@ class S3Backend(BackendBase):
 
     def delete(self, key: bytes) -> bool:
         self._writable()
+        self._forget(key)
         existed = self.contains(key)  # a DELETE answers 204 whether or not the key existed
         if existed:
             try:
@@ -512,6 +551,8 @@ class S3Backend(BackendBase):
     def delete_many(self, keys: Iterable[bytes]) -> int:
         self._writable()
         keys = list(keys)
+        for k in keys:
+            self._forget(k)
         present = [k for k, there in zip(keys, self._each(self.contains, keys)) if there]
         for start in range(0, len(present), 1000):  # DeleteObjects takes up to 1000 names
             chunk = present[start : start + 1000]
@@ -528,7 +569,11 @@ class S3Backend(BackendBase):
         if self._closed:
             return
         self._closed = True
-        for pool in (getattr(self, "_batch", None), getattr(self, "_parts", None)):
+        with self._ahead_lock:
+            pending, self._ahead = list(self._ahead.values()), {}
+        for fut in pending:
+            self._discard(fut)
+        for pool in (getattr(self, "_prefetcher", None), getattr(self, "_batch", None), getattr(self, "_parts", None)):
             if pool is not None:
                 pool.shutdown(wait=True)
         with contextlib.suppress(Exception):

@@ -164,6 +164,13 @@ class TieredBackend(BackendBase):
                     self._drop([key])  # deleted from the remote: drop it here too
             yield buf
 
+    def prefetch(self, keys: Iterable[bytes]) -> None:
+        """Have the remote start loading the keys this tier does not hold (see
+        :meth:`kvstore.store.backends.s3.S3Backend.prefetch`); a later :meth:`view` takes them."""
+        fn = getattr(self.remote, "prefetch", None)
+        if fn is not None:
+            fn([k for k in keys if self._cached_len(k) is None])
+
     def get(self, key: bytes) -> bytes | None:
         with self.view(key) as buf:
             return None if buf is None else bytes(buf)
