@@ -2,17 +2,17 @@
 
 The KV of 2048 tokens of real English (the demo articles run together) from SmolLM2-135M-Instruct,
 prefilled with the model itself in fp32, bf16 and fp16 (the KV dtype is the model's dtype), is
-encoded with each codec by the library's own ``Codec.encode`` and decoded by ``decode_payload``:
+packed with each lossless codec by the library's own ``Packing.pack`` and read back by ``Packing.unpack``:
 
 * ``ratio``: payload bytes / uncompressed safetensors bytes (lower is better; raw = 1.0).
-* ``compress``: ``Codec.encode`` (byte-shuffle when asked, then one zstd frame per tensor), 1 thread.
-* ``decompress``: ``decode_payload`` with the store's default thread count (one per core, here 2)
+* ``compress``: ``Packing.pack`` (byte-shuffle when asked, then one zstd frame per tensor), 1 thread.
+* ``decompress``: ``Packing.unpack`` (eager) with the store's default thread count (one per core, here 2)
   and with 1 thread; zero-copy views for raw, so raw's figure is parsing only.
-* ``decode+copy``: ``decode_payload`` (store threads) + ``copy_into`` every tensor into contiguous
+* ``decode+copy``: ``Packing.unpack`` (store threads) + ``copy_into`` every tensor into contiguous
   destinations allocated once (unshuffling on the way for shuffled codecs): what the load path pays.
 
 MB/s are uncompressed bytes per second (1 MB = 10^6 bytes); median over repeats, min-max beside.
-Entry-level costs (checksum, LMDB) are in bench_throughput.py.
+Entry-level costs (checksum, LMDB) and the lazy load path are in bench_throughput.py.
 
 Command (from the repository root; writes experiments/results/codecs.{csv,json,png}):
 
@@ -47,7 +47,7 @@ def main() -> None:
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
     info = bl.machine()
-    from kvstore.store.codecs import decode_payload, get_codec
+    from kvstore.store.codecs import get_codec
 
     rows = []
     store_threads = max(1, min(8, os.cpu_count() or 1))
@@ -63,18 +63,18 @@ def main() -> None:
         meta = {"dtype": dname}
         dests = [torch.empty_like(t) for _, t in tensors]
         for spec in args.codecs.split(","):
-            codec = get_codec(spec)
-            payload, params, raw_bytes = codec.encode(tensors, meta)
+            packing = get_codec(spec).packing  # lossless: the bytes only
+            payload, params, raw_bytes = packing.pack(tensors, meta)
 
-            def decode(threads):
-                return decode_payload(memoryview(payload), params, raw_bytes, threads=threads)
+            def decode(threads, packing=packing, payload=payload, params=params, raw_bytes=raw_bytes):
+                return packing.unpack(memoryview(payload), params, raw_bytes, threads)
 
-            def decode_copy():
+            def decode_copy(decode=decode):
                 d = decode(store_threads)
                 for (name, _), dst in zip(tensors, dests):
                     d.tensors[name].copy_into(dst)
 
-            t_enc = bl.repeat(lambda: codec.encode(tensors, meta), args.repeats, warmup=1)
+            t_enc = bl.repeat(lambda packing=packing: packing.pack(tensors, meta), args.repeats, warmup=1)
             t_dec = bl.repeat(lambda: decode(store_threads), args.repeats, warmup=1)
             t_dec1 = bl.repeat(lambda: decode(1), args.repeats, warmup=1)
             t_dc = bl.repeat(decode_copy, args.repeats, warmup=1)

@@ -21,20 +21,13 @@ import statistics
 import subprocess
 import sys
 
+from demo import FEW_SHOT  # the prompt make demo uses
+
 import benchlib as bl
 
 WORK = bl.SCRATCH / "demo_prompt"
 BRIEF_SYSTEM = "Answer with the answer only: a name, a number, a date or a short phrase. Never a full sentence."
 BRIEF_TEMPLATE = "{context}\n\nAnswer in as few words as possible.\nQuestion: {question}\nAnswer:"
-# two worked examples (not from the demo set) before the document: a shared head, stored once
-FEW_SHOT = (
-    "Answer each question with a few words from its passage.\n\n"
-    "Passage: The Millbrook lighthouse was built in 1902 by the engineer Clara Voss. It stands 31 metres tall.\n"
-    "Question: Who built the Millbrook lighthouse?\nAnswer: Clara Voss\n\n"
-    "Passage: The river Arden flows through four towns before it reaches the sea at Porthaven.\n"
-    "Question: Where does the river Arden reach the sea?\nAnswer: Porthaven\n\n"
-    "Passage: {context}\nQuestion: {question}\nAnswer:"
-)
 VARIANTS = {
     "default chat prompt": [],
     "--system (brief)": ["--system", BRIEF_SYSTEM],

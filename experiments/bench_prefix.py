@@ -26,6 +26,7 @@ Command (from the repository root; writes experiments/results/prefix.json and pr
 
     .venv/bin/python experiments/bench_prefix.py
     .venv/bin/python experiments/bench_prefix.py --quick    # smoke test: few documents, short texts
+    .venv/bin/python experiments/bench_prefix.py --parts longer   # one part again (the others' rows are kept)
 
 The format-1 code is exported from git history into ``cache/bench/prefix/v1-code`` (needs the
 repository's history; a shallow clone cannot run the ``v1`` rows).
@@ -247,6 +248,13 @@ def main() -> None:
         rows += part_chat(args)
     meta["machine"]["load_after"] = bl.loadavg()
     name = "prefix_quick" if args.quick else "prefix"
+    old = bl.RESULTS / f"{name}.json"
+    if old.exists():  # keep the other parts' rows (and their machine) from an earlier run
+        prev = json.loads(old.read_text())
+        kept = [r for r in prev["rows"] if r["part"] not in parts]
+        if kept:
+            meta["earlier_parts"] = {"parts": sorted({r["part"] for r in kept}), "meta": prev["meta"]}
+            rows = kept + rows
     bl.write_json(bl.RESULTS / f"{name}.json", {"meta": meta, "rows": rows})
     bl.write_csv(bl.RESULTS / f"{name}.csv", rows)
     print(f"wrote {bl.RESULTS / name}.json and .csv")

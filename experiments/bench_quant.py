@@ -27,6 +27,7 @@ Command (from the repository root; writes experiments/results/quant.json and qua
 
     .venv/bin/python experiments/bench_quant.py
     .venv/bin/python experiments/bench_quant.py --quick        # float32, the demo set's first 16 rows
+    .venv/bin/python experiments/bench_quant.py --dtypes bfloat16 --stem quant_bf16   # one dtype per file
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     ap.add_argument("--threads", type=int, default=bl.THREADS)
+    ap.add_argument("--stem", default="quant", help="results file name: experiments/results/STEM.{json,csv}")
     args = ap.parse_args()
     args.codecs = args.codecs.split(",")
     if args.quick:
@@ -195,7 +197,7 @@ def main() -> None:
             rows += run_set(adapter, fmt, name, sets[name], dtype, args)
         del adapter
     meta["machine"]["load_after"] = bl.loadavg()
-    name = "quant_quick" if args.quick else "quant"
+    name = "quant_quick" if args.quick else args.stem
     bl.write_json(bl.RESULTS / f"{name}.json", {"meta": meta, "rows": rows})
     bl.write_csv(bl.RESULTS / f"{name}.csv", [{k: v for k, v in r.items() if k != "timing"} for r in rows])
     print(f"wrote {bl.RESULTS / name}.json and .csv")

@@ -14,6 +14,13 @@ KV cast down) in one warm LMDB store per codec. Then, in the same run and round-
   is a strided slice of the buffer).
 * ``into-prealloc``: ``open_entry`` + ``copy_into`` contiguous buffers allocated once (the best
   case for a reused decode cache).
+* ``sample-path`` (float32 only: the model's dtype): what ``sample`` does for one row, on the same
+  context stored by ``generate_kv_cache`` as a chain of 256-token chunks in a store of that codec:
+  ``chains.load_prefix`` into batch buffers ``[1, kv_heads, n + 40, head_dim]`` allocated once
+  (lazy per-tensor decoding on the store's decode threads, straight into the buffers).
+
+The fair baseline for the load paths into preallocated buffers is ``memcpy-prealloc`` (the same
+bytes copied into memory allocated once); ``memcpy-fresh`` is the baseline for fresh buffers.
 
 MB/s counts the KV bytes delivered (keys + values, uncompressed), 1 MB = 10^6 bytes.
 
@@ -52,6 +59,8 @@ def main() -> None:
     bl.wait_for_quiet(max_wait_s=args.wait)
     info = bl.machine()
     adapter = bl.load_adapter("float32")
+    from kvstore.model import chains
+    from kvstore.model.cache import new_buffers
     from kvstore.store.entry import Entry
     from kvstore.store.keys import cache_key
     from kvstore.store.kvstore import KVStore
@@ -63,6 +72,7 @@ def main() -> None:
     codecs = args.codecs.split(",")
     stores = {c: KVStore(str(scratch / c.replace(":", "")), codec=c, sync=False) for c in codecs}
     rows = []
+    chain_stores: list = []
     try:
         for dname in args.dtypes.split(","):
             dtype = getattr(torch, dname)
@@ -115,6 +125,17 @@ def main() -> None:
                             kr.copy_into(kb)
                             vr.copy_into(vb)
 
+                if dname == "float32":  # the sample path: a chain of chunks into the batch buffers
+                    chain_store = KVStore(str(scratch / f"chain-{c.replace(':', '')}"), codec=c, sync=False)
+                    chain_stores.append(chain_store)
+                    adapter.generate_kv_cache([ids], chain_store, batch_size=1)
+                    plan = adapter.plan(ids, chain_store)
+                    bufs = new_buffers(adapter.kv_shapes(), 1, n + 40, adapter.dtype, adapter.device)
+
+                    def sample_path(store=chain_store, plan=plan, bufs=bufs):
+                        assert chains.load_prefix(adapter, store, plan, bufs, 0, 40) == n
+
+                    methods[f"{c}|sample-path"] = sample_path
                 methods |= {
                     f"{c}|checksum": checksum,
                     f"{c}|open": open_only,
@@ -168,7 +189,7 @@ def main() -> None:
                         flush=True,
                     )
     finally:
-        for s in stores.values():
+        for s in [*stores.values(), *chain_stores]:
             s.close()
         shutil.rmtree(scratch, ignore_errors=True)
     info["load_after"] = bl.loadavg()

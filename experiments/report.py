@@ -246,10 +246,14 @@ def prefix() -> None:
 
 
 def quant() -> None:
-    d = load("quant")
-    if not d:
-        return
-    print(f"### quant\n\n{machine_line(d['machine'])}\n")
+    for stem in ("quant", "quant_bf16"):
+        d = load(stem)
+        if d:
+            quant_table(stem, d)
+
+
+def quant_table(stem: str, d: dict) -> None:
+    print(f"### {stem}\n\n{machine_line(d['meta']['machine'])}\n")
     rows = [
         (
             r["dtype"],

@@ -50,10 +50,6 @@ class CorruptEntryError(KVStoreError, ValueError):
     """A stored value failed its checksum or does not decode to a well-formed entry."""
 
 
-class ForeignEntryError(KVStoreError, ValueError):
-    """A stored entry belongs to another model, dtype or token sequence than the one asked for."""
-
-
 class DtypeError(KVStoreError, ValueError):
     """A dtype name kvstore does not know or cannot use there."""
 

@@ -50,8 +50,8 @@ def _reference(adapter, contexts, questions):
 
 def test_partial_hit_at_every_boundary_and_mid_chunk(llama, tmp_path):
     """A 30-token context whose first L tokens are stored (as a context of their own), for every L:
-    the longest stored run of whole chunks (L rounded down to the chunk size) is loaded, the rest is
-    computed, and the answer is the no-cache answer."""
+    all L are loaded (whole chunks, then the stored context's partial last chunk, which adds a
+    boundary to the longer chain), the rest is computed, and the answer is the no-cache answer."""
     adapter = llama
     context, question = _ids(adapter.tokenizer, 30, 0), _ids(adapter.tokenizer, 4, 1)
     want = _reference(adapter, [context], [question])
@@ -62,7 +62,7 @@ def test_partial_hit_at_every_boundary_and_mid_chunk(llama, tmp_path):
                 [context], [question], N_NEW, store=store, stop_at_eos=False, return_details=True
             )
             assert torch.equal(got.tokens, want), f"prefix of {n} tokens stored"
-            assert got.cached_tokens == [n // CHUNK * CHUNK] and got.cache_hit == [False]
+            assert got.cached_tokens == [n] and got.cache_hit == [False]
             again = adapter.greedy_sample(
                 [context], [question], N_NEW, store=store, stop_at_eos=False, return_details=True
             )
@@ -194,6 +194,31 @@ def test_longer_contexts_reuse_shorter_ones(llama, tmp_path):
         assert report.tokens == 3 * 24 and report.tokens_reused == 3 * 24  # only the new halves
         got = adapter.greedy_sample(longer, [[9, 10]] * 3, N_NEW, store=store, stop_at_eos=False)
     assert torch.equal(got, _reference(adapter, longer, [[9, 10]] * 3))
+
+
+def test_longer_contexts_reuse_a_shorter_ones_partial_last_chunk(llama, tmp_path):
+    """A stored context ending mid-chunk (13 = 8 + 5 tokens) is reused whole by contexts that
+    extend it, its partial last chunk included (a boundary is added there), also in sample; a
+    context stored before the shorter one keeps its own canonical chain; answers as --no-cache."""
+    adapter = llama
+    tok = adapter.tokenizer
+    short = _ids(tok, 13, 60)
+    longer = [short + _ids(tok, 20, 61), short + _ids(tok, 3, 62)]
+    early = short + _ids(tok, 12, 63)  # stored before the short context exists
+    q = [[9, 10]] * 3
+    with _store(tmp_path) as store:
+        adapter.generate_kv_cache([early], store)
+        canonical = adapter.plan(early, store).keys
+        adapter.generate_kv_cache([short], store)
+        assert adapter.plan(early, store).keys == canonical  # still its stored chain
+        report = adapter.generate_kv_cache(longer, store)
+        assert report.tokens == 20 + 3 and report.tokens_reused == 2 * 13  # nothing of `short` recomputed
+        plan = adapter.plan(longer[0], store)
+        assert plan.spans[:3] == ((0, 8), (8, 13), (13, 21)) and plan.keys[:2] == adapter.plan(short, store).keys
+        fresh = short + _ids(tok, 7, 64)  # sample: loads the short context's 13 tokens, computes 7
+        got = adapter.greedy_sample([fresh, *longer], q, N_NEW, store=store, stop_at_eos=False, return_details=True)
+        assert got.cached_tokens == [13, 33, 16]
+    assert torch.equal(got.tokens, _reference(adapter, [fresh, *longer], q))
 
 
 def test_rm_keeps_shared_chunks_and_gc_collects_orphans_after_the_grace(llama, tmp_path):

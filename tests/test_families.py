@@ -73,7 +73,8 @@ def _per_row_generate(model, prompts, n):
 
 def _rows(tok, seed: int = 0):
     """Contexts of 1..31 tokens (window 8, chunks of 8), row 7 repeating row 0, rows 5 and 6
-    extending rows 3 and 2 past a chunk boundary (partial hits once rows 0-4 are stored)."""
+    extending row 3 (all of it: it ends mid-chunk) and the first two chunks of row 2 (partial hits
+    once rows 0-4 are stored)."""
     g = torch.Generator().manual_seed(seed)
     vocab = [i for i in range(len(tok)) if i not in tok.all_special_ids]
     pick = lambda n: [vocab[int(i)] for i in torch.randint(len(vocab), (n,), generator=g)]  # noqa: E731
@@ -93,8 +94,8 @@ def _check_exact(adapter, model, contexts, questions):
             kw = dict(batch_size=bs, stop_at_eos=False, return_details=True)
             got = adapter.greedy_sample(contexts, questions, N_NEW, store=store, **kw)
             assert got.tokens.tolist() == want, f"cached, batch size {bs}"
-            if bs == 1:  # rows 5 and 6 extended stored prefixes of 8 and 16 tokens
-                assert got.cached_tokens == [1, 7, 31, 12, 3, 8, 16, 1]
+            if bs == 1:  # row 5 extended row 3 (12 tokens: a chunk and its partial last one), row 6 two chunks
+                assert got.cached_tokens == [1, 7, 31, 12, 3, 12, 16, 1]
             else:  # everything was stored by the batch-size-1 run
                 assert got.cached_tokens == [len(c) for c in contexts]
             ref = adapter.greedy_sample(contexts, questions, N_NEW, use_cache=False, **kw)

@@ -153,7 +153,7 @@ class Adapter:
                 boundaries.append(agree)
         return chains.plan(
             self, context_ids, chunk_tokens=store.chunk_tokens if store is not None else DEFAULT_CHUNK_TOKENS,
-            lossy=store.codec.identity if store is not None else "", boundaries=boundaries,
+            lossy=store.codec.identity if store is not None else "", boundaries=boundaries, store=store,
         )  # fmt: skip
 
     def _prefix_ids(self, prefix: TextOrIds, special_tokens: bool) -> list[int]:

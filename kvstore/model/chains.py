@@ -23,7 +23,7 @@ from kvstore.model.cache import Buffers, LayerKV, PreallocatedCache, new_buffers
 from kvstore.parallel import run_all
 from kvstore.store.codecs import identity_of, spec_of
 from kvstore.store.entry import Entry, EntryView, decode_entry
-from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, cache_key, chain_keys, chunk_spans
+from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, cache_key, chain_keys, chunk_key, chunk_spans
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,11 +59,17 @@ class ContextPlan:
 
 def plan(
     adapter: Adapter, ids: Sequence[int], *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, lossy: str = "",
-    boundaries: Sequence[int] = (),
+    boundaries: Sequence[int] = (), store: KVStore | None = None,
 ) -> ContextPlan:  # fmt: skip
-    """The chain of a tokenized context for this adapter's model, dtype and numerics."""
-    spans = chunk_spans(len(ids), chunk_tokens, boundaries)
+    """The chain of a tokenized context for this adapter's model, dtype and numerics. With a
+    ``store`` whose lookups are local (LMDB, memory), a stored shorter context that ends inside
+    one of this chain's chunks adds a boundary there (:func:`stored_tails`), so its last, partial
+    chunk is reused too."""
     seed = adapter.chain_seed(lossy)
+    cuts = list(boundaries)
+    if store is not None and getattr(store.backend, "local", False):
+        cuts = stored_tails(seed, ids, chunk_tokens, cuts, store)
+    spans = chunk_spans(len(ids), chunk_tokens, cuts)
     return ContextPlan(
         tuple(ids),
         tuple(spans),
@@ -71,6 +77,29 @@ def plan(
         cache_key(adapter.fingerprint, adapter.dtype, ids),
         lossy,
     )
+
+
+def stored_tails(seed: str, ids: Sequence[int], chunk_tokens: int, cuts: list[int], store: KVStore) -> list[int]:
+    """``cuts`` plus the ends of stored partial chunks this chain can continue: walk the chain
+    while its chunks are stored; at the first one that is not, look for a stored chunk with the
+    same parent holding a strict prefix of its tokens (the last chunk of a shorter context, e.g.
+    the first half of this document), the longest first; if there is one, cut there and walk on.
+
+    The canonical chain (no such cuts) is kept wherever it is stored, so a context stored before
+    a shorter one still hits whole; each probe is up to ``chunk_tokens - 1`` local lookups."""
+    cuts = list(cuts)
+    while True:
+        spans = chunk_spans(len(ids), chunk_tokens, cuts)
+        keys = chain_keys(seed, ids, spans)
+        j = next((j for j, k in enumerate(keys) if not store.contains(k)), None)
+        if j is None:
+            return cuts
+        s, e = spans[j]
+        parent = keys[j - 1] if j else seed
+        m = next((m for m in range(e - s - 1, 0, -1) if store.contains(chunk_key(parent, ids[s : s + m]))), 0)
+        if not m:
+            return cuts
+        cuts.append(s + m)
 
 
 def chunk_entries(

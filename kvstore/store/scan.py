@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -569,10 +569,6 @@ def plan_gc(
 def execute_plan(store: KVStore, plan: GcPlan) -> int:
     """Remove the planned context records and entries; returns how many entries were removed."""
     return store.delete_many((r[0] for r in plan.remove), contexts=(c[0] for c in plan.contexts))
-
-
-def entries_by_key(entries: Iterable[EntryInfo]) -> dict[str, EntryInfo]:
-    return {e.key: e for e in entries}
 
 
 __all__ = [
