@@ -31,6 +31,7 @@ DISK_FULL_BYTES = 16 << 20  # a failed write with less free space than this is a
 
 class LMDBBackend(BackendBase):
     local = True  # lookups cost microseconds: planning may probe for stored chunk tails
+
     def __init__(
         self,
         path: str | os.PathLike,

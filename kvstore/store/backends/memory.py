@@ -15,6 +15,7 @@ _LOCK = threading.Lock()
 
 class MemoryBackend(BackendBase):
     local = True
+
     def __init__(self, name: str = "", *, readonly: bool = False):
         self.readonly = readonly
         with _LOCK:
