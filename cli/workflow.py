@@ -245,6 +245,12 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Build only the contexts whose key (first 16 hex digits as a number) is I modulo N; run N of these "
     "(I = 0..N-1), anywhere, into one store.",
 )
+@click.option(
+    "--chunk-tokens",
+    type=click.IntRange(min=1, max=1 << 20),
+    default=None,
+    help="Chunk size of a new store [default: 512]; an existing store keeps its own.",
+)
 def build(**kwargs):
     """Prefill every distinct context of DATASET once and store its KV cache.
 
@@ -257,6 +263,7 @@ def build(**kwargs):
     opts = RunOptions.take(kwargs)
     codec = kwargs.pop("codec")
     shard = kwargs.pop("shard")
+    chunk_tokens = kwargs.pop("chunk_tokens")
     _check_codec(codec)
     data, adapter, prompt = _load_everything(opts, require_question=False)
     dataset = opts.dataset
@@ -266,7 +273,7 @@ def build(**kwargs):
         first_id.setdefault(ex.context, ex.id)
     labels = [f"{dataset}: context of row {first_id[c]}" for c in contexts]
     texts = [prompt.context_part(c) for c in contexts]
-    with KVStore(opts.store, codec=codec, **store_options()) as kv:
+    with KVStore(opts.store, codec=codec, chunk_tokens=chunk_tokens, **store_options()) as kv:
         with progress_bar(len(texts), "build", opts.quiet, unit="ctx", rate="tok") as bar:
             report = adapter.generate_kv_cache(
                 texts,

@@ -16,7 +16,10 @@ same fixed seeds as ``bench_ttft.py``) and one fixed 23-token question, batch 1,
   row, one new token, from a warm LMDB store (load, decode into the batch buffers, question step).
 * ``kvstore floor``: kvstore's question step alone, on a cache already in its buffers.
 
-The KV cache is cleared (untimed) before every timed llama.cpp run, so a restore really restores.
+The KV cache is cleared (untimed) before every timed llama.cpp run, so a restore really restores,
+and every timed run starts after an untimed 0.3 s pause: llama.cpp's worker threads spin after a
+call and would otherwise slow whatever runs next on the 2 cores (measured: a 0.2 MB torch copy
+took 31 ms instead of 0.2 ms right after llama.cpp calls).
 Methods run round-robin within each repeat after one untimed warm-up each. ``state_bytes`` is the
 size of llama.cpp's state file; ``stored_bytes`` kvstore's stored chain.
 
@@ -40,6 +43,7 @@ import numpy as np
 import benchlib as bl
 
 DEFAULT_LENGTHS = (256, 1024, 2048, 4096)
+SETTLE_S = 0.3  # untimed pause before every timed run
 
 
 def gguf_path() -> Path:
@@ -120,6 +124,9 @@ def run_length(n, q_ids, lcpp: LlamaCpp, adapter, stores, scratch: Path, repeats
     def timed(prepare, fn):
         def run():
             prepare()
+            # llama.cpp's worker threads spin for a while after a call: let them go to sleep, so
+            # that no method pays for the one before it (torch's own threads included)
+            time.sleep(SETTLE_S)
             t0 = time.perf_counter()
             tok = fn()
             return tok, time.perf_counter() - t0

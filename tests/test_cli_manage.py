@@ -167,7 +167,7 @@ def test_stats(store):
     )
     other = next(g for g in doc["groups"] if g["model_name"] == "other")
     assert other["model"] == FP_OTHER and other["contexts"] == 2 and other["n_tokens"] == 56
-    assert other["physical_bytes"] == other["stored_bytes"] and doc["chunk_tokens"] == 256
+    assert other["physical_bytes"] == other["stored_bytes"] and doc["chunk_tokens"] == 512
     assert other["bytes_per_token"] == pytest.approx(other["stored_bytes"] / 56, abs=0.1)
     assert other["ratio"] == pytest.approx(other["stored_bytes"] / other["raw_bytes"], abs=1e-4)
     rows = list(csv.DictReader(io.StringIO(invoke("stats", "--store", path, "--format", "csv").stdout)))

@@ -132,7 +132,7 @@ def test_reopen_keeps_entries_and_meta(url):
         for e in entries:
             s.put(e)
         meta = s.meta
-    assert meta.format == FORMAT_VERSION and meta.codec == "zstd:5" and meta.chunk_tokens == 256
+    assert meta.format == FORMAT_VERSION and meta.codec == "zstd:5" and meta.chunk_tokens == 512
     with KVStore(url) as s:  # a restart: nothing but the store itself says how it was made
         assert s.meta == meta
         assert s.codec.spec == "zstd:5"

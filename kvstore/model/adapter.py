@@ -136,7 +136,7 @@ class Adapter:
         special_tokens: bool = True,
     ) -> ContextPlan:  # fmt: skip
         """A tokenized context as a chain of chunks for ``store`` (its chunk size and lossy codec;
-        without a store: 256-token chunks, lossless). ``prefix``: the contexts' shared head (text
+        without a store: 512-token chunks, lossless). ``prefix``: the contexts' shared head (text
         or ids, e.g. a chat template's system turn or a few-shot block); a chunk ends where the
         context's ids stop agreeing with the head's, so the head is stored once for every context.
         (A head ending in a space or newline may merge with the context's first word into one

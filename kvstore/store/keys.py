@@ -36,7 +36,7 @@ import numpy as np
 from kvstore import dtypes
 
 CHAIN_FORMAT = 2
-DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_CHUNK_TOKENS = 512  # measured: bench_ttft --chunk-sweep (README, "Time to first token")
 
 
 def token_bytes(token_ids: Sequence[int] | Any) -> bytes:

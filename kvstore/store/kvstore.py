@@ -113,7 +113,7 @@ class KVStore:
     codec for the entries this handle writes (default: the store's, itself ``zstd-shuffle:1``
     unless chosen when the store was created). A store's recorded default is always lossless: a
     lossy codec applies only to the handle that names it, and is part of the keys it computes
-    (see :attr:`codec`). ``chunk_tokens`` sets the chunk size of a new store (default 256); an
+    (see :attr:`codec`). ``chunk_tokens`` sets the chunk size of a new store (default 512); an
     existing store keeps its own. ``backend_options`` go to
     :func:`kvstore.store.backends.open_backend`, e.g. ``cache_dir`` and ``cache_size`` for a local
     tier in front of a remote store.
