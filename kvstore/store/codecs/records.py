@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import struct
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
