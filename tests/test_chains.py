@@ -326,3 +326,32 @@ def test_gc_while_a_build_runs_loses_nothing(tiny_llama_dir, tmp_path, capsys):
     with KVStore(str(store), readonly=True) as s:
         info = s.verify()
     assert runs > 1 and not info.corrupt and len(info.contexts) == 40 and all(c.complete for c in info.contexts)
+
+
+def test_a_stored_chain_drives_hf_generate(llama, tmp_path):
+    """store.get_context joins a context's chunks (and reads a format-1 entry) into one entry whose
+    DynamicCache lets Hugging Face's generate continue it with the tokens of a run without cache."""
+    adapter = llama
+    model = adapter.model
+    context, question = _ids(adapter.tokenizer, 21, 70), [9, 10, 11]
+    full = torch.tensor([context + question])
+
+    def generate(past=None):
+        out = model.generate(input_ids=full, attention_mask=torch.ones_like(full), past_key_values=past,
+                             max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False, pad_token_id=0)  # fmt: skip
+        return out[0, full.shape[1] :].tolist()
+
+    want = generate()
+    with _store(tmp_path) as store:
+        plan = adapter.plan(context, store)
+        adapter.generate_kv_cache([context], store)
+        assert len(plan.keys) == 3  # 8 + 8 + 5 tokens
+        entry = store.get_context(plan.key)
+        assert entry is not None and entry.token_ids.tolist() == context
+        assert generate(entry.to_dynamic_cache()) == want
+        v1_key = cache_key(adapter.fingerprint, adapter.dtype, context)
+        layers = adapter.prefill([context])[0]
+        store.put_bytes(v1_key, encode_v1(layers, "raw", context, v1_key, model=adapter.fingerprint,
+                                          model_name=adapter.name))  # fmt: skip
+        assert generate(store.get_context(v1_key).to_dynamic_cache()) == want
+        assert store.get_context("0" * 64) is None

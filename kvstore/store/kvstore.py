@@ -386,6 +386,33 @@ class KVStore:
         raw = self.backend.get(_R + key.encode("ascii"))
         return None if raw is None else ContextRecord.parse(key, raw)
 
+    def get_context(self, key: str) -> Entry | None:
+        """A whole stored context (its record ``key``, or a format-1 entry) as one :class:`Entry`:
+        every chunk verified, each layer's keys and values joined over the chain (so that
+        ``entry.to_dynamic_cache()`` drives ``model.generate``). None when the record or a chunk is
+        missing or corrupt. Raises ValueError for a context whose layers keep less than every
+        token (windows, recurrent states: only kvstore's own decoding continues those)."""
+        import torch
+
+        record = self.context(key)
+        if record is None:  # a format-1 entry (or a lone first chunk) is a context of its own
+            entry = self.get(key)
+            return entry if entry is None or entry.start == 0 else None
+        chunks = record.chunks
+        with self.open_chain(chunks) as views:
+            if not views or len(views) < len(chunks):
+                return None
+            parts = [view.materialize() for view in views]
+        first = parts[0]
+        if any(e.kinds and set(e.kinds) != {"attn"} for e in parts):
+            raise ValueError(f"context {key[:16]}: only full-attention contexts join into one entry")
+        layers = tuple(
+            (torch.cat([e.layers[i][0] for e in parts], 1), torch.cat([e.layers[i][1] for e in parts], 1))  # type: ignore[index]
+            for i in range(len(first.layers))
+        )
+        return Entry(key, first.model, first.model_name, torch.cat([e.token_ids for e in parts]), layers,
+                     first.created, numerics=first.numerics)  # fmt: skip
+
     def context_keys(self) -> list[str]:
         return [k[len(_R) :].decode() for k in self.backend.keys(_R)]
 
