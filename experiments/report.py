@@ -79,6 +79,8 @@ def ttft() -> None:
                 m,
                 *(
                     f"{by[(m, n)]['load_median_s'] * 1e3:.0f} + {by[(m, n)]['forward_median_s'] * 1e3:.0f}"
+                    if (m, n) in by
+                    else ""
                     for n in lengths
                 ),
             )
