@@ -41,8 +41,12 @@ def main() -> None:
                         built = path
                     else:
                         with KVStore(str(built), readonly=True) as source:
-                            for key in source.keys():
+                            for key in source.keys():  # the chunks, re-encoded; then the context records
                                 store.put(source[key])
+                            for key in source.context_keys():
+                                record = source.context(key)
+                                assert record is not None
+                                store.put_context(key, record.chunks, record.n_tokens)
                 stores.append((dtype, codec, path))
         table, docs = [], {}
         for dtype, codec, path in stores:
