@@ -157,7 +157,7 @@ def e2e() -> None:
         b = m["build"]
         print(f"### e2e main\n\n{machine_line(m['machine'])}\n")
         print(
-            f"dataset: {m['dataset']}; build {b['seconds']:.1f} s ({b['tokens']} tokens, "
+            f"dataset: {m['dataset']}; build {b['seconds']:.1f} s ({b.get('tokens_computed', b.get('tokens'))} tokens, "
             f"{b['tokens_per_second']:.0f} tok/s, "
             f"store_seconds {b['store_seconds']:.1f} s = {m['build_store_share']:.1%} of build, ratio {b['ratio']}), "
             f"peak RSS {b['peak_rss_mib']:.0f} MiB\n"
