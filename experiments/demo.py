@@ -56,7 +56,8 @@ def main() -> None:
     built = kvstore("build", data, *PROMPT)
     print(
         f"  built {built['built']} contexts, skipped {built['skipped']} already stored; "
-        f"{built['tokens']} tokens, {built['stored_bytes'] / 2**20:.1f} MiB stored (ratio {built['ratio']:.2f})\n"
+        f"{built['tokens_computed']} tokens computed, {built['tokens_reused']} reused (the shared examples), "
+        f"{built['stored_bytes'] / 2**20:.1f} MiB stored (ratio {built['ratio']:.2f})\n"
     )
     answer = [*PROMPT, "--stop", "\\n"]
     cached = kvstore("sample", data, *answer, "--output", str(preds.relative_to(ROOT)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -74,6 +75,14 @@ def test_build_then_sample_matches_no_cache(tiny_llama_dir, data, tmp_path):
     assert all(r["cache_hit"] for r in c_rows) and not any(r["cache_hit"] for r in r_rows)
     for key in ("accuracy", "exact_match", "f1", "questions_per_second"):
         assert cached[key] is not None
+    # make demo (experiments/demo.py) reads these summaries: every field it uses must exist
+    from pathlib import Path
+
+    demo = (Path(__file__).resolve().parent.parent / "experiments" / "demo.py").read_text()
+    for name, summary in (("built", built), ("cached", cached), ("ref", ref)):
+        used = set(re.findall(rf"\b{name}\['(\w+)'\]", demo))
+        assert used and used <= set(summary), f"demo.py reads {sorted(used - set(summary))} of {name}"
+    assert set(re.findall(r"json.loads\(line\)\[\"(\w+)\"\]", demo)) <= set(c_rows[0])
 
 
 def test_build_resumes_after_interrupt(tiny_neox_dir, data, tmp_path, monkeypatch, capsys):
