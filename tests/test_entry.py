@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 import zstandard
 
-from helpers.entries import assemble, bits, encode, encode_v1, kv_layers, rle_frame, seal, split
+from helpers.entries import assemble, bits, encode, encode_v1, golden_facts, kv_layers, rle_frame, seal, split
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.model.identity import config_digest
 from kvstore.store.codecs import get_codec
@@ -200,19 +200,7 @@ def _golden_facts() -> dict:
     facts: dict = {"format_version": FORMAT_VERSION, "zstd_version": zstandard.ZSTD_VERSION, "entries": {}}
     for kind, make in GOLDEN_ENTRIES.items():
         for codec in ("raw", "zstd-shuffle:1"):
-            blob = make(codec)
-            header, payload = split(blob)
-            if header["codec"]["name"] == "zstd":
-                decompressed = zstandard.ZstdDecompressor().stream_reader(payload, read_across_frames=True).read()
-                header = dict(header, codec=dict(header["codec"], frames=[d for _, d in header["codec"]["frames"]]))
-            else:
-                decompressed = payload
-            facts["entries"][f"{kind}/{codec}"] = {
-                "sha256": hashlib.sha256(blob).hexdigest(),
-                "size": len(blob),
-                "header": header,  # zstd: only the frames' decompressed sizes (compressed ones follow libzstd)
-                "decompressed_sha256": hashlib.sha256(decompressed).hexdigest(),
-            }
+            facts["entries"][f"{kind}/{codec}"] = golden_facts(make(codec))
     facts["chain_keys"] = {name: _chain(name) for name in GOLDEN_CHAINS}
     return facts
 

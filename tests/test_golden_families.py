@@ -21,7 +21,7 @@ import pytest
 import torch
 import zstandard
 
-from helpers.entries import bits, split
+from helpers.entries import bits, golden_facts
 from kvstore.model.adapter import Adapter
 from kvstore.store.entry import Entry, decode_entry, encode_entry
 from kvstore.store.kvstore import KVStore
@@ -66,21 +66,6 @@ def built_chunk(layout: str) -> Entry:
     )  # fmt: skip
 
 
-def _facts(blob: bytes) -> dict:
-    header, payload = split(blob)
-    if header["codec"]["name"] == "zstd":
-        decompressed = zstandard.ZstdDecompressor().stream_reader(payload, read_across_frames=True).read()
-        header = dict(header, codec=dict(header["codec"], frames=[d for _, d in header["codec"]["frames"]]))
-    else:
-        decompressed = payload
-    return {
-        "sha256": hashlib.sha256(blob).hexdigest(),
-        "size": len(blob),
-        "header": header,
-        "decompressed_sha256": hashlib.sha256(decompressed).hexdigest(),
-    }
-
-
 def _file(layout: str, codec: str) -> Path:
     return GOLDEN / f"entry_v2_family_{layout}_{codec.replace(':', '-')}.kvs"
 
@@ -96,7 +81,9 @@ def golden(built) -> dict:
     if REGEN:
         facts = {
             "zstd_version": zstandard.ZSTD_VERSION,
-            "entries": {f"{layout}/{codec}": _facts(blob) for layout, b in built.items() for codec, blob in b.items()},
+            "entries": {
+                f"{layout}/{codec}": golden_facts(blob) for layout, b in built.items() for codec, blob in b.items()
+            },
         }
         path.write_text(json.dumps(facts, indent=2, sort_keys=True) + "\n")
         for layout, b in built.items():
@@ -109,7 +96,7 @@ def golden(built) -> dict:
 @pytest.mark.parametrize("codec", CODECS)
 def test_golden_family_entry_bytes(golden, built, layout, codec):
     want = golden["entries"][f"{layout}/{codec}"]
-    facts = _facts(built[layout][codec])
+    facts = golden_facts(built[layout][codec])
     assert facts["header"] == want["header"], "the records the build path writes changed (see tests/golden/README.md)"
     assert facts["decompressed_sha256"] == want["decompressed_sha256"], "payload layout changed"
     if codec == "raw" or zstandard.ZSTD_VERSION == tuple(golden["zstd_version"]):

@@ -62,6 +62,28 @@ def split(blob: bytes) -> tuple[dict, bytes]:
     return json.loads(blob[12:offset]), blob[offset:-8]
 
 
+def golden_facts(blob: bytes) -> dict:
+    """What a golden file pins about an entry: its sha256 and size, its header (for zstd, only the
+    frames' decompressed sizes: compressed ones follow libzstd) and the sha256 of its payload
+    decompressed."""
+    import hashlib
+
+    import zstandard
+
+    header, payload = split(blob)
+    if header["codec"]["name"] == "zstd":
+        decompressed = zstandard.ZstdDecompressor().stream_reader(payload, read_across_frames=True).read()
+        header = dict(header, codec=dict(header["codec"], frames=[d for _, d in header["codec"]["frames"]]))
+    else:
+        decompressed = payload
+    return {
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "size": len(blob),
+        "header": header,
+        "decompressed_sha256": hashlib.sha256(decompressed).hexdigest(),
+    }
+
+
 def seal(body: bytes) -> bytes:
     """``body`` followed by its valid checksum."""
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
