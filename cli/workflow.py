@@ -107,6 +107,13 @@ def _model_options(fn):
                 help="Rows per forward pass.",
             ),
             click.option(
+                "--prefill-chunk",
+                default=2048,
+                show_default=True,
+                type=click.IntRange(min=0),
+                help="Run longer prefills in pieces of this many tokens (bounds activation memory; 0: one forward).",
+            ),
+            click.option(
                 "--chat/--no-chat",
                 default=None,
                 help="Wrap prompts in the model's chat template [default: on when the tokenizer has one].",
@@ -159,6 +166,7 @@ class RunOptions:
     dtype: str
     device: str
     batch_size: int
+    prefill_chunk: int
     chat: bool | None
     template: str | None
     system: str | None
@@ -196,6 +204,7 @@ def _load_everything(opts: RunOptions, *, require_question: bool):
     from kvstore.model.adapter import Adapter
 
     adapter = Adapter.from_pretrained(opts.model, dtype=opts.dtype, device=opts.device)
+    adapter.prefill_chunk_tokens = opts.prefill_chunk or None
     chat = opts.chat if opts.chat is not None else bool(getattr(adapter.tokenizer, "chat_template", None))
     kwargs = {"template": opts.template} if opts.template else {}
     fmt = (
@@ -350,6 +359,13 @@ def build(**kwargs):
     default=None,
     help="Memory budget: at most this many padded tokens (context + question + new) x rows per batch.",
 )
+@click.option(
+    "--compile",
+    "compile_steps",
+    is_flag=True,
+    help="Decode with fixed shapes under torch.compile (compiled once per batch size and 256-slot length bucket; "
+    "the first batch of each shape pays the compile). Same tokens; see the README for when it pays.",
+)
 @_codec_option(
     "Answer from caches stored with this codec. Lossless codecs are interchangeable (the default: the store's); "
     "a lossy one (int8[:G], int4[:G], fp8) uses only entries built with it, and stores missing contexts with it."
@@ -364,10 +380,11 @@ def sample(**kwargs):
     from kvstore.store.kvstore import KVStore
 
     opts = RunOptions.take(kwargs)
-    max_new_tokens, no_cache, output, readonly_store, codec, stop_strings, max_batch_tokens = (
+    max_new_tokens, no_cache, output, readonly_store, codec, stop_strings, max_batch_tokens, compile_steps = (
         kwargs.pop(k)
-        for k in ("max_new_tokens", "no_cache", "output", "readonly_store", "codec", "stop_strings", "max_batch_tokens")
-    )
+        for k in ("max_new_tokens", "no_cache", "output", "readonly_store", "codec", "stop_strings", "max_batch_tokens",
+                  "compile_steps")
+    )  # fmt: skip
     stop_strings = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop_strings)
     _check_codec(codec)
     data, adapter, prompt = _load_everything(opts, require_question=True)
@@ -398,6 +415,7 @@ def sample(**kwargs):
                 prefix=prompt.head or None,
                 stop_strings=stop_strings,
                 max_batch_tokens=max_batch_tokens,
+                compile=compile_steps,
             )
     finally:
         bar.close()
@@ -434,6 +452,7 @@ def sample(**kwargs):
         "dataset": dataset,
         "model": adapter.name,
         "mode": "no-cache" if no_cache else "cache",
+        "compiled": compile_steps,
         "questions": n,
         "bad_rows_skipped": data.skipped,
         **{k: (round(scores[k], 4) if answered else None) for k in ("accuracy", "contains", "exact_match", "f1")},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 
 import pytest
 import torch
@@ -127,3 +128,29 @@ def test_cli_stop(tiny_llama_dir, tmp_path, capsys):
             assert stop in cut[key]["raw_output"] and len(cut[key]["raw_output"]) < len(row["raw_output"]) + 1
     assert any(stop in r["raw_output"] and len(cut[k]["raw_output"]) < len(r["raw_output"]) for k, r in plain.items())
     assert json.loads(json.dumps(cut))  # rows stay JSON
+
+
+def test_next_batch_loads_on_a_worker_while_this_one_decodes(llama, tmp_path, monkeypatch):
+    """With a store and several batches, every batch's stored prefixes are loaded by the loader
+    thread (``load_batch``) and handed to ``decode_cached``; the tokens are those of one batch."""
+    contexts, questions = _rows(llama, n=7, seed=5)
+    with KVStore(str(tmp_path / "s")) as store:
+        llama.generate_kv_cache(contexts, store)
+        want = _sample(llama, contexts, questions, store=store, batch_size=8)
+        loads, handed = [], []
+        real_load, real_decode = decode.load_batch, decode.decode_cached
+
+        def load(adapter, plans, *args):
+            loads.append((threading.current_thread().name, len(plans)))
+            return real_load(adapter, plans, *args)
+
+        def dec(adapter, plans, *args):
+            handed.append(args[-1] is not None and len(args[-1].rows_of) <= len(plans))
+            return real_decode(adapter, plans, *args)
+
+        monkeypatch.setattr(decode, "load_batch", load)
+        monkeypatch.setattr(decode, "decode_cached", dec)
+        got = _sample(llama, contexts, questions, store=store, batch_size=3)
+    assert [n for _, n in loads] == [3, 3, 1] and all(name.startswith("kvstore-load") for name, _ in loads)
+    assert handed == [True, True, True]
+    assert torch.equal(got.tokens, want.tokens) and all(got.cache_hit)

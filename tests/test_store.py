@@ -423,3 +423,40 @@ def test_execute_plan(url):
         assert sorted(s.keys()) == sorted(e.key for e in entries[1:3])
         assert sorted(s.context_keys()) == sorted(e.key for e in entries[1:3])
         assert not s.verify().corrupt
+
+
+def test_build_writer_holds_a_byte_budget_of_pending_chunks(monkeypatch):
+    """The build's writer lets compute queue chunks up to its byte budget, then makes it wait for
+    the writes; a chunk larger than the whole budget still goes through (alone)."""
+    import threading
+
+    from kvstore.model.build import Writer
+
+    entries = [make_entry(8, seed=i) for i in range(3)]
+    size = entries[0].kv_bytes
+    with KVStore("memory://writer-budget") as store:
+        gate = threading.Event()
+        real = store.put_bytes
+
+        def slow_put(key, blob, **kw):
+            gate.wait(10)
+            return real(key, blob, **kw)
+
+        monkeypatch.setattr(store, "put_bytes", slow_put)
+        # (budget, chunks put without waiting: the first goes even when larger than the budget)
+        for budget, free in ((2 * size, 2), (3 * size, 3), (size // 2, 1)):
+            gate.clear()
+            writer = Writer(store, None, max_bytes=budget)
+            for e in entries[:free]:
+                writer.put(e, overwrite=True)  # the first is taken by the writer, which waits at the gate
+            if free < len(entries):
+                rest = threading.Thread(target=lambda: [writer.put(e, overwrite=True) for e in entries[free:]])
+                rest.start()
+                rest.join(0.5)
+                assert rest.is_alive(), f"budget {budget}: compute should wait for the writer"
+            gate.set()
+            if free < len(entries):
+                rest.join(10)
+                assert not rest.is_alive()
+            writer.close()
+            assert all(store.contains(e.key) for e in entries)

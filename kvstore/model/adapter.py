@@ -29,6 +29,8 @@ from kvstore.store.kvstore import KVStore
 
 TextOrIds = str | Sequence[int]
 DEFAULT_RESERVE_TOKENS = 256
+# Longer prefills run in pieces of this many positions (build memory grows with the piece).
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 # Tokens at the end of a prompt head that may merge with the context's first word when tokenized together.
 HEAD_MERGE_TOKENS = 2
 
@@ -38,7 +40,9 @@ class Adapter:
 
     The model is put in eval mode. ``name`` is for display (default: the model's
     ``_name_or_path``); ``weight_files`` (the files the weights came from) let the fingerprint be
-    memoized; ``reserve_tokens``: positions kept free for question and answer when limiting contexts.
+    memoized; ``reserve_tokens``: positions kept free for question and answer when limiting contexts;
+    ``prefill_chunk_tokens``: longer prefills run in pieces of this many positions (chunked
+    prefill: activation memory bounded by the piece; 0 or None: one forward).
     """
 
     def __init__(
@@ -50,12 +54,14 @@ class Adapter:
         weight_files: Sequence = (),
         fingerprint: str | None = None,
         reserve_tokens: int = DEFAULT_RESERVE_TOKENS,
+        prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK_TOKENS,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._weight_files = tuple(weight_files)
         self.reserve_tokens = reserve_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self._fingerprint = fingerprint
         self._shapes: list[KVShape] | None = None
         self._layout: CacheLayout | None = None
@@ -334,6 +340,7 @@ class Adapter:
         prefix: TextOrIds | None = None,
         stop_strings: Sequence[str] = (),
         max_batch_tokens: int | None = None,
+        compile: bool = False,
     ) -> torch.Tensor | SampleResult:
         """Greedy answers to ``questions[i]`` about ``contexts[i]``.
 
@@ -353,12 +360,16 @@ class Adapter:
         context and question run through the model together. Both give the same tokens (exactly
         in float64; in float32 up to rounding near ties). ``prefix``: as for
         :meth:`generate_kv_cache` (use the same value for both, or keys will not match).
+
+        ``compile``: decode steps run with fixed shapes (KV slots in buckets of 256, a 4-D mask over
+        all of them) under ``torch.compile``, compiled once per batch size and slot bucket
+        (:mod:`kvstore.model.static`); models whose layers are all full attention only.
         """
         result = decode.greedy_sample(
             self, contexts, questions, num_new_tokens, use_cache=use_cache, store=store, batch_size=batch_size,
             stop_at_eos=stop_at_eos, special_tokens=special_tokens, truncate=truncate,
             max_context_tokens=max_context_tokens, return_scores=return_scores, labels=labels, progress=progress,
-            prefix=prefix, stop_strings=stop_strings, max_batch_tokens=max_batch_tokens,
+            prefix=prefix, stop_strings=stop_strings, max_batch_tokens=max_batch_tokens, compile=compile,
         )  # fmt: skip
         return result if return_details else result.tokens
 

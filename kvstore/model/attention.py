@@ -8,8 +8,12 @@ take the grouped heads itself (``enable_gqa=True``); transformers only asks for 
 because some CUDA kernels do not support it with one.
 
 :func:`grouped_kv` turns that on for the calling thread, on CPU tensors and multi-token steps with
-a mask only (one-token steps already skip the copy). The installed hook wraps transformers'
-``use_gqa_in_sdpa``; it changes nothing for other threads or when transformers lacks the function.
+a mask only (eager one-token steps already skip the copy: transformers packs the query heads).
+Under ``torch.compile`` transformers does not pack and repeats the cache instead, so the hook also
+turns ``enable_gqa`` on for every compiled CPU forward with a 4-D mask once it is installed (the
+compiled decode steps of :mod:`kvstore.model.static`; same arithmetic, without the copy). The
+installed hook wraps transformers' ``use_gqa_in_sdpa``; it changes nothing else for other threads
+or when transformers lacks the function.
 On this machine (torch 2.13 CPU) the logits are bit-identical with and without it.
 """
 
@@ -21,6 +25,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
+import torch
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -28,7 +34,8 @@ _state = threading.local()
 _installed = False
 
 
-def _install() -> bool:
+def install() -> bool:
+    """Install the hook (once); False when this transformers has no ``use_gqa_in_sdpa``."""
     global _installed
     if _installed:
         return True
@@ -41,14 +48,11 @@ def _install() -> bool:
         return False
 
     def use_gqa_in_sdpa(attention_mask, key, value, *args, **kwargs):
-        if (
-            getattr(_state, "on", False)
-            and key.device.type == "cpu"
-            and attention_mask is not None
-            and attention_mask.dim() == 4
-            and attention_mask.shape[-2] > 1
-        ):
-            return True
+        if key.device.type == "cpu" and attention_mask is not None and attention_mask.dim() == 4:
+            if torch.compiler.is_compiling():  # transformers repeats KV under compile (no pack_gqa)
+                return True
+            if getattr(_state, "on", False) and attention_mask.shape[-2] > 1:
+                return True
         return original(attention_mask, key, value, *args, **kwargs)
 
     sdpa.use_gqa_in_sdpa = use_gqa_in_sdpa
@@ -59,7 +63,7 @@ def _install() -> bool:
 @contextlib.contextmanager
 def grouped_kv(enabled: bool = True) -> Iterator[None]:
     """Within the block, this thread's SDPA forwards on CPU attend to grouped KV heads in place."""
-    if not enabled or not _install():
+    if not enabled or not install():
         yield
         return
     before = getattr(_state, "on", False)
@@ -81,4 +85,4 @@ def uses_grouped_kv(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-__all__ = ["grouped_kv", "uses_grouped_kv"]
+__all__ = ["grouped_kv", "install", "uses_grouped_kv"]

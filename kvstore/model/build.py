@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from kvstore.errors import ContextTooLongError, ModelError
 from kvstore.model import chains
 from kvstore.model.attention import uses_grouped_kv
-from kvstore.model.cache import LayerKV
+from kvstore.model.cache import LayerKV, PreallocatedCache, new_buffers
 from kvstore.model.chains import ContextPlan
 from kvstore.progress import Progress
 from kvstore.store.entry import Entry
@@ -40,7 +40,9 @@ from kvstore.store.kvstore import KVStore
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.adapter import Adapter, TextOrIds
 
-WRITER_QUEUE = 2  # chunks waiting for the writer; bounds the memory a fast prefill can pile up
+# Bytes of KV waiting for the writer (a chunk larger than this still passes, alone): bounds the
+# memory a fast prefill can pile up while letting compute run a batch or two ahead of the writer.
+WRITER_BYTES = 1 << 30
 
 
 @dataclass
@@ -91,16 +93,19 @@ class Writer:
     asked (a corrupt one is). Errors are re-raised on the caller's thread (next ``put`` or
     ``close``)."""
 
-    def __init__(self, store: KVStore, report: BuildReport | None, maxsize: int = WRITER_QUEUE):
+    def __init__(self, store: KVStore, report: BuildReport | None, max_bytes: int | None = None):
         self.store, self.report = store, report
-        self.q: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.q: queue.Queue = queue.Queue()
+        self.max_bytes = WRITER_BYTES if max_bytes is None else max_bytes
+        self.pending = 0  # bytes queued and not written yet
+        self.room = threading.Condition()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while True:
-            item = self.q.get()
+            item, nbytes = self.q.get()
             try:
                 if item is None:
                     return
@@ -109,6 +114,9 @@ class Writer:
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 self.error = exc
             finally:
+                with self.room:
+                    self.pending -= nbytes
+                    self.room.notify_all()
                 self.q.task_done()
 
     def _write(self, item: Entry | _Record, overwrite: bool, blob: bytes | None = None) -> None:
@@ -157,8 +165,14 @@ class Writer:
 
     def _enqueue(self, item: Any) -> None:
         self._check()
+        entry = item[0]
+        nbytes = entry.kv_bytes + entry.state_bytes if isinstance(entry, Entry) else 0
         t0 = time.perf_counter()
-        self.q.put(item)
+        with self.room:  # wait while the writer holds a full budget (an oversized chunk goes alone)
+            while self.pending and self.pending + nbytes > self.max_bytes and self.error is None:
+                self.room.wait(0.5)
+            self.pending += nbytes
+        self.q.put((item, nbytes))
         if self.report is not None:
             self.report.store_wait_seconds += time.perf_counter() - t0
 
@@ -168,7 +182,7 @@ class Writer:
 
     def close(self) -> None:
         t0 = time.perf_counter()
-        self.q.put(None)
+        self.q.put((None, 0))
         self.thread.join()
         if self.report is not None:
             self.report.store_wait_seconds += time.perf_counter() - t0
@@ -178,7 +192,11 @@ class Writer:
 @torch.inference_mode()
 def prefill(adapter: Adapter, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
     """Run the model over a batch of token-id lists (right-padded together); per row, the
-    per-layer ``(keys, values)`` ``[kv_heads, n_i, head_dim]`` of its own tokens only (views)."""
+    per-layer ``(keys, values)`` ``[kv_heads, n_i, head_dim]`` of its own tokens only (views).
+
+    A batch longer than ``adapter.prefill_chunk_tokens`` runs in pieces of that many positions on
+    top of a preallocated cache (chunked prefill), so activations and attention scratch grow with
+    the piece, not the context; the cache is written in place."""
     lengths = [len(ids) for ids in batch]
     B, L = len(batch), max(lengths)
     dev = adapter.device
@@ -187,6 +205,22 @@ def prefill(adapter: Adapter, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
     for i, ids in enumerate(batch):
         input_ids[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         mask[i, : len(ids)] = 1
+    piece = adapter.prefill_chunk_tokens
+    if piece and L > piece and adapter.layout.dense:
+        bufs = new_buffers(adapter.kv_shapes(), B, L, adapter.dtype, dev)
+        cache: Any = PreallocatedCache(bufs, 0)
+        input_ids, mask = input_ids.to(dev), mask.to(dev)
+        for a in range(0, L, piece):
+            b = min(L, a + piece)
+            adapter.model(
+                input_ids=input_ids[:, a:b],
+                attention_mask=mask[:, :b],
+                position_ids=torch.arange(a, b, device=dev).expand(B, b - a),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return [tuple((kb[i, :, :n], vb[i, :, :n]) for kb, vb in bufs) for i, n in enumerate(lengths)]
     cache = DynamicCache()
     adapter.model(
         input_ids=input_ids.to(dev),

@@ -20,6 +20,7 @@ import torch
 
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning
 from kvstore.model.cache import Buffers, LayerKV, PreallocatedCache, new_buffers
+from kvstore.model.staging import Staging
 from kvstore.parallel import run_all
 from kvstore.store.codecs import identity_of, spec_of
 from kvstore.store.entry import Entry, EntryView, decode_entry
@@ -150,12 +151,15 @@ def fits(adapter: Adapter, view: EntryView, plan_: ContextPlan, j: int) -> bool:
 
 def load_prefix(
     adapter: Adapter, store: KVStore, plan_: ContextPlan, bufs: Buffers, row: int, slot0: int,
-    codecs: list[str] | None = None,
+    codecs: list[str] | None = None, staging: Staging | None = None,
 ) -> int:  # fmt: skip
     """Copy the longest verified stored prefix of ``plan_`` into batch row ``row`` of ``bufs``,
     context position ``p`` at slot ``slot0 + p``. Falls back to a format-1 entry holding exactly
     this (lossless) context. Returns how many context tokens were loaded (0: nothing); the codec
-    spec of each chunk loaded is appended to ``codecs``."""
+    spec of each chunk loaded is appended to ``codecs``. With ``staging`` (accelerator buffers),
+    records go through its pinned host tensors and asynchronous copies: call its ``finish()``
+    before using ``bufs``."""
+    copy = staging.copy_into if staging is not None else _copy_into
     loaded = 0
     with store.open_chain(plan_.keys, lazy=True) as views:
         fitting = []
@@ -175,8 +179,8 @@ def load_prefix(
                 if kv is None:
                     continue
                 lo, hi = slot0 + h.end - spec.length, slot0 + h.end
-                tasks.append((j, functools.partial(kv[0].copy_into, kb[row, :, lo:hi])))
-                tasks.append((j, functools.partial(kv[1].copy_into, vb[row, :, lo:hi])))
+                tasks.append((j, functools.partial(copy, kv[0], kb[row, :, lo:hi])))
+                tasks.append((j, functools.partial(copy, kv[1], vb[row, :, lo:hi])))
         errors = run_all([fn for _, fn in tasks], store.codec.decode_threads())
         good = len(fitting)
         for (j, _), err in zip(tasks, errors):
@@ -201,6 +205,10 @@ def load_prefix(
                 if codecs is not None:
                     codecs.append(spec_of(v1.header.codec))
     return loaded
+
+
+def _copy_into(record, dest) -> None:
+    record.copy_into(dest)
 
 
 def _warn_corrupt(key: str, exc: Exception) -> None:

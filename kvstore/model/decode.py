@@ -21,6 +21,7 @@ Hugging Face ``generate``, which shares nothing with them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,11 +32,16 @@ from kvstore.model import chains
 from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.build import Writer, batches, prefill
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
+from kvstore.model.staging import Staging
+from kvstore.model.static import StaticSteps, bucket_slots
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.adapter import Adapter, TextOrIds
+
+
+STEPS = ("dynamic", "static", "compiled")
 
 
 @dataclass
@@ -64,11 +70,13 @@ class SampleResult:
 
 @dataclass(frozen=True)
 class Stop:
-    """When a row stops: at its first EOS (``eos``), or once its text contains one of ``strings``
-    (the token that completes it is kept, as Hugging Face's ``stop_strings`` does)."""
+    """How a batch decodes: a row stops at its first EOS (``eos``), or once its text contains one
+    of ``strings`` (the token that completes it is kept, as Hugging Face's ``stop_strings`` does);
+    ``steps``: how decode steps run (see :func:`greedy_sample`)."""
 
     eos: bool = True
     strings: tuple[str, ...] = ()
+    steps: str = "dynamic"  # one of STEPS (kvstore.model.static for the fixed-shape ones)
 
     def hit(self, adapter: Adapter, ids: Sequence[int]) -> bool:
         """Whether generated ``ids`` (a row so far) end the row."""
@@ -107,9 +115,21 @@ def greedy_sample(
     prefix: TextOrIds | None = None,
     stop_strings: Sequence[str] = (),
     max_batch_tokens: int | None = None,
+    compile: bool = False,
+    steps: str = "dynamic",
 ) -> SampleResult:
-    """See :meth:`kvstore.model.adapter.Adapter.greedy_sample`."""
-    stop = Stop(stop_at_eos, tuple(s for s in stop_strings if s))
+    """See :meth:`kvstore.model.adapter.Adapter.greedy_sample`. ``steps``: ``dynamic`` (eager, the
+    key length grows), ``static`` (fixed shapes, eager) or ``compiled`` (fixed shapes under
+    ``torch.compile``; what ``compile=True`` selects)."""
+    steps = "compiled" if compile else steps
+    if steps not in STEPS:
+        raise ValueError(f"steps must be one of {', '.join(STEPS)}, not {steps!r}")
+    stop = Stop(stop_at_eos, tuple(s for s in stop_strings if s), steps)
+    if steps != "dynamic" and not adapter.layout.dense:
+        raise ValueError(
+            f"compiled decoding supports models whose every layer is full attention; {adapter.name} has "
+            "sliding-window, chunked or state layers (decode it without compile)"
+        )
     if len(contexts) != len(questions):
         raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
     if num_new_tokens < 1 or batch_size < 1:
@@ -142,13 +162,13 @@ def greedy_sample(
     order = sorted(range(n), key=lambda i: (len(c_ids[i]), keys[i], i))
     writer = Writer(store, None) if (use_cache and store is not None and not store.readonly) else None
 
-    def run(rows: list[int]) -> None:
+    def run(rows: list[int], ahead: Loaded | None = None) -> None:
         nonlocal computed
         try:
             if use_cache:
                 tokens, step_scores, row_cached, row_computed, row_codecs = decode_cached(
                     adapter, [plans[i] for i in rows], [q_ids[i] for i in rows], num_new_tokens, store, writer,
-                    stop, return_scores,
+                    stop, return_scores, ahead,
                 )  # fmt: skip
             else:
                 tokens, step_scores = decode_reference(
@@ -158,7 +178,7 @@ def greedy_sample(
             if not is_out_of_memory(exc) or len(rows) == 1:
                 raise
             # out of memory: the same rows in two halves (answers do not depend on the batch)
-            del exc
+            del exc, ahead
             if adapter.device.type == "cuda":
                 torch.cuda.empty_cache()
             run(rows[: len(rows) // 2])
@@ -181,17 +201,46 @@ def greedy_sample(
 
     sizes = [len(c_ids[i]) + len(q_ids[i]) + num_new_tokens for i in range(n)]
     todo = list(batches(order, sizes, batch_size, max_batch_tokens))
+    # the next batch's stored prefixes load on a worker while this batch decodes
+    overlap = use_cache and store is not None and adapter.layout.dense and len(todo) > 1
+    loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if overlap else None
+
+    def load_ahead(rows: list[int]) -> Future[Loaded] | None:
+        if loader is None:
+            return None
+        return loader.submit(load_batch, adapter, [plans[i] for i in rows], [q_ids[i] for i in rows],
+                             num_new_tokens, store, stop)  # fmt: skip
+
     try:
+        pending = load_ahead(todo[0]) if todo else None
         for b, rows in enumerate(todo):
             if use_cache and store is not None and b + 1 < len(todo):  # a remote store fetches ahead
                 store.prefetch(k for i in todo[b + 1] for k in plans[i].keys)
-            run(rows)
+            ahead = _result(pending)
+            pending = load_ahead(todo[b + 1]) if b + 1 < len(todo) else None
+            run(rows, ahead)
+            del ahead
     finally:
+        if loader is not None:
+            loader.shutdown(wait=True, cancel_futures=True)
         if writer is not None:
             writer.close()
     hits = [use_cache and cached[i] == len(c_ids[i]) for i in range(n)]
     saved = sum(len(c) for c in c_ids) - computed
     return SampleResult(out, lengths, hits, scores, saved, computed, cached, codecs)
+
+
+def _result(pending: Future[Loaded] | None) -> Loaded | None:
+    """A batch loaded ahead, or None when there is none or it ran out of memory (the batch then
+    loads itself, and halves on its own out-of-memory error)."""
+    if pending is None:
+        return None
+    try:
+        return pending.result()
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            return None
+        raise
 
 
 def row_length(adapter: Adapter, row: torch.Tensor, stop: Stop) -> int:
@@ -203,10 +252,50 @@ def row_length(adapter: Adapter, row: torch.Tensor, stop: Stop) -> int:
     return len(ids)
 
 
+@dataclass
+class Loaded:
+    """A batch's stored prefixes, loaded ahead (:func:`load_batch`): the KV buffers, rows per
+    distinct context key, context tokens loaded and codec specs per key."""
+
+    bufs: Buffers
+    rows_of: dict[str, list[int]]
+    loaded: dict[str, int]
+    codecs: dict[str, list[str]]
+
+
 @torch.inference_mode()
-def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, return_scores):
+def load_batch(adapter: Adapter, plans, q_ids, N, store, stop: Stop) -> Loaded:
+    """Allocate a batch's KV buffers and copy each distinct context's longest stored prefix into
+    its row (the first half of :func:`decode_cached`; ``sample`` runs it for the next batch on a
+    worker while the current batch decodes)."""
+    B = len(plans)
+    c_len = [p.n_tokens for p in plans]
+    P, Q = max(c_len), max(len(q) for q in q_ids)
+    T = P + Q + N
+    dev = adapter.device
+    bufs = new_buffers(adapter.kv_shapes(), B, bucket_slots(T, stop.steps != "dynamic"), adapter.dtype, dev)
+    rows_of: dict[str, list[int]] = {}
+    for r, p in enumerate(plans):
+        rows_of.setdefault(p.key, []).append(r)
+    loaded: dict[str, int] = {}
+    codecs: dict[str, list[str]] = {k: [] for k in rows_of}
+    staging = Staging(dev)  # accelerator buffers: pinned host tensors, copies on a side stream
+    for k, rs in rows_of.items():
+        r0, c = rs[0], c_len[rs[0]]
+        if store is not None:
+            loaded[k] = chains.load_prefix(adapter, store, plans[r0], bufs, r0, P - c, codecs[k], staging)
+        else:
+            loaded[k] = 0
+    staging.finish()
+    return Loaded(bufs, rows_of, loaded, codecs)
+
+
+@torch.inference_mode()
+def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, return_scores,
+                  ahead: Loaded | None = None):  # fmt: skip
     """One batch from stored caches (see the module docstring). Returns ``(tokens, scores, cached
-    tokens per row, context tokens computed)``."""
+    tokens per row, context tokens computed)``. ``ahead``: this batch's :func:`load_batch`, done
+    already."""
     if not adapter.layout.dense:  # windowed, state-space, hybrid: position masks, stored states
         from kvstore.model import contexts
 
@@ -219,19 +308,9 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, 
         raise ValueError("every question needs at least one token")
     T = P + Q + N
     dev = adapter.device
-    bufs = new_buffers(adapter.kv_shapes(), B, T, adapter.dtype, dev)
-    rows_of: dict[str, list[int]] = {}
-    for r, p in enumerate(plans):
-        rows_of.setdefault(p.key, []).append(r)
-    loaded: dict[str, int] = {}
-    codecs: dict[str, list[str]] = {k: [] for k in rows_of}
+    pre = ahead if ahead is not None else load_batch(adapter, plans, q_ids, N, store, stop)
+    bufs, rows_of, loaded, codecs = pre.bufs, pre.rows_of, pre.loaded, pre.codecs
     lossy = store is not None and not store.codec.lossless
-    for k, rs in rows_of.items():
-        r0, c = rs[0], c_len[rs[0]]
-        if store is not None:
-            loaded[k] = chains.load_prefix(adapter, store, plans[r0], bufs, r0, P - c, codecs[k])
-        else:
-            loaded[k] = 0
     missing = [k for k in rows_of if loaded[k] == 0]
     if missing:
         computed_rows = prefill(adapter, [plans[rows_of[k][0]].ids for k in missing])
@@ -288,9 +367,17 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, 
         logits_to_keep=1,
     )
     next_pos = torch.tensor([c + q for c, q in zip(c_len, q_len)], device=dev)
-    tokens, scores = greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop, return_scores)
+    step = _fixed_steps(adapter, bufs, mask, P + Q, next_pos, stop)
+    tokens, scores = greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop, return_scores, step)
     computed = sum(c_len[rows_of[k][0]] - loaded[k] for k in rows_of)
     return tokens, scores, [loaded[p.key] for p in plans], computed, [codec_label(codecs[p.key]) for p in plans]
+
+
+def _fixed_steps(adapter: Adapter, bufs: Buffers, mask, first_slot: int, next_pos, stop: Stop) -> StaticSteps | None:
+    """The fixed-shape step callback for ``greedy_loop`` (None: eager steps)."""
+    if stop.steps == "dynamic":
+        return None
+    return StaticSteps(adapter, bufs, mask, first_slot, next_pos, compiled=stop.steps == "compiled")
 
 
 def codec_label(specs: Sequence[str]) -> str | None:
@@ -323,7 +410,7 @@ def decode_reference(adapter: Adapter, full_ids, N, stop: Stop, return_scores):
     L = max(lens)
     T = L + N
     dev = adapter.device
-    bufs = new_buffers(adapter.kv_shapes(), B, T, adapter.dtype, dev)
+    bufs = new_buffers(adapter.kv_shapes(), B, bucket_slots(T, stop.steps != "dynamic"), adapter.dtype, dev)
     for kb, vb in bufs:
         kb.zero_()
         vb.zero_()
@@ -344,7 +431,8 @@ def decode_reference(adapter: Adapter, full_ids, N, stop: Stop, return_scores):
         logits_to_keep=torch.tensor([[n - 1] for n in lens], device=dev),
     )
     next_pos = torch.tensor(lens, device=dev)
-    return greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, L, N, stop, return_scores)
+    step = _fixed_steps(adapter, bufs, mask, L, next_pos, stop)
+    return greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, L, N, stop, return_scores, step)
 
 
 def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, stop: Stop, return_scores, step=None):
