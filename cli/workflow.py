@@ -101,17 +101,16 @@ def _model_options(fn):
             click.option(
                 "--batch-size",
                 "-b",
-                default=8,
-                show_default=True,
+                default=None,
                 type=click.IntRange(min=1),
-                help="Rows per forward pass.",
+                help="Rows per forward pass [default: 8; build on CPU: 1, measured faster there].",
             ),
             click.option(
                 "--prefill-chunk",
-                default=2048,
-                show_default=True,
+                default=None,
                 type=click.IntRange(min=0),
-                help="Run longer prefills in pieces of this many tokens (bounds activation memory; 0: one forward).",
+                help="Run longer prefills in pieces of this many tokens (bounds activation memory; 0: one forward) "
+                "[default: 512 with eager attention, 8192 with sdpa/flash].",
             ),
             click.option(
                 "--chat/--no-chat",
@@ -165,8 +164,8 @@ class RunOptions:
     model: str | None
     dtype: str
     device: str
-    batch_size: int
-    prefill_chunk: int
+    batch_size: int | None
+    prefill_chunk: int | None
     chat: bool | None
     template: str | None
     system: str | None
@@ -204,7 +203,7 @@ def _load_everything(opts: RunOptions, *, require_question: bool):
     from kvstore.model.adapter import Adapter
 
     adapter = Adapter.from_pretrained(opts.model, dtype=opts.dtype, device=opts.device)
-    adapter.prefill_chunk_tokens = opts.prefill_chunk or None
+    adapter.prefill_chunk_tokens = opts.prefill_chunk
     chat = opts.chat if opts.chat is not None else bool(getattr(adapter.tokenizer, "chat_template", None))
     kwargs = {"template": opts.template} if opts.template else {}
     fmt = (
@@ -405,7 +404,7 @@ def sample(**kwargs):
                 max_new_tokens,
                 use_cache=not no_cache,
                 store=kv,
-                batch_size=opts.batch_size,
+                batch_size=opts.batch_size or 8,
                 special_tokens=prompt.add_special_tokens,
                 truncate=opts.truncate,
                 max_context_tokens=opts.max_context_tokens,

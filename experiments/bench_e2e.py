@@ -26,6 +26,9 @@ command a subprocess under ``/usr/bin/time`` (peak RSS) with ``--format json``:
     prefilled in the same batches with and without storing (``Adapter.prefill`` alone vs
     ``Adapter.generate_kv_cache`` into a fresh store), alternating, ``--overhead-repeats`` times;
     plus the same prefill one context at a time (does batching pay on this CPU?).
+``loadahead``
+    ``sample`` from the warm store with the next batch's entries loaded on a worker while a batch
+    decodes (the default) and without, alternating in one process (``--cache-repeats`` each).
 ``variants``
     Where that overhead comes from, one build each on the same contexts: as is, with the writer
     budget cut to two 512-token chunks (about the queue of 2 chunks it had before the 1 GiB budget;
@@ -37,6 +40,7 @@ Command (from the repository root; writes experiments/results/e2e.json and e2e_*
     .venv/bin/python experiments/bench_e2e.py --parts sweep
     .venv/bin/python experiments/bench_e2e.py --parts cold,overhead
     .venv/bin/python experiments/bench_e2e.py --parts variants
+    .venv/bin/python experiments/bench_e2e.py --parts loadahead --contexts 20
     .venv/bin/python experiments/bench_e2e.py --quick                      # smoke test: 4 short contexts
 
 The issue's full size is ``--contexts 225`` (~450 questions): about 10 minutes of build and as long
@@ -359,6 +363,34 @@ def part_overhead(args, data: Path) -> dict:
     }
 
 
+def part_loadahead(args, data: Path, store: Path) -> dict:
+    """``sample`` from the warm store with the next batch loaded on a worker (the default) and
+    without (``decode.LOAD_AHEAD = False``), in this process through the CLI's own entry point,
+    alternating, ``--cache-repeats`` times each; the answering ``seconds`` of each summary."""
+    import contextlib
+    import io
+
+    from kvstore.cli.main import main as cli_main
+    from kvstore.model import decode
+
+    out: dict = {"ahead": [], "sequential": []}
+    argv = ["sample", str(data), "--store", str(store), "-n", str(args.new_tokens), "-b", str(args.batch_size),
+            "--readonly-store", "--quiet", "--format", "json"]  # fmt: skip
+    try:
+        for _ in range(args.cache_repeats):
+            for mode in ("ahead", "sequential"):
+                decode.LOAD_AHEAD = mode == "ahead"
+                buf = io.StringIO()
+                with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+                    cli_main(argv)
+                text = buf.getvalue()
+                out[mode].append(json.loads(text[text.index("{") :])["seconds"])
+                print(f"  sample, {mode}: {out[mode][-1]:.2f} s  load {bl.loadavg()}", flush=True)
+    finally:
+        decode.LOAD_AHEAD = True
+    return out
+
+
 def part_variants(args, data: Path) -> dict:
     """What the build's store overhead comes from: the same contexts prefilled alone (batch
     ``--batch-size`` and 1) and built with ``generate_kv_cache`` as is (writer budget 1 GiB), with
@@ -522,6 +554,11 @@ def main() -> None:
             + "; warm "
             + ", ".join(f"{r['seconds']:.1f} s" for r in c["warm"])
         )
+    if "loadahead" in parts:
+        if not store.exists():
+            kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
+        results["loadahead"] = {"machine": info} | part_loadahead(args, data, store)
+        results["loadahead"]["machine"]["load_after"] = bl.loadavg()
     if "variants" in parts:
         results["variants"] = {"machine": info} | part_variants(args, data)
         results["variants"]["machine"]["load_after"] = bl.loadavg()

@@ -3,7 +3,8 @@
 Each configuration runs in a fresh subprocess: load the bundled SmolLM2-135M-Instruct (float32),
 then reset the kernel's peak-RSS mark (``/proc/self/clear_refs``) and prefill one context of
 ``--tokens`` tokens (the demo articles, repeated as needed) with ``Adapter.prefill`` at the given
-``prefill_chunk_tokens`` (0: one forward) and attention implementation. Reported: the process's
+``prefill_chunk_tokens`` (0: one forward) and attention implementation, under the grouped-KV
+attention that ``build`` uses. Reported: the process's
 RSS before, its peak during the prefill (``VmHWM``), the growth between them, the context's KV
 bytes (what the cache must hold) and the wall time. The growth beyond the KV is the prefill's
 working memory: activations, attention scratch (eager attention materializes a
@@ -39,11 +40,12 @@ def child(tokens: int, piece: int, attn: str, threads: int) -> dict:
     import torch
 
     from kvstore.model.adapter import Adapter
+    from kvstore.model.attention import grouped_kv
 
     adapter = Adapter.from_pretrained(None, dtype="float32", attn_implementation=attn)
     text = bl.real_context_ids(adapter.tokenizer, 6000)
     ids = (text * (tokens // len(text) + 1))[:tokens]
-    adapter.prefill_chunk_tokens = piece or None
+    adapter.prefill_chunk_tokens = piece
     with torch.inference_mode():
         adapter.prefill([ids[:64]])  # warm the allocator and kernels
     import gc
@@ -52,7 +54,7 @@ def child(tokens: int, piece: int, attn: str, threads: int) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     before = _status("VmRSS")
     t0 = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), grouped_kv():  # as build runs it
         layers = adapter.prefill([ids])[0]
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM")

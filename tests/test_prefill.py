@@ -27,7 +27,7 @@ def test_chunked_prefill_gives_the_kv_of_one_forward(kind, attn):
     boundary inside every row): every row's keys and values within 1e-10 of one forward (1e-5 with
     eager attention, whose softmax runs in float32)."""
     model, tok = make_tiny_model(kind, dtype=torch.float64, seed=2, attn_implementation=attn)
-    adapter = Adapter(model, tok, prefill_chunk_tokens=None)
+    adapter = Adapter(model, tok, prefill_chunk_tokens=0)
     batch = _ids(tok, [5, 40, 63])
     whole = adapter.prefill(batch)
     tol = 1e-10 if attn == "sdpa" else 1e-5
@@ -74,3 +74,16 @@ def test_chunked_prefill_into_a_store_matches_generate():
         want = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=6, min_new_tokens=6,
                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, x.shape[1]:]  # fmt: skip
         assert torch.equal(got[row], want), row
+
+
+def test_automatic_piece_follows_the_attention_implementation():
+    """Unset, eager attention prefills in pieces of 512 and fused kernels in pieces of 8192; a set
+    value wins, and 0 means one forward."""
+    for attn, piece in (("eager", 512), ("sdpa", 8192)):
+        model, tok = make_tiny_model("llama", attn_implementation=attn)
+        adapter = Adapter(model, tok)
+        assert adapter.prefill_piece == piece
+        adapter.prefill_chunk_tokens = 64
+        assert adapter.prefill_piece == 64
+        adapter.prefill_chunk_tokens = 0
+        assert adapter.prefill_piece == 0

@@ -425,6 +425,11 @@ def test_execute_plan(url):
         assert not s.verify().corrupt
 
 
+def _put_all(writer, entries) -> None:
+    for e in entries:
+        writer.put(e, overwrite=True)
+
+
 def test_build_writer_holds_a_byte_budget_of_pending_chunks(monkeypatch):
     """The build's writer lets compute queue chunks up to its byte budget, then makes it wait for
     the writes; a chunk larger than the whole budget still goes through (alone)."""
@@ -450,7 +455,7 @@ def test_build_writer_holds_a_byte_budget_of_pending_chunks(monkeypatch):
             for e in entries[:free]:
                 writer.put(e, overwrite=True)  # the first is taken by the writer, which waits at the gate
             if free < len(entries):
-                rest = threading.Thread(target=lambda: [writer.put(e, overwrite=True) for e in entries[free:]])
+                rest = threading.Thread(target=_put_all, args=(writer, entries[free:]))
                 rest.start()
                 rest.join(0.5)
                 assert rest.is_alive(), f"budget {budget}: compute should wait for the writer"

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 STEPS = ("dynamic", "static", "compiled")
+LOAD_AHEAD = True  # load the next batch's stored prefixes on a worker while a batch decodes
 
 
 @dataclass
@@ -202,7 +203,7 @@ def greedy_sample(
     sizes = [len(c_ids[i]) + len(q_ids[i]) + num_new_tokens for i in range(n)]
     todo = list(batches(order, sizes, batch_size, max_batch_tokens))
     # the next batch's stored prefixes load on a worker while this batch decodes
-    overlap = use_cache and store is not None and adapter.layout.dense and len(todo) > 1
+    overlap = LOAD_AHEAD and use_cache and store is not None and adapter.layout.dense and len(todo) > 1
     loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if overlap else None
 
     def load_ahead(rows: list[int]) -> Future[Loaded] | None:

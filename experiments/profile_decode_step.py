@@ -1,0 +1,72 @@
+"""Where a batch-8 decode step's time goes, eager and compiled (``sample --compile``).
+
+The bundled SmolLM2-135M-Instruct (float32, 2 threads) decodes from a 512-token cache (random keys
+and values; a left-padded batch: row r starts 8r slots late, so the step has a real mask), batch
+8. After warm-up (and compilation), ``torch.profiler`` records 10 steps of each: kvstore's eager
+step (the key length grows) and its fixed-shape step under ``torch.compile`` (a 768-slot bucket).
+Self CPU time by operator is written to ``experiments/results/profile_decode_step.txt``.
+
+Command (from the repository root):
+
+    .venv/bin/python experiments/profile_decode_step.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.profiler import profile
+
+import benchlib as bl
+
+
+def main() -> None:
+    bl.setup()
+    info = bl.machine()
+    from kvstore.model.attention import grouped_kv
+    from kvstore.model.cache import PreallocatedCache
+    from kvstore.model.static import StaticSteps, bucket_slots
+
+    adapter = bl.load_adapter()
+    model = adapter.model
+    B, C, steps = 8, 512, 10
+    T = bucket_slots(C + 40, True)
+    g = torch.Generator().manual_seed(0)
+    lines = [f"# {info}", f"# batch {B}, {C}-token cache, {T} slots for the fixed-shape step, {steps} steps each", ""]
+    with torch.inference_mode(), grouped_kv():
+        bufs = [(torch.randn(B, h, T, dk, generator=g), torch.randn(B, h, T, dv, generator=g))
+                for h, dk, dv in adapter.kv_shapes()]  # fmt: skip
+        mask = torch.ones(B, T, dtype=torch.long)
+        for r in range(B):
+            mask[r, : 8 * r] = 0
+        tok = torch.randint(100, 1000, (B,), generator=g)
+        pos = C - 8 * torch.arange(B)
+        eager_cache = PreallocatedCache(bufs, C)
+
+        def eager(t: int):
+            return model(input_ids=tok[:, None], attention_mask=mask[:, : C + t + 1], position_ids=(pos + t)[:, None],
+                         past_key_values=eager_cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+
+        fixed = StaticSteps(adapter, [(k.clone(), v.clone()) for k, v in bufs], mask, C, pos, compiled=True)
+        t0 = time.perf_counter()
+        fixed(tok, 0)
+        lines.append(f"# first compiled step (compilation included): {time.perf_counter() - t0:.1f} s")
+        runs = (("eager", eager, 0), ("compiled fixed-shape", lambda t: fixed(tok, t), 1))
+        for name, step, start in runs:
+            for t in range(start, start + 3):
+                step(t)
+            with profile() as prof:
+                t0 = time.perf_counter()
+                for t in range(start + 3, start + 3 + steps):
+                    step(t)
+                wall = time.perf_counter() - t0
+            lines += ["", f"## {name}: {wall / steps * 1e3:.1f} ms per step (profiled)", ""]
+            lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    out = bl.RESULTS / "profile_decode_step.txt"
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
