@@ -154,3 +154,24 @@ def test_next_batch_loads_on_a_worker_while_this_one_decodes(llama, tmp_path, mo
     assert [n for _, n in loads] == [3, 3, 1] and all(name.startswith("kvstore-load") for name, _ in loads)
     assert handed == [True, True, True]
     assert torch.equal(got.tokens, want.tokens) and all(got.cache_hit)
+
+
+def test_out_of_memory_with_batches_loaded_ahead(llama, tmp_path, monkeypatch):
+    """Two batches, each loaded ahead on the worker, each too big: each runs again as halves that
+    load themselves, and every row gets its tokens."""
+    contexts, questions = _rows(llama, n=8, seed=6)
+    with KVStore(str(tmp_path / "s")) as store:
+        llama.generate_kv_cache(contexts, store)
+        want = _sample(llama, contexts, questions, store=store, batch_size=8)
+        real, calls = decode.decode_cached, []
+
+        def tight(adapter, plans, *args):
+            calls.append((len(plans), args[-1] is not None))
+            if len(plans) > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return real(adapter, plans, *args)
+
+        monkeypatch.setattr(decode, "decode_cached", tight)
+        got = _sample(llama, contexts, questions, store=store, batch_size=4)
+    assert calls == [(4, True), (2, False), (2, False)] * 2
+    assert torch.equal(got.tokens, want.tokens) and all(got.cache_hit)

@@ -163,8 +163,9 @@ def greedy_sample(
     order = sorted(range(n), key=lambda i: (len(c_ids[i]), keys[i], i))
     writer = Writer(store, None) if (use_cache and store is not None and not store.readonly) else None
 
-    def run(rows: list[int], ahead: Loaded | None = None) -> None:
+    def run(rows: list[int], box: list[Loaded | None] | None = None) -> None:
         nonlocal computed
+        ahead = box.pop() if box else None  # the only reference: freed here on an out-of-memory retry
         try:
             if use_cache:
                 tokens, step_scores, row_cached, row_computed, row_codecs = decode_cached(
@@ -217,10 +218,9 @@ def greedy_sample(
         for b, rows in enumerate(todo):
             if use_cache and store is not None and b + 1 < len(todo):  # a remote store fetches ahead
                 store.prefetch(k for i in todo[b + 1] for k in plans[i].keys)
-            ahead = _result(pending)
+            box = [_result(pending)]
             pending = load_ahead(todo[b + 1]) if b + 1 < len(todo) else None
-            run(rows, ahead)
-            del ahead
+            run(rows, box)
     finally:
         if loader is not None:
             loader.shutdown(wait=True, cancel_futures=True)
