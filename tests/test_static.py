@@ -66,7 +66,7 @@ def test_static_steps_equal_eager_steps_and_generate(kind, attn):
 
 def test_compiled_steps_equal_eager_and_compile_once_per_shape(tiny_llama_dir):
     """``compile=True`` (torch.compile, float64): the same tokens as the eager loop, logits within
-    1e-4 (the fused kernels round the float32 rotary tables differently); a
+    1e-4 (the compiled graph runs its own kernels: up to 3.3e-6 apart when this was written); a
     later batch whose slots fall in the same bucket and batch size reuses the compiled step."""
     adapter = Adapter.from_pretrained(str(tiny_llama_dir), dtype="float64")
     contexts, questions = _rows(adapter.tokenizer, seed=2, n=4)
@@ -75,7 +75,7 @@ def test_compiled_steps_equal_eager_and_compile_once_per_shape(tiny_llama_dir):
         eager = _sample(adapter, contexts, questions, "dynamic", store=store, batch_size=2)
         compiled = _sample(adapter, contexts, questions, "compiled", store=store, batch_size=2)
         assert torch.equal(compiled.tokens, eager.tokens)
-        for a, b in zip(compiled.scores, eager.scores):  # fused kernels: float32 rotary rounding (~3e-6)
+        for a, b in zip(compiled.scores, eager.scores):  # other kernels: up to 3.3e-6 apart
             torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
         compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         shorter = [c[: max(1, len(c) // 2)] for c in contexts]

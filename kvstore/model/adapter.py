@@ -31,8 +31,8 @@ TextOrIds = str | Sequence[int]
 DEFAULT_RESERVE_TOKENS = 256
 # Chunked prefill, automatic: attention that materializes a score matrix per layer (eager) runs
 # in pieces of 512 positions (less memory and, measured on CPU, less time); fused kernels (sdpa,
-# flash) in pieces of 8192 (a masked piece runs ~30% slower than one causal forward on CPU:
-# experiments/results/memory.json).
+# flash) in pieces of 8192 (on CPU, 8k tokens in masked pieces took 22-30% longer than one causal
+# forward: experiments/results/memory.json).
 AUTO_PREFILL_PIECE = {"eager": 512}
 AUTO_PREFILL_PIECE_FUSED = 8192
 # Tokens at the end of a prompt head that may merge with the context's first word when tokenized together.

@@ -206,30 +206,23 @@ def prefill(adapter: Adapter, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
         input_ids[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         mask[i, : len(ids)] = 1
     piece = adapter.prefill_piece
-    if piece and L > piece and adapter.layout.dense:
-        bufs = new_buffers(adapter.kv_shapes(), B, L, adapter.dtype, dev)
-        cache: Any = PreallocatedCache(bufs, 0)
-        input_ids, mask = input_ids.to(dev), mask.to(dev)
-        for a in range(0, L, piece):
-            b = min(L, a + piece)
-            adapter.model(
-                input_ids=input_ids[:, a:b],
-                attention_mask=mask[:, :b],
-                position_ids=torch.arange(a, b, device=dev).expand(B, b - a),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        return [tuple((kb[i, :, :n], vb[i, :, :n]) for kb, vb in bufs) for i, n in enumerate(lengths)]
-    cache = DynamicCache()
-    adapter.model(
-        input_ids=input_ids.to(dev),
-        attention_mask=mask.to(dev),
-        position_ids=torch.arange(L, device=dev).expand(B, L),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    chunked = bool(piece) and L > piece and adapter.layout.dense
+    # pieces write into buffers allocated once; one forward keeps the tensors the model returns
+    cache: Any = DynamicCache()
+    if chunked:
+        cache = PreallocatedCache(new_buffers(adapter.kv_shapes(), B, L, adapter.dtype, dev), 0)
+    step = piece if chunked else L
+    input_ids, mask = input_ids.to(dev), mask.to(dev)
+    for a in range(0, L, step):
+        b = min(L, a + step)
+        adapter.model(
+            input_ids=input_ids[:, a:b],
+            attention_mask=mask[:, :b],
+            position_ids=torch.arange(a, b, device=dev).expand(B, b - a),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     layers: list[Any] = list(cache.layers)
     if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
         raise ModelError(

@@ -40,10 +40,15 @@ def position_mask(
         j = torch.arange(s, device=q_pos.device)
         own[:, j, q_slot + j] = pad
         ok = (ok & ~pad[:, :, None]) | own
-    ok = ok[:, None]
+    return attention_form(ok[:, None], dtype, attn)
+
+
+def attention_form(ok: torch.Tensor, dtype: torch.dtype, attn: str) -> torch.Tensor:
+    """A "may attend" bool mask as ``attn`` takes it: as is for sdpa (True: attend), additive in
+    ``dtype`` for eager (``0`` / the dtype's most negative number)."""
     if attn == "eager":
         return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill_(~ok, torch.finfo(dtype).min)
     return ok
 
 
-__all__ = ["position_mask"]
+__all__ = ["attention_form", "position_mask"]

@@ -3,8 +3,9 @@
 Stored records decode on the CPU (checksum, zstd, unshuffle). Into a CUDA batch buffer, a plain
 ``dest.copy_(host)`` from pageable memory is synchronous and goes through a driver bounce buffer.
 :class:`Staging` instead decodes each record into a **pinned** host tensor and queues its
-host-to-device copy on a side stream (``non_blocking=True``), so the copy of one record overlaps
-with the decoding of the next ones; :meth:`Staging.finish` makes the compute stream wait for the
+host-to-device copy on a side stream (``non_blocking=True``), so the copy of one record can
+overlap with the decoding of the next ones (not measured: no GPU was at hand when this was
+written); :meth:`Staging.finish` makes the compute stream wait for the
 copies (and keeps every host tensor alive until they are done).
 
 On a CPU-only machine there is nothing to stage: :meth:`Staging.copy_into` decodes straight into

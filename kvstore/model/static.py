@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from kvstore.model import attention
+from kvstore.model import attention, masks
 from kvstore.model.cache import Buffers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,16 +123,10 @@ class StaticSteps:
         attend = torch.zeros((B, 1, 1, slots), dtype=torch.bool, device=mask.device)
         attend[:, 0, 0, :first_slot] = mask[:, :first_slot].bool()
         attn = adapter.attn_implementation
-        self.open: bool | float
-        if attn == "sdpa":  # True: attend
-            self.mask, self.open = attend, True
-        elif attn == "eager":  # added to the scores
-            dtype = buffers[0][0].dtype
-            self.mask = torch.zeros(attend.shape, dtype=dtype, device=mask.device)
-            self.mask.masked_fill_(~attend, torch.finfo(dtype).min)
-            self.open = 0.0
-        else:
+        if attn not in ("sdpa", "eager"):
             raise ValueError(f"fixed-shape decoding needs sdpa or eager attention, not {attn}")
+        self.mask = masks.attention_form(attend, buffers[0][0].dtype, attn)
+        self.open = True if attn == "sdpa" else 0.0  # a slot's value once it may be attended to
         self.first_slot = first_slot
         self.next_pos = next_pos
         self.fn = step_function(adapter, compiled)
