@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from kvstore import dtypes
 from kvstore.errors import ContextTooLongError, ModelError
-from kvstore.model import build, chains, decode, families
+from kvstore.model import build, chains, decode, families, forward
 from kvstore.model.build import BuildReport
 from kvstore.model.cache import KVShape, LayerKV
 from kvstore.model.chains import ContextPlan
@@ -219,7 +219,7 @@ class Adapter:
     def kv_shapes(self) -> list[KVShape]:
         """Per layer (kv_heads, key head_dim, value head_dim), from one tiny forward."""
         if self._shapes is None:
-            layers = build.prefill(self, [[self.pad_id]])[0]
+            layers = forward.prefill(self, [[self.pad_id]])[0]
             self._shapes = [(k.shape[0], k.shape[-1], v.shape[-1]) for k, v in layers]
         return self._shapes
 
@@ -288,7 +288,7 @@ class Adapter:
         Dense (full-attention) models only: raises ModelError for the others."""
         if not self.layout.dense:
             raise ModelError(f"{self.name}: prefill gives full-attention keys and values; use generate_kv_cache")
-        return build.prefill(self, batch)
+        return forward.prefill(self, batch)
 
     def generate_kv_cache(
         self,

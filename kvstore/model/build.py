@@ -18,217 +18,24 @@ never sees a record whose chunks were not written yet.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
 
-from kvstore.errors import ContextTooLongError, ModelError
-from kvstore.model import chains
+from kvstore.errors import ContextTooLongError
+from kvstore.model import chains, contexts
 from kvstore.model.attention import uses_grouped_kv
-from kvstore.model.cache import LayerKV, PreallocatedCache, new_buffers
+from kvstore.model.cache import LayerKV
 from kvstore.model.chains import ContextPlan
+from kvstore.model.forward import batches, prefill
+from kvstore.model.writer import BuildReport, Writer
 from kvstore.progress import Progress
-from kvstore.store.entry import Entry
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.adapter import Adapter, TextOrIds
-
-# Bytes of KV waiting for the writer (a chunk larger than this still passes, alone): bounds the
-# memory a fast prefill can pile up while letting compute run a batch or two ahead of the writer.
-WRITER_BYTES = 1 << 30
-
-
-@dataclass
-class BuildReport:
-    """What :meth:`Adapter.generate_kv_cache` did. Sizes are bytes; times are seconds."""
-
-    contexts: int = 0  # contexts given (with duplicates)
-    distinct: int = 0  # in this shard
-    other_shards: int = 0  # distinct contexts left to the other shards
-    built: int = 0  # contexts computed (whole or from a stored prefix)
-    skipped: int = 0  # already stored whole and intact
-    failed: int = 0
-    tokens: int = 0  # context tokens run through the model
-    tokens_reused: int = 0  # context tokens found stored (skipped contexts and stored prefixes)
-    migrated: int = 0  # contexts found as format-1 entries and rewritten as chains (nothing recomputed)
-    chunks_written: int = 0
-    raw_bytes: int = 0
-    stored_bytes: int = 0
-    seconds: float = 0.0
-    store_seconds: float = 0.0  # encode + write, on the writer thread (overlaps compute)
-    store_wait_seconds: float = 0.0  # time the compute thread waited for the writer
-    errors: list[str] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)  # key of each given context, in input order
-
-    @property
-    def ratio(self) -> float:
-        return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "keys"}
-        return d | {"ratio": round(self.ratio, 4), "tokens_per_second": round(self.tokens_per_second, 1)}
-
-
-@dataclass(frozen=True)
-class _Record:
-    key: str
-    chunks: tuple[str, ...]
-    n_tokens: int
-
-
-class Writer:
-    """Encodes and writes chunks, then context records, on a background thread (in the order
-    given) so that storing overlaps compute. A chunk already in the store is not rewritten unless
-    asked (a corrupt one is). Errors are re-raised on the caller's thread (next ``put`` or
-    ``close``)."""
-
-    def __init__(self, store: KVStore, report: BuildReport | None, max_bytes: int | None = None):
-        self.store, self.report = store, report
-        self.q: queue.Queue = queue.Queue()
-        self.max_bytes = WRITER_BYTES if max_bytes is None else max_bytes
-        self.pending = 0  # bytes queued and not written yet
-        self.room = threading.Condition()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item, nbytes = self.q.get()
-            try:
-                if item is None:
-                    return
-                if self.error is None:
-                    self._write(*item)
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-                self.error = exc
-            finally:
-                with self.room:
-                    self.pending -= nbytes
-                    self.room.notify_all()
-                self.q.task_done()
-
-    def _write(self, item: Entry | _Record, overwrite: bool, blob: bytes | None = None) -> None:
-        if isinstance(item, _Record):
-            self.store.put_context(item.key, item.chunks, item.n_tokens)
-            return
-        if not overwrite and self.store.contains(item.key):
-            return
-        t0 = time.perf_counter()
-        if blob is None:
-            blob = self.store.encode(item)
-        self.store.put_bytes(item.key, blob)
-        if self.report is not None:
-            r = self.report
-            r.stored_bytes += len(blob)
-            r.raw_bytes += item.kv_bytes + item.state_bytes + 8 * item.n_tokens
-            r.store_seconds += time.perf_counter() - t0
-            r.chunks_written += 1
-
-    def put(self, entry: Entry, *, overwrite: bool = False) -> None:
-        self._enqueue((entry, overwrite))
-
-    def put_encoded(self, entry: Entry, blob: bytes, *, overwrite: bool = False) -> None:
-        """Write ``blob``, already encoded from ``entry`` with the store's codec."""
-        self._enqueue((entry, overwrite, blob))
-
-    def put_context(self, plan: ContextPlan) -> None:
-        """Record ``plan``'s context once the chunks put before it are written."""
-        self._enqueue((_Record(plan.key, plan.keys, plan.n_tokens), True))
-
-    def put_chunks(
-        self, adapter: Adapter, plan: ContextPlan, layers: LayerKV, depth: int = 0, offset: int = 0, record: bool = True
-    ) -> None:
-        """Chunks ``depth..`` of ``plan`` from ``layers`` (positions ``offset..``), then (with
-        ``record``) its context record. The chunk at ``depth`` is written even if present: it is
-        missing or corrupt (a repair)."""
-        for i, entry in enumerate(chains.chunk_entries(adapter, plan, layers, depth, offset)):
-            self.put(entry, overwrite=i == 0)
-        if record:
-            self.put_context(plan)
-
-    def flush(self) -> None:
-        """Wait until everything put so far is written (raises the writer's error, if any)."""
-        self.q.join()
-        self._check()
-
-    def _enqueue(self, item: Any) -> None:
-        self._check()
-        entry = item[0]
-        nbytes = entry.kv_bytes + entry.state_bytes if isinstance(entry, Entry) else 0
-        t0 = time.perf_counter()
-        with self.room:  # wait while the writer holds a full budget (an oversized chunk goes alone)
-            while self.pending and self.pending + nbytes > self.max_bytes and self.error is None:
-                self.room.wait(0.5)
-            self.pending += nbytes
-        self.q.put((item, nbytes))
-        if self.report is not None:
-            self.report.store_wait_seconds += time.perf_counter() - t0
-
-    def _check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        t0 = time.perf_counter()
-        self.q.put((None, 0))
-        self.thread.join()
-        if self.report is not None:
-            self.report.store_wait_seconds += time.perf_counter() - t0
-        self._check()
-
-
-@torch.inference_mode()
-def prefill(adapter: Adapter, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
-    """Run the model over a batch of token-id lists (right-padded together); per row, the
-    per-layer ``(keys, values)`` ``[kv_heads, n_i, head_dim]`` of its own tokens only (views).
-
-    A batch longer than ``adapter.prefill_piece`` runs in pieces of that many positions on top of a
-    preallocated cache (chunked prefill), so activations and attention scratch grow with the
-    piece, not the context; the cache is written in place."""
-    lengths = [len(ids) for ids in batch]
-    B, L = len(batch), max(lengths)
-    dev = adapter.device
-    input_ids = torch.full((B, L), adapter.pad_id, dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for i, ids in enumerate(batch):
-        input_ids[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        mask[i, : len(ids)] = 1
-    piece = adapter.prefill_piece
-    chunked = bool(piece) and L > piece and adapter.layout.dense
-    # pieces write into buffers allocated once; one forward keeps the tensors the model returns
-    cache: Any = DynamicCache()
-    if chunked:
-        cache = PreallocatedCache(new_buffers(adapter.kv_shapes(), B, L, adapter.dtype, dev), 0)
-    step = piece if chunked else L
-    input_ids, mask = input_ids.to(dev), mask.to(dev)
-    for a in range(0, L, step):
-        b = min(L, a + step)
-        adapter.model(
-            input_ids=input_ids[:, a:b],
-            attention_mask=mask[:, :b],
-            position_ids=torch.arange(a, b, device=dev).expand(B, b - a),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    layers: list[Any] = list(cache.layers)
-    if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
-        raise ModelError(
-            f"{type(adapter.model).__name__} returned no attention cache; kvstore needs an attention KV cache"
-        )
-    return [tuple((layer.keys[i, :, :n], layer.values[i, :, :n]) for layer in layers) for i, n in enumerate(lengths)]
 
 
 def default_build_batch(adapter: Adapter) -> int:
@@ -236,22 +43,6 @@ def default_build_batch(adapter: Adapter) -> int:
     faster than in padded batches of 8 on the 2-core VM: 42.7 vs 62.2 s for the same 16 contexts,
     experiments/results/e2e.json), 8 on accelerators."""
     return 1 if adapter.device.type == "cpu" else 8
-
-
-def batches(
-    order: Sequence[int], lengths: Sequence[int], batch_size: int, max_batch_tokens: int | None
-) -> Iterator[list[int]]:
-    """Consecutive runs of ``order`` of at most ``batch_size`` rows and ``max_batch_tokens``
-    padded tokens (rows x longest)."""
-    batch: list[int] = []
-    for idx in order:
-        longest = max([lengths[j] for j in batch] + [lengths[idx]])
-        if batch and (len(batch) >= batch_size or (max_batch_tokens and longest * (len(batch) + 1) > max_batch_tokens)):
-            yield batch
-            batch = []
-        batch.append(idx)
-    if batch:
-        yield batch
 
 
 def stored_depth(adapter: Adapter, store: KVStore, plan: ContextPlan) -> int:
@@ -302,8 +93,6 @@ def compute(
     ``count``: they are contexts, not shared prefixes) its record. Jobs with nothing stored are
     prefilled; the others extend their stored prefix."""
     if not adapter.layout.dense:  # windows and recurrent states: stored per layer as the model needs them
-        from kvstore.model import contexts
-
         args = (batch_size, max_batch_tokens, progress, count, _account)
         return contexts.compute_jobs(adapter, store, jobs, writer, report, *args)
     fresh = [(p, d) for p, d in jobs if d == 0]

@@ -29,7 +29,7 @@ from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.adapter import Adapter
-    from kvstore.model.build import Writer
+    from kvstore.model.writer import Writer
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch
 
 from kvstore.model import chains
 from kvstore.model.chains import ContextPlan
+from kvstore.model.forward import batches, greedy_loop
 from kvstore.model.slots import KV, RowCache, Slots
 from kvstore.store.codecs import spec_of
 from kvstore.store.entry import Entry
@@ -32,7 +33,7 @@ from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.adapter import Adapter
-    from kvstore.model.build import BuildReport, Writer
+    from kvstore.model.writer import BuildReport, Writer
     from kvstore.progress import Progress
 
 
@@ -187,8 +188,6 @@ def compute_jobs(
 ) -> None:  # fmt: skip
     """:func:`kvstore.model.build.compute` for these models: each ``(plan, stored depth)`` job's
     chunks from its depth on, in batches, then (with ``count``) its record."""
-    from kvstore.model.build import batches
-
     sizes = [plan.n_tokens for plan, _ in jobs]
     for batch in batches(sorted(range(len(jobs)), key=lambda i: sizes[i]), sizes, batch_size, max_batch_tokens):
         todo = []
@@ -207,8 +206,6 @@ def compute_jobs(
 @torch.inference_mode()
 def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop, return_scores):
     """:func:`kvstore.model.decode.decode_cached` for these models (same arguments and results)."""
-    from kvstore.model.decode import greedy_loop
-
     distinct = list({p.key: p for p in plans}.values())
     caches: dict[str, RowCache] = {}
     loaded: dict[str, int] = {}
@@ -242,8 +239,6 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop, return
 def decode_reference(adapter: Adapter, full_ids, N, stop, return_scores):
     """:func:`kvstore.model.decode.decode_reference` for these models: each row's context and
     question from nothing, in the same slots and masks."""
-    from kvstore.model.decode import greedy_loop
-
     slots = Slots(adapter, adapter.layout, [None] * len(full_ids), max(map(len, full_ids)) + N)
     return _answer(adapter, slots, full_ids, N, stop, return_scores, greedy_loop)
 

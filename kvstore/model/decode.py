@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.errors import ContextTooLongError
-from kvstore.model import chains
+from kvstore.model import chains, contexts
 from kvstore.model.attention import uses_grouped_kv
-from kvstore.model.build import Writer, batches, prefill
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
+from kvstore.model.forward import Stop, batches, greedy_loop, is_out_of_memory, prefill, row_length
 from kvstore.model.staging import Staging
 from kvstore.model.static import StaticSteps, bucket_slots
+from kvstore.model.writer import Writer
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
@@ -67,33 +68,6 @@ class SampleResult:
     prefill_tokens_computed: int = 0
     cached_tokens: list[int] = field(default_factory=list)
     codecs: list[str | None] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Stop:
-    """How a batch decodes: a row stops at its first EOS (``eos``), or once its text contains one
-    of ``strings`` (the token that completes it is kept, as Hugging Face's ``stop_strings`` does);
-    ``steps``: how decode steps run (see :func:`greedy_sample`)."""
-
-    eos: bool = True
-    strings: tuple[str, ...] = ()
-    steps: str = "dynamic"  # one of STEPS (kvstore.model.static for the fixed-shape ones)
-
-    def hit(self, adapter: Adapter, ids: Sequence[int]) -> bool:
-        """Whether generated ``ids`` (a row so far) end the row."""
-        if self.eos and ids and ids[-1] in adapter.eos_ids:
-            return True
-        if self.strings:
-            text = adapter.tokenizer.decode(list(ids), skip_special_tokens=False)
-            return any(s in text for s in self.strings)
-        return False
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """A CUDA (or other accelerator) out-of-memory error, or the CPU allocator's failure."""
-    if isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
-        return True
-    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
 @uses_grouped_kv
@@ -244,15 +218,6 @@ def _result(pending: Future[Loaded] | None) -> Loaded | None:
         raise
 
 
-def row_length(adapter: Adapter, row: torch.Tensor, stop: Stop) -> int:
-    """Tokens of a generated row up to and including the one that stopped it (all of them if none did)."""
-    ids = row.tolist()
-    for j in range(len(ids)):
-        if stop.hit(adapter, ids[: j + 1]):
-            return j + 1
-    return len(ids)
-
-
 @dataclass
 class Loaded:
     """A batch's stored prefixes, loaded ahead (:func:`load_batch`): the KV buffers, rows per
@@ -298,8 +263,6 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, 
     tokens per row, context tokens computed)``. ``ahead``: this batch's :func:`load_batch`, done
     already."""
     if not adapter.layout.dense:  # windowed, state-space, hybrid: position masks, stored states
-        from kvstore.model import contexts
-
         return contexts.decode_cached(adapter, plans, q_ids, N, store, writer, stop, return_scores)
     B = len(plans)
     c_len = [p.n_tokens for p in plans]
@@ -403,8 +366,6 @@ def _fill_pads_and_repeats(bufs: Buffers, rows_of: dict[str, list[int]], c_len: 
 @torch.inference_mode()
 def decode_reference(adapter: Adapter, full_ids, N, stop: Stop, return_scores):
     if not adapter.layout.dense:
-        from kvstore.model import contexts
-
         return contexts.decode_reference(adapter, full_ids, N, stop, return_scores)
     B = len(full_ids)
     lens = [len(x) for x in full_ids]
@@ -434,50 +395,6 @@ def decode_reference(adapter: Adapter, full_ids, N, stop: Stop, return_scores):
     next_pos = torch.tensor(lens, device=dev)
     step = _fixed_steps(adapter, bufs, mask, L, next_pos, stop)
     return greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, L, N, stop, return_scores, step)
-
-
-def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, stop: Stop, return_scores, step=None):
-    """Greedy decoding from the logits of each row's last prompt token. Slot ``first_slot + t``
-    holds generated token ``t`` at position ``next_pos + t``. ``step(tokens, t)``, if given,
-    runs the model on each row's token ``t`` instead and returns the next logits."""
-    B = logits.shape[0]
-    dev = logits.device
-    tokens = torch.full((B, N), adapter.pad_id, dtype=torch.long, device=dev)
-    scores: list[torch.Tensor] | None = [] if return_scores else None
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    eos = torch.tensor(sorted(adapter.eos_ids), dtype=torch.long, device=dev) if adapter.eos_ids else None
-    for t in range(N):
-        if scores is not None:
-            scores.append(logits.float().cpu())
-        nxt = logits.argmax(dim=-1)
-        nxt = torch.where(done, torch.full_like(nxt, adapter.pad_id), nxt)
-        tokens[:, t] = nxt
-        if stop.eos and eos is not None:
-            done |= torch.isin(nxt, eos)
-        if stop.strings:
-            rows = tokens[:, : t + 1].tolist()
-            for r in range(B):
-                if not bool(done[r]) and stop.hit(adapter, rows[r]):
-                    done[r] = True
-        if (stop.eos or stop.strings) and bool(done.all()):
-            break
-        if t == N - 1:
-            break
-        if step is not None:
-            logits = step(nxt, t)
-            continue
-        out = adapter.model(
-            input_ids=nxt[:, None],
-            attention_mask=mask[:, : first_slot + t + 1],
-            position_ids=(next_pos + t)[:, None],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1]
-    tokens = tokens.cpu()
-    per_row = [torch.stack([s[r] for s in scores]) for r in range(B)] if scores is not None else [None] * B
-    return tokens, per_row
 
 
 __all__ = [

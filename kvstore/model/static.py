@@ -1,6 +1,6 @@
 """Fixed-shape decode steps, optionally under ``torch.compile`` (``sample --compile``).
 
-The eager decode loop (:func:`kvstore.model.decode.greedy_loop`) attends to the filled prefix of
+The eager decode loop (:func:`kvstore.model.forward.greedy_loop`) attends to the filled prefix of
 the preallocated buffers, so every step has a new key length: fine eagerly, a recompile per step
 under ``torch.compile``. :class:`StaticSteps` keeps every shape of a step fixed instead:
 
@@ -106,7 +106,7 @@ def step_function(adapter: Adapter, compiled: bool) -> Callable[..., torch.Tenso
 
 
 class StaticSteps:
-    """The ``step`` callback of :func:`kvstore.model.decode.greedy_loop` with fixed shapes.
+    """The ``step`` callback of :func:`kvstore.model.forward.greedy_loop` with fixed shapes.
 
     ``buffers``: the batch's KV buffers, prompt written in slots ``[0, first_slot)``; ``mask``:
     the eager loop's ``[B, slots]`` attention mask (1 on real prompt slots); ``next_pos``: each
