@@ -333,9 +333,7 @@ class KVStore:
         """Start fetching these entries in the background where the backend can (a remote one:
         ``sample`` asks for the next batch's chunks while the current batch decodes); later loads
         take them from there. Local backends (LMDB, memory) need nothing: a no-op."""
-        fn = getattr(self.backend, "prefetch", None)
-        if fn is not None:
-            fn([_ekey(k) for k in dict.fromkeys(keys)])
+        self.backend.prefetch([_ekey(k) for k in dict.fromkeys(keys)])
 
     # -- chains ---------------------------------------------------------------------------------
     def stored_prefix(self, keys: Sequence[str]) -> int:

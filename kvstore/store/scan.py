@@ -328,7 +328,6 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
     for c in contexts:
         for k in set(c.chunks):
             refs[k] = refs.get(k, 0) + 1
-    disk = getattr(store.backend, "disk_bytes", None)
     return StoreInfo(
         url=store.url,
         format=store.format,
@@ -336,7 +335,7 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
         created=float(store.meta.created),
         entries=tuple(entries.values()),
         corrupt=tuple(corrupt),
-        disk_bytes=disk() if disk else None,
+        disk_bytes=store.backend.disk_bytes(),
         verified=verify,
         contexts=tuple(contexts),
         chunk_tokens=store.chunk_tokens,

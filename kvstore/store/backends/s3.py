@@ -49,7 +49,7 @@ from kvstore.errors import (
     StoreNotFoundError,
     StoreUnavailableError,
 )
-from kvstore.store.backends import BackendBase
+from kvstore.store.backends.base import BackendBase
 
 MiB = 1 << 20
 # Defaults, read when a backend opens. Worst case for an endpoint that accepts connections and
