@@ -57,6 +57,7 @@ import xxhash
 
 from kvstore import dtypes
 from kvstore.errors import CorruptEntryError, DtypeError, FormatVersionError
+from kvstore.layer_kinds import ATTN, FULL_KV_KINDS, KINDS, KV_KINDS, STATE, STATE_KINDS, WINDOWED_KINDS
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
 
 FORMAT_VERSION = 2
@@ -65,8 +66,6 @@ _PREFIX = len(MAGIC) + 4
 _TRAILER = 8
 MAX_ENTRY_HEADER = 1 << 20
 MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
-KV_KINDS = frozenset({"attn", "sliding", "chunked", "hybrid"})  # layer kinds that keep keys and values
-STATE_KINDS = frozenset({"state", "hybrid"})  # layer kinds that keep a recurrent state
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
@@ -75,7 +74,7 @@ _STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 class LayerSpec:
     """What one layer of an entry keeps (see the module docstring)."""
 
-    kind: str = "attn"
+    kind: str = ATTN
     length: int = 0  # tokens of keys/values kept (the last ``length`` of the chunk)
     kv_heads: int = 0
     head_dim: int = 0
@@ -219,7 +218,7 @@ class Entry:
         for a whole context (``start == 0``) of full-attention layers."""
         from transformers import DynamicCache
 
-        if self.start != 0 or any(x is None for x in self.layers) or (self.kinds and set(self.kinds) != {"attn"}):
+        if self.start != 0 or any(x is None for x in self.layers) or (self.kinds and set(self.kinds) != {ATTN}):
             raise ValueError("to_dynamic_cache needs a whole context of full-attention layers")
         first = self.layers[0]
         assert first is not None
@@ -278,7 +277,7 @@ def _layer_specs(
     if len(states) != len(entry.layers):
         raise ValueError(f"{len(entry.layers)} layers but {len(states)} layer states")
     for i, (kv, state) in enumerate(zip(entry.layers, states)):
-        kind = entry.kinds[i] if entry.kinds else ("attn" if kv is not None else "state")
+        kind = entry.kinds[i] if entry.kinds else (ATTN if kv is not None else STATE)
         window = entry.windows[i] if entry.windows else None
         length = kv_heads = head_dim = 0
         if kv is not None:
@@ -308,21 +307,19 @@ def _layer_specs(
 
 
 def _check_layer(spec: LayerSpec, n_tokens: int, i: int, error: type[Exception]) -> None:
-    if spec.kind not in KV_KINDS | STATE_KINDS:
+    if spec.kind not in KINDS:
         raise error(f"layer {i}: unknown kind {spec.kind!r}")
     if spec.kind in KV_KINDS:
         if spec.kv_heads < 1 or spec.head_dim < 1:
             raise error(f"layer {i}: keys and values need kv_heads and head_dim")
-        full = spec.kind in ("attn", "hybrid")
+        full = spec.kind in FULL_KV_KINDS
         if not 0 <= spec.length <= n_tokens or (full and spec.length != n_tokens):
             raise error(f"layer {i}: {spec.kind} layer keeps {spec.length} of the chunk's {n_tokens} tokens")
     elif spec.length or spec.kv_heads or spec.head_dim:
         raise error(f"layer {i}: a state layer keeps no keys and values")
     if (spec.kind in STATE_KINDS) != bool(spec.state):
         raise error(f"layer {i}: {spec.kind} layer {'needs' if spec.kind in STATE_KINDS else 'has no'} state tensors")
-    if (spec.kind in ("sliding", "chunked")) != (spec.window is not None) or (
-        spec.window is not None and spec.window < 1
-    ):
+    if (spec.kind in WINDOWED_KINDS) != (spec.window is not None) or (spec.window is not None and spec.window < 1):
         raise error(f"layer {i}: only sliding and chunked layers have a window")
 
 
@@ -436,7 +433,7 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
         raise CorruptEntryError("entry header field 'created' is missing or invalid")
     n_tokens = _int(h, "n_tokens", 1)
     if fmt == 1:
-        spec = LayerSpec("attn", n_tokens, _int(h, "kv_heads", 1), _int(h, "head_dim", 1))
+        spec = LayerSpec(ATTN, n_tokens, _int(h, "kv_heads", 1), _int(h, "head_dim", 1))
         layers = (spec,) * _int(h, "n_layers", 1)
         parent, start, numerics = "", 0, {}  # type: ignore[var-annotated]
     else:
@@ -537,9 +534,7 @@ def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: in
 
 __all__ = [
     "FORMAT_VERSION",
-    "KV_KINDS",
     "MAGIC",
-    "STATE_KINDS",
     "Entry",
     "EntryHeader",
     "EntryView",

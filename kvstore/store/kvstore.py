@@ -43,6 +43,7 @@ from kvstore.errors import (
     KVStoreError,
     ReadOnlyStoreError,
 )
+from kvstore.layer_kinds import ATTN
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import DEFAULT_CODEC, Codec, get_codec, identity_of
@@ -402,7 +403,7 @@ class KVStore:
                 return None
             parts = [view.materialize() for view in views]
         first = parts[0]
-        if any(e.kinds and set(e.kinds) != {"attn"} for e in parts):
+        if any(e.kinds and set(e.kinds) != {ATTN} for e in parts):
             raise ValueError(f"context {key[:16]}: only full-attention contexts join into one entry")
         layers = tuple(
             (torch.cat([e.layers[i][0] for e in parts], 1), torch.cat([e.layers[i][1] for e in parts], 1))  # type: ignore[index]
