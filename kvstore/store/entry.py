@@ -59,6 +59,7 @@ from kvstore import dtypes
 from kvstore.errors import CorruptEntryError, DtypeError, FormatVersionError
 from kvstore.layer_kinds import ATTN, FULL_KV_KINDS, KINDS, KV_KINDS, STATE, STATE_KINDS, WINDOWED_KINDS
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
+from kvstore.store.keyspace import is_key
 
 FORMAT_VERSION = 2
 MAGIC = b"\x89KVS\r\n\x1a\n"
@@ -66,7 +67,6 @@ _PREFIX = len(MAGIC) + 4
 _TRAILER = 8
 MAX_ENTRY_HEADER = 1 << 20
 MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
@@ -439,7 +439,7 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
     else:
         layers = _layers_v2(h, n_tokens)
         parent, start, numerics = h.get("parent"), _int(h, "start"), h.get("numerics")  # type: ignore[assignment]
-        if not isinstance(parent, str) or (parent and not _HEX64.match(parent)):
+        if not isinstance(parent, str) or (parent and not is_key(parent)):
             raise CorruptEntryError("entry header field 'parent' is missing or invalid")
         if not isinstance(numerics, dict) or not all(isinstance(v, str) for v in numerics.values()):
             raise CorruptEntryError("entry header field 'numerics' is missing or invalid")

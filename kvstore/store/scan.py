@@ -17,7 +17,6 @@ the chunks it reuses as used, never loses one.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import CorruptEntryError, EntryNotFoundError, FormatVersionError
 from kvstore.progress import Progress
+from kvstore.store.keyspace import entry_key, is_key
 from kvstore.units import human_bytes, human_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.entry import EntryHeader
     from kvstore.store.kvstore import KVStore
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_GRACE_SECONDS = 3600.0
 
 
@@ -57,7 +56,7 @@ class ContextRecord:
             n, created = int(d["n_tokens"]), float(d["created"])
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
             return None
-        if not chunks or chunks[-1] != key or n < 1 or not all(isinstance(c, str) and _HEX64.match(c) for c in chunks):
+        if not chunks or chunks[-1] != key or n < 1 or not all(is_key(c) for c in chunks):
             return None
         return cls(key, chunks, n, created)
 
@@ -300,14 +299,14 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
         size = 0
         try:
             if verify:
-                with store.backend.view(b"e/" + key.encode()) as buf:
+                with store.backend.view(entry_key(key)) as buf:
                     got = None if buf is None else (decode_entry(buf, key=key).header, len(buf))
             else:  # the header only: a remote store's listing does not download the entries
                 got = store.peek_header(key)
                 if got is not None and got[0].key != key:
                     raise CorruptEntryError("entry header names another key")
         except (CorruptEntryError, FormatVersionError) as exc:
-            peeked = store.backend.peek(b"e/" + key.encode(), 1)
+            peeked = store.backend.peek(entry_key(key), 1)
             size = 0 if peeked is None else peeked[1]
             corrupt.append(CorruptInfo(key, str(exc), size))
         else:
