@@ -19,9 +19,9 @@ from helpers.entries import encode_v1
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning
 from kvstore.model.adapter import Adapter
 from kvstore.store.entry import decode_entry
+from kvstore.store.gc import execute_plan, plan_gc
 from kvstore.store.keys import cache_key
 from kvstore.store.kvstore import KVStore
-from kvstore.store.scan import execute_plan, plan_gc
 from tiny import make_tiny_model
 
 CHUNK = 8

@@ -27,7 +27,8 @@ from kvstore.size.estimate import (
 from kvstore.size.shapes import PYTHIA, ModelShape, resolve_shape, shape_from_config, shape_from_gguf
 from kvstore.store.codecs import get_codec
 from kvstore.store.entry import EntryHeader
-from kvstore.store.scan import EntryInfo, summarize
+from kvstore.store.scan import EntryInfo
+from kvstore.store.summary import summarize
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -23,9 +23,10 @@ from kvstore.errors import (
 )
 from kvstore.store import scan
 from kvstore.store.entry import FORMAT_VERSION, Entry, EntryHeader, LayerSpec
+from kvstore.store.gc import execute_plan, plan_gc
 from kvstore.store.keys import cache_key, chain_keys, chain_seed
 from kvstore.store.kvstore import KVStore
-from kvstore.store.scan import CorruptInfo, EntryInfo, StoreInfo, execute_plan, plan_gc
+from kvstore.store.scan import CorruptInfo, EntryInfo, StoreInfo
 
 FP_A = "a" * 64
 FP_B = "b" * 64
