@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from helpers.rows import random_ids
 from kvstore.errors import ContextTooLongError
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
@@ -23,15 +24,12 @@ N_NEW = 10
 def _rows(tokenizer, seed: int, n: int = 8):
     """Random contexts and questions of mixed lengths (a 1-token context among them), as ids."""
     rng = random.Random(seed)
-    special = set(tokenizer.all_special_ids)
-    vocab = [i for i in range(len(tokenizer)) if i not in special]
     ctx_lens = [1, 2, 7, 31, 64, 5, 18, 47][:n]
     q_lens = [3, 1, 9, 4, 12, 2, 6, 5][:n]
     rng.shuffle(ctx_lens)
-    contexts = [[rng.choice(vocab) for _ in range(c)] for c in ctx_lens]
+    contexts = random_ids(tokenizer, ctx_lens, rng)
     contexts[-1] = list(contexts[0])  # a repeated context shares one entry
-    questions = [[rng.choice(vocab) for _ in range(q)] for q in q_lens]
-    return contexts, questions
+    return contexts, random_ids(tokenizer, q_lens, rng)
 
 
 def _hf_generate(model, ids: list[int], n: int, past=None) -> torch.Tensor:

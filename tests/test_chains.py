@@ -7,7 +7,6 @@ Stores here use 8-token chunks so that short test contexts span several chunks.
 from __future__ import annotations
 
 import json
-import random
 import time
 import warnings
 
@@ -16,6 +15,7 @@ import torch
 
 from helpers.cli import read_predictions, run_main, start_cli, write_dataset
 from helpers.entries import encode_v1
+from helpers.rows import random_tokens
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning
 from kvstore.model.adapter import Adapter
 from kvstore.store.entry import decode_entry
@@ -34,12 +34,6 @@ def llama():
     return Adapter(model, tok)
 
 
-def _ids(tok, n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    vocab = [i for i in range(len(tok)) if i not in tok.all_special_ids]
-    return [rng.choice(vocab) for _ in range(n)]
-
-
 def _store(tmp_path, name="store", **kw) -> KVStore:
     return KVStore(str(tmp_path / name), chunk_tokens=CHUNK, **kw)
 
@@ -53,7 +47,7 @@ def test_partial_hit_at_every_boundary_and_mid_chunk(llama, tmp_path):
     all L are loaded (whole chunks, then the stored context's partial last chunk, which adds a
     boundary to the longer chain), the rest is computed, and the answer is the no-cache answer."""
     adapter = llama
-    context, question = _ids(adapter.tokenizer, 30, 0), _ids(adapter.tokenizer, 4, 1)
+    context, question = random_tokens(adapter.tokenizer, 30, 0), random_tokens(adapter.tokenizer, 4, 1)
     want = _reference(adapter, [context], [question])
     for n in range(1, 30):
         with _store(tmp_path, f"s{n}") as store:
@@ -72,10 +66,15 @@ def test_partial_hit_at_every_boundary_and_mid_chunk(llama, tmp_path):
 def test_mixed_hit_depths_in_one_batch(llama, tmp_path):
     """One batch holding a full hit, partial hits at two depths, a format-1 entry and a miss."""
     adapter = llama
-    base = _ids(adapter.tokenizer, 40, 2)
-    contexts = [base, base[:37] + [5, 6, 7], base[:20] + _ids(adapter.tokenizer, 13, 3), _ids(adapter.tokenizer, 25, 4)]
-    contexts.append(_ids(adapter.tokenizer, 11, 5))  # stored in format 1 only
-    questions = [_ids(adapter.tokenizer, q, 10 + q) for q in (3, 1, 5, 2, 4)]
+    base = random_tokens(adapter.tokenizer, 40, 2)
+    contexts = [
+        base,
+        base[:37] + [5, 6, 7],
+        base[:20] + random_tokens(adapter.tokenizer, 13, 3),
+        random_tokens(adapter.tokenizer, 25, 4),
+    ]
+    contexts.append(random_tokens(adapter.tokenizer, 11, 5))  # stored in format 1 only
+    questions = [random_tokens(adapter.tokenizer, q, 10 + q) for q in (3, 1, 5, 2, 4)]
     want = _reference(adapter, contexts, questions)
     with _store(tmp_path) as store:
         adapter.generate_kv_cache([base], store)
@@ -92,7 +91,7 @@ def test_mixed_hit_depths_in_one_batch(llama, tmp_path):
 
 def test_corrupt_chunk_mid_chain_is_a_miss_from_there_and_repaired(llama, tmp_path):
     adapter = llama
-    context, question = _ids(adapter.tokenizer, 40, 6), _ids(adapter.tokenizer, 3, 7)
+    context, question = random_tokens(adapter.tokenizer, 40, 6), random_tokens(adapter.tokenizer, 3, 7)
     want = _reference(adapter, [context], [question])
     with _store(tmp_path) as store:
         report = adapter.generate_kv_cache([context], store)
@@ -124,7 +123,7 @@ def test_a_frame_that_does_not_decompress_mid_chain_is_a_miss_from_there(llama, 
     from helpers.entries import split, with_frame
 
     adapter = llama
-    context, question = _ids(adapter.tokenizer, 40, 16), _ids(adapter.tokenizer, 3, 17)
+    context, question = random_tokens(adapter.tokenizer, 40, 16), random_tokens(adapter.tokenizer, 3, 17)
     want = _reference(adapter, [context], [question])
     with _store(tmp_path, codec="zstd:1") as store:
         adapter.generate_kv_cache([context], store)
@@ -151,10 +150,10 @@ def test_build_computes_a_shared_prefix_once(llama, tmp_path):
     """A few-shot set: one 20-token head shared by five documents. The head is computed and
     stored once; each document extends it; a second build computes nothing."""
     adapter = llama
-    head = _ids(adapter.tokenizer, 20, 8)
-    docs = [_ids(adapter.tokenizer, 9 + 3 * i, 20 + i) for i in range(5)]
+    head = random_tokens(adapter.tokenizer, 20, 8)
+    docs = [random_tokens(adapter.tokenizer, 9 + 3 * i, 20 + i) for i in range(5)]
     contexts = [head + d for d in docs]
-    questions = [_ids(adapter.tokenizer, 3, 30 + i) for i in range(5)]
+    questions = [random_tokens(adapter.tokenizer, 3, 30 + i) for i in range(5)]
     want = _reference(adapter, contexts, questions)
     with _store(tmp_path) as store:
         report = adapter.generate_kv_cache(contexts, store, prefix=head, batch_size=2)
@@ -174,20 +173,20 @@ def test_head_boundary_tolerates_a_merged_last_token(llama):
     """A head that ends in a space tokenizes differently once the context's first word follows
     (the space joins that word): the chunk boundary falls where the ids stop agreeing, so such a
     head is still shared; a context that does not start with the head gets no boundary."""
-    head = _ids(llama.tokenizer, 20, 8)
+    head = random_tokens(llama.tokenizer, 20, 8)
     merged = head[:-1] + [head[-1] + 1]  # the head's last token became another one
     for context, boundary in ((head + [5, 6, 7], 20), (merged + [5, 6], 19), (head[:-3] + [1, 2, 3], None)):
         spans = llama.plan(context, None, prefix=head).spans
         ends = {e for _, e in spans}
         assert (boundary in ends) if boundary else ends == {e for _, e in llama.plan(context, None).spans}
-    other = _ids(llama.tokenizer, 30, 99)
+    other = random_tokens(llama.tokenizer, 30, 99)
     assert llama.plan(other, None, prefix=head).spans == llama.plan(other, None).spans
 
 
 def test_longer_contexts_reuse_shorter_ones(llama, tmp_path):
     adapter = llama
-    short = [_ids(adapter.tokenizer, 24, 40 + i) for i in range(3)]
-    longer = [s + _ids(adapter.tokenizer, 24, 50 + i) for i, s in enumerate(short)]
+    short = [random_tokens(adapter.tokenizer, 24, 40 + i) for i in range(3)]
+    longer = [s + random_tokens(adapter.tokenizer, 24, 50 + i) for i, s in enumerate(short)]
     with _store(tmp_path) as store:
         adapter.generate_kv_cache(short, store)
         report = adapter.generate_kv_cache(longer, store)
@@ -202,9 +201,9 @@ def test_longer_contexts_reuse_a_shorter_ones_partial_last_chunk(llama, tmp_path
     context stored before the shorter one keeps its own canonical chain; answers as --no-cache."""
     adapter = llama
     tok = adapter.tokenizer
-    short = _ids(tok, 13, 60)
-    longer = [short + _ids(tok, 20, 61), short + _ids(tok, 3, 62)]
-    early = short + _ids(tok, 12, 63)  # stored before the short context exists
+    short = random_tokens(tok, 13, 60)
+    longer = [short + random_tokens(tok, 20, 61), short + random_tokens(tok, 3, 62)]
+    early = short + random_tokens(tok, 12, 63)  # stored before the short context exists
     q = [[9, 10]] * 3
     with _store(tmp_path) as store:
         adapter.generate_kv_cache([early], store)
@@ -215,7 +214,7 @@ def test_longer_contexts_reuse_a_shorter_ones_partial_last_chunk(llama, tmp_path
         assert report.tokens == 20 + 3 and report.tokens_reused == 2 * 13  # nothing of `short` recomputed
         plan = adapter.plan(longer[0], store)
         assert plan.spans[:3] == ((0, 8), (8, 13), (13, 21)) and plan.keys[:2] == adapter.plan(short, store).keys
-        fresh = short + _ids(tok, 7, 64)  # sample: loads the short context's 13 tokens, computes 7
+        fresh = short + random_tokens(tok, 7, 64)  # sample: loads the short context's 13 tokens, computes 7
         got = adapter.greedy_sample([fresh, *longer], q, N_NEW, store=store, stop_at_eos=False, return_details=True)
         assert got.cached_tokens == [13, 33, 16]
     assert torch.equal(got.tokens, _reference(adapter, [fresh, *longer], q))
@@ -223,8 +222,8 @@ def test_longer_contexts_reuse_a_shorter_ones_partial_last_chunk(llama, tmp_path
 
 def test_rm_keeps_shared_chunks_and_gc_collects_orphans_after_the_grace(llama, tmp_path):
     adapter = llama
-    head = _ids(adapter.tokenizer, 16, 60)
-    a, b = head + _ids(adapter.tokenizer, 10, 61), head + _ids(adapter.tokenizer, 12, 62)
+    head = random_tokens(adapter.tokenizer, 16, 60)
+    a, b = head + random_tokens(adapter.tokenizer, 10, 61), head + random_tokens(adapter.tokenizer, 12, 62)
     with _store(tmp_path) as store:
         adapter.generate_kv_cache([a, b], store)
         pa, pb = adapter.plan(a, store), adapter.plan(b, store)
@@ -234,7 +233,7 @@ def test_rm_keeps_shared_chunks_and_gc_collects_orphans_after_the_grace(llama, t
         assert execute_plan(store, plan) == 2
         assert store.context_keys() == [pb.key] and all(k in store for k in pb.keys)
         # a chunk no context uses (a build in progress, say) survives the grace period, then goes
-        orphan = adapter.plan(_ids(adapter.tokenizer, 8, 63), store)
+        orphan = adapter.plan(random_tokens(adapter.tokenizer, 8, 63), store)
         adapter.generate_kv_cache([orphan.ids], store)
         store.delete_many([], contexts=[orphan.key])
         info = store.scan()
@@ -248,7 +247,7 @@ def test_v1_entries_answer_and_build_migrates_them(llama, tmp_path):
     """A phase-1 store: whole-context entries in format 1. sample answers from them for their exact
     contexts; build rewrites them as chains without computing anything."""
     adapter = llama
-    contexts = [_ids(adapter.tokenizer, n, 70 + n) for n in (12, 21)]
+    contexts = [random_tokens(adapter.tokenizer, n, 70 + n) for n in (12, 21)]
     questions = [[7, 8], [9]]
     want = _reference(adapter, contexts, questions)
     with _store(tmp_path) as store:
@@ -333,7 +332,7 @@ def test_a_stored_chain_drives_hf_generate(llama, tmp_path):
     DynamicCache lets Hugging Face's generate continue it with the tokens of a run without cache."""
     adapter = llama
     model = adapter.model
-    context, question = _ids(adapter.tokenizer, 21, 70), [9, 10, 11]
+    context, question = random_tokens(adapter.tokenizer, 21, 70), [9, 10, 11]
     full = torch.tensor([context + question])
 
     def generate(past=None):

@@ -34,6 +34,7 @@ from helpers.cli import (
     verify_store,
     write_dataset,
 )
+from helpers.data import write_rows
 
 
 def assert_error_line(code: int, out: str, err: str, *expected: str) -> None:
@@ -54,14 +55,6 @@ def assert_usage_error(code: int, err: str, *expected: str) -> None:
     assert nonblank_lines(err)[-1].startswith("Error: "), err
     for text in expected:
         assert text in err, (text, err)
-
-
-def write_rows(path, rows) -> str:
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(row if isinstance(row, str) else json.dumps(row))
-            f.write("\n")
-    return str(path)
 
 
 GOOD = {"id": "a", "context": "The fox jumps.", "question": "Who jumps?", "answers": ["the fox"]}

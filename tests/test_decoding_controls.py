@@ -4,13 +4,13 @@ them changes a row's tokens (beyond cutting them at the stop)."""
 from __future__ import annotations
 
 import json
-import random
 import threading
 
 import pytest
 import torch
 
 from helpers.cli import read_predictions, run_main, write_dataset
+from helpers.rows import random_rows
 from kvstore.model import decode
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
@@ -25,21 +25,13 @@ def llama():
     return Adapter(model, tok)
 
 
-def _rows(adapter, n=7, seed=0):
-    rng = random.Random(seed)
-    vocab = [i for i in range(len(adapter.tokenizer)) if i not in adapter.tokenizer.all_special_ids]
-    contexts = [[rng.choice(vocab) for _ in range(rng.randint(5, 30))] for _ in range(n)]
-    questions = [[rng.choice(vocab) for _ in range(rng.randint(1, 4))] for _ in range(n)]
-    return contexts, questions
-
-
 def _sample(adapter, contexts, questions, **kw):
     return adapter.greedy_sample(contexts, questions, N_NEW, stop_at_eos=False, return_details=True, **kw)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_stop_strings_cut_each_row_where_its_text_first_contains_one(llama, tmp_path, use_cache):
-    contexts, questions = _rows(llama)
+    contexts, questions = random_rows(llama.tokenizer, 7, 0)
     full = _sample(llama, contexts, questions, use_cache=False)
     texts = [llama.tokenizer.decode(row[2:3].tolist()) for row in full.tokens]
     stops = [t for t in texts if t.strip()][:2]  # pieces some rows produce at their third token
@@ -59,7 +51,7 @@ def test_stop_strings_cut_each_row_where_its_text_first_contains_one(llama, tmp_
 
 
 def test_out_of_memory_runs_the_batch_again_as_halves(llama, tmp_path, monkeypatch):
-    contexts, questions = _rows(llama, n=8, seed=1)
+    contexts, questions = random_rows(llama.tokenizer, 8, 1)
     with KVStore(str(tmp_path / "a")) as store:
         want = _sample(llama, contexts, questions, store=store, batch_size=8)
     real, sizes = decode.decode_cached, []
@@ -95,7 +87,7 @@ def test_cpu_allocator_failure_counts_as_out_of_memory():
 
 
 def test_max_batch_tokens_bounds_each_batch(llama, tmp_path, monkeypatch):
-    contexts, questions = _rows(llama, n=8, seed=2)
+    contexts, questions = random_rows(llama.tokenizer, 8, 2)
     want = _sample(llama, contexts, questions, use_cache=False, batch_size=8)
     real, batches = decode.decode_reference, []
 
@@ -133,7 +125,7 @@ def test_cli_stop(tiny_llama_dir, tmp_path, capsys):
 def test_next_batch_loads_on_a_worker_while_this_one_decodes(llama, tmp_path, monkeypatch):
     """With a store and several batches, every batch's stored prefixes are loaded by the loader
     thread (``load_batch``) and handed to ``decode_cached``; the tokens are those of one batch."""
-    contexts, questions = _rows(llama, n=7, seed=5)
+    contexts, questions = random_rows(llama.tokenizer, 7, 5)
     with KVStore(str(tmp_path / "s")) as store:
         llama.generate_kv_cache(contexts, store)
         want = _sample(llama, contexts, questions, store=store, batch_size=8)
@@ -159,7 +151,7 @@ def test_next_batch_loads_on_a_worker_while_this_one_decodes(llama, tmp_path, mo
 def test_out_of_memory_with_batches_loaded_ahead(llama, tmp_path, monkeypatch):
     """Two batches, each loaded ahead on the worker, each too big: each runs again as halves that
     load themselves, and every row gets its tokens."""
-    contexts, questions = _rows(llama, n=8, seed=6)
+    contexts, questions = random_rows(llama.tokenizer, 8, 6)
     with KVStore(str(tmp_path / "s")) as store:
         llama.generate_kv_cache(contexts, store)
         want = _sample(llama, contexts, questions, store=store, batch_size=8)

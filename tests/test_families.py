@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from helpers.cli import run_main, write_dataset
+from helpers.rows import random_tokens
 from kvstore.errors import ModelError
 from kvstore.model import masks, slots
 from kvstore.model.adapter import Adapter
@@ -76,8 +77,7 @@ def _rows(tok, seed: int = 0):
     extending row 3 (all of it: it ends mid-chunk) and the first two chunks of row 2 (partial hits
     once rows 0-4 are stored)."""
     g = torch.Generator().manual_seed(seed)
-    vocab = [i for i in range(len(tok)) if i not in tok.all_special_ids]
-    pick = lambda n: [vocab[int(i)] for i in torch.randint(len(vocab), (n,), generator=g)]  # noqa: E731
+    pick = lambda n: random_tokens(tok, n, g)  # noqa: E731
     contexts = [pick(n) for n in (1, 7, 31, 12, 3)]
     contexts += [contexts[3] + pick(9), contexts[2][:16] + pick(5), list(contexts[0])]
     questions = [pick(n) for n in (3, 1, 5, 2, 4, 6, 1, 2)]

@@ -5,12 +5,12 @@ give back (so every later run answers the same), and the CLI says where answers 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
 from helpers.cli import read_predictions, run_main, write_dataset
+from helpers.rows import random_rows
 from kvstore.errors import CodecError, ModelError
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
@@ -19,18 +19,13 @@ from tiny import make_family_model, make_tiny_model
 N_NEW = 6
 
 
+ROWS = dict(context_tokens=(12, 40), question_tokens=(2, 5), per_context=2)  # two questions per context
+
+
 @pytest.fixture(scope="module")
 def llama():
     model, tok = make_tiny_model("llama", dtype=torch.float32, seed=5)
     return Adapter(model, tok)
-
-
-def _rows(adapter, n_contexts=4, seed=0):
-    rng = random.Random(seed)
-    vocab = [i for i in range(len(adapter.tokenizer)) if i not in adapter.tokenizer.all_special_ids]
-    contexts = [[rng.choice(vocab) for _ in range(rng.randint(12, 40))] for _ in range(n_contexts)]
-    rows = [(c, [rng.choice(vocab) for _ in range(rng.randint(2, 5))]) for c in contexts for _ in range(2)]
-    return [c for c, _ in rows], [q for _, q in rows]
 
 
 def _sample(adapter, store, contexts, questions, **kw):
@@ -44,7 +39,7 @@ def _sample(adapter, store, contexts, questions, **kw):
 def test_a_miss_is_answered_from_its_stored_codes(llama, tmp_path, spec):
     """First run: every context missing, computed, stored lossy and answered from the decoded
     codes. Second run: all hits; the same tokens and the same logits, bit for bit."""
-    contexts, questions = _rows(llama)
+    contexts, questions = random_rows(llama.tokenizer, 4, 0, **ROWS)
     with KVStore(str(tmp_path / "s"), codec=spec, chunk_tokens=8) as store:
         first = _sample(llama, store, contexts, questions)
         assert not any(first.cache_hit)
@@ -62,7 +57,7 @@ def test_a_miss_is_answered_from_its_stored_codes(llama, tmp_path, spec):
 
 
 def test_readonly_store_answers_as_a_writable_one_would(llama, tmp_path):
-    contexts, questions = _rows(llama, seed=1)
+    contexts, questions = random_rows(llama.tokenizer, 4, 1, **ROWS)
     path = str(tmp_path / "s")
     KVStore(path).close()
     with KVStore(path, readonly=True, codec="int8") as ro:
@@ -76,7 +71,7 @@ def test_readonly_store_answers_as_a_writable_one_would(llama, tmp_path):
 
 
 def test_lossy_entries_never_answer_a_lossless_request(llama, tmp_path):
-    contexts, questions = _rows(llama, seed=2)
+    contexts, questions = random_rows(llama.tokenizer, 4, 2, **ROWS)
     path = str(tmp_path / "s")
     with KVStore(path, codec="int8", chunk_tokens=8) as store:
         report = llama.generate_kv_cache(sorted({tuple(c) for c in contexts}), store)
@@ -98,7 +93,7 @@ def test_lossy_entry_under_a_lossless_key_is_refused(llama, tmp_path):
     """A stored context re-encoded with int8 under its own lossless key (a misfiled or forged
     entry: key, model, tokens and shapes all fit) is a miss, never an answer: its header says
     lossy."""
-    contexts, questions = _rows(llama, n_contexts=1, seed=3)
+    contexts, questions = random_rows(llama.tokenizer, 1, 3, **ROWS)
     with KVStore(str(tmp_path / "s"), chunk_tokens=64) as store:
         llama.generate_kv_cache([contexts[0]], store)
         key = llama.plan(contexts[0], store).key
@@ -113,7 +108,7 @@ def test_lossy_entry_under_a_lossless_key_is_refused(llama, tmp_path):
 def test_partial_hits_extend_a_lossy_prefix(llama, tmp_path):
     """A longer context on a stored lossy prefix: the rest is computed on the prefix's decoded
     values and stored lossy; a second run loads it all and answers the same."""
-    contexts, questions = _rows(llama, n_contexts=2, seed=4)
+    contexts, questions = random_rows(llama.tokenizer, 2, 4, **ROWS)
     longer = [c + c[:17] for c in contexts]
     with KVStore(str(tmp_path / "s"), codec="int4", chunk_tokens=8) as store:
         llama.generate_kv_cache(sorted({tuple(c) for c in contexts}), store)
@@ -171,7 +166,7 @@ def test_convert_without_recompute_equals_a_lossy_build(llama, tmp_path):
     same keys, same answers, bit for bit; lossy chains are refused with a reason."""
     from kvstore.store.convert import convert_contexts
 
-    contexts, questions = _rows(llama, seed=6)
+    contexts, questions = random_rows(llama.tokenizer, 4, 6, **ROWS)
     distinct = sorted({tuple(c) for c in contexts})
     a_path, b_path = str(tmp_path / "a"), str(tmp_path / "b")
     with KVStore(a_path, chunk_tokens=8) as src:

@@ -3,21 +3,14 @@ preallocated cache and gives the KV (and so the answers) of one forward."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from helpers.cli import read_predictions, run_main, write_dataset
+from helpers.rows import random_ids
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
 from tiny import make_tiny_model
-
-
-def _ids(tokenizer, lengths, seed=0):
-    rng = random.Random(seed)
-    vocab = [i for i in range(len(tokenizer)) if i not in set(tokenizer.all_special_ids)]
-    return [[rng.choice(vocab) for _ in range(n)] for n in lengths]
 
 
 @pytest.mark.parametrize("kind", ["neox", "llama"])
@@ -28,7 +21,7 @@ def test_chunked_prefill_gives_the_kv_of_one_forward(kind, attn):
     eager attention, whose softmax runs in float32)."""
     model, tok = make_tiny_model(kind, dtype=torch.float64, seed=2, attn_implementation=attn)
     adapter = Adapter(model, tok, prefill_chunk_tokens=0)
-    batch = _ids(tok, [5, 40, 63])
+    batch = random_ids(tok, [5, 40, 63])
     whole = adapter.prefill(batch)
     tol = 1e-10 if attn == "sdpa" else 1e-5
     for piece in (16, 7):
@@ -64,8 +57,8 @@ def test_chunked_prefill_into_a_store_matches_generate():
     ``generate`` on each whole prompt gives the same tokens."""
     model, tok = make_tiny_model("llama", dtype=torch.float64, seed=5)
     adapter = Adapter(model, tok, prefill_chunk_tokens=8)
-    contexts = _ids(tok, [3, 30, 61, 17], seed=1)
-    questions = _ids(tok, [2, 5, 1, 4], seed=2)
+    contexts = random_ids(tok, [3, 30, 61, 17], 1)
+    questions = random_ids(tok, [2, 5, 1, 4], 2)
     with KVStore("memory://") as store:
         adapter.generate_kv_cache(contexts, store, batch_size=4)
         got = adapter.greedy_sample(contexts, questions, 6, store=store, stop_at_eos=False, batch_size=4)

@@ -4,27 +4,19 @@ tokens of the eager loop and of Hugging Face ``generate``, on stored and compute
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
 from helpers.cli import read_predictions, run_main, write_dataset
+from helpers.rows import random_rows
 from kvstore.model import decode, static
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
 from tiny import make_family_model, make_tiny_model
 
 N_NEW = 10
-
-
-def _rows(tokenizer, seed: int, n: int = 6):
-    rng = random.Random(seed)
-    special = set(tokenizer.all_special_ids)
-    vocab = [i for i in range(len(tokenizer)) if i not in special]
-    contexts = [[rng.choice(vocab) for _ in range(rng.choice([1, 4, 17, 40, 63]))] for _ in range(n)]
-    questions = [[rng.choice(vocab) for _ in range(rng.randint(1, 6))] for _ in range(n)]
-    return contexts, questions
+ROWS = dict(context_tokens=[1, 4, 17, 40, 63], question_tokens=(1, 6))
 
 
 def _hf_generate(model, ids: list[int], n: int) -> torch.Tensor:
@@ -48,7 +40,7 @@ def test_static_steps_equal_eager_steps_and_generate(kind, attn):
     batch sizes 1 and 4 (rows padded to each other)."""
     model, tok = make_tiny_model(kind, dtype=torch.float64, seed=3, attn_implementation=attn)
     adapter = Adapter(model, tok)
-    contexts, questions = _rows(tok, seed=1)
+    contexts, questions = random_rows(tok, 6, 1, **ROWS)
     want = torch.stack([_hf_generate(model, c + q, N_NEW) for c, q in zip(contexts, questions)])
     with KVStore("memory://") as store:
         adapter.generate_kv_cache(contexts[:3], store)
@@ -69,7 +61,7 @@ def test_compiled_steps_equal_eager_and_compile_once_per_shape(tiny_llama_dir):
     1e-4 (the compiled graph runs its own kernels: up to 3.3e-6 apart when this was written); a
     later batch whose slots fall in the same bucket and batch size reuses the compiled step."""
     adapter = Adapter.from_pretrained(str(tiny_llama_dir), dtype="float64")
-    contexts, questions = _rows(adapter.tokenizer, seed=2, n=4)
+    contexts, questions = random_rows(adapter.tokenizer, 4, 2, **ROWS)
     torch._dynamo.reset()
     with KVStore("memory://") as store:
         eager = _sample(adapter, contexts, questions, "dynamic", store=store, batch_size=2)
