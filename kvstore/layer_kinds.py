@@ -48,7 +48,7 @@ LAYER_TYPES = {
     "moe": NONE,
     "mlp": NONE,
 }
-# the layer types kvstore's layout reproduces exactly (tests/test_families.py); any other type
+# the layer types kvstore's layout reproduces exactly (tests/model/test_families.py); any other type
 # makes a model refused (:func:`kvstore.model.families.refusal`), though its size can be estimated
 SERVED_LAYER_TYPES = frozenset(
     {

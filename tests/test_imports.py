@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers.paths import REPO
+
 ROOTS = {"kvstore": REPO / "kvstore", "kvstore.cli": REPO / "cli"}
 MAX_LINES = 500
 

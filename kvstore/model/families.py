@@ -34,7 +34,7 @@ from kvstore.layer_kinds import (
 # kinds of layer kvstore stores and reuses exactly (kvstore.model.layout says what each keeps)
 SUPPORTED_KINDS = KINDS
 # windowed, state-space and hybrid families measured exact against per-row generate
-# (tests/test_families.py); the others are refused until they are: a model may build its masks
+# (tests/model/test_families.py); the others are refused until they are: a model may build its masks
 # its own way, use the cache length, or its mixer may treat a stored state differently
 VERIFIED_WINDOWED_TYPES = frozenset(
     {"mistral", "mixtral", "qwen2", "qwen3", "starcoder2", "cohere2", "gemma2", "gemma3_text", "gpt_oss", "llama4_text"}

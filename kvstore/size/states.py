@@ -2,7 +2,7 @@
 
 A Mamba-style layer keeps a convolution window and an SSM state whatever the context's length;
 kvstore stores them at every chunk end. Formulas per model type (transformers 5.23), each checked
-against the model's own cache in ``tests/test_families.py``. Like :mod:`kvstore.size.shapes`, this
+against the model's own cache in ``tests/model/test_families.py``. Like :mod:`kvstore.size.shapes`, this
 imports no torch.
 """
 
@@ -26,7 +26,7 @@ def _lookup(cfg: Any, *names: str) -> Any:
 
 # how a state tensor's dtype follows the model's: "model" (the convolution window), "float32"
 # (Mamba-2 style scans keep float32 in float64 and bfloat16 models), "float32+" (Mamba-1 scans: at
-# least float32). Measured on transformers 5.23 (tests/test_families.py checks them against the models).
+# least float32). Measured on transformers 5.23 (tests/model/test_families.py checks them against the models).
 STATE_DTYPES = ("model", "float32", "float32+")
 
 

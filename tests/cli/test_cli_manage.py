@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from click.testing import CliRunner
 
 import kvstore.cli.common
 from helpers.entries import FP_TINY, make_entry, put_contexts
+from helpers.paths import REPO
 from kvstore.cli.common import emit, parse_duration, parse_size, progress_bar, render_table
 from kvstore.cli.main import app, main
 from kvstore.store.backends import open_backend
@@ -25,7 +25,7 @@ from kvstore.store.kvstore import KVStore
 
 FP_OTHER = "2" * 64
 DAY = 86400.0
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 @pytest.fixture

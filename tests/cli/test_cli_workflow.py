@@ -8,6 +8,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
+from helpers.paths import REPO
 from kvstore.cli.main import app, main
 from kvstore.errors import StoreNotFoundError
 from kvstore.store.kvstore import KVStore
@@ -76,9 +77,8 @@ def test_build_then_sample_matches_no_cache(tiny_llama_dir, data, tmp_path):
     for key in ("accuracy", "exact_match", "f1", "questions_per_second"):
         assert cached[key] is not None
     # make demo (experiments/demo.py) reads these summaries: every field it uses must exist
-    from pathlib import Path
 
-    demo = (Path(__file__).resolve().parent.parent / "experiments" / "demo.py").read_text()
+    demo = (REPO / "experiments" / "demo.py").read_text()
     for name, summary in (("built", built), ("cached", cached), ("ref", ref)):
         used = set(re.findall(rf"\b{name}\['(\w+)'\]", demo))
         assert used and used <= set(summary), f"demo.py reads {sorted(used - set(summary))} of {name}"

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.paths import FIXTURES, REPO
 from kvstore.data.datasets import Dataset, Example, load_dataset
 from kvstore.errors import DatasetError, KVStoreError
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(__file__).resolve().parent / "data"
+ROOT = REPO
+DATA = FIXTURES
 DEMO = ROOT / "experiments" / "data" / "demo.jsonl"
 
 

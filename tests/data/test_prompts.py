@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from helpers.paths import DEMO
 from kvstore.data.prompts import DEFAULT_TEMPLATE, PromptFormat
 from kvstore.errors import DatasetError, ModelError
 
-DEMO = Path(__file__).resolve().parent.parent / "experiments" / "data" / "demo.jsonl"
 TINY_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"

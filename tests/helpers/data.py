@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "experiments" / "data" / "demo.jsonl"
+from helpers.paths import DEMO
 
 
 def padded_demo_rows(n_contexts: int = 8) -> list[dict]:

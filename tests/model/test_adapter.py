@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from helpers.rows import random_ids
+from helpers.tiny import make_tiny_model
 from kvstore.errors import ContextTooLongError
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
-from tiny import make_tiny_model
 
 N_NEW = 10
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers.integrations import sdpa_attention
 
+from helpers.tiny import make_tiny_model
 from kvstore.model.adapter import Adapter
 from kvstore.model.attention import grouped_kv
-from tiny import make_tiny_model
 
 
 @pytest.fixture

@@ -16,13 +16,13 @@ import torch
 from helpers.cli import read_predictions, run_main, start_cli, write_dataset
 from helpers.entries import encode_v1
 from helpers.rows import random_tokens
+from helpers.tiny import make_tiny_model
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning
 from kvstore.model.adapter import Adapter
 from kvstore.store.entry import decode_entry
 from kvstore.store.gc import execute_plan, plan_gc
 from kvstore.store.keys import cache_key
 from kvstore.store.kvstore import KVStore
-from tiny import make_tiny_model
 
 CHUNK = 8
 N_NEW = 6

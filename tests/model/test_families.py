@@ -22,11 +22,11 @@ import torch
 
 from helpers.cli import run_main, write_dataset
 from helpers.rows import random_tokens
+from helpers.tiny import make_family_model, save_family_model
 from kvstore.errors import ModelError
 from kvstore.model import masks, slots
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
-from tiny import make_family_model, save_family_model
 
 N_NEW = 6
 CHUNK = 8

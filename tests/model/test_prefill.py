@@ -8,9 +8,9 @@ import torch
 
 from helpers.cli import read_predictions, run_main, write_dataset
 from helpers.rows import random_ids
+from helpers.tiny import make_tiny_model
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
-from tiny import make_tiny_model
 
 
 @pytest.mark.parametrize("kind", ["neox", "llama"])

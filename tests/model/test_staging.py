@@ -1,6 +1,6 @@
 """Loads through host staging (pinned buffers and asynchronous copies on CUDA) give the tokens of
 direct loads. No GPU here: ``staging.FORCE`` runs the same bookkeeping with ordinary host tensors;
-``tests/test_adapter.py::test_cuda_matches_cpu`` covers the CUDA path where a GPU is."""
+``tests/model/test_adapter.py::test_cuda_matches_cpu`` covers the CUDA path where a GPU is."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import random
 
 import torch
 
+from helpers.tiny import make_tiny_model
 from kvstore.model import staging
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
-from tiny import make_tiny_model
 
 
 def test_staged_loads_answer_as_direct_loads(monkeypatch):

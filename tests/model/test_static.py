@@ -10,10 +10,10 @@ import torch
 
 from helpers.cli import read_predictions, run_main, write_dataset
 from helpers.rows import random_rows
+from helpers.tiny import make_family_model, make_tiny_model
 from kvstore.model import decode, static
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
-from tiny import make_family_model, make_tiny_model
 
 N_NEW = 10
 ROWS = dict(context_tokens=[1, 4, 17, 40, 63], question_tokens=(1, 6))

@@ -1,7 +1,7 @@
 """Reliability: crashes, corruption, concurrency, limits, foreign caches, hostile entries.
 
 Each section proves one claim of the reliability issue on the real ``kvstore`` commands with the
-tiny saved models. The CI versions are small (a few trials); the soak (``tests/test_soak.py``,
+tiny saved models. The CI versions are small (a few trials); the soak (``tests/reliability/test_soak.py``,
 ``KVSTORE_SOAK=1``) runs the same trials (``tests/helpers/trials.py``) hundreds of times and writes
 the figures down. Section 6 (bad input, Ctrl-C) is ``test_cli_errors.py``; the decoder fuzz is
 ``test_fuzz.py``. Commands that must run in their own process are forked from a zygote
@@ -422,10 +422,10 @@ def test_entry_that_does_not_fit_the_model_is_a_miss(forgery, tmp_path):
     collision or tampering) is never used: the row is computed, and the entry replaced."""
     import torch
 
+    from helpers.tiny import make_tiny_model
     from kvstore.model.adapter import Adapter
     from kvstore.store.entry import Entry
     from kvstore.store.kvstore import KVStore
-    from tiny import make_tiny_model
 
     adapter = Adapter(*make_tiny_model("llama", dtype=torch.float64), name="tiny")
     ctx = adapter.encode_context(context_text(0))

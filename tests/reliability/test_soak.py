@@ -1,6 +1,6 @@
 """Reliability soak: the CI reliability tests, hundreds of times, with the figures written down.
 
-Skipped unless ``KVSTORE_SOAK=1``. Runs, on the tiny saved llama model (``tests/tiny.py``) and tiny
+Skipped unless ``KVSTORE_SOAK=1``. Runs, on the tiny saved llama model (``tests/helpers/tiny.py``) and tiny
 JSON Lines datasets, the trials of ``tests/helpers/trials.py``:
 
 * **kill -9**: chains of ``kvstore build`` runs on one store, each killed at a random moment (half
@@ -18,15 +18,16 @@ JSON Lines datasets, the trials of ``tests/helpers/trials.py``:
   per damaged entry, misses exactly those and answers as ``--no-cache`` does, ``kvstore gc --corrupt``
   removes exactly those.
 * **concurrency**: 4 builders on overlapping datasets and 2 samplers on one store at once.
-* **fuzz**: ``tests/test_fuzz.py::test_fuzz_soak`` (hypothesis, random seed) with 10,000 cases.
+* **fuzz**: ``tests/store/test_fuzz.py::test_fuzz_soak`` (hypothesis, random seed) with 10,000 cases.
 
 Command (from the repository root; ~10-15 min on 2 busy cores; writes
 experiments/reliability/results.{json,md}; options as for ``--help`` in ``KVSTORE_SOAK_ARGS``)::
 
-    KVSTORE_SOAK=1 .venv/bin/python -m pytest -q -s tests/test_soak.py
+    KVSTORE_SOAK=1 .venv/bin/python -m pytest -q -s tests/reliability/test_soak.py
     # smoke test:
     KVSTORE_SOAK=1 KVSTORE_SOAK_ARGS="--kill-trials 8 --corruptions 100 --fuzz-cases 500 --concurrency-runs 1 \\
-        --sigint-trials 2 --real-trials 1 --out /tmp/soak-smoke" .venv/bin/python -m pytest -q -s tests/test_soak.py
+        --sigint-trials 2 --real-trials 1 --out /tmp/soak-smoke" \\
+        .venv/bin/python -m pytest -q -s tests/reliability/test_soak.py
 """
 
 from __future__ import annotations
@@ -432,7 +433,7 @@ def fuzz_soak(args, work: Path, log) -> dict:
         os.environ, KVSTORE_SOAK="1", KVSTORE_FUZZ_SOAK_EXAMPLES=str(args.fuzz_cases), KVSTORE_FUZZ_REPORT=str(report)
     )
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py", "-k", "soak"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/store/test_fuzz.py", "-k", "soak"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -531,7 +532,7 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t_start:7.1f} s] {msg}", flush=True)
 
-    from tiny import save_tiny_model
+    from helpers.tiny import save_tiny_model
 
     model = save_tiny_model(work / "tiny-llama", "llama")
     rng = random.Random(args.seed)
@@ -540,7 +541,7 @@ def main(argv=None) -> int:
         "machine": machine(),
         "command": "KVSTORE_SOAK=1 KVSTORE_SOAK_ARGS="
         + shlex.quote(" ".join(sys.argv[1:] if argv is None else argv))
-        + " python -m pytest -q -s tests/test_soak.py",
+        + " python -m pytest -q -s tests/reliability/test_soak.py",
         "seed": args.seed,
     }
     try:

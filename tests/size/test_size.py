@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from helpers.paths import REPO
 from kvstore.cli.main import app, main
 from kvstore.errors import ModelError, ModelNotFoundError
 from kvstore.model.gguf import read_gguf_metadata
@@ -29,8 +30,6 @@ from kvstore.store.codecs import get_codec
 from kvstore.store.entry import EntryHeader
 from kvstore.store.scan import EntryInfo
 from kvstore.store.summary import summarize
-
-REPO = Path(__file__).resolve().parent.parent
 
 # SmolLM2-135M (published config): 30 layers, hidden 576, 9 query heads, 3 KV heads -> head_dim 64.
 SMOLLM2_CONFIG = {

@@ -53,9 +53,10 @@ PROBES_LEFT = {"kvstore/model/chains.py"}
 
 def test_no_caller_probes_a_backend_with_getattr():
     import ast
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parent.parent
+    from helpers.paths import REPO
+
+    repo = REPO
     found = []
     for path in sorted((repo / "kvstore").rglob("*.py")) + sorted((repo / "cli").rglob("*.py")):
         rel = str(path.relative_to(repo))

@@ -19,6 +19,7 @@ import torch
 import zstandard
 
 from helpers.entries import assemble, bits, encode, encode_v1, golden_facts, kv_layers, rle_frame, seal, split
+from helpers.paths import GOLDEN
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.model.identity import config_digest
 from kvstore.store.codecs import get_codec
@@ -33,7 +34,6 @@ from kvstore.store.entry import (
 )
 from kvstore.store.keys import cache_key, chain_keys, chain_seed, chunk_spans
 
-GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("KVSTORE_REGEN_GOLDEN") == "1"  # rewrite the golden files (after a format bump)
 
 CODECS = ["raw", "zstd:3", "zstd-shuffle:1"]

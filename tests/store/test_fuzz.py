@@ -9,7 +9,7 @@ recomputed*, so that the decoder has to get past its first line of defence. Ever
 through ``KVStore`` (``get``, ``open_entry``, ``scan``, ``verify``), which must never raise.
 
 CI runs a few hundred derandomized examples per property (``KVSTORE_FUZZ_EXAMPLES`` overrides).
-The soak run (``KVSTORE_SOAK=1``, see ``tests/test_soak.py``) runs
+The soak run (``KVSTORE_SOAK=1``, see ``tests/reliability/test_soak.py``) runs
 ``test_fuzz_soak`` with 10,000 random cases (``KVSTORE_FUZZ_SOAK_EXAMPLES``) and, with
 ``KVSTORE_FUZZ_REPORT=PATH``, writes the counts there.
 """

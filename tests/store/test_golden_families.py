@@ -22,12 +22,12 @@ import torch
 import zstandard
 
 from helpers.entries import bits, golden_facts
+from helpers.paths import GOLDEN
+from helpers.tiny import make_family_model
 from kvstore.model.adapter import Adapter
 from kvstore.store.entry import Entry, decode_entry, encode_entry
 from kvstore.store.kvstore import KVStore
-from tiny import make_family_model
 
-GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("KVSTORE_REGEN_GOLDEN") == "1"
 GOLDEN_FP = hashlib.sha256(b"kvstore golden model").hexdigest()
 NUMERICS = {"device": "cpu", "attn": "eager", "torch": "2.13.0", "transformers": "5.23.0"}

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import ast
 import struct
-from pathlib import Path
 
 from helpers.entries import make_entry
+from helpers.paths import REPO
 from kvstore.store import keyspace
 from kvstore.store.kvstore import KVStore
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_a_store_writes_what_keyspace_names(tmp_path):

@@ -7,13 +7,13 @@ import hashlib
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch
 import zstandard
 
 from helpers.entries import bits, split, with_frame
+from helpers.paths import GOLDEN
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs import Codec, get_codec
 from kvstore.store.codecs.plain import RawPacking
@@ -22,7 +22,6 @@ from kvstore.store.codecs.records import TensorRecord
 from kvstore.store.entry import Entry, decode_entry, encode_entry
 from kvstore.store.keys import chain_keys, chain_seed
 
-GOLDEN = Path(__file__).parent / "golden"
 REGEN = os.environ.get("KVSTORE_REGEN_GOLDEN") == "1"
 INT_SPECS = ["int8", "int8:32", "int8:128/64", "int4", "int4:64", "int4:16/8"]
 
