@@ -57,7 +57,7 @@ import xxhash
 
 from kvstore import dtypes
 from kvstore.errors import CorruptEntryError
-from kvstore.layer_kinds import ATTN, KV_KINDS, STATE
+from kvstore.layer_kinds import ATTN, KV_KINDS, STATE, STATE_KINDS  # the kind sets re-exported: they lived here
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
 from kvstore.store.header import (
     FORMAT_VERSION,
@@ -315,9 +315,11 @@ def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: in
 
 __all__ = [
     "FORMAT_VERSION",
+    "KV_KINDS",
     "MAGIC",
     "MAX_COMPRESSION_RATIO",
     "MAX_ENTRY_HEADER",
+    "STATE_KINDS",
     "Entry",
     "EntryHeader",
     "EntryView",

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.progress import Progress
+from kvstore.store.gc import DEFAULT_GRACE_SECONDS, GcPlan, execute_plan, plan_gc  # re-exported: they lived here
 from kvstore.store.keyspace import entry_key, is_key
+from kvstore.store.summary import GroupStats, summarize  # re-exported: it lived here
 from kvstore.units import human_bytes, human_time
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -352,10 +354,16 @@ def _context(key, chunks, n_tokens, created, entries: dict[str, EntryInfo], acce
 
 
 __all__ = [
+    "DEFAULT_GRACE_SECONDS",
     "ContextInfo",
     "ContextRecord",
     "CorruptInfo",
     "EntryInfo",
+    "GcPlan",
+    "GroupStats",
     "StoreInfo",
+    "execute_plan",
+    "plan_gc",
     "scan_store",
+    "summarize",
 ]
