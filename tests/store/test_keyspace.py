@@ -35,6 +35,15 @@ def test_a_store_writes_what_keyspace_names(tmp_path):
     assert not keyspace.is_key("A" * 64) and not keyspace.is_key("a" * 63) and not keyspace.is_key(None)
 
 
+def test_the_scheme_is_what_earlier_releases_wrote():
+    """Stores already written keep opening: these bytes are part of the on-disk format."""
+    key = "0123456789abcdef" * 4
+    assert (keyspace.META, keyspace.ENTRY, keyspace.RECORD, keyspace.ACCESS) == (b"meta", b"e/", b"r/", b"a/")
+    assert keyspace.entry_key(key) == b"e/" + key.encode()
+    assert keyspace.record_key(key) == b"r/" + key.encode() and keyspace.access_key(key) == b"a/" + key.encode()
+    assert keyspace.key_of(b"e/" + key.encode(), keyspace.ENTRY) == key
+
+
 def test_no_other_library_module_spells_the_scheme():
     spelled = {b"e/", b"r/", b"a/", b"meta", "e/", "r/", "a/", r"^[0-9a-f]{64}$"}
     found = []
