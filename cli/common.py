@@ -26,10 +26,12 @@ import json
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 import click
+
+from kvstore.cli.table import render_table
 
 STORE_DEFAULT_HELP = "$KVSTORE_STORE or cache/store"
 
@@ -256,41 +258,6 @@ DURATION = _Parsed("duration", parse_duration)
 
 
 # -- output -----------------------------------------------------------------------------------
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return str(value)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def render_table(
-    rows: Iterable[Sequence[Any]], columns: Sequence[str], align: str | Sequence[str] | None = None
-) -> str:
-    """An aligned plain-text table: a header line, then one line per row (no trailing newline).
-
-    ``rows``: sequences of cells, in ``columns`` order (``None`` shows as ``-``, floats with 2
-    decimals). ``align``: one ``"l"`` or ``"r"`` per column (a string like ``"llrr"`` works);
-    by default a column of numbers aligns right and anything else left."""
-    rows = [list(r) for r in rows]
-    if align is None:
-        align = []
-        for i in range(len(columns)):
-            values = [r[i] for r in rows if r[i] is not None]
-            align.append("r" if values and all(map(_is_number, values)) else "l")
-    cells = [[_cell(c) for c in r] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(columns)]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(values, widths, align)).rstrip()
-
-    return "\n".join([line(list(columns))] + [line(r) for r in cells])
-
-
 def emit(
     rows: Sequence[Mapping[str, Any]],
     fmt: str,

@@ -2,7 +2,7 @@
 
 A store holds *contexts*, each a chain of *chunks* (entries); a chunk several contexts share is
 stored once. The read commands open the store read-only (a missing store is an error, never
-created). ``rm`` and ``gc`` plan first (``kvstore.store.scan.plan_gc``), print the plan, ask
+created). ``rm`` and ``gc`` plan first (``kvstore.store.gc.plan_gc``), print the plan, ask
 (unless ``--yes``), then remove everything planned at once; ``--dry-run`` prints the plan and
 changes nothing. Torch-heavy modules are imported inside the command bodies so that ``--help``
 stays fast.
@@ -153,7 +153,7 @@ def stats(store: str, fmt: str) -> None:
     disk, which can exceed the stored bytes: LMDB files never shrink, and space freed by rm/gc is
     reused by new entries.
     """
-    from kvstore.store.scan import summarize
+    from kvstore.store.summary import summarize
 
     with open_store(store, readonly=True) as s:
         info = s.scan()
@@ -304,7 +304,7 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
 def _run_plan(
     store: str, plan_args: dict[str, Any], *, verify_all: bool, dry_run: bool, yes: bool, quiet: bool
 ) -> None:
-    from kvstore.store.scan import execute_plan, plan_gc
+    from kvstore.store.gc import execute_plan, plan_gc
 
     # a dry run only reads; otherwise open for writing up front, so that an unwritable store
     # fails before the scan rather than after the question

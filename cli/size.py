@@ -19,12 +19,13 @@ import click
 
 from kvstore import dtypes
 from kvstore.cli.common import CLIError, store_options, tier_options
+from kvstore.cli.table import render_table
 from kvstore.errors import DtypeError
 from kvstore.size.estimate import DEFAULT_EXAMPLES, DEFAULT_SEQ_LEN, FORMULA, SizeReport, size_report
 from kvstore.units import human_bytes
 
 
-def render_table(report: SizeReport) -> str:
+def render_report(report: SizeReport) -> str:
     """Aligned text: exact integers with thousands separators and binary units beside them."""
     lines = [f"KV cache per example = {FORMULA}"]
     if report.codec is not None:
@@ -65,7 +66,7 @@ def render_table(report: SizeReport) -> str:
         body.append(row)
     right = {2} | set(range(len(headers) - 8, len(headers), 2))  # numbers right, their units left
     right |= {len(headers) - 10} if stateful else set()
-    lines += _render(headers, body, right)
+    lines += render_table(body, headers, _align(len(headers), right)).split("\n")
     for note in report.notes:
         lines += ["", textwrap.fill(note, 100, initial_indent="note: ", subsequent_indent="      ")]
     if report.measured is not None:
@@ -105,7 +106,7 @@ def render_table(report: SizeReport) -> str:
                 ]
                 for m in report.measured
             ]
-            lines += _render(mh, mb, {3, 4, 5, 6, 7, 9})
+            lines += render_table(mb, mh, _align(len(mh), {3, 4, 5, 6, 7, 9})).split("\n")
     return "\n".join(lines) + "\n"
 
 
@@ -143,32 +144,8 @@ def _number(x: float) -> str:
     return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.1f}"
 
 
-def _render(headers: list[str], rows: list[list[str] | None], right: set[int]) -> list[str]:
-    """Aligned lines from rows of cells (``None``: a blank line). A column headed ``""`` is the
-    unit of the column before it: one space apart, under that column's title."""
-    n = len(headers)
-    has_unit = [j + 1 < n and headers[j + 1] == "" for j in range(n)]
-    widths = [max((len(r[j]) for r in rows if r), default=0) for j in range(n)]
-    for j, title in enumerate(headers):
-        span = widths[j] + (1 + widths[j + 1] if has_unit[j] else 0)
-        widths[j] += max(0, len(title) - span)
-
-    titles = []
-    for j in (j for j in range(n) if headers[j]):
-        span = widths[j] + (1 + widths[j + 1] if has_unit[j] else 0)
-        titles.append(headers[j].rjust(span) if j in right else headers[j].ljust(span))
-    lines = ["  ".join(titles).rstrip()]
-    for row in rows:
-        if row is None:
-            lines.append("")
-            continue
-        out = "".join(
-            ("" if j == 0 else " " if headers[j] == "" else "  ")
-            + (c.rjust(widths[j]) if j in right else c.ljust(widths[j]))
-            for j, c in enumerate(row)
-        )
-        lines.append(out.rstrip())
-    return lines
+def _align(n: int, right: set[int]) -> str:
+    return "".join("r" if j in right else "l" for j in range(n))
 
 
 def plot_report(report: SizeReport, path: str | os.PathLike) -> Path:
@@ -322,7 +299,7 @@ def size(
         store_options=store_options(),
     )  # fmt: skip
     if fmt == "table":
-        click.echo(render_table(report), nl=False)
+        click.echo(render_report(report), nl=False)
     elif fmt == "csv":
         click.echo(render_csv(report), nl=False)
         for note in report.notes:  # keep stdout a plain CSV file

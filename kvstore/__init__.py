@@ -15,70 +15,55 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# name -> module that defines it (imported on first attribute access)
+# The public names, listed here once: name -> module that defines it (imported on first use).
+# The TYPE_CHECKING imports below repeat them for type checkers and IDEs only (nothing runs them);
+# tests/test_public_names.py keeps the two the same.
 _LAZY = {
     "Adapter": "kvstore.model.adapter",
     "BuildReport": "kvstore.model.build",
+    "Dataset": "kvstore.data.datasets",
+    "Entry": "kvstore.store.entry",
+    "EntryInfo": "kvstore.store.scan",
+    "EntryView": "kvstore.store.entry",
+    "Example": "kvstore.data.datasets",
+    "FORMAT_VERSION": "kvstore.store.entry",
+    "KVStore": "kvstore.store.kvstore",
+    "PromptFormat": "kvstore.data.prompts",
     "SampleResult": "kvstore.model.decode",
+    "StoreInfo": "kvstore.store.scan",
+    "cache_key": "kvstore.store.keys",
+    "estimate_size": "kvstore.size.estimate",
+    "get_codec": "kvstore.store.codecs",
+    "load_dataset": "kvstore.data.datasets",
     "load_model": "kvstore.model.loading",
     "model_fingerprint": "kvstore.model.identity",
-    "KVStore": "kvstore.store.kvstore",
-    "Entry": "kvstore.store.entry",
-    "EntryView": "kvstore.store.entry",
-    "FORMAT_VERSION": "kvstore.store.entry",
-    "EntryInfo": "kvstore.store.scan",
-    "StoreInfo": "kvstore.store.scan",
-    "get_codec": "kvstore.store.codecs",
-    "cache_key": "kvstore.store.keys",
-    "load_dataset": "kvstore.data.datasets",
-    "Dataset": "kvstore.data.datasets",
-    "Example": "kvstore.data.datasets",
-    "PromptFormat": "kvstore.data.prompts",
     "score": "kvstore.data.metrics",
-    "estimate_size": "kvstore.size.estimate",
     "size_report": "kvstore.size.estimate",
 }
 
-__all__ = [
-    "__version__",
-    "Adapter",
-    "BuildReport",
-    "Dataset",
-    "Entry",
-    "EntryInfo",
-    "EntryView",
-    "Example",
-    "FORMAT_VERSION",
-    "KVStore",
-    "PromptFormat",
-    "SampleResult",
-    "StoreInfo",
-    "cache_key",
-    "estimate_size",
-    "get_codec",
-    "load_dataset",
-    "load_model",
-    "model_fingerprint",
-    "score",
-    "size_report",
-]
-assert set(__all__) == {"__version__", *_LAZY}  # one list of public names
+__all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.data.datasets import Dataset, Example, load_dataset
-    from kvstore.data.metrics import score
-    from kvstore.data.prompts import PromptFormat
-    from kvstore.model.adapter import Adapter
-    from kvstore.model.build import BuildReport
-    from kvstore.model.decode import SampleResult
-    from kvstore.model.identity import model_fingerprint
-    from kvstore.model.loading import load_model
-    from kvstore.size.estimate import estimate_size, size_report
-    from kvstore.store.codecs import get_codec
-    from kvstore.store.entry import FORMAT_VERSION, Entry, EntryView
-    from kvstore.store.keys import cache_key
-    from kvstore.store.kvstore import KVStore
-    from kvstore.store.scan import EntryInfo, StoreInfo
+    from kvstore.data.datasets import Dataset as Dataset
+    from kvstore.data.datasets import Example as Example
+    from kvstore.data.datasets import load_dataset as load_dataset
+    from kvstore.data.metrics import score as score
+    from kvstore.data.prompts import PromptFormat as PromptFormat
+    from kvstore.model.adapter import Adapter as Adapter
+    from kvstore.model.build import BuildReport as BuildReport
+    from kvstore.model.decode import SampleResult as SampleResult
+    from kvstore.model.identity import model_fingerprint as model_fingerprint
+    from kvstore.model.loading import load_model as load_model
+    from kvstore.size.estimate import estimate_size as estimate_size
+    from kvstore.size.estimate import size_report as size_report
+    from kvstore.store.codecs import get_codec as get_codec
+    from kvstore.store.entry import FORMAT_VERSION as FORMAT_VERSION
+    from kvstore.store.entry import Entry as Entry
+    from kvstore.store.entry import EntryView as EntryView
+    from kvstore.store.keys import cache_key as cache_key
+    from kvstore.store.kvstore import KVStore as KVStore
+    from kvstore.store.scan import EntryInfo as EntryInfo
+    from kvstore.store.scan import StoreInfo as StoreInfo
 
 
 def __getattr__(name: str) -> Any:

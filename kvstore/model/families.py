@@ -3,8 +3,9 @@
 kvstore stores a context's cache and continues from it in a batched, left-padded layout with
 explicit positions. That is exact only when attention sees positions the way kvstore lays them out.
 :func:`describe` reads a model's config into a :class:`Family`: per layer, what its cache holds
-(``full`` attention KV, a ``sliding`` or ``chunked`` window, a recurrent ``state``, or a ``hybrid``
-of attention and state), plus the features that change how attention sees positions.
+(``attn``: full attention KV, a ``sliding`` or ``chunked`` window, a recurrent ``state``, or a
+``hybrid`` of attention and state: the names written on disk, from :mod:`kvstore.layer_kinds`),
+plus the features that change how attention sees positions.
 :func:`refusal` names, in one line, why a model cannot be served exactly; the Adapter refuses such
 models at build and sample time rather than answer wrongly.
 """
@@ -15,27 +16,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# transformers' layer_types -> what kvstore calls the layer's cache
-_LAYER_KINDS = {
-    "full_attention": "full",
-    "attention": "full",
-    "global_attention": "full",
-    "sliding_attention": "sliding",
-    "local_attention": "sliding",
-    "chunked_attention": "chunked",
-    "linear_attention": "state",
-    "mamba": "state",
-    "conv": "state",
-    "hybrid": "hybrid",
-}
-_STATE_MODEL_TYPES = {"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"}
-_STATE_FAMILIES = {
-    *("jamba", "bamba", "falcon_h1", "zamba", "zamba2", "lfm2", "qwen3_next", "nemotron_h", "granitemoehybrid"),
-}
+from kvstore.layer_kinds import (
+    ATTN,
+    CHUNKED,
+    HYBRID,
+    HYBRID_MODEL_TYPES,
+    KINDS,
+    LAYER_TYPES,
+    SERVED_LAYER_TYPES,
+    SLIDING,
+    STATE,
+    STATE_KINDS,
+    STATE_MODEL_TYPES,
+    WINDOWED_KINDS,
+)
+
 # kinds of layer kvstore stores and reuses exactly (kvstore.model.layout says what each keeps)
-SUPPORTED_KINDS = frozenset({"full", "sliding", "chunked", "state", "hybrid"})
+SUPPORTED_KINDS = KINDS
 # windowed, state-space and hybrid families measured exact against per-row generate
-# (tests/test_families.py); the others are refused until they are: a model may build its masks
+# (tests/model/test_families.py); the others are refused until they are: a model may build its masks
 # its own way, use the cache length, or its mixer may treat a stored state differently
 VERIFIED_WINDOWED_TYPES = frozenset(
     {"mistral", "mixtral", "qwen2", "qwen3", "starcoder2", "cohere2", "gemma2", "gemma3_text", "gpt_oss", "llama4_text"}
@@ -53,7 +52,7 @@ POSITION_MASK_ATTN = frozenset({"sdpa", "eager"})
 
 @dataclass(frozen=True)
 class Family:
-    """What a model's cache looks like. ``kinds``: one per layer (``full``, ``sliding``,
+    """What a model's cache looks like. ``kinds``: one per layer (``attn``, ``sliding``,
     ``chunked``, ``state``, ``hybrid``); ``window``: the sliding window (tokens a query sees,
     itself included) or attention chunk size, when a layer uses one; ``problems``: features that
     make kvstore's layout inexact, each a short phrase."""
@@ -66,11 +65,11 @@ class Family:
     @property
     def name(self) -> str:
         kinds = set(self.kinds)
-        if kinds <= {"full"}:
+        if kinds <= {ATTN}:
             return "dense attention"
-        if kinds <= {"full", "sliding", "chunked"}:
-            return "sliding-window attention" if "sliding" in kinds else "chunked attention"
-        if kinds <= {"state"}:
+        if kinds <= {ATTN, SLIDING, CHUNKED}:
+            return "sliding-window attention" if SLIDING in kinds else "chunked attention"
+        if kinds <= {STATE}:
             return "state-space"
         return "hybrid attention + state-space"
 
@@ -97,18 +96,18 @@ def describe(config: Any) -> Family:
     chunk = _get(cfg, "attention_chunk_size")
     problems: list[str] = []
     if layer_types:
-        kinds = tuple(_LAYER_KINDS.get(str(t), f"unknown:{t}") for t in layer_types)
-    elif model_type in _STATE_MODEL_TYPES:
-        kinds = ("state",) * n_layers
+        kinds = tuple(LAYER_TYPES[str(t)] if str(t) in SERVED_LAYER_TYPES else f"unknown:{t}" for t in layer_types)
+    elif model_type in STATE_MODEL_TYPES:
+        kinds = (STATE,) * n_layers
     elif sliding:
-        kinds = ("sliding",) * n_layers
+        kinds = (SLIDING,) * n_layers
     elif chunk:
-        kinds = ("chunked",) * n_layers
+        kinds = (CHUNKED,) * n_layers
     else:
-        kinds = ("full",) * n_layers
-    if model_type in _STATE_FAMILIES and set(kinds) <= {"full"}:
-        kinds = ("hybrid",) * n_layers  # a hybrid whose config names no layer types
-    window = int(sliding) if sliding and "sliding" in kinds else (int(chunk) if chunk and "chunked" in kinds else None)
+        kinds = (ATTN,) * n_layers
+    if model_type in HYBRID_MODEL_TYPES and set(kinds) <= {ATTN}:
+        kinds = (HYBRID,) * n_layers  # a hybrid whose config names no layer types
+    window = int(sliding) if sliding and SLIDING in kinds else (int(chunk) if chunk and CHUNKED in kinds else None)
     rope = _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
     rope_type = rope.get("rope_type") or rope.get("type") if isinstance(rope, Mapping) else None
     if rope_type in ("dynamic", "longrope"):
@@ -139,7 +138,7 @@ def refusal(config: Any, supported: frozenset[str] = SUPPORTED_KINDS) -> str | N
     kinds = set(family.kinds)
     unsupported = sorted(kinds - supported)
     if unsupported:
-        detail = f" (window {family.window})" if family.window and {"sliding", "chunked"} & set(unsupported) else ""
+        detail = f" (window {family.window})" if family.window and WINDOWED_KINDS & set(unsupported) else ""
         return (
             f"{what} is a {family.name} model{detail}; kvstore does not store and reuse "
             f"{'/'.join(unsupported)} layers exactly, so it refuses it rather than answer wrongly"
@@ -147,7 +146,7 @@ def refusal(config: Any, supported: frozenset[str] = SUPPORTED_KINDS) -> str | N
     cfg = text_config(config)
     # the model's own type: a vision-language wrapper around a verified decoder is not verified itself
     top = str(_get(config, "model_type", "") or "")
-    if kinds & {"state", "hybrid"}:
+    if kinds & STATE_KINDS:
         if family.model_type in _STATE_REFUSALS:
             return f"{what}: {_STATE_REFUSALS[family.model_type]}; kvstore refuses it rather than answer wrongly"
         limit = _get(cfg, "time_step_limit")
@@ -161,13 +160,13 @@ def refusal(config: Any, supported: frozenset[str] = SUPPORTED_KINDS) -> str | N
                 f"{top or what} is a {family.name} model whose stored states kvstore has not verified exact; it "
                 "refuses it rather than answer wrongly"
             )
-    elif kinds & {"sliding", "chunked"} and top not in VERIFIED_WINDOWED_TYPES:
+    elif kinds & WINDOWED_KINDS and top not in VERIFIED_WINDOWED_TYPES:
         return (
             f"{top or what} is a {family.name} model kvstore has not verified exact with its position masks; it "
             "refuses it rather than answer wrongly"
         )
     attn = str(_get(config, "_attn_implementation", None) or "eager")
-    if kinds - {"full", "state"} or ("full" in kinds and "state" in kinds):
+    if kinds - {ATTN, STATE} or (ATTN in kinds and STATE in kinds):
         if attn not in POSITION_MASK_ATTN:
             return (
                 f"{what}: kvstore masks its {family.name} layers by position, which {attn} attention does not take; "

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import ModelError, ModelNotFoundError
-from kvstore.model.loading import _NoBar, _one_line, _quiet_progress, _stderr
+from kvstore.model.console import NoBar, one_line, quiet_progress, stderr_line
 from kvstore.paths import models_dir
 
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -161,7 +161,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], *, log: Callable[[str], None
             return final
         # ~30 s for the bundled 98 MB file on 2 busy cores; de-quantization scales with size
         seconds = round(gguf.stat().st_size / 1e6 * 0.3, -1)
-        (log or _stderr)(
+        (log or stderr_line)(
             f"kvstore: converting {gguf.name} to safetensors under {final.parent} "
             f"(once{f', ~{seconds:.0f} s' if seconds else ''})"
         )
@@ -191,12 +191,12 @@ def _convert_into(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.monotonic()
-    with _quiet_progress(), _quiet_gguf_progress():
+    with quiet_progress(), _quiet_gguf_progress():
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         except (OSError, ValueError, ImportError, KeyError, RuntimeError) as exc:
-            raise ModelError(f"transformers cannot load {gguf.name}: {_one_line(exc)}") from exc
+            raise ModelError(f"transformers cannot load {gguf.name}: {one_line(exc)}") from exc
         config = copy.deepcopy(quantized.config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -284,7 +284,7 @@ def _quiet_gguf_progress() -> Iterator[None]:
     if original is None:
         yield
         return
-    gguf_utils.tqdm = _NoBar
+    gguf_utils.tqdm = NoBar
     try:
         yield
     finally:

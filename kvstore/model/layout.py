@@ -33,18 +33,18 @@ import torch
 
 from kvstore import dtypes
 from kvstore.errors import ModelError
+from kvstore.layer_kinds import ATTN, CHUNKED, FULL_KV_KINDS, KV_KINDS, SLIDING, STATE_KINDS, WINDOWED_KINDS
 from kvstore.model import families
-from kvstore.store.entry import KV_KINDS, STATE_KINDS, LayerSpec
+from kvstore.store.entry import LayerSpec
 
 # a linear-attention cache layer's tensors as named in an entry: conv_states[0], recurrent_states[0]
 STATE_NAMES = ("conv", "recurrent")
 # transformers' mask names for each kind of attention layer, and for recurrent layers
-MASK_KEYS = {"attn": "full_attention", "sliding": "sliding_attention", "chunked": "chunked_attention"}
+MASK_KEYS = {ATTN: "full_attention", SLIDING: "sliding_attention", CHUNKED: "chunked_attention"}
 STATE_MASK_KEYS = ("linear_attention", "conv")
 # Mamba-1 mixers (Mamba, Jamba) start every multi-token scan from a zero state: after a stored
 # state they must be fed one token at a time (measured: a multi-token question gets 0/3 rows right)
 SINGLE_STEP_TYPES = frozenset({"mamba", "falcon_mamba", "jamba"})
-_ENTRY_KINDS = {"full": "attn", "sliding": "sliding", "chunked": "chunked", "state": "state", "hybrid": "hybrid"}
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class LayerLayout:
     ``kv_heads`` / ``head_dim`` of its keys and values, and its per-row ``state`` tensors as
     ``(name, shape, dtype name)``."""
 
-    kind: str = "attn"
+    kind: str = ATTN
     window: int | None = None
     kv_heads: int = 0
     head_dim: int = 0
@@ -72,25 +72,25 @@ class LayerLayout:
         """The position mask this layer reads (``attn``, ``sliding:W``, ``chunked:C``), or None."""
         if not self.has_kv:
             return None
-        return "attn" if self.kind in ("attn", "hybrid") else f"{self.kind}:{self.window}"
+        return ATTN if self.kind in FULL_KV_KINDS else f"{self.kind}:{self.window}"
 
     def keep(self, start: int, end: int) -> int:
         """How many of the last tokens of positions ``[start, end)`` this layer keeps keys and
         values for (what a token at ``end`` or later can still attend to)."""
         n = end - start
-        if self.kind in ("attn", "hybrid"):
+        if self.kind in FULL_KV_KINDS:
             return n
-        if self.kind == "sliding":
+        if self.kind == SLIDING:
             assert self.window is not None
             return min(n, self.window - 1)
-        if self.kind == "chunked":
+        if self.kind == CHUNKED:
             assert self.window is not None
             return min(n, end % self.window)
         return 0
 
     def spec(self, start: int, end: int) -> LayerSpec:
         """The header record of a chunk covering ``[start, end)`` of this layer."""
-        window = self.window if self.kind in ("sliding", "chunked") else None
+        window = self.window if self.kind in WINDOWED_KINDS else None
         return LayerSpec(self.kind, self.keep(start, end), self.kv_heads, self.head_dim, window, self.state)
 
 
@@ -146,7 +146,7 @@ def _takes_mask_dict(model: Any) -> bool:
 
 
 def _window(cfg: Any, kind: str) -> int | None:
-    name = {"sliding": "sliding_window", "chunked": "attention_chunk_size"}.get(kind)
+    name = {SLIDING: "sliding_window", CHUNKED: "attention_chunk_size"}.get(kind)
     if name is None:
         return None
     window = getattr(cfg, name, None)
@@ -163,10 +163,10 @@ def cache_layout(model: Any, pad_id: int = 0) -> CacheLayout:
     config = model.config
     family = families.describe(config)
     cfg = families.text_config(config)
-    kinds = [_ENTRY_KINDS.get(k, k) for k in family.kinds]
+    kinds = list(family.kinds)
     attn = str(getattr(config, "_attn_implementation", None) or "eager")
-    if set(kinds) <= {"attn"}:
-        return CacheLayout(tuple(LayerLayout("attn") for _ in kinds), attn=attn)
+    if set(kinds) <= {ATTN}:
+        return CacheLayout(tuple(LayerLayout(ATTN) for _ in kinds), attn=attn)
     device = next(model.parameters()).device
     out = model(input_ids=torch.tensor([[pad_id]], device=device), use_cache=True)
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)

@@ -9,7 +9,7 @@ special tokens and cut from the left to that limit.
 
 This module holds the one place kvstore reads a pickle-based file: ``torch.load`` with
 ``weights_only=True`` (tensors only, no code) on the CPU; nothing else in kvstore loads pickles,
-and the source scan in ``tests/test_reliability.py`` names this exception. Imported contexts are
+and the source scan in ``tests/reliability/test_reliability.py`` names this exception. Imported contexts are
 spot-checked by recomputing a few of them before anything is stored, then stored as chains like
 any other context (keyed as plain, template-free contexts: sample them with ``--no-chat`` and a
 template whose context part is the context itself, such as the default one).

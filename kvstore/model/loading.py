@@ -15,14 +15,12 @@ downloads keep theirs).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import re
 import socket
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,6 +28,7 @@ from urllib.parse import urlsplit
 
 from kvstore import dtypes
 from kvstore.errors import DtypeError, ModelError, ModelNotFoundError
+from kvstore.model.console import one_line, quiet_progress
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -249,15 +248,15 @@ def _causal_lm(auto: Any, source: str | Path, dtype: torch.dtype | str, attn: st
 def _load_local(directory: Path, dtype: torch.dtype | str, attn: str | None) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _quiet_progress():
+    with quiet_progress():
         try:
             model = _causal_lm(AutoModelForCausalLM, directory, dtype, attn, local_files_only=True)
         except (OSError, ValueError, ImportError, KeyError) as exc:
-            raise ModelError(f"cannot load a causal LM from {directory}: {_one_line(exc)}") from exc
+            raise ModelError(f"cannot load a causal LM from {directory}: {one_line(exc)}") from exc
         try:
             tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         except (OSError, ValueError, ImportError, KeyError) as exc:
-            raise ModelError(f"cannot load the tokenizer from {directory}: {_one_line(exc)}") from exc
+            raise ModelError(f"cannot load the tokenizer from {directory}: {one_line(exc)}") from exc
     _check_tokenizer(tokenizer, directory)
     return model, tokenizer
 
@@ -283,7 +282,7 @@ def _load_hub(repo_id: str, dtype: torch.dtype | str, attn: str | None) -> tuple
         model = _causal_lm(AutoModelForCausalLM, repo_id, dtype, attn, **cached_only)
         tokenizer = AutoTokenizer.from_pretrained(repo_id, **cached_only)
     except (OSError, ValueError, ImportError, KeyError) as exc:
-        raise ModelError(f"cannot load {repo_id} from the hub as a causal LM: {_one_line(exc)}") from exc
+        raise ModelError(f"cannot load {repo_id} from the hub as a causal LM: {one_line(exc)}") from exc
     _check_tokenizer(tokenizer, repo_id)
     return model, tokenizer
 
@@ -309,7 +308,7 @@ def _hub_unreachable() -> str | None:
 
 def _first_sentence(exc: BaseException) -> str:
     # transformers' hub messages run to several sentences and a URL
-    return _one_line(exc).split(". ")[0].rstrip(".")
+    return one_line(exc).split(". ")[0].rstrip(".")
 
 
 def _check_tokenizer(tokenizer: Any, where: object) -> None:
@@ -372,53 +371,3 @@ def _weight_files_via(locate: Callable[[str], Path | None]) -> tuple[Path, ...]:
 
 def _existing(path: Path) -> Path | None:
     return path if path.is_file() else None
-
-
-# --- GGUF conversion -------------------------------------------------------------------------
-
-
-# --- output ----------------------------------------------------------------------------------
-
-
-class _NoBar:
-    """Stands in for a tqdm bar: iterates, accepts every call, draws nothing."""
-
-    def __init__(self, iterable: Any = None, *args: Any, **kwargs: Any) -> None:
-        self._iterable = iterable
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._iterable if self._iterable is not None else ())
-
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
-
-
-@contextlib.contextmanager
-def _quiet_progress() -> Iterator[None]:
-    """Silence transformers' progress bars while loading local files: the library's output is the
-    one conversion line, and the CLI draws its own bars."""
-    from transformers.utils import logging as hf_logging
-
-    if not hasattr(hf_logging, "set_tqdm_hook"):  # older transformers 5.x: bars stay
-        yield
-        return
-    previous = hf_logging.set_tqdm_hook(lambda factory, args, kwargs: _NoBar(*args, **kwargs))
-    try:
-        yield
-    finally:
-        hf_logging.set_tqdm_hook(previous)
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."

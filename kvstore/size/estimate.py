@@ -23,7 +23,7 @@ from kvstore.size.shapes import PYTHIA, ModelShape, resolve_shape
 from kvstore.units import human_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.store.scan import GroupStats
+    from kvstore.store.summary import GroupStats
 
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_EXAMPLES = 225
@@ -158,7 +158,7 @@ def measure_store(path: str, **store_options: Any) -> list[GroupStats]:
     go to :class:`kvstore.store.kvstore.KVStore` (e.g. ``cache_dir``). Raises the store's errors
     (e.g. StoreNotFoundError) when it cannot be opened."""
     from kvstore.store.kvstore import KVStore  # imports torch
-    from kvstore.store.scan import summarize
+    from kvstore.store.summary import summarize
 
     with KVStore(path, readonly=True, **store_options) as store:
         info = store.scan()

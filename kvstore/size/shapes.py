@@ -21,8 +21,9 @@ from typing import Any
 
 from kvstore import dtypes
 from kvstore.errors import DtypeError, ModelError, ModelNotFoundError
+from kvstore.layer_kinds import FULL_KV_KINDS, LAYER_TYPES, SLIDING, STATE, WINDOWED_KINDS
 from kvstore.model.gguf import read_gguf_metadata
-from kvstore.size.states import STATE_MODEL_TYPES, model_state, state_dtype
+from kvstore.size.states import STATE_FORMULA_TYPES, model_state, state_dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,11 +123,6 @@ _BUNDLED_ALIASES = {
     "huggingfacetb/smollm2-135m-instruct",
 }
 
-# layer_types (transformers' names) -> how many tokens the layer caches
-_FULL_LAYERS = {"full_attention", "indexed_attention", "hybrid"}
-_SLIDING_LAYERS = {"sliding_attention", "hybrid_sliding", "reference_sliding_attention"}
-_NO_KV_LAYERS = {"linear_attention", "conv", "dummy", "moe", "mlp"}
-
 
 def _lookup(cfg: Any, *names: str) -> Any:
     for name in names:
@@ -173,16 +169,17 @@ def _layer_windows(
         raise ModelError(f"{name}: config lists {len(layer_types)} layer_types for {n_layers} layers")
     caps: list[int | None] = []
     for kind in layer_types:
-        if kind in _FULL_LAYERS:
+        cached = LAYER_TYPES.get(kind)  # how many tokens the layer caches follows from its kind
+        if cached in FULL_KV_KINDS:
             caps.append(None)
-        elif kind in _SLIDING_LAYERS or kind == "chunked_attention":
-            window = sliding if kind != "chunked_attention" else chunk
+        elif cached in WINDOWED_KINDS:
+            window = sliding if cached == SLIDING else chunk
             if window is None:
                 raise ModelError(
                     f"{name}: config has {kind} layers but no window size; set sliding_window in its config"
                 )
             caps.append(int(window))
-        elif kind in _NO_KV_LAYERS:
+        elif cached is not None:  # a recurrent state or nothing: no keys and values
             caps.append(0)
         else:
             raise ModelError(
@@ -230,12 +227,12 @@ def shape_from_config(config: Mapping[str, Any] | Any, name: str | None = None, 
     name = name or str(_lookup(config, "name_or_path", "_name_or_path") or "model")
     cfg = _text_part(config)
     model_type = str(_lookup(cfg, "model_type") or "")
-    recurrent = model_type in STATE_MODEL_TYPES
+    recurrent = model_type in STATE_FORMULA_TYPES
     if isinstance(config, Mapping) and recurrent and _lookup(cfg, "layer_types") is None:
         return shape_from_config(_config_with_transformers(config, name), name=name, source=source)
     layer_types = _lookup(cfg, "layer_types")
     n_layers = _lookup(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers")
-    if recurrent and n_layers and layer_types is not None and not set(layer_types) - {"linear_attention", "conv"}:
+    if recurrent and n_layers and layer_types is not None and all(LAYER_TYPES.get(t) == STATE for t in layer_types):
         return _state_only_shape(cfg, name, source, model_type, list(layer_types), int(n_layers), config)
     heads = _lookup(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads")
     hidden = _lookup(cfg, "hidden_size", "n_embd", "d_model")

@@ -2,7 +2,7 @@
 
 A Mamba-style layer keeps a convolution window and an SSM state whatever the context's length;
 kvstore stores them at every chunk end. Formulas per model type (transformers 5.23), each checked
-against the model's own cache in ``tests/test_families.py``. Like :mod:`kvstore.size.shapes`, this
+against the model's own cache in ``tests/model/test_families.py``. Like :mod:`kvstore.size.shapes`, this
 imports no torch.
 """
 
@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstore import dtypes
+from kvstore.layer_kinds import LAYER_TYPES, STATE_KINDS
 
 
 def _lookup(cfg: Any, *names: str) -> Any:
@@ -25,7 +26,7 @@ def _lookup(cfg: Any, *names: str) -> Any:
 
 # how a state tensor's dtype follows the model's: "model" (the convolution window), "float32"
 # (Mamba-2 style scans keep float32 in float64 and bfloat16 models), "float32+" (Mamba-1 scans: at
-# least float32). Measured on transformers 5.23 (tests/test_families.py checks them against the models).
+# least float32). Measured on transformers 5.23 (tests/model/test_families.py checks them against the models).
 STATE_DTYPES = ("model", "float32", "float32+")
 
 
@@ -71,17 +72,17 @@ def layer_state(cfg: Any, model_type: str) -> list[tuple[int, str]] | None:
     return None
 
 
-STATE_MODEL_TYPES = ("mamba", "jamba", "mamba2", "bamba", "falcon_h1", "lfm2", "qwen3_next")
-STATE_LAYERS = {"linear_attention", "conv", "hybrid", "mamba"}
+# the model types layer_state has a formula for (all of them recurrent: kvstore.layer_kinds)
+STATE_FORMULA_TYPES = frozenset({"mamba", "jamba", "mamba2", "bamba", "falcon_h1", "lfm2", "qwen3_next"})
 
 
 def model_state(cfg: Any, model_type: str, layer_types: Sequence[str] | None) -> tuple[tuple[int, str], ...]:
     """Per example, every state tensor of the model's recurrent layers as ``(elements, dtype
     rule)``; empty for a model without them or without a formula here."""
-    if model_type not in STATE_MODEL_TYPES or not layer_types:
+    if model_type not in STATE_FORMULA_TYPES or not layer_types:
         return ()
     per_layer = layer_state(cfg, model_type) or []
-    return tuple(t for kind in layer_types if kind in STATE_LAYERS for t in per_layer)
+    return tuple(t for kind in layer_types if LAYER_TYPES.get(kind) in STATE_KINDS for t in per_layer)
 
 
-__all__ = ["STATE_DTYPES", "STATE_MODEL_TYPES", "layer_state", "model_state", "state_dtype"]
+__all__ = ["STATE_DTYPES", "STATE_FORMULA_TYPES", "layer_state", "model_state", "state_dtype"]

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import CodecError, CorruptEntryError
+from kvstore.layer_kinds import ATTN
 from kvstore.progress import Progress
 from kvstore.store.codecs import Codec, get_codec, identity_of
 from kvstore.store.entry import Entry
@@ -63,7 +64,7 @@ def _chain(src: KVStore, dst: KVStore, key: str, lossy: str, load: bool) -> tupl
                     return f"it is stored with lossy codec {h.codec_spec} already"
             except CorruptEntryError:
                 return "its entry names an unknown codec"
-            if any(spec.kind != "attn" for spec in h.layers):
+            if any(spec.kind != ATTN for spec in h.layers):
                 return "its model has windowed or recurrent layers (lossy codecs are for full-attention models)"
         h0 = views[0].header
         seed = chain_seed(h0.model, h0.dtype, device=h0.numerics["device"], attn=h0.numerics["attn"], lossy=lossy)

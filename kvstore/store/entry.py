@@ -36,7 +36,8 @@ header had ``n_layers``, ``kv_heads`` and ``head_dim`` instead of ``layers`` and
 ``start`` or ``numerics``. It is read as a one-chunk chain.
 
 The checksum is verified on every load before anything is decoded; the header alone (no checksum
-pass, no decompression) is enough for listings. Anything inconsistent is a CorruptEntryError.
+pass, no decompression) is enough for listings (:mod:`kvstore.store.header` reads both). Anything
+inconsistent is a CorruptEntryError.
 
 :class:`Entry` is a chunk materialized in memory (what gets encoded); :class:`EntryView` is a
 verified stored entry seen without copying (what the load path reads).
@@ -45,7 +46,6 @@ verified stored entry seen without copying (what the load path reads).
 from __future__ import annotations
 
 import json
-import re
 import struct
 import time
 from collections.abc import Mapping
@@ -56,113 +56,23 @@ import torch
 import xxhash
 
 from kvstore import dtypes
-from kvstore.errors import CorruptEntryError, DtypeError, FormatVersionError
+from kvstore.errors import CorruptEntryError
+from kvstore.layer_kinds import ATTN, KV_KINDS, STATE, STATE_KINDS  # the kind sets re-exported: they lived here
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
+from kvstore.store.header import (
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_ENTRY_HEADER,
+    STATE_NAME,
+    TRAILER_BYTES,
+    EntryHeader,
+    LayerSpec,
+    check_layer,
+    read_header,
+    verify_checksum,
+)
 
-FORMAT_VERSION = 2
-MAGIC = b"\x89KVS\r\n\x1a\n"
-_PREFIX = len(MAGIC) + 4
-_TRAILER = 8
-MAX_ENTRY_HEADER = 1 << 20
 MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
-KV_KINDS = frozenset({"attn", "sliding", "chunked", "hybrid"})  # layer kinds that keep keys and values
-STATE_KINDS = frozenset({"state", "hybrid"})  # layer kinds that keep a recurrent state
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """What one layer of an entry keeps (see the module docstring)."""
-
-    kind: str = "attn"
-    length: int = 0  # tokens of keys/values kept (the last ``length`` of the chunk)
-    kv_heads: int = 0
-    head_dim: int = 0
-    window: int | None = None
-    state: tuple[tuple[str, tuple[int, ...], str], ...] = ()  # (name, shape, dtype) of each state tensor
-
-    @property
-    def kv_bytes_per_element(self) -> int:
-        return 2 * self.length * self.kv_heads * self.head_dim
-
-    def record(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind}
-        if self.kind in KV_KINDS:
-            out |= {"length": self.length, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
-        if self.window is not None:
-            out["window"] = self.window
-        if self.state:
-            out["state"] = {n: {"shape": list(s), "dtype": d} for n, s, d in self.state}
-        return out
-
-
-@dataclass(frozen=True)
-class EntryHeader:
-    """What an entry says about itself (parsed from its header, no payload decoding)."""
-
-    key: str
-    model: str
-    model_name: str
-    dtype: str
-    n_tokens: int
-    layers: tuple[LayerSpec, ...]
-    codec: Mapping = field(hash=False, compare=False)
-    raw_bytes: int
-    created: float
-    format: int = FORMAT_VERSION
-    parent: str = ""
-    start: int = 0
-    numerics: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
-
-    @property
-    def end(self) -> int:
-        """Context position just after this chunk's last token."""
-        return self.start + self.n_tokens
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.layers)
-
-    @property
-    def kv_heads(self) -> int:
-        """KV heads of the first layer that keeps keys and values (0 when none does)."""
-        return next((s.kv_heads for s in self.layers if s.kind in KV_KINDS), 0)
-
-    @property
-    def head_dim(self) -> int:
-        return next((s.head_dim for s in self.layers if s.kind in KV_KINDS), 0)
-
-    @property
-    def codec_spec(self) -> str:
-        """The codec as a spec string (``zstd-shuffle:1``, ``raw``, ``int8:64+zstd:1``...)."""
-        try:
-            return codec_from_params(self.codec).spec
-        except CorruptEntryError:
-            return "?"
-
-    @property
-    def lossless(self) -> bool:
-        try:
-            return codec_from_params(self.codec).lossless
-        except CorruptEntryError:
-            return True
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of the keys and values alone, uncompressed, in the model's dtype."""
-        return sum(s.kv_bytes_per_element for s in self.layers) * dtypes.bits(self.dtype) // 8
-
-    @property
-    def state_bytes(self) -> int:
-        total = 0
-        for s in self.layers:
-            for _, shape, dtype in s.state:
-                n = 1
-                for d in shape:
-                    n *= d
-                total += n * dtypes.bits(dtype) // 8
-        return total
 
 
 @dataclass(frozen=True)
@@ -219,7 +129,7 @@ class Entry:
         for a whole context (``start == 0``) of full-attention layers."""
         from transformers import DynamicCache
 
-        if self.start != 0 or any(x is None for x in self.layers) or (self.kinds and set(self.kinds) != {"attn"}):
+        if self.start != 0 or any(x is None for x in self.layers) or (self.kinds and set(self.kinds) != {ATTN}):
             raise ValueError("to_dynamic_cache needs a whole context of full-attention layers")
         first = self.layers[0]
         assert first is not None
@@ -278,7 +188,7 @@ def _layer_specs(
     if len(states) != len(entry.layers):
         raise ValueError(f"{len(entry.layers)} layers but {len(states)} layer states")
     for i, (kv, state) in enumerate(zip(entry.layers, states)):
-        kind = entry.kinds[i] if entry.kinds else ("attn" if kv is not None else "state")
+        kind = entry.kinds[i] if entry.kinds else (ATTN if kv is not None else STATE)
         window = entry.windows[i] if entry.windows else None
         length = kv_heads = head_dim = 0
         if kv is not None:
@@ -295,35 +205,16 @@ def _layer_specs(
         state_specs = []
         for name in sorted(state or {}):
             t = state[name]  # type: ignore[index]
-            if not _STATE_NAME.match(name):
+            if not STATE_NAME.match(name):
                 raise ValueError(f"layer {i}: state tensor name {name!r} is not a lowercase identifier")
             state_specs.append((name, tuple(t.shape), dtypes.name(t.dtype)))
             tensors.append((state_tensor_name(i, name), t, None))
         spec = LayerSpec(kind, length, kv_heads, head_dim, window, tuple(state_specs))
-        _check_layer(spec, n_tokens, i, ValueError)
+        check_layer(spec, n_tokens, i, ValueError)
         specs.append(spec)
     if dtype is None:
         raise ValueError("an entry needs at least one layer with keys and values, or its kv_dtype")
     return specs, tensors, dtypes.parse_kv(dtype)
-
-
-def _check_layer(spec: LayerSpec, n_tokens: int, i: int, error: type[Exception]) -> None:
-    if spec.kind not in KV_KINDS | STATE_KINDS:
-        raise error(f"layer {i}: unknown kind {spec.kind!r}")
-    if spec.kind in KV_KINDS:
-        if spec.kv_heads < 1 or spec.head_dim < 1:
-            raise error(f"layer {i}: keys and values need kv_heads and head_dim")
-        full = spec.kind in ("attn", "hybrid")
-        if not 0 <= spec.length <= n_tokens or (full and spec.length != n_tokens):
-            raise error(f"layer {i}: {spec.kind} layer keeps {spec.length} of the chunk's {n_tokens} tokens")
-    elif spec.length or spec.kv_heads or spec.head_dim:
-        raise error(f"layer {i}: a state layer keeps no keys and values")
-    if (spec.kind in STATE_KINDS) != bool(spec.state):
-        raise error(f"layer {i}: {spec.kind} layer {'needs' if spec.kind in STATE_KINDS else 'has no'} state tensors")
-    if (spec.kind in ("sliding", "chunked")) != (spec.window is not None) or (
-        spec.window is not None and spec.window < 1
-    ):
-        raise error(f"layer {i}: only sliding and chunked layers have a window")
 
 
 def encode_entry(entry: Entry, codec: Codec | str | None = None) -> bytes:
@@ -360,119 +251,6 @@ def encode_entry(entry: Entry, codec: Codec | str | None = None) -> bytes:
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
-def _int(h: Mapping, name: str, low: int = 0) -> int:
-    v = h.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise CorruptEntryError(f"entry header field {name!r} is missing or invalid")
-    return v
-
-
-def _layers_v2(h: Mapping, n_tokens: int) -> tuple[LayerSpec, ...]:
-    raw = h.get("layers")
-    if not isinstance(raw, list) or not raw:
-        raise CorruptEntryError("entry header lists no layers")
-    specs = []
-    for i, r in enumerate(raw):
-        if not isinstance(r, dict) or not isinstance(r.get("kind"), str):
-            raise CorruptEntryError(f"entry header layer {i} is malformed")
-        kind = r["kind"]
-        has_kv = kind in KV_KINDS
-        state: list[tuple[str, tuple[int, ...], str]] = []
-        raw_state = r.get("state", {})
-        if not isinstance(raw_state, dict):
-            raise CorruptEntryError(f"entry header layer {i} has a malformed state")
-        for name, t in sorted(raw_state.items()):
-            try:
-                shape = tuple(int(d) for d in t["shape"])
-                if not _STATE_NAME.match(name) or any(d < 0 for d in shape) or len(shape) > 8:
-                    raise ValueError
-                state.append((name, shape, dtypes.name(t["dtype"])))
-            except (KeyError, TypeError, ValueError, OverflowError, DtypeError):
-                raise CorruptEntryError(f"entry header layer {i} has a malformed state tensor {name!r}") from None
-        window = r.get("window")
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
-            raise CorruptEntryError(f"entry header layer {i} has a malformed window")
-        spec = LayerSpec(
-            kind, _int(r, "length") if has_kv else 0, _int(r, "kv_heads", 1) if has_kv else 0,
-            _int(r, "head_dim", 1) if has_kv else 0, window, tuple(state),
-        )  # fmt: skip
-        _check_layer(spec, n_tokens, i, CorruptEntryError)
-        specs.append(spec)
-    return tuple(specs)
-
-
-def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
-    """Parse an entry's header (format 1 or 2) without verifying the checksum.
-
-    Returns ``(header, payload_offset)``. Raises CorruptEntryError or FormatVersionError."""
-    if len(buf) < _PREFIX + _TRAILER or bytes(buf[: len(MAGIC)]) != MAGIC:
-        raise CorruptEntryError("not a kvstore entry (bad magic or too short)")
-    (hlen,) = struct.unpack_from("<I", buf, len(MAGIC))
-    if hlen > MAX_ENTRY_HEADER or _PREFIX + hlen + _TRAILER > len(buf):
-        raise CorruptEntryError("entry header length is out of range")
-    try:
-        h = json.loads(bytes(buf[_PREFIX : _PREFIX + hlen]))
-    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: hostile "[[[[..."
-        raise CorruptEntryError("entry header is not valid JSON") from None
-    if not isinstance(h, dict):
-        raise CorruptEntryError("entry header is not a JSON object")
-    fmt = _int(h, "format", 1)
-    if fmt > FORMAT_VERSION:
-        raise FormatVersionError(
-            f"entry was written by format version {fmt}; this kvstore reads up to {FORMAT_VERSION} - upgrade kvstore"
-        )
-    for name in ("key", "model", "model_name", "dtype"):
-        if not isinstance(h.get(name), str):
-            raise CorruptEntryError(f"entry header field {name!r} is missing or invalid")
-    try:
-        dtypes.parse_kv(h["dtype"])
-    except DtypeError:
-        raise CorruptEntryError("entry header has an unknown dtype") from None
-    if not isinstance(h.get("codec"), dict):
-        raise CorruptEntryError("entry header has no codec")
-    created = h.get("created")
-    # a printable date (json.loads also accepts NaN, Infinity and 10**400; datetime stops at 9999)
-    if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < 2.5e11:
-        raise CorruptEntryError("entry header field 'created' is missing or invalid")
-    n_tokens = _int(h, "n_tokens", 1)
-    if fmt == 1:
-        spec = LayerSpec("attn", n_tokens, _int(h, "kv_heads", 1), _int(h, "head_dim", 1))
-        layers = (spec,) * _int(h, "n_layers", 1)
-        parent, start, numerics = "", 0, {}  # type: ignore[var-annotated]
-    else:
-        layers = _layers_v2(h, n_tokens)
-        parent, start, numerics = h.get("parent"), _int(h, "start"), h.get("numerics")  # type: ignore[assignment]
-        if not isinstance(parent, str) or (parent and not _HEX64.match(parent)):
-            raise CorruptEntryError("entry header field 'parent' is missing or invalid")
-        if not isinstance(numerics, dict) or not all(isinstance(v, str) for v in numerics.values()):
-            raise CorruptEntryError("entry header field 'numerics' is missing or invalid")
-    header = EntryHeader(
-        key=h["key"],
-        model=h["model"],
-        model_name=h["model_name"],
-        dtype=h["dtype"],
-        n_tokens=n_tokens,
-        layers=layers,
-        codec=h["codec"],
-        raw_bytes=_int(h, "raw_bytes"),
-        created=float(created),
-        format=fmt,
-        parent=parent,
-        start=start,
-        numerics=numerics,
-    )
-    return header, _PREFIX + hlen
-
-
-def verify_checksum(buf: bytes | memoryview) -> None:
-    """Raise CorruptEntryError unless the trailing xxh3-64 matches the bytes before it."""
-    if len(buf) < _PREFIX + _TRAILER:
-        raise CorruptEntryError("entry is truncated")
-    (want,) = struct.unpack_from("<Q", buf, len(buf) - _TRAILER)
-    if xxhash.xxh3_64_intdigest(memoryview(buf)[: len(buf) - _TRAILER]) != want:  # no copy of the body
-        raise CorruptEntryError("entry checksum mismatch (flipped or truncated bytes)")
-
-
 def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: int = 1, lazy: bool = False) -> EntryView:
     """Verify and decode an entry (format 1 or 2). The returned view's records may view ``buf``.
     ``lazy``: compressed tensors are decompressed when copied (a frame that does not decompress
@@ -486,7 +264,7 @@ def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: in
     header, offset = read_header(buf)
     if key is not None and header.key != key:
         raise CorruptEntryError(f"entry stored under {key[:12]} says it is {header.key[:12]}")
-    payload = memoryview(buf)[offset : len(buf) - _TRAILER]
+    payload = memoryview(buf)[offset : len(buf) - TRAILER_BYTES]
     codec = codec_from_params(header.codec)
     data_bytes = header.kv_bytes + header.state_bytes + 8 * header.n_tokens
     if header.raw_bytes > data_bytes + (16 << 20) or (codec.lossless and header.raw_bytes < data_bytes):
@@ -539,6 +317,8 @@ __all__ = [
     "FORMAT_VERSION",
     "KV_KINDS",
     "MAGIC",
+    "MAX_COMPRESSION_RATIO",
+    "MAX_ENTRY_HEADER",
     "STATE_KINDS",
     "Entry",
     "EntryHeader",

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import struct
 import time
 import warnings
@@ -43,6 +42,7 @@ from kvstore.errors import (
     KVStoreError,
     ReadOnlyStoreError,
 )
+from kvstore.layer_kinds import ATTN
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import DEFAULT_CODEC, Codec, get_codec, identity_of
@@ -57,19 +57,11 @@ from kvstore.store.entry import (
     read_header,
 )
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS
+from kvstore.store.keyspace import ACCESS, ENTRY, META, RECORD, access_key, entry_key, key_of, record_key
 from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
 
-_META = b"meta"
-_E = b"e/"
-_A = b"a/"
-_R = b"r/"
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 MAX_CHUNK_TOKENS = 1 << 20
 _PEEK = 64 << 10  # first read of an entry's header; a longer header is read again in full
-
-
-def _ekey(key: str) -> bytes:
-    return _E + key.encode("ascii")
 
 
 @dataclass(frozen=True)
@@ -146,14 +138,14 @@ class KVStore:
 
     # -- description --------------------------------------------------------------------------
     def _load_meta(self, codec: Codec | None, chunk_tokens: int | None) -> _Meta:
-        raw = self.backend.get(_META)
+        raw = self.backend.get(META)
         default = codec.spec if codec is not None and codec.lossless else DEFAULT_CODEC
         if raw is None:
             # a new store records its (lossless) codec and chunk size, so a reopen uses them again
             meta = _Meta(FORMAT_VERSION, default, chunk_tokens or DEFAULT_CHUNK_TOKENS, time.time())
-            if self.readonly or self.backend.put_if_absent(_META, meta.record()):
+            if self.readonly or self.backend.put_if_absent(META, meta.record()):
                 return meta
-            raw = self.backend.get(_META)  # another process created the store meanwhile: use its description
+            raw = self.backend.get(META)  # another process created the store meanwhile: use its description
             if raw is None:
                 raise KVStoreError(f"store {self.url} lost its description record while opening; open it again")
         try:
@@ -176,7 +168,7 @@ class KVStore:
         if fmt < FORMAT_VERSION and not self.readonly:
             # a format-1 store: its entries stay as they are (and readable); new ones are chunks
             meta = _Meta(FORMAT_VERSION, meta.codec, DEFAULT_CHUNK_TOKENS, meta.created)
-            self.backend.put(_META, meta.record())
+            self.backend.put(META, meta.record())
         return meta
 
     @property
@@ -199,7 +191,7 @@ class KVStore:
         """Record last-access times (one transaction) and close the backend."""
         if self._touched and not self.readonly:
             with contextlib.suppress(KVStoreError):
-                self.backend.put_many((_A + k.encode(), struct.pack("<d", t)) for k, t in self._touched.items())
+                self.backend.put_many((access_key(k), struct.pack("<d", t)) for k, t in self._touched.items())
         self._touched.clear()
         self.backend.close()
 
@@ -223,23 +215,23 @@ class KVStore:
         """Store already-encoded entry bytes (see :meth:`encode`) under ``key``, unless ``key``
         already holds an intact entry of the same model, dtype, shape and tokens (another writer's
         copy, kept); a corrupt or different one is replaced."""
-        if self.backend.put_if_absent(_ekey(key), blob):
+        if self.backend.put_if_absent(entry_key(key), blob):
             return
-        with self.backend.view(_ekey(key)) as buf:
+        with self.backend.view(entry_key(key)) as buf:
             keep = buf is not None and _same_entry(buf, blob, key)
         if not keep:
-            self.backend.put(_ekey(key), blob)
+            self.backend.put(entry_key(key), blob)
 
     def contains(self, key: str) -> bool:
-        return self.backend.contains(_ekey(key))
+        return self.backend.contains(entry_key(key))
 
     __contains__ = contains
 
     def delete(self, key: str) -> bool:
         """Remove an entry (and a context record of the same key); True if either existed."""
         self._writable()
-        found = self.backend.delete_many([_ekey(key), _R + key.encode()])
-        self.backend.delete(_A + key.encode())
+        found = self.backend.delete_many([entry_key(key), record_key(key)])
+        self.backend.delete(access_key(key))
         return bool(found)
 
     def delete_many(self, keys: Iterable[str], *, contexts: Iterable[str] = ()) -> int:
@@ -247,16 +239,16 @@ class KVStore:
         entries existed."""
         self._writable()
         keys = list(keys)
-        n = self.backend.delete_many([_ekey(k) for k in keys])
-        self.backend.delete_many([_R + k.encode() for k in contexts])
-        self.backend.delete_many([_A + k.encode() for k in keys])
+        n = self.backend.delete_many([entry_key(k) for k in keys])
+        self.backend.delete_many([record_key(k) for k in contexts])
+        self.backend.delete_many([access_key(k) for k in keys])
         return n
 
     @contextlib.contextmanager
     def open_entry(self, key: str) -> Iterator[EntryView | None]:
         """Verified zero-copy access to one entry; yields None when it is missing or corrupt
         (a corrupt entry also emits a :class:`CorruptEntryWarning`: treat it as a miss)."""
-        with self.backend.view(_ekey(key)) as buf:
+        with self.backend.view(entry_key(key)) as buf:
             view = None if buf is None else self._decode(key, buf)
             yield view
 
@@ -285,7 +277,7 @@ class KVStore:
             return default if view is None else view.materialize()
 
     def __getitem__(self, key: str) -> Entry:
-        with self.backend.view(_ekey(key)) as buf:
+        with self.backend.view(entry_key(key)) as buf:
             if buf is None:
                 raise EntryNotFoundError(f"no entry {key} in {self.url}")
             view = decode_entry(buf, key=key)
@@ -300,7 +292,7 @@ class KVStore:
 
     def peek_header(self, key: str) -> tuple[EntryHeader, int] | None:
         """(header, stored size) from the first bytes of an entry, or None when it is missing."""
-        got = self.backend.peek(_ekey(key), _PEEK)
+        got = self.backend.peek(entry_key(key), _PEEK)
         if got is None:
             return None
         head, size = got
@@ -310,12 +302,12 @@ class KVStore:
             if size <= len(head):
                 raise
         # a header longer than the first read (or a truncated entry): read as much as one can hold
-        got = self.backend.peek(_ekey(key), MAX_ENTRY_HEADER + 64)
+        got = self.backend.peek(entry_key(key), MAX_ENTRY_HEADER + 64)
         return None if got is None else (read_header(got[0])[0], got[1])
 
     def keys(self) -> list[str]:
         """Keys of every entry (chunks and format-1 contexts)."""
-        return [k[len(_E) :].decode() for k in self.backend.keys(_E)]
+        return [key_of(k, ENTRY) for k in self.backend.keys(ENTRY)]
 
     def __len__(self) -> int:
         return len(self.keys())
@@ -325,7 +317,7 @@ class KVStore:
         chunk marks it so that a concurrent gc, whose grace period counts from the last use,
         leaves it alone."""
         now = time.time()
-        items = [(_A + k.encode(), struct.pack("<d", now)) for k in keys]
+        items = [(access_key(k), struct.pack("<d", now)) for k in keys]
         if items and not self.readonly:
             self.backend.put_many(items)
 
@@ -333,9 +325,7 @@ class KVStore:
         """Start fetching these entries in the background where the backend can (a remote one:
         ``sample`` asks for the next batch's chunks while the current batch decodes); later loads
         take them from there. Local backends (LMDB, memory) need nothing: a no-op."""
-        fn = getattr(self.backend, "prefetch", None)
-        if fn is not None:
-            fn([_ekey(k) for k in dict.fromkeys(keys)])
+        self.backend.prefetch([entry_key(k) for k in dict.fromkeys(keys)])
 
     # -- chains ---------------------------------------------------------------------------------
     def stored_prefix(self, keys: Sequence[str]) -> int:
@@ -358,7 +348,7 @@ class KVStore:
             views: list[EntryView] = []
             expected_parent, expected_start = parent, 0
             for key in keys:
-                buf = stack.enter_context(self.backend.view(_ekey(key)))
+                buf = stack.enter_context(self.backend.view(entry_key(key)))
                 view = None if buf is None else self._decode(key, buf, lazy)
                 if view is None:
                     break
@@ -379,11 +369,11 @@ class KVStore:
         """Record that the context ``key`` (its last chunk's key) is the chain ``chunks``."""
         self._writable()
         record = ContextRecord(key, tuple(chunks), n_tokens, time.time())
-        self.backend.put(_R + key.encode("ascii"), record.to_bytes())
+        self.backend.put(record_key(key), record.to_bytes())
 
     def context(self, key: str) -> ContextRecord | None:
         """The context record ``key``, or None when there is none (or it is unreadable)."""
-        raw = self.backend.get(_R + key.encode("ascii"))
+        raw = self.backend.get(record_key(key))
         return None if raw is None else ContextRecord.parse(key, raw)
 
     def get_context(self, key: str) -> Entry | None:
@@ -404,7 +394,7 @@ class KVStore:
                 return None
             parts = [view.materialize() for view in views]
         first = parts[0]
-        if any(e.kinds and set(e.kinds) != {"attn"} for e in parts):
+        if any(e.kinds and set(e.kinds) != {ATTN} for e in parts):
             raise ValueError(f"context {key[:16]}: only full-attention contexts join into one entry")
         layers = tuple(
             (torch.cat([e.layers[i][0] for e in parts], 1), torch.cat([e.layers[i][1] for e in parts], 1))  # type: ignore[index]
@@ -414,16 +404,16 @@ class KVStore:
                      first.created, numerics=first.numerics)  # fmt: skip
 
     def context_keys(self) -> list[str]:
-        return [k[len(_R) :].decode() for k in self.backend.keys(_R)]
+        return [key_of(k, RECORD) for k in self.backend.keys(RECORD)]
 
     # -- scanning -------------------------------------------------------------------------------
     def last_access(self) -> dict[str, float]:
         """Last-use times by entry key (what was recorded, plus this handle's unsaved ones)."""
         out = {}
-        names = list(self.backend.keys(_A))
+        names = list(self.backend.keys(ACCESS))
         for k, raw in zip(names, self.backend.get_many(names)):
             if raw is not None and len(raw) == 8:
-                out[k[len(_A) :].decode()] = struct.unpack("<d", raw)[0]
+                out[key_of(k, ACCESS)] = struct.unpack("<d", raw)[0]
         return out | self._touched
 
     def scan(self, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:

@@ -27,9 +27,7 @@ from kvstore.errors import CorruptEntryError, FormatVersionError, KVStoreError, 
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.entry import FORMAT_VERSION, decode_entry
-
-_META = b"meta"
-_E = b"e/"
+from kvstore.store.keyspace import ENTRY, META, key_of
 
 
 @dataclass(frozen=True)
@@ -47,7 +45,7 @@ class SyncPlan:
     @property
     def entries(self) -> int:
         """Entries among the records to copy."""
-        return sum(k.startswith(_E) for k in self.missing)
+        return sum(k.startswith(ENTRY) for k in self.missing)
 
 
 @dataclass(frozen=True)
@@ -93,7 +91,7 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
     """List what :func:`execute_sync` would copy from ``src`` into ``dst`` (None: a DST that does
     not exist yet). Raises KVStoreError when SRC is no store, FormatVersionError when the formats
     do not allow it (see the module docstring)."""
-    src_meta = src.get(_META)
+    src_meta = src.get(META)
     if src_meta is None:
         raise StoreNotFoundError(f"{src_name} holds no kvstore store (no description record)")
     src_format = _format(src_meta, src_name)
@@ -101,7 +99,7 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
         raise FormatVersionError(
             f"{src_name} is format {src_format}; this kvstore reads up to {FORMAT_VERSION} - upgrade kvstore"
         )
-    dst_meta = None if dst is None else dst.get(_META)
+    dst_meta = None if dst is None else dst.get(META)
     if dst_meta is not None:
         dst_format = _format(dst_meta, dst_name)
         if dst_format > FORMAT_VERSION:
@@ -114,9 +112,9 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
                 "the copies; sync into a new store"
             )
     have = set() if dst is None else set(dst.keys())
-    records = [k for k in src.keys() if k != _META]
+    records = [k for k in src.keys() if k != META]
     missing = [k for k in records if k not in have]
-    missing.sort(key=lambda k: (not k.startswith(_E), k))  # entries before the records about them
+    missing.sort(key=lambda k: (not k.startswith(ENTRY), k))  # entries before the records about them
     return SyncPlan(
         src=src_name,
         dst=dst_name,
@@ -133,9 +131,9 @@ def _copy(src: Backend, dst: Backend, key: bytes) -> tuple[str, int, str]:
     with src.view(key) as buf:
         if buf is None:
             return "vanished", 0, ""
-        if key.startswith(_E):
+        if key.startswith(ENTRY):
             try:
-                decode_entry(buf, key=key[len(_E) :].decode("ascii", errors="replace"))
+                decode_entry(buf, key=key_of(key, ENTRY, errors="replace"))
             except (CorruptEntryError, FormatVersionError) as exc:
                 return "corrupt", len(buf), str(exc)
         return ("copied", len(buf), "") if dst.put_if_absent(key, buf) else ("present", 0, "")
@@ -149,7 +147,7 @@ def execute_sync(
     copied before stays: a re-run copies the rest)."""
     t0 = time.perf_counter()
     if plan.meta == "copy":
-        dst.put_if_absent(_META, plan.src_meta)
+        dst.put_if_absent(META, plan.src_meta)
     counts = {"copied": 0, "present": 0, "vanished": 0, "corrupt": 0}
     entries = nbytes = 0
     corrupt: list[tuple[str, str]] = []
@@ -172,9 +170,9 @@ def execute_sync(
                     counts[outcome] += 1
                     if outcome == "copied":
                         nbytes += size
-                        entries += key.startswith(_E)
+                        entries += key.startswith(ENTRY)
                     elif outcome == "corrupt":
-                        corrupt.append((key[len(_E) :].decode("ascii", errors="replace"), reason))
+                        corrupt.append((key_of(key, ENTRY, errors="replace"), reason))
                     if progress is not None:
                         progress(1, size if outcome == "copied" else 0)
         finally:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers.paths import REPO
+
 # what `kvstore sample` prints for an entry that failed verification
 WARNING_RE = r"^kvstore: warning: entry ([0-9a-f]{16}) is corrupt \(.+\); treating it as a miss$"
 

@@ -1,12 +1,11 @@
-"""Datasets for real-model tests."""
+"""Dataset files for tests: rows of the demo set, and JSON Lines files written from rows."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "experiments" / "data" / "demo.jsonl"
+from helpers.paths import DEMO
 
 
 def padded_demo_rows(n_contexts: int = 8) -> list[dict]:
@@ -27,6 +26,8 @@ def padded_demo_rows(n_contexts: int = 8) -> list[dict]:
     return out
 
 
-def write_rows(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+def write_rows(path: Path, rows: list[dict | str]) -> Path:
+    """A JSON Lines file of ``rows``, one per line; a string row is written as it is (a broken
+    line, on purpose)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
     return path

@@ -1,4 +1,4 @@
-"""Trials the reliability tests run a few times and the soak (``tests/test_soak.py``) hundreds of
+"""Trials the reliability tests run a few times and the soak (``tests/reliability/test_soak.py``) hundreds of
 times: ``kill -9`` during a build, random corruption of stored entries, concurrent builders and
 samplers on one store."""
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import lmdb
 
 from kvstore.errors import ReadOnlyStoreError, StoreError, StoreFullError, StoreNotFoundError
-from kvstore.store.backends import BackendBase
+from kvstore.store.backends.base import BackendBase
 
 DEFAULT_MAP_SIZE = 1 << 30  # 1 GiB of address space to start; grows by doubling
 DISK_FULL_BYTES = 16 << 20  # a failed write with less free space than this is a full disk

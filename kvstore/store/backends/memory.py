@@ -7,7 +7,7 @@ import threading
 from collections.abc import Iterator
 
 from kvstore.errors import ReadOnlyStoreError
-from kvstore.store.backends import BackendBase
+from kvstore.store.backends.base import BackendBase
 
 _SHARED: dict[str, dict[bytes, bytes]] = {}
 _LOCK = threading.Lock()

@@ -6,10 +6,8 @@ credentials, region and profile come the standard AWS way: ``AWS_ENDPOINT_URL``,
 ``~/.aws/config``; an ``http://`` endpoint works as it is. boto3 is imported only here, when an
 ``s3://`` store is opened (``pip install 'kvstore[s3]'``). kvstore never creates buckets.
 
-Layout: one object per backend key. Keys of the form ``NAME/HEX`` fan out on the first two hex
-digits (``e/ab12...`` -> ``PREFIX/e/ab/ab12...``), so that listings and request rates spread over
-many name prefixes; any other key is one percent-encoded name (``meta`` -> ``PREFIX/meta``). The
-mapping is one-to-one, so :meth:`S3Backend.keys` lists and decodes.
+Layout: one object per backend key (:mod:`kvstore.store.backends.s3_names`): keys of the form
+``NAME/HEX`` fan out on their first two hex digits, any other key is one percent-encoded name.
 
 Semantics:
 
@@ -23,7 +21,7 @@ Semantics:
   meanwhile) restarts the load, at most ``version_retries`` times; a 404 (deleted meanwhile) is
   a miss. So a reader never sees a mix of two versions nor a part of one, and a delete racing a
   read costs the reader a miss, never a partial value.
-* **Failures** become one line each (:mod:`kvstore.errors`): connect timeout ``connect_timeout``
+* **Failures** become one line each (:mod:`kvstore.store.backends.s3_errors`): connect timeout ``connect_timeout``
   s, each socket read ``read_timeout`` s, at most ``max_attempts`` tries per request. The worst
   case (an endpoint that accepts connections and never answers) takes about
   ``max_attempts * read_timeout`` s. After a server has been unreachable, further requests fail
@@ -36,7 +34,6 @@ import contextlib
 import re
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -44,12 +41,13 @@ from typing import Any
 
 from kvstore.errors import (
     ReadOnlyStoreError,
-    StoreAccessError,
     StoreError,
     StoreNotFoundError,
     StoreUnavailableError,
 )
-from kvstore.store.backends import BackendBase
+from kvstore.store.backends.base import BackendBase
+from kvstore.store.backends.s3_errors import first_line, request_error, status_of
+from kvstore.store.backends.s3_names import backend_key, listing_prefixes, object_name, parse_url
 
 MiB = 1 << 20
 # Defaults, read when a backend opens. Worst case for an endpoint that accepts connections and
@@ -58,65 +56,6 @@ CONNECT_TIMEOUT = 5.0  # seconds to establish a connection
 READ_TIMEOUT = 15.0  # seconds of silence on an open connection (per socket read, not per transfer)
 MAX_ATTEMPTS = 3  # tries per request, the first included
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
-_FANNED = re.compile(r"^([a-z0-9_-]{1,32})/([0-9a-f]{2,})$")
-
-
-def parse_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b/`` -> ``("bucket", "a/b/")``: the bucket and the object-name prefix (empty,
-    or ending in ``/``). Empty segments are dropped (S3 servers fold ``//``). Raises StoreError."""
-    if not url.startswith("s3://"):
-        raise StoreError(f"{url!r} is not an s3:// URL")
-    bucket, _, prefix = url[len("s3://") :].partition("/")
-    if not bucket:
-        raise StoreError(f"{url!r} names no bucket; use s3://BUCKET or s3://BUCKET/PREFIX")
-    prefix = "/".join(p for p in prefix.split("/") if p)
-    return bucket, prefix + "/" if prefix else ""
-
-
-def object_name(key: bytes) -> str:
-    """Object name (below the store's prefix) of a backend key: ``NAME/HEX`` fans out as
-    ``NAME/HE/HEX``; anything else is percent-encoded into one name without ``/``."""
-    m = _FANNED.match(key.decode("latin-1"))
-    if m:
-        return f"{m.group(1)}/{m.group(2)[:2]}/{m.group(2)}"
-    return urllib.parse.quote_from_bytes(key, safe="")
-
-
-def backend_key(name: str) -> bytes | None:
-    """Inverse of :func:`object_name`; None for a name no key maps to (a foreign object)."""
-    parts = name.split("/")
-    if len(parts) == 3:
-        key = f"{parts[0]}/{parts[2]}"
-        return key.encode() if _FANNED.match(key) and parts[2][:2] == parts[1] else None
-    if len(parts) == 1 and parts[0]:
-        key_bytes = urllib.parse.unquote_to_bytes(parts[0])
-        return key_bytes if object_name(key_bytes) == parts[0] else None
-    return None
-
-
-def _listing_prefixes(prefix: bytes) -> list[str]:
-    """Object-name prefixes whose listings together hold every key starting with ``prefix``:
-    one for fanned-out names, one for percent-encoded ones (one alone when it covers the other)."""
-    flat = urllib.parse.quote_from_bytes(prefix, safe="")
-    text = prefix.decode("latin-1")
-    name, sep, digits = text.partition("/")
-    if not sep:
-        fanned = text if re.fullmatch(r"[a-z0-9_-]{0,32}", text) else None
-    elif re.fullmatch(r"[a-z0-9_-]{1,32}", name) and re.fullmatch(r"[0-9a-f]*", digits):
-        fanned = f"{name}/{digits[:2]}/{digits}" if len(digits) >= 2 else text
-    else:
-        fanned = None
-    if fanned is None or flat.startswith(fanned):
-        return [fanned if fanned is not None and flat.startswith(fanned) else flat]
-    return [flat] if fanned.startswith(flat) else [fanned, flat]
-
-
-def _status(exc: BaseException) -> tuple[int | None, str]:
-    """(HTTP status, error code) of a botocore ClientError; (None, "") for anything else."""
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None, ""
-    return response.get("ResponseMetadata", {}).get("HTTPStatusCode"), response.get("Error", {}).get("Code", "")
 
 
 class _Changed(Exception):
@@ -198,7 +137,7 @@ class S3Backend(BackendBase):
             session = session or boto3.session.Session()
             self.client = session.client("s3", config=config)
         except Exception as exc:  # noqa: BLE001 - profile or configuration problems, one line each
-            raise StoreError(f"cannot set up the S3 client for {self.url}: {_first_line(exc)}") from None
+            raise StoreError(f"cannot set up the S3 client for {self.url}: {first_line(exc)}") from None
         self.endpoint = str(self.client.meta.endpoint_url)
         # parts of one value (loads, multipart uploads) run on _parts; batched calls on _batch,
         # whose tasks may wait on _parts (never the other way round, so neither can deadlock)
@@ -222,72 +161,11 @@ class S3Backend(BackendBase):
         return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
 
     def _error(self, exc: BaseException, op: str) -> StoreError:
-        """The one-line StoreError for a failed request (codes as S3 and SeaweedFS send them)."""
-        from botocore import exceptions as bx
-
-        if isinstance(exc, StoreError):
-            return exc
-        what = f"{self.url} at {self.endpoint}"
-        status, code = _status(exc)
-        err: StoreError
-        if status is not None:
-            message = str(getattr(exc, "response", {}).get("Error", {}).get("Message", "")).strip()
-            if code == "NoSuchBucket" or (op == "open" and status == 404):
-                err = StoreNotFoundError(
-                    f"bucket {self.bucket!r} does not exist at {self.endpoint}; create it first (kvstore never "
-                    "creates buckets) or check the name"
-                )
-            elif code == "InvalidAccessKeyId":
-                err = StoreAccessError(
-                    f"{self.endpoint} does not know this access key; check AWS_ACCESS_KEY_ID or AWS_PROFILE"
-                )
-            elif code == "SignatureDoesNotMatch":
-                err = StoreAccessError(
-                    f"{self.endpoint} rejected the request signature; check AWS_SECRET_ACCESS_KEY for this access key"
-                )
-            elif status == 403 and op in ("put", "delete"):
-                err = ReadOnlyStoreError(
-                    f"no permission to write to {what}; use credentials with write access, or read without "
-                    "storing (kvstore sample --readonly-store)"
-                )
-            elif status == 403:
-                err = StoreAccessError(f"access denied to {what} ({op}); use credentials allowed to read it")
-            elif code == "InvalidBucketName":
-                err = StoreError(f"{self.bucket!r} is not a valid bucket name (S3: 3-63 lowercase letters, digits, -)")
-            else:
-                detail = f"{status} {code}: {message}" if message else f"{status} {code}".strip()
-                err = StoreError(f"S3 {op} failed on {what}: {detail}")
-            return err
-        if isinstance(exc, bx.NoCredentialsError):
-            return StoreAccessError(
-                f"no AWS credentials found for {self.url}; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
-                "AWS_PROFILE"
-            )
-        if isinstance(exc, bx.ConnectTimeoutError):
-            err = StoreUnavailableError(
-                f"cannot connect to {self.endpoint}: no answer within {self.connect_timeout:g} s "
-                f"({self.max_attempts} tries); check AWS_ENDPOINT_URL and the network"
-            )
-        elif isinstance(exc, bx.EndpointConnectionError):
-            err = StoreUnavailableError(
-                f"cannot connect to {self.endpoint} (connection refused or host unreachable); is the object "
-                "store running? check AWS_ENDPOINT_URL"
-            )
-        elif isinstance(exc, bx.ReadTimeoutError):
-            err = StoreUnavailableError(
-                f"{self.endpoint} accepted the connection but did not answer within {self.read_timeout:g} s "
-                f"({self.max_attempts} tries); is it an S3 server? check AWS_ENDPOINT_URL"
-            )
-        elif isinstance(exc, (bx.ConnectionError, bx.ResponseStreamingError, bx.IncompleteReadError, OSError)):
-            err = StoreUnavailableError(
-                f"the connection to {self.endpoint} broke during {op}; the object store may have stopped "
-                "(what was stored before is intact: re-run to complete the rest)"
-            )
-        else:
-            return StoreError(f"S3 {op} failed on {what}: {type(exc).__name__}: {_first_line(exc)}")
-        if op != "open" and "re-run" not in str(err):
-            err = StoreUnavailableError(f"{err} (what was stored before is intact: re-run once it is back)")
-        self._down = (time.monotonic() + self.down_seconds, err)
+        """The one-line StoreError for a failed request; after a connection failure, further
+        requests fail at once for ``down_seconds`` (see :meth:`_call`)."""
+        err = request_error(exc, op, self)
+        if isinstance(err, StoreUnavailableError) and not isinstance(exc, StoreError):
+            self._down = (time.monotonic() + self.down_seconds, err)
         return err
 
     def _probe(self, *, must_exist: bool) -> None:
@@ -343,7 +221,7 @@ class S3Backend(BackendBase):
             try:
                 r = self._call("get_object", Key=name, Range=f"bytes=0-{self.first_part - 1}")
             except Exception as exc:  # noqa: BLE001
-                status, code = _status(exc)
+                status, code = status_of(exc)
                 if status == 404 and code != "NoSuchBucket":
                     return None
                 if status == 416:  # a range of an empty object cannot be satisfied
@@ -382,7 +260,7 @@ class S3Backend(BackendBase):
         try:
             r = self._call("get_object", Key=name, Range=f"bytes={start}-{end - 1}", IfMatch=etag)
         except Exception as exc:  # noqa: BLE001
-            status, code = _status(exc)
+            status, code = status_of(exc)
             if status == 412 or (status == 404 and code != "NoSuchBucket"):
                 raise _Changed(status) from None
             raise
@@ -448,7 +326,7 @@ class S3Backend(BackendBase):
             r = self._call("get_object", Key=self._name(key), Range=f"bytes=0-{max(n, 1) - 1}")
             data = r["Body"].read()
         except Exception as exc:  # noqa: BLE001
-            status, code = _status(exc)
+            status, code = status_of(exc)
             if status == 404 and code != "NoSuchBucket":
                 return None
             if status == 416:
@@ -462,13 +340,13 @@ class S3Backend(BackendBase):
             self._call("head_object", Key=self._name(key))
             return True
         except Exception as exc:  # noqa: BLE001
-            if _status(exc)[0] == 404:
+            if status_of(exc)[0] == 404:
                 return False
             raise self._error(exc, "head") from None
 
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
         found: set[bytes] = set()
-        for listing in _listing_prefixes(prefix):
+        for listing in listing_prefixes(prefix):
             token: dict[str, str] = {}
             while True:
                 try:
@@ -498,7 +376,7 @@ class S3Backend(BackendBase):
                 self._multipart(name, memoryview(value), cond)  # copies one part at a time
         except Exception as exc:  # noqa: BLE001
             # 412: the key exists; 409: another conditional write of it is in progress
-            if conditional and _status(exc)[0] in (409, 412):
+            if conditional and status_of(exc)[0] in (409, 412):
                 return False
             raise self._error(exc, "put") from None
         return True
@@ -580,6 +458,4 @@ class S3Backend(BackendBase):
             self.client.close()
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+__all__ = ["CONNECT_TIMEOUT", "MAX_ATTEMPTS", "READ_TIMEOUT", "S3Backend", "backend_key", "object_name", "parse_url"]

@@ -34,8 +34,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from kvstore.errors import ReadOnlyStoreError, StoreError, StoreOfflineWarning, StoreUnavailableError
-from kvstore.store.backends import Backend, BackendBase, open_backend
+from kvstore.store.backends.base import Backend, BackendBase
 from kvstore.store.backends.lmdb import LMDBBackend
+from kvstore.store.backends.url import open_url
 
 SMALL = 64 << 10  # values below this are re-read from the remote while it answers
 _V, _I, _REMOTE = b"v/", b"i/", b"remote"
@@ -45,8 +46,11 @@ _RECORD = struct.Struct("<dQ")  # last use (epoch seconds), size in bytes
 class TieredBackend(BackendBase):
     """The remote store ``url`` behind an LMDB tier in ``cache_dir`` of at most ``max_bytes``
     (see the module docstring). ``readonly`` applies to the remote (the tier is always filled);
-    ``create`` and ``remote_options`` go to the remote's :func:`open_backend`. Raises StoreError
-    when the tier belongs to another store, and the remote's errors (except unavailability)."""
+    ``create`` and ``remote_options`` go to the remote's :func:`~kvstore.store.backends.url.open_url`.
+    Raises StoreError when the tier belongs to another store, and the remote's errors (except
+    unavailability)."""
+
+    local = False  # a miss asks the remote: not cheap enough for planning's many probes
 
     def __init__(
         self,
@@ -63,20 +67,20 @@ class TieredBackend(BackendBase):
         self.max_bytes = int(max_bytes)
         self.cache_dir = Path(cache_dir).expanduser()
         self._lock = threading.Lock()
-        self.local = LMDBBackend(self.cache_dir, sync=False)  # a cache: losing its last writes is harmless
+        self.tier = LMDBBackend(self.cache_dir, sync=False)  # a cache: losing its last writes is harmless
         self.remote: Backend | None = None
         self.offline: StoreUnavailableError | None = None
         try:
-            owner = self.local.get(_REMOTE)
+            owner = self.tier.get(_REMOTE)
             if owner is None:
-                self.local.put(_REMOTE, self.url.rstrip("/").encode())
+                self.tier.put(_REMOTE, self.url.rstrip("/").encode())
             elif owner.decode(errors="replace") != self.url.rstrip("/"):
                 raise StoreError(
                     f"cache directory {self.cache_dir} holds a tier of {owner.decode(errors='replace')}, not of "
                     f"{self.url}; give each store its own --cache-dir"
                 )
             try:
-                self.remote = open_backend(self.url, readonly=readonly, create=create, **remote_options)
+                self.remote = open_url(self.url, readonly=readonly, create=create, **remote_options)
             except StoreUnavailableError as exc:
                 self.offline = exc
                 warnings.warn(
@@ -85,7 +89,7 @@ class TieredBackend(BackendBase):
                     stacklevel=2,
                 )
         except BaseException:
-            self.local.close()
+            self.tier.close()
             raise
 
     # -- the tier -----------------------------------------------------------------------------------
@@ -97,18 +101,18 @@ class TieredBackend(BackendBase):
         return self.remote
 
     def _cached_len(self, key: bytes) -> int | None:
-        got = self.local.peek(_V + key, 0)
+        got = self.tier.peek(_V + key, 0)
         return None if got is None else got[1]
 
     def _touch(self, key: bytes, size: int) -> None:
         with contextlib.suppress(StoreError):  # bookkeeping only
-            self.local.put(_I + key, _RECORD.pack(time.time(), size))
+            self.tier.put(_I + key, _RECORD.pack(time.time(), size))
 
     def held(self) -> dict[bytes, tuple[float, int]]:
         """Every cached key -> (last use, size in bytes)."""
-        names = list(self.local.keys(_I))
+        names = list(self.tier.keys(_I))
         out = {}
-        for name, raw in zip(names, self.local.get_many(names)):
+        for name, raw in zip(names, self.tier.get_many(names)):
             if raw is not None and len(raw) == _RECORD.size:
                 out[name[len(_I) :]] = _RECORD.unpack(raw)
         return out
@@ -131,13 +135,13 @@ class TieredBackend(BackendBase):
                 victims.append(k)
                 used -= s
             if victims:
-                self.local.delete_many([_V + k for k in victims] + [_I + k for k in victims])
-            self.local.put_many([(_V + key, value), (_I + key, _RECORD.pack(time.time(), size))])  # type: ignore[list-item]
+                self.tier.delete_many([_V + k for k in victims] + [_I + k for k in victims])
+            self.tier.put_many([(_V + key, value), (_I + key, _RECORD.pack(time.time(), size))])  # type: ignore[list-item]
 
     def _drop(self, keys: Iterable[bytes]) -> None:
         keys = list(keys)
         if keys:
-            self.local.delete_many([_V + k for k in keys] + [_I + k for k in keys])
+            self.tier.delete_many([_V + k for k in keys] + [_I + k for k in keys])
 
     # -- reads --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -145,7 +149,7 @@ class TieredBackend(BackendBase):
         size = self._cached_len(key)
         if size is not None and (size >= SMALL or self.remote is None):
             self._touch(key, size)
-            with self.local.view(_V + key) as buf:
+            with self.tier.view(_V + key) as buf:
                 if buf is not None:
                     yield buf
                     return
@@ -156,7 +160,7 @@ class TieredBackend(BackendBase):
             except StoreUnavailableError:
                 if size is None:
                     raise
-                buf = stack.enter_context(self.local.view(_V + key))  # the remote went away: serve the tier's copy
+                buf = stack.enter_context(self.tier.view(_V + key))  # the remote went away: serve the tier's copy
             else:
                 if buf is not None:
                     self._store(key, buf)
@@ -167,9 +171,8 @@ class TieredBackend(BackendBase):
     def prefetch(self, keys: Iterable[bytes]) -> None:
         """Have the remote start loading the keys this tier does not hold (see
         :meth:`kvstore.store.backends.s3.S3Backend.prefetch`); a later :meth:`view` takes them."""
-        fn = getattr(self.remote, "prefetch", None)
-        if fn is not None:
-            fn([k for k in keys if self._cached_len(k) is None])
+        if self.remote is not None:
+            self.remote.prefetch([k for k in keys if self._cached_len(k) is None])
 
     def get(self, key: bytes) -> bytes | None:
         with self.view(key) as buf:
@@ -188,7 +191,7 @@ class TieredBackend(BackendBase):
             except StoreUnavailableError:
                 if any(sizes[i] is None for i in ask):
                     raise
-                got = [self.local.get(_V + keys[i]) for i in ask]
+                got = [self.tier.get(_V + keys[i]) for i in ask]
             else:
                 for i, value in zip(ask, got):
                     if value is not None:
@@ -202,7 +205,7 @@ class TieredBackend(BackendBase):
     def peek(self, key: bytes, n: int) -> tuple[bytes, int] | None:
         size = self._cached_len(key)
         if size is not None and (size >= SMALL or self.remote is None):
-            return self.local.peek(_V + key, n)
+            return self.tier.peek(_V + key, n)
         return self._up().peek(key, n)
 
     def contains(self, key: bytes) -> bool:
@@ -252,4 +255,4 @@ class TieredBackend(BackendBase):
             if self.remote is not None:
                 self.remote.close()
         finally:
-            self.local.close()
+            self.tier.close()

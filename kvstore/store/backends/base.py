@@ -1,0 +1,99 @@
+"""The storage protocol every backend implements, and the defaults most of it derives from.
+
+Required: ``get`` / ``put`` / ``delete`` / ``contains`` / ``keys`` / ``close``. Everything else has
+a default in :class:`BackendBase` built on those: batched variants, zero-copy ``view``, ``peek``,
+``put_if_absent``, and the optional features callers use without probing for them:
+
+* ``local``: lookups cost microseconds (LMDB, memory), so planning may afford many probes
+  (:func:`kvstore.model.chains.stored_tails`); False for a remote store or a tier in front of one.
+* ``prefetch(keys)``: start loading values in the background; a no-op where loads are already
+  cheap (only the S3 backend, and a tier in front of it, do something).
+* ``disk_bytes()``: bytes the store occupies on this machine's disk, or None when that is not a
+  file here (memory, S3, a tier's remote).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The storage protocol. Values are bytes-like; ``view`` may lend zero-copy memory."""
+
+    readonly: bool
+    local: bool
+
+    def get(self, key: bytes) -> bytes | None: ...
+    def put(self, key: bytes, value: bytes | memoryview) -> None: ...
+    def put_if_absent(self, key: bytes, value: bytes | memoryview) -> bool: ...
+    def delete(self, key: bytes) -> bool: ...
+    def contains(self, key: bytes) -> bool: ...
+    def keys(self, prefix: bytes = b"") -> Iterator[bytes]: ...
+    def view(self, key: bytes) -> contextlib.AbstractContextManager[memoryview | None]: ...
+    def peek(self, key: bytes, n: int) -> tuple[bytes, int] | None: ...
+    def close(self) -> None: ...
+
+    # batched variants; implementations may do better than these loops
+    def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]: ...
+    def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None: ...
+    def delete_many(self, keys: Iterable[bytes]) -> int: ...
+
+    # optional features (defaults in BackendBase)
+    def prefetch(self, keys: Iterable[bytes]) -> None: ...
+    def disk_bytes(self) -> int | None: ...
+
+
+class BackendBase:
+    """Default batched variants, ``view``, ``peek``, ``put_if_absent`` and the optional features
+    (``local`` False, ``prefetch`` a no-op, ``disk_bytes`` None) built on the single-key methods.
+
+    ``put_if_absent(key, value)`` stores ``value`` unless ``key`` already holds something and
+    says whether it did (an object store does this in one conditional request; the default here
+    checks first, so two writers racing on one key may both write: the last one wins whole).
+    ``peek(key, n)`` is ``(the first n bytes, the value's full length)``, or None when ``key`` is
+    missing: a remote backend reads an entry's header without fetching the entry.
+    """
+
+    readonly = False
+    local = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+    def put_if_absent(self, key: bytes, value: bytes | memoryview) -> bool:
+        if self.contains(key):  # type: ignore[attr-defined]
+            return False
+        self.put(key, value)  # type: ignore[attr-defined]
+        return True
+
+    def peek(self, key: bytes, n: int) -> tuple[bytes, int] | None:
+        with self.view(key) as buf:
+            return None if buf is None else (bytes(buf[:n]), len(buf))
+
+    def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]  # type: ignore[attr-defined]
+
+    def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
+        for k, v in items:
+            self.put(k, v)  # type: ignore[attr-defined]
+
+    def delete_many(self, keys: Iterable[bytes]) -> int:
+        return sum(bool(self.delete(k)) for k in keys)  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def view(self, key: bytes) -> Iterator[memoryview | None]:
+        value = self.get(key)  # type: ignore[attr-defined]
+        yield None if value is None else memoryview(value)
+
+    def prefetch(self, keys: Iterable[bytes]) -> None:
+        """Start loading ``keys`` in the background where that pays; here, nothing to do."""
+
+    def disk_bytes(self) -> int | None:
+        """Bytes the store occupies on this machine's disk; None: not a local file."""
+        return None

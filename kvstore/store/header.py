@@ -1,0 +1,265 @@
+"""An entry's header and checksum: the part of the format read without decoding the payload
+(listings, scans, ``peek``). The whole format is described in :mod:`kvstore.store.entry`."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from kvstore import dtypes
+from kvstore.errors import CorruptEntryError, DtypeError, FormatVersionError
+from kvstore.layer_kinds import ATTN, FULL_KV_KINDS, KINDS, KV_KINDS, STATE_KINDS, WINDOWED_KINDS
+from kvstore.store.codecs import codec_from_params
+from kvstore.store.keyspace import is_key
+
+FORMAT_VERSION = 2
+MAGIC = b"\x89KVS\r\n\x1a\n"
+_PREFIX = len(MAGIC) + 4
+TRAILER_BYTES = 8
+MAX_ENTRY_HEADER = 1 << 20
+STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # a state tensor's name in a layer record
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer of an entry keeps (see the module docstring)."""
+
+    kind: str = ATTN
+    length: int = 0  # tokens of keys/values kept (the last ``length`` of the chunk)
+    kv_heads: int = 0
+    head_dim: int = 0
+    window: int | None = None
+    state: tuple[tuple[str, tuple[int, ...], str], ...] = ()  # (name, shape, dtype) of each state tensor
+
+    @property
+    def kv_bytes_per_element(self) -> int:
+        return 2 * self.length * self.kv_heads * self.head_dim
+
+    def record(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.kind in KV_KINDS:
+            out |= {"length": self.length, "kv_heads": self.kv_heads, "head_dim": self.head_dim}
+        if self.window is not None:
+            out["window"] = self.window
+        if self.state:
+            out["state"] = {n: {"shape": list(s), "dtype": d} for n, s, d in self.state}
+        return out
+
+
+@dataclass(frozen=True)
+class EntryHeader:
+    """What an entry says about itself (parsed from its header, no payload decoding)."""
+
+    key: str
+    model: str
+    model_name: str
+    dtype: str
+    n_tokens: int
+    layers: tuple[LayerSpec, ...]
+    codec: Mapping = field(hash=False, compare=False)
+    raw_bytes: int
+    created: float
+    format: int = FORMAT_VERSION
+    parent: str = ""
+    start: int = 0
+    numerics: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def end(self) -> int:
+        """Context position just after this chunk's last token."""
+        return self.start + self.n_tokens
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of the first layer that keeps keys and values (0 when none does)."""
+        return next((s.kv_heads for s in self.layers if s.kind in KV_KINDS), 0)
+
+    @property
+    def head_dim(self) -> int:
+        return next((s.head_dim for s in self.layers if s.kind in KV_KINDS), 0)
+
+    @property
+    def codec_spec(self) -> str:
+        """The codec as a spec string (``zstd-shuffle:1``, ``raw``, ``int8:64+zstd:1``...)."""
+        try:
+            return codec_from_params(self.codec).spec
+        except CorruptEntryError:
+            return "?"
+
+    @property
+    def lossless(self) -> bool:
+        try:
+            return codec_from_params(self.codec).lossless
+        except CorruptEntryError:
+            return True
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the keys and values alone, uncompressed, in the model's dtype."""
+        return sum(s.kv_bytes_per_element for s in self.layers) * dtypes.bits(self.dtype) // 8
+
+    @property
+    def state_bytes(self) -> int:
+        total = 0
+        for s in self.layers:
+            for _, shape, dtype in s.state:
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n * dtypes.bits(dtype) // 8
+        return total
+
+
+def check_layer(spec: LayerSpec, n_tokens: int, i: int, error: type[Exception]) -> None:
+    """Raise ``error`` unless layer ``i``'s record is consistent for a chunk of ``n_tokens``."""
+    if spec.kind not in KINDS:
+        raise error(f"layer {i}: unknown kind {spec.kind!r}")
+    if spec.kind in KV_KINDS:
+        if spec.kv_heads < 1 or spec.head_dim < 1:
+            raise error(f"layer {i}: keys and values need kv_heads and head_dim")
+        full = spec.kind in FULL_KV_KINDS
+        if not 0 <= spec.length <= n_tokens or (full and spec.length != n_tokens):
+            raise error(f"layer {i}: {spec.kind} layer keeps {spec.length} of the chunk's {n_tokens} tokens")
+    elif spec.length or spec.kv_heads or spec.head_dim:
+        raise error(f"layer {i}: a state layer keeps no keys and values")
+    if (spec.kind in STATE_KINDS) != bool(spec.state):
+        raise error(f"layer {i}: {spec.kind} layer {'needs' if spec.kind in STATE_KINDS else 'has no'} state tensors")
+    if (spec.kind in WINDOWED_KINDS) != (spec.window is not None) or (spec.window is not None and spec.window < 1):
+        raise error(f"layer {i}: only sliding and chunked layers have a window")
+
+
+def _int(h: Mapping, name: str, low: int = 0) -> int:
+    v = h.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise CorruptEntryError(f"entry header field {name!r} is missing or invalid")
+    return v
+
+
+def _layers_v2(h: Mapping, n_tokens: int) -> tuple[LayerSpec, ...]:
+    raw = h.get("layers")
+    if not isinstance(raw, list) or not raw:
+        raise CorruptEntryError("entry header lists no layers")
+    specs = []
+    for i, r in enumerate(raw):
+        if not isinstance(r, dict) or not isinstance(r.get("kind"), str):
+            raise CorruptEntryError(f"entry header layer {i} is malformed")
+        kind = r["kind"]
+        has_kv = kind in KV_KINDS
+        state: list[tuple[str, tuple[int, ...], str]] = []
+        raw_state = r.get("state", {})
+        if not isinstance(raw_state, dict):
+            raise CorruptEntryError(f"entry header layer {i} has a malformed state")
+        for name, t in sorted(raw_state.items()):
+            try:
+                shape = tuple(int(d) for d in t["shape"])
+                if not STATE_NAME.match(name) or any(d < 0 for d in shape) or len(shape) > 8:
+                    raise ValueError
+                state.append((name, shape, dtypes.name(t["dtype"])))
+            except (KeyError, TypeError, ValueError, OverflowError, DtypeError):
+                raise CorruptEntryError(f"entry header layer {i} has a malformed state tensor {name!r}") from None
+        window = r.get("window")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
+            raise CorruptEntryError(f"entry header layer {i} has a malformed window")
+        spec = LayerSpec(
+            kind, _int(r, "length") if has_kv else 0, _int(r, "kv_heads", 1) if has_kv else 0,
+            _int(r, "head_dim", 1) if has_kv else 0, window, tuple(state),
+        )  # fmt: skip
+        check_layer(spec, n_tokens, i, CorruptEntryError)
+        specs.append(spec)
+    return tuple(specs)
+
+
+def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
+    """Parse an entry's header (format 1 or 2) without verifying the checksum.
+
+    Returns ``(header, payload_offset)``. Raises CorruptEntryError or FormatVersionError."""
+    if len(buf) < _PREFIX + TRAILER_BYTES or bytes(buf[: len(MAGIC)]) != MAGIC:
+        raise CorruptEntryError("not a kvstore entry (bad magic or too short)")
+    (hlen,) = struct.unpack_from("<I", buf, len(MAGIC))
+    if hlen > MAX_ENTRY_HEADER or _PREFIX + hlen + TRAILER_BYTES > len(buf):
+        raise CorruptEntryError("entry header length is out of range")
+    try:
+        h = json.loads(bytes(buf[_PREFIX : _PREFIX + hlen]))
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: hostile "[[[[..."
+        raise CorruptEntryError("entry header is not valid JSON") from None
+    if not isinstance(h, dict):
+        raise CorruptEntryError("entry header is not a JSON object")
+    fmt = _int(h, "format", 1)
+    if fmt > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"entry was written by format version {fmt}; this kvstore reads up to {FORMAT_VERSION} - upgrade kvstore"
+        )
+    for name in ("key", "model", "model_name", "dtype"):
+        if not isinstance(h.get(name), str):
+            raise CorruptEntryError(f"entry header field {name!r} is missing or invalid")
+    try:
+        dtypes.parse_kv(h["dtype"])
+    except DtypeError:
+        raise CorruptEntryError("entry header has an unknown dtype") from None
+    if not isinstance(h.get("codec"), dict):
+        raise CorruptEntryError("entry header has no codec")
+    created = h.get("created")
+    # a printable date (json.loads also accepts NaN, Infinity and 10**400; datetime stops at 9999)
+    if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < 2.5e11:
+        raise CorruptEntryError("entry header field 'created' is missing or invalid")
+    n_tokens = _int(h, "n_tokens", 1)
+    if fmt == 1:
+        spec = LayerSpec(ATTN, n_tokens, _int(h, "kv_heads", 1), _int(h, "head_dim", 1))
+        layers = (spec,) * _int(h, "n_layers", 1)
+        parent, start, numerics = "", 0, {}  # type: ignore[var-annotated]
+    else:
+        layers = _layers_v2(h, n_tokens)
+        parent, start, numerics = h.get("parent"), _int(h, "start"), h.get("numerics")  # type: ignore[assignment]
+        if not isinstance(parent, str) or (parent and not is_key(parent)):
+            raise CorruptEntryError("entry header field 'parent' is missing or invalid")
+        if not isinstance(numerics, dict) or not all(isinstance(v, str) for v in numerics.values()):
+            raise CorruptEntryError("entry header field 'numerics' is missing or invalid")
+    header = EntryHeader(
+        key=h["key"],
+        model=h["model"],
+        model_name=h["model_name"],
+        dtype=h["dtype"],
+        n_tokens=n_tokens,
+        layers=layers,
+        codec=h["codec"],
+        raw_bytes=_int(h, "raw_bytes"),
+        created=float(created),
+        format=fmt,
+        parent=parent,
+        start=start,
+        numerics=numerics,
+    )
+    return header, _PREFIX + hlen
+
+
+def verify_checksum(buf: bytes | memoryview) -> None:
+    """Raise CorruptEntryError unless the trailing xxh3-64 matches the bytes before it."""
+    if len(buf) < _PREFIX + TRAILER_BYTES:
+        raise CorruptEntryError("entry is truncated")
+    (want,) = struct.unpack_from("<Q", buf, len(buf) - TRAILER_BYTES)
+    if xxhash.xxh3_64_intdigest(memoryview(buf)[: len(buf) - TRAILER_BYTES]) != want:  # no copy of the body
+        raise CorruptEntryError("entry checksum mismatch (flipped or truncated bytes)")
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_ENTRY_HEADER",
+    "TRAILER_BYTES",
+    "STATE_NAME",
+    "EntryHeader",
+    "LayerSpec",
+    "check_layer",
+    "read_header",
+    "verify_checksum",
+]

@@ -1,0 +1,169 @@
+"""Stop strings, a token budget per batch, and out-of-memory batches run again as halves: none of
+them changes a row's tokens (beyond cutting them at the stop)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from helpers.cli import read_predictions, run_main, write_dataset
+from helpers.rows import random_rows
+from helpers.tiny import make_tiny_model
+from kvstore.model import decode
+from kvstore.model.adapter import Adapter
+from kvstore.store.kvstore import KVStore
+
+N_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, tok = make_tiny_model("llama", dtype=torch.float64, seed=4)
+    return Adapter(model, tok)
+
+
+def _sample(adapter, contexts, questions, **kw):
+    return adapter.greedy_sample(contexts, questions, N_NEW, stop_at_eos=False, return_details=True, **kw)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_stop_strings_cut_each_row_where_its_text_first_contains_one(llama, tmp_path, use_cache):
+    contexts, questions = random_rows(llama.tokenizer, 7, 0)
+    full = _sample(llama, contexts, questions, use_cache=False)
+    texts = [llama.tokenizer.decode(row[2:3].tolist()) for row in full.tokens]
+    stops = [t for t in texts if t.strip()][:2]  # pieces some rows produce at their third token
+    assert stops
+    with KVStore(str(tmp_path / "s")) as store:
+        got = _sample(llama, contexts, questions, use_cache=use_cache, store=store, stop_strings=stops, batch_size=3)
+    cut_somewhere = 0
+    for r, row in enumerate(full.tokens.tolist()):
+        end = next(
+            (j + 1 for j in range(N_NEW) if any(s in llama.tokenizer.decode(row[: j + 1]) for s in stops)), N_NEW
+        )
+        cut_somewhere += end < N_NEW
+        assert got.lengths[r] == end
+        assert got.tokens[r, :end].tolist() == row[:end]
+        assert (got.tokens[r, end:] == llama.pad_id).all()
+    assert cut_somewhere >= 1
+
+
+def test_out_of_memory_runs_the_batch_again_as_halves(llama, tmp_path, monkeypatch):
+    contexts, questions = random_rows(llama.tokenizer, 8, 1)
+    with KVStore(str(tmp_path / "a")) as store:
+        want = _sample(llama, contexts, questions, store=store, batch_size=8)
+    real, sizes = decode.decode_cached, []
+
+    def tight(adapter, plans, *args):
+        sizes.append(len(plans))
+        if len(plans) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return real(adapter, plans, *args)
+
+    monkeypatch.setattr(decode, "decode_cached", tight)
+    with KVStore(str(tmp_path / "b")) as store:
+        got = _sample(llama, contexts, questions, store=store, batch_size=8)
+    assert sizes == [8, 4, 2, 2, 4, 2, 2]  # halved until it fits, every row once
+    assert torch.equal(got.tokens, want.tokens) and got.cache_hit == want.cache_hit
+
+    def broken(adapter, plans, *args):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(decode, "decode_cached", broken)
+    with KVStore(str(tmp_path / "c")) as store, pytest.raises(RuntimeError, match="something else"):
+        _sample(llama, contexts, questions, store=store)
+
+
+def test_cpu_allocator_failure_counts_as_out_of_memory():
+    assert decode.is_out_of_memory(
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+            "8 bytes."
+        )
+    )
+    assert not decode.is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_max_batch_tokens_bounds_each_batch(llama, tmp_path, monkeypatch):
+    contexts, questions = random_rows(llama.tokenizer, 8, 2)
+    want = _sample(llama, contexts, questions, use_cache=False, batch_size=8)
+    real, batches = decode.decode_reference, []
+
+    def spy(adapter, full_ids, N, *args):
+        batches.append(len(full_ids) * (max(map(len, full_ids)) + N))
+        return real(adapter, full_ids, N, *args)
+
+    monkeypatch.setattr(decode, "decode_reference", spy)
+    got = _sample(llama, contexts, questions, use_cache=False, batch_size=8, max_batch_tokens=80)
+    assert len(batches) > 1 and max(batches) <= 80
+    assert torch.equal(got.tokens, want.tokens)
+
+
+def test_cli_stop(tiny_llama_dir, tmp_path, capsys):
+    data = write_dataset(tmp_path / "d.jsonl", range(3))
+    base = ["--model", tiny_llama_dir, "--store", tmp_path / "s", "--quiet", "--format", "json", "-n", "12"]
+
+    def sample(*extra):
+        out = tmp_path / f"o{len(list(tmp_path.glob('o*')))}.jsonl"
+        code, _, err = run_main(capsys, "sample", data, *base, "-o", out, *extra)
+        assert code == 0, err
+        return read_predictions(out)
+
+    plain = sample()
+    stop = next(r["raw_output"][2:4] for r in plain.values() if len(r["raw_output"].strip()) > 4)
+    cut = sample("--stop", stop, "--max-batch-tokens", "200")
+    for key, row in plain.items():
+        assert row["raw_output"].startswith(cut[key]["raw_output"])
+        if stop in row["raw_output"]:
+            assert stop in cut[key]["raw_output"] and len(cut[key]["raw_output"]) < len(row["raw_output"]) + 1
+    assert any(stop in r["raw_output"] and len(cut[k]["raw_output"]) < len(r["raw_output"]) for k, r in plain.items())
+    assert json.loads(json.dumps(cut))  # rows stay JSON
+
+
+def test_next_batch_loads_on_a_worker_while_this_one_decodes(llama, tmp_path, monkeypatch):
+    """With a store and several batches, every batch's stored prefixes are loaded by the loader
+    thread (``load_batch``) and handed to ``decode_cached``; the tokens are those of one batch."""
+    contexts, questions = random_rows(llama.tokenizer, 7, 5)
+    with KVStore(str(tmp_path / "s")) as store:
+        llama.generate_kv_cache(contexts, store)
+        want = _sample(llama, contexts, questions, store=store, batch_size=8)
+        loads, handed = [], []
+        real_load, real_decode = decode.load_batch, decode.decode_cached
+
+        def load(adapter, plans, *args):
+            loads.append((threading.current_thread().name, len(plans)))
+            return real_load(adapter, plans, *args)
+
+        def dec(adapter, plans, *args):
+            handed.append(args[-1] is not None and len(args[-1].rows_of) <= len(plans))
+            return real_decode(adapter, plans, *args)
+
+        monkeypatch.setattr(decode, "load_batch", load)
+        monkeypatch.setattr(decode, "decode_cached", dec)
+        got = _sample(llama, contexts, questions, store=store, batch_size=3)
+    assert [n for _, n in loads] == [3, 3, 1] and all(name.startswith("kvstore-load") for name, _ in loads)
+    assert handed == [True, True, True]
+    assert torch.equal(got.tokens, want.tokens) and all(got.cache_hit)
+
+
+def test_out_of_memory_with_batches_loaded_ahead(llama, tmp_path, monkeypatch):
+    """Two batches, each loaded ahead on the worker, each too big: each runs again as halves that
+    load themselves, and every row gets its tokens."""
+    contexts, questions = random_rows(llama.tokenizer, 8, 6)
+    with KVStore(str(tmp_path / "s")) as store:
+        llama.generate_kv_cache(contexts, store)
+        want = _sample(llama, contexts, questions, store=store, batch_size=8)
+        real, calls = decode.decode_cached, []
+
+        def tight(adapter, plans, *args):
+            calls.append((len(plans), args[-1] is not None))
+            if len(plans) > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return real(adapter, plans, *args)
+
+        monkeypatch.setattr(decode, "decode_cached", tight)
+        got = _sample(llama, contexts, questions, store=store, batch_size=4)
+    assert calls == [(4, True), (2, False), (2, False)] * 2
+    assert torch.equal(got.tokens, want.tokens) and all(got.cache_hit)

@@ -1,0 +1,68 @@
+"""The backend protocol's optional features (``local``, ``prefetch``, ``disk_bytes``) are declared
+with defaults, so callers use them without probing: every backend answers them, with the value
+that backend's nature gives. The S3 backend's prefetch is tested in test_s3.py."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from kvstore.store.backends import Backend, open_backend
+
+
+@pytest.fixture(params=["lmdb", "memory", "tiered"])
+def backend(request, tmp_path):
+    if request.param == "lmdb":
+        b = open_backend(str(tmp_path / "store"))
+    elif request.param == "memory":
+        b = open_backend(f"memory://features-{uuid.uuid4().hex}")
+    else:  # a tier in front of a shared LMDB path: any URL can be the remote
+        b = open_backend(str(tmp_path / "remote"), cache_dir=str(tmp_path / "tier"), cache_size=1 << 20)
+    b.kind = request.param
+    yield b
+    b.close()
+
+
+def test_every_backend_declares_the_optional_features(backend):
+    assert isinstance(backend, Backend)
+    assert backend.local is (backend.kind in ("lmdb", "memory"))  # a tier's misses go to its remote
+    backend.put(b"e/x", b"value")
+    assert backend.prefetch([b"e/x", b"e/missing"]) is None  # accepted everywhere; loads stay right
+    assert bytes(backend.get(b"e/x")) == b"value"
+    disk = backend.disk_bytes()
+    if backend.kind == "lmdb":
+        assert isinstance(disk, int) and disk > 0
+    else:
+        assert disk is None  # memory holds nothing on disk; a tier's remote is not its own file
+
+
+def test_store_info_reads_disk_bytes_from_the_protocol(tmp_path):
+    from kvstore.store.kvstore import KVStore
+
+    with KVStore(str(tmp_path / "s")) as store:
+        assert store.scan().disk_bytes == store.backend.disk_bytes() > 0
+    with KVStore(f"memory://info-{uuid.uuid4().hex}") as store:
+        assert store.scan().disk_bytes is None
+
+
+# kvstore/model/chains.py still reads `getattr(store.backend, "local", False)` (the model core is
+# being rewritten on another branch): removed by the integrator, who switches it to `.local`.
+PROBES_LEFT = {"kvstore/model/chains.py"}
+
+
+def test_no_caller_probes_a_backend_with_getattr():
+    import ast
+
+    from helpers.paths import REPO
+
+    repo = REPO
+    found = []
+    for path in sorted((repo / "kvstore").rglob("*.py")) + sorted((repo / "cli").rglob("*.py")):
+        rel = str(path.relative_to(repo))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr") and node.args:
+                target = ast.unparse(node.args[0])
+                if ("backend" in target or "remote" in target) and rel not in PROBES_LEFT:
+                    found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "declare the feature on the Backend protocol instead:\n" + "\n".join(found)
