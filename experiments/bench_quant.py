@@ -23,7 +23,8 @@ lossless cache, the floor agreement is judged against). Reported per codec:
   median of ``--repeats`` (min..max in the JSON); ``ttft_ms``: ``greedy_sample`` of one row, one new
   token, from the warm store (same).
 
-Command (from the repository root; writes experiments/results/quant.json and quant.csv)::
+Command (from the repository root; the suite ``quant``: ``python -m experiments run quant [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_quant.py
     .venv/bin/python experiments/bench_quant.py --quick        # float32, the demo set's first 16 rows

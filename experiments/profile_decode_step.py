@@ -6,7 +6,8 @@ and values; a left-padded batch: row r starts 8r slots late, so the step has a r
 step (the key length grows) and its fixed-shape step under ``torch.compile`` (a 768-slot bucket).
 Self CPU time by operator is written to ``experiments/results/profile_decode_step.txt``.
 
-Command (from the repository root):
+Command (from the repository root; the suite ``profile_decode_step``: ``python -m experiments run
+profile_decode_step`` writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
     .venv/bin/python experiments/profile_decode_step.py
 """
