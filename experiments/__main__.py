@@ -25,8 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import render, schema
-from .suites import SUITES, Suite, by_name, read_raw
+from .runner import render, schema
+from .runner.suites import SUITES, Suite, by_name, read_raw
 
 RAW = schema.ROOT / "cache" / "bench" / "raw"
 QUICK = schema.ROOT / "cache" / "bench" / "quick"

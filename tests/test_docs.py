@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from kvstore.cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "experiments" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMANDS = set(app.list_commands(None))  # type: ignore[arg-type]
 OPTION = re.compile(r"(?<![\w-])(--?[a-zA-Z][\w-]*)")
 # bare file names the docs mention that are not committed results (they name inputs, or the soak's
@@ -86,7 +86,7 @@ def table_options(text: str) -> list[tuple[str, str]]:
 
 def test_documented_options_exist_in_help():
     mentions = [(doc, c, o) for doc in DOCS for c, o in command_mentions(doc.read_text())]
-    mentions += [(DOCS[0].parent / "docs/cli.md", c, o) for c, o in table_options((ROOT / "docs/cli.md").read_text())]
+    mentions += [(ROOT / "docs/cli.md", c, o) for c, o in table_options((ROOT / "docs/cli.md").read_text())]
     assert len(mentions) > 50, "the docs show kvstore commands with options: the parser found too few"
     wrong = sorted({f"{rel(doc)}: kvstore {c} {o}" for doc, c, o in mentions if o not in help_options(c)})
     assert not wrong, "options the docs show that `kvstore COMMAND --help` does not list:\n" + "\n".join(wrong)

@@ -3,7 +3,7 @@
 A suite wraps one script unchanged (its own argparse, its own ``--quick``): the runner starts it
 with ``KVSTORE_BENCH_RAW`` naming a scratch folder (``cache/bench/raw/<suite>/``), where the script
 writes its own output (``benchlib.RESULTS``), then converts that output into the result schema
-(:mod:`experiments.schema`) under ``experiments/results/``. Adding a suite for a new script that
+(:mod:`experiments.runner.schema`) under ``experiments/results/``. Adding a suite for a new script that
 writes ``bl.RESULTS / "NAME.json"`` with ``machine``, ``args`` and ``rows`` is one entry::
 
     Suite("name", "What it measures", ("experiments/bench_name.py",), ("name",))

@@ -33,7 +33,7 @@ VERSION = 1
 KEYS = ("suite", "part", "version", "git_sha", "command", "params", "machine", "rows", "notes")
 MACHINE_KEYS = ("cpu", "cores", "mem_gib", "gpu", "torch", "transformers", "load_before", "load_after")
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent  # experiments/
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 
