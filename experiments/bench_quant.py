@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     ap.add_argument("--threads", type=int, default=bl.THREADS)
-    ap.add_argument("--stem", default="quant", help="results file name: experiments/results/STEM.{json,csv}")
+    ap.add_argument("--stem", default="quant", help="output file name: STEM.{json,csv}")
     args = ap.parse_args()
     args.codecs = args.codecs.split(",")
     if args.quick:

@@ -177,6 +177,17 @@ def test_cited_result_names_exist():
     assert not missing, "result files the docs name that are not in experiments/results/:\n" + "\n".join(missing)
 
 
+def test_results_cited_in_the_source_exist():
+    """Comments and docstrings that quote a measurement name its result file: it must exist."""
+    missing = []
+    for folder in ("kvstore", "cli", "experiments"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for name in re.findall(r"experiments/results/([\w.-]+\.\w+)", path.read_text()):
+                if not (ROOT / "experiments" / "results" / name).exists():
+                    missing.append(f"{rel(path)}: experiments/results/{name}")
+    assert not missing, "result files the source cites that do not exist:\n" + "\n".join(missing)
+
+
 def test_removed_results_cited_from_history():
     """Figures from results removed from the tree name the commit that holds them."""
     refs = {m for doc in DOCS for m in re.findall(r"git show\s+([0-9a-f]{7,40}:[\w./-]+)", doc.read_text())}
