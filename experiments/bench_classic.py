@@ -18,7 +18,8 @@ For the kvstore rows the prompt is split into a *context* (system + user turn, s
 tokens/s = 200 / wall seconds of the whole call (prefill included). Methods run round-robin per
 repeat. The original table (Hugging Face's KV-cache docs) was measured on GPUs; this is a CPU.
 
-Command (from the repository root; writes experiments/results/classic.{csv,json} and classic_compile.*):
+Command (from the repository root; the suite ``classic``: ``python -m experiments run classic [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
     .venv/bin/python experiments/bench_classic.py               # 200 tokens, 3 repeats
     .venv/bin/python experiments/bench_classic.py --compile     # dynamic vs static vs static + torch.compile

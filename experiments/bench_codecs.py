@@ -14,7 +14,8 @@ packed with each lossless codec by the library's own ``Packing.pack`` and read b
 MB/s are uncompressed bytes per second (1 MB = 10^6 bytes); median over repeats, min-max beside.
 Entry-level costs (checksum, LMDB) and the lazy load path are in bench_throughput.py.
 
-Command (from the repository root; writes experiments/results/codecs.{csv,json,png}):
+Command (from the repository root; the suite ``codecs``: ``python -m experiments run codecs [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
     .venv/bin/python experiments/bench_codecs.py             # 2048 tokens, 5 repeats
     .venv/bin/python experiments/bench_codecs.py --quick     # smoke test: 256 tokens, 2 repeats

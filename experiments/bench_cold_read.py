@@ -10,8 +10,9 @@ Alternates the two settings ``--repeats`` times.
 This VM's idle reclaim drops the page cache every few minutes (``dmesg``: ``idle-reclaim:
 drop_caches``), so a store read a while ago is cold again.
 
-Command (from the repository root; needs a store, e.g. the one bench_e2e.py builds; writes
-experiments/results/cold_read.json)::
+Command (from the repository root; needs a store, e.g. the one bench_e2e.py builds; the suite
+``cold_read``: ``python -m experiments run cold_read STORE`` writes experiments/results/; run by hand
+it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_cold_read.py cache/bench/e2e/store_40
 """

@@ -21,7 +21,8 @@ compilation; its wall time is reported as ``first_s``). ``tok_per_s`` counts gen
 runs once per repeat with one new token; ``step_ms`` = (wall - that) / (new tokens - 1) is the
 decode step alone. ``identical``: rows of the batch whose tokens equal ``hf-dynamic``'s.
 
-Command (from the repository root; writes experiments/results/decode.{csv,json}):
+Command (from the repository root; the suite ``decode``: ``python -m experiments run decode [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
     .venv/bin/python experiments/bench_decode.py                   # batch 1 and 8, 200 tokens, 3 repeats
     .venv/bin/python experiments/bench_decode.py --quick           # smoke test: 24 tokens, 1 repeat

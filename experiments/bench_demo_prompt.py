@@ -7,7 +7,8 @@ set (78 questions, chat template, float32, 20 new tokens) through the CLI as a u
 accuracy (prefix match), contains (an answer within the prediction), exact match and F1, and the
 mean prediction length in words.
 
-Command (from the repository root; writes experiments/results/demo_prompt.json)::
+Command (from the repository root; the suite ``demo_prompt``: ``python -m experiments run demo_prompt [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_demo_prompt.py
 """

@@ -34,7 +34,8 @@ command a subprocess under ``/usr/bin/time`` (peak RSS) with ``--format json``:
     budget cut to two 512-token chunks (about the queue of 2 chunks it had before the 1 GiB budget;
     patched in for this row), with the raw codec, batch 1.
 
-Command (from the repository root; writes experiments/results/e2e.json and e2e_*.csv)::
+Command (from the repository root; the suite ``e2e``: ``python -m experiments run e2e [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_e2e.py --parts main                 # 40 contexts (~80 questions)
     .venv/bin/python experiments/bench_e2e.py --parts sweep

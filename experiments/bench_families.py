@@ -11,7 +11,8 @@ path, whose questions run grouped by length (here all questions have one length:
 Medians and min-max of ``--repeats`` runs; build = ``generate_kv_cache`` into a fresh memory
 store; sample = ``greedy_sample`` on all rows at once from the warm store.
 
-Command (from the repository root; writes experiments/results/families.json)::
+Command (from the repository root; the suite ``families``: ``python -m experiments run families [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_families.py            # 8 rows x 1024 tokens, 5 repeats
     .venv/bin/python experiments/bench_families.py --quick    # 4 rows x 256 tokens, 2 repeats
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -31,7 +33,8 @@ from transformers import AutoModelForCausalLM, Mamba2Config, MistralConfig
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
 
-RESULTS = Path(__file__).parent / "results" / "families.json"
+# the runner's scratch folder (python -m experiments run families); by hand: cache/bench/raw/
+RESULTS = Path(os.environ.get("KVSTORE_BENCH_RAW") or Path(__file__).resolve().parent.parent / "cache/bench/raw")
 
 
 class _Tok:  # just enough tokenizer for id inputs
@@ -103,8 +106,8 @@ def main() -> None:
         print(kind, path, {k: round(v["median"], 3) for k, v in results[kind].items() if isinstance(v, dict)})
     results["mamba2"].pop("_answers", None)
     doc = {"command": "bench_families.py", "args": vars(args), "torch_threads": 1, "results": results}
-    if not args.quick:
-        RESULTS.write_text(json.dumps(doc, indent=2) + "\n")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / ("families_quick.json" if args.quick else "families.json")).write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(doc, indent=2))
 
 

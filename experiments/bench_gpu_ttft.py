@@ -7,7 +7,8 @@ needs downloading; timings do not depend on the weights' values. Same protocol a
 the local disk (LMDB), warm; ``torch.cuda.synchronize()`` before every clock read. The stored KV
 is decoded on the CPU and copied into the GPU batch buffers (no pinned staging yet).
 
-Command (from the repository root on a CUDA machine; writes experiments/results/gpu_ttft.json)::
+Command (from the repository root on a CUDA machine; the suite ``gpu_ttft``: ``python -m experiments run
+gpu_ttft [ARGS]`` writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     python experiments/bench_gpu_ttft.py
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -25,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# the runner's scratch folder (python -m experiments run gpu_ttft); by hand: cache/bench/raw/
+RESULTS = Path(os.environ.get("KVSTORE_BENCH_RAW") or Path(__file__).resolve().parent.parent / "cache/bench/raw")
 
 
 def smollm2_shaped(dtype: torch.dtype):
@@ -127,7 +130,7 @@ def main() -> None:
     import transformers
 
     info["transformers"] = transformers.__version__
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "gpu_ttft.json").write_text(
         json.dumps({"machine": info, "repeats": args.repeats, "rows": rows}, indent=1)
     )

@@ -23,8 +23,9 @@ took 31 ms instead of 0.2 ms right after llama.cpp calls).
 Methods run round-robin within each repeat after one untimed warm-up each. ``state_bytes`` is the
 size of llama.cpp's state file; ``stored_bytes`` kvstore's stored chain.
 
-Command (from the repository root; needs ``pip install llama-cpp-python``; writes
-experiments/results/llamacpp.{csv,json})::
+Command (from the repository root; needs ``pip install llama-cpp-python``; the suite ``llamacpp``:
+``python -m experiments run llamacpp [ARGS]`` writes experiments/results/; run by hand it writes to
+cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_llamacpp.py                 # 256..4096 tokens, 5 repeats
     .venv/bin/python experiments/bench_llamacpp.py --quick         # 256 and 512 tokens, 2 repeats

@@ -10,7 +10,8 @@ bytes (what the cache must hold) and the wall time. The growth beyond the KV is 
 working memory: activations, attention scratch (eager attention materializes a
 ``heads x piece x context`` score matrix per layer), allocator slack.
 
-Command (from the repository root; writes experiments/results/memory.{csv,json}):
+Command (from the repository root; the suite ``memory``: ``python -m experiments run memory [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
     .venv/bin/python experiments/bench_memory.py                      # 2k and 8k tokens
     .venv/bin/python experiments/bench_memory.py --quick              # smoke test: 1k tokens

@@ -22,7 +22,8 @@ SmolLM2-135M-Instruct in float32, 2 threads:
 Bytes are counted from the LMDB files directly, the same way for both formats: the values under
 ``e/`` (entries or chunks) and ``r/`` (format 2's context records), and the pages LMDB uses.
 
-Command (from the repository root; writes experiments/results/prefix.json and prefix.csv)::
+Command (from the repository root; the suite ``prefix``: ``python -m experiments run prefix [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_prefix.py
     .venv/bin/python experiments/bench_prefix.py --quick    # smoke test: few documents, short texts

@@ -23,7 +23,8 @@ lossless cache, the floor agreement is judged against). Reported per codec:
   median of ``--repeats`` (min..max in the JSON); ``ttft_ms``: ``greedy_sample`` of one row, one new
   token, from the warm store (same).
 
-Command (from the repository root; writes experiments/results/quant.json and quant.csv)::
+Command (from the repository root; the suite ``quant``: ``python -m experiments run quant [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_quant.py
     .venv/bin/python experiments/bench_quant.py --quick        # float32, the demo set's first 16 rows
@@ -176,7 +177,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     ap.add_argument("--threads", type=int, default=bl.THREADS)
-    ap.add_argument("--stem", default="quant", help="results file name: experiments/results/STEM.{json,csv}")
+    ap.add_argument("--stem", default="quant", help="output file name: STEM.{json,csv}")
     args = ap.parse_args()
     args.codecs = args.codecs.split(",")
     if args.quick:

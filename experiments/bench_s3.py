@@ -25,8 +25,8 @@ every figure (SeaweedFS spends ~1.3-1.6 CPU-s per GiB read and 9-17 per GiB writ
   `kvstore size` Pythia example (8 models x 225 contexts x 2048 tokens, float32) built by N
   machines into one bucket. Every assumption is in the output.
 
-Command (from the repository root; writes experiments/results/s3_{load,sample,shards,failures}.{csv,json}
-and s3_estimate.json):
+Command (from the repository root; the suite ``s3``: ``python -m experiments run s3 [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
     .venv/bin/python experiments/bench_s3.py                     # all parts, 5 repeats (sample: 3)
     .venv/bin/python experiments/bench_s3.py --parts load --repeats 7

@@ -24,7 +24,8 @@ bytes copied into memory allocated once); ``memcpy-fresh`` is the baseline for f
 
 MB/s counts the KV bytes delivered (keys + values, uncompressed), 1 MB = 10^6 bytes.
 
-Command (from the repository root; writes experiments/results/throughput.{csv,json}):
+Command (from the repository root; the suite ``throughput``: ``python -m experiments run throughput [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
     .venv/bin/python experiments/bench_throughput.py             # 2048 tokens, 7 repeats
     .venv/bin/python experiments/bench_throughput.py --quick     # smoke test: 256 tokens, 2 repeats

@@ -23,7 +23,8 @@ Every method also reports its pieces (``load``: everything before the model call
 model call). Methods run round-robin within each repeat, so drift in the machine's load hits them
 alike; one untimed run of each warms the page cache first. Files live under ``cache/bench/ttft``.
 
-Command (from the repository root; writes experiments/results/ttft.{csv,json,png})::
+Command (from the repository root; the suite ``ttft``: ``python -m experiments run ttft [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_ttft.py                 # full: 256..4096 tokens, 5 repeats
     .venv/bin/python experiments/bench_ttft.py --chunk-sweep   # + chunk sizes 64..2048 at 2048 tokens

@@ -29,7 +29,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-RESULTS = HERE / "results"
+# Where a script writes its own output: the runner (``python -m experiments run SUITE``) names a
+# scratch folder per suite and converts what lands there into ``experiments/results/``; a script
+# run by hand writes to ``cache/bench/raw/`` and never touches the committed results.
+RESULTS = Path(os.environ.get("KVSTORE_BENCH_RAW") or ROOT / "cache" / "bench" / "raw")
 SCRATCH = ROOT / "cache" / "bench"  # stores and peer files live here (git-ignored), not in /tmp
 THREADS = 2
 

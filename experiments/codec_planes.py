@@ -12,7 +12,8 @@ of every plane and in all, the time to decompress every frame (fresh output buff
 does) and to put the planes back together straight into preallocated float tensors (strided copies,
 as ``records._copy_planes`` does), against a plain copy of the same bytes into the same tensors.
 
-Command (from the repository root; writes experiments/results/codec_planes.json):
+Command (from the repository root; the suite ``codec_planes``: ``python -m experiments run codec_planes [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
     .venv/bin/python experiments/codec_planes.py
 """

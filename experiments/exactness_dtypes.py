@@ -8,13 +8,15 @@ Command (about 10 minutes on a 2-core CPU):
 
     .venv/bin/python experiments/exactness_dtypes.py --questions 40 --new-tokens 16
 
-Writes ``experiments/results/exactness_dtypes.json`` and prints a table.
+Prints a table; the suite ``exactness_dtypes`` (``python -m experiments run exactness_dtypes [ARGS]``)
+writes experiments/results/exactness_dtypes.json (run by hand, the script writes to cache/bench/raw/).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -88,7 +90,7 @@ def main() -> None:
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "results": results,
     }
-    path = ROOT / "experiments/results/exactness_dtypes.json"
+    path = Path(os.environ.get("KVSTORE_BENCH_RAW") or ROOT / "cache/bench/raw") / "exactness_dtypes.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(

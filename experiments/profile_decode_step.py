@@ -4,9 +4,10 @@ The bundled SmolLM2-135M-Instruct (float32, 2 threads) decodes from a 512-token 
 and values; a left-padded batch: row r starts 8r slots late, so the step has a real mask), batch
 8. After warm-up (and compilation), ``torch.profiler`` records 10 steps of each: kvstore's eager
 step (the key length grows) and its fixed-shape step under ``torch.compile`` (a 768-slot bucket).
-Self CPU time by operator is written to ``experiments/results/profile_decode_step.txt``.
+Self CPU time by operator: the suite writes it to ``experiments/results/profile_decode_step.json``.
 
-Command (from the repository root):
+Command (from the repository root; the suite ``profile_decode_step``: ``python -m experiments run
+profile_decode_step`` writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
     .venv/bin/python experiments/profile_decode_step.py
 """

@@ -6,7 +6,8 @@ threads: the part of a stored TTFT that no store can shorten. The table lists op
 CPU time over ``--repeats`` forwards after one warm-up, so it shows what a leaner step would have to
 remove (matrix multiplies are the model's own work; everything else is overhead).
 
-Command (from the repository root; writes experiments/results/profile_question_step.txt)::
+Command (from the repository root; the suite ``profile_question_step``: ``python -m experiments run
+profile_question_step [ARGS]`` writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/profile_question_step.py
 """

