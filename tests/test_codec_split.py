@@ -13,9 +13,9 @@ import pytest
 import torch
 import zstandard
 
-from helpers.entries import assemble, bits, encode, kv_layers, split
+from helpers.entries import assemble, bits, encode, kv_layers, rle_frame, split
 from kvstore.errors import CodecError, CorruptEntryError
-from kvstore.store.codecs import DEFAULT_CODEC, LEGACY_CODEC, get_codec
+from kvstore.store.codecs import DEFAULT_CODEC, LEGACY_CODEC, Codec, get_codec
 from kvstore.store.codecs.split import SplitRecord
 from kvstore.store.entry import Entry, decode_entry, encode_entry
 from kvstore.store.keys import chain_keys, chain_seed
@@ -151,6 +151,40 @@ def test_hostile_tables_are_corrupt(edit):
         view = decode_entry(bad, lazy=True)
         for k, v in view.layers:
             k.materialize(), v.materialize()
+
+
+def test_misaligned_plane_table_is_refused_even_when_parts_line_up():
+    """Planes of 1, 2 and 1 bytes: the 2-byte unit at byte 1 cannot be one strided copy."""
+    packing = get_codec("zstd-split:1").packing
+    packing.planes["F32"] = ((1, False), (2, False), (1, True))  # type: ignore[attr-defined]
+    blob = encode(kv_layers(1, 2, 9, 8), Codec(get_codec("raw").quantizer, packing))
+    with pytest.raises(CorruptEntryError, match="cannot be copied"):
+        decode_entry(blob, lazy=True)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_frame_claiming_more_than_the_table_is_never_decompressed(monkeypatch, lazy):
+    """A frame whose own header claims 2 GiB (a few KB of RLE blocks) where the table says a few
+    hundred bytes is refused before anything is decompressed (nothing allocated in full)."""
+    import kvstore.store.codecs.split as split_module
+
+    blob = encode(kv_layers(1, 2, 64, 8, extremes=False), "zstd-split:1")
+    header, payload = split(blob)
+    parts = header["codec"]["parts"]
+    start = sum(c for c, _ in parts[:3])
+    bomb = rle_frame(1 << 31)
+    payload = payload[:start] + bomb + payload[start + parts[3][0] :]
+    parts[3][0] = len(bomb)
+    real = split_module._decompress
+
+    def guarded(frame, size):
+        assert zstandard.frame_content_size(frame) == size, "decompressed a frame the table disagrees with"
+        return real(frame, size)
+
+    monkeypatch.setattr(split_module, "_decompress", guarded)
+    with pytest.raises(CorruptEntryError, match="declares"):
+        view = decode_entry(assemble(header, payload), lazy=lazy)
+        view.layers[0][0].materialize()
 
 
 def test_damaged_frame_raises_on_copy_when_lazy():
