@@ -113,11 +113,12 @@ class KVStore:
     or ``memory://NAME``; default ``$KVSTORE_STORE`` or ``<home>/store``.
 
     ``readonly`` opens for reading only (a missing store is then an error). ``codec`` sets the
-    codec for the entries this handle writes (default: the store's, itself ``zstd-shuffle:1``
-    unless chosen when the store was created). A store's recorded default is always lossless: a
-    lossy codec applies only to the handle that names it, and is part of the keys it computes
-    (see :attr:`codec`). ``chunk_tokens`` sets the chunk size of a new store (default 512); an
-    existing store keeps its own. ``backend_options`` go to
+    codec for the entries this handle writes (default: the store's, itself ``zstd-split:1:16`` for
+    a store created by this release, ``zstd-shuffle:1`` before, unless chosen when it was
+    created). A store's recorded default is always lossless: a lossy codec applies only to the
+    handle that names it, and is part of the keys it computes (see :attr:`codec`).
+    ``chunk_tokens`` sets the chunk size of a new store (default 512); an existing store keeps its
+    own. ``backend_options`` go to
     :func:`kvstore.store.backends.open_backend`, e.g. ``cache_dir`` and ``cache_size`` for a local
     tier in front of a remote store.
     """

@@ -7,16 +7,18 @@ A codec has two parts, named together in one spec string joined by ``+``:
   KV tensor into one or more stored tensors and decodes them straight into a destination buffer
   (a strided view of the batch buffers), in the model's dtype;
 * a **packing** decides how the payload's bytes are laid out: ``raw`` (a plain safetensors file),
-  ``zstd[:LEVEL]`` (one zstd frame per tensor) or ``zstd-shuffle[:LEVEL]`` (one frame per byte
-  plane of each tensor). Packings are lossless.
+  ``zstd[:LEVEL]`` (one zstd frame per tensor), ``zstd-shuffle[:LEVEL]`` (one frame per byte
+  plane of each tensor) or ``zstd-split[:LEVEL[:BITS]]`` (each float's low bytes as they are, its
+  high byte plane in one frame). Packings are lossless.
 
-Specs: ``raw``, ``zstd:3``, ``zstd-shuffle:1`` (the default), and with a quantizer e.g.
-``int8:64+zstd``. Only a lossy quantizer is part of an entry's identity (its key): entries under
-different lossless codecs are interchangeable.
+Specs: ``raw``, ``zstd:3``, ``zstd-shuffle:1``, ``zstd-split:1:16`` (the default: see
+``docs/codecs.md``), and with a quantizer e.g. ``int8:64+zstd``. Only a lossy quantizer is part of
+an entry's identity (its key): entries under different lossless codecs are interchangeable.
 
 A new codec is one module that defines a :class:`Quantizer` or :class:`Packing` and calls
-:func:`register_quantizer` / :func:`register_packing`; the built-in ones are imported at the
-bottom of this module. Codecs see tensors and bytes, never keys or stores.
+:func:`register_quantizer` / :func:`register_packing` from :mod:`kvstore.store.codecs.base` (never
+from this package, which imports the built-in codec modules: that would be an import cycle); add
+its import below. Codecs see tensors and bytes, never keys or stores.
 """
 
 from __future__ import annotations
