@@ -241,8 +241,9 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @_dataset_options
 @_model_options
 @_codec_option(
-    "Codec for new entries: lossless raw, zstd[:LEVEL] or zstd-shuffle[:LEVEL] [default: the store's, "
-    "zstd-shuffle:1], or lossy int8[:G], int4[:G] or fp8 (optionally +zstd): lossy entries are found only by "
+    "Codec for new entries: lossless zstd-split[:LEVEL[:BITS]], raw, zstd[:LEVEL] or zstd-shuffle[:LEVEL] "
+    "[default: the store's; new stores zstd-split:1:16], or lossy int8[:G], int4[:G] or fp8 (optionally "
+    "+PACKING): lossy entries are found only by "
     "sample --codec with the same codec."
 )
 @click.option(

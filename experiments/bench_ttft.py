@@ -94,13 +94,28 @@ def run_length(
     from transformers import DynamicCache
 
     from helpers.entries import encode_v1
+    from kvstore.model.chains import plan
     from kvstore.store.keys import cache_key
+    from kvstore.store.kvstore import KVStore
 
     model = adapter.model
     ctx = bl.synthetic_ids(n, seed=1000 + n)
     layers = tuple((k.contiguous().clone(), v.contiguous().clone()) for k, v in adapter.prefill([ctx])[0])
+    built: dict[int, KVStore] = {}  # chunk size -> the store prefilled for it
     for store in stores.values():
-        adapter.generate_kv_cache([ctx], store, batch_size=1)  # a chain of the store's chunk size
+        source = built.get(store.chunk_tokens)
+        if source is None:  # a chain of the store's chunk size
+            adapter.generate_kv_cache([ctx], store, batch_size=1)
+            built[store.chunk_tokens] = store
+            continue
+        # the same chain re-encoded with this store's codec (what `kvstore sync --codec` does): the
+        # same entries as a prefill would write, without one more prefill per codec
+        p = plan(adapter, ctx, chunk_tokens=store.chunk_tokens)
+        for key in p.keys:
+            entry = source.get(key)
+            assert entry is not None
+            store.put(entry)
+        store.put_context(p.key, p.keys, len(ctx))
     v1_key = cache_key(adapter.fingerprint, adapter.dtype, ctx)
     for spec, store in (v1_stores or {}).items():
         blob = encode_v1(layers, spec, ctx, v1_key, time.time(), adapter.fingerprint, adapter.name)
@@ -173,12 +188,14 @@ def run_length(
         "floor-dynamic": floor_dynamic,
     }
     first = {name: fn()[0] for name, fn in methods.items()}  # warm-up (page cache, lazy init)
+    tokens = {name: [tok] for name, tok in first.items()}
     times: dict[str, list[dict]] = {name: [] for name in methods}
     for r in range(repeats):
         for name, fn in methods.items():
             if name == "recompute" and r >= recompute_repeats:
                 continue
             tok, t = fn()
+            tokens[name].append(tok)
             first[name] = tok if first[name] == tok else -1
             times[name].append(t)
     ft.close()
@@ -202,6 +219,7 @@ def run_length(
                     "n": s["n"],
                 }
         row["first_token"] = first[name]
+        row["tokens"] = tokens[name]  # every run's first token, the warm-up first
         row["same_token_as_recompute"] = first[name] == ref
         rows.append(row)
     by = {r["method"]: r for r in rows}
@@ -223,7 +241,7 @@ def _style(m: str) -> dict:
     return {"linestyle": ":", "marker": "s"}
 
 
-def plot(rows: list[dict], path, threads: int) -> None:
+def plot(rows: list[dict], path, threads: int, dtype: str = "float32") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -280,7 +298,7 @@ def plot(rows: list[dict], path, threads: int) -> None:
     a3.set_title(f"Where the time goes at {n} tokens")
     a3.legend(fontsize=8)
     a3.grid(True, axis="x", alpha=0.3)
-    fig.suptitle(f"SmolLM2-135M-Instruct fp32 on CPU ({threads} threads)", fontsize=10)
+    fig.suptitle(f"SmolLM2-135M-Instruct {dtype} on CPU ({threads} threads)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -299,6 +317,8 @@ def main() -> None:
     )
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads")
+    p.add_argument("--dtype", default="float32", help="model and KV dtype (not float32: results to ttft_<dtype>.*)")
+    p.add_argument("--out", default="", help="results file stem (default: ttft, ttft_quick or ttft_<dtype>)")
     args = p.parse_args()
     if args.quick:
         args.lengths, args.repeats, args.recompute_repeats, args.sweep_lengths = "256,512", 2, 2, "512"
@@ -307,7 +327,7 @@ def main() -> None:
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
     info = bl.machine()
-    adapter = bl.load_adapter("float32")
+    adapter = bl.load_adapter(args.dtype)
     from kvstore.store.kvstore import KVStore
 
     scratch = bl.SCRATCH / "ttft"
@@ -356,12 +376,14 @@ def main() -> None:
             s.close()
         shutil.rmtree(scratch, ignore_errors=True)
     info["load_after"] = bl.loadavg()
-    stem = "ttft_quick" if args.quick else "ttft"
+    stem = args.out or ("ttft_quick" if args.quick else "ttft" + ("" if args.dtype == "float32" else f"_{args.dtype}"))
     bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
     bl.write_json(
         bl.RESULTS / f"{stem}.json",
         {
             "machine": info,
+            "dtype": args.dtype,
+            "codecs": codecs,
             "question_tokens": len(q_ids),
             "repeats": args.repeats,
             "chunk_sweep": sorted(sweep_lengths) if sweep else [],
@@ -369,7 +391,7 @@ def main() -> None:
             "rows": rows,
         },
     )
-    plot(rows, bl.RESULTS / f"{stem}.png", torch.get_num_threads())
+    plot(rows, bl.RESULTS / f"{stem}.png", torch.get_num_threads(), args.dtype)
     print(
         f"wrote {bl.RESULTS / stem}.{{csv,json,png}}; load average before {info['load_before']}, after "
         f"{info['load_after']}"

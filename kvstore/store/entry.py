@@ -251,16 +251,20 @@ def encode_entry(entry: Entry, codec: Codec | str | None = None) -> bytes:
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
-def decode_entry(buf: bytes | memoryview, *, key: str | None = None, threads: int = 1, lazy: bool = False) -> EntryView:
+def decode_entry(
+    buf: bytes | memoryview, *, key: str | None = None, threads: int = 1, lazy: bool = False, checked: bool = False
+) -> EntryView:
     """Verify and decode an entry (format 1 or 2). The returned view's records may view ``buf``.
     ``lazy``: compressed tensors are decompressed when copied (a frame that does not decompress
-    then raises CorruptEntryError from the copy), not here.
+    then raises CorruptEntryError from the copy), not here. ``checked``: the caller has just
+    verified ``buf``'s checksum (:func:`verify_checksum`, e.g. of a chain's chunks in parallel).
 
     Checks, in order: checksum, header, declared sizes (before allocating anything), the payload's
     tensors against the header (names, shapes, dtypes), and the safetensors metadata against the
     header. ``key``, if given, must match the entry's own key.
     """
-    verify_checksum(buf)
+    if not checked:
+        verify_checksum(buf)
     header, offset = read_header(buf)
     if key is not None and header.key != key:
         raise CorruptEntryError(f"entry stored under {key[:12]} says it is {header.key[:12]}")

@@ -26,6 +26,7 @@ entries; a corrupt one is replaced. Listings read each entry's header only (``Ba
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import struct
 import time
@@ -43,9 +44,10 @@ from kvstore.errors import (
     ReadOnlyStoreError,
 )
 from kvstore.layer_kinds import ATTN
+from kvstore.parallel import run_all
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
-from kvstore.store.codecs import DEFAULT_CODEC, Codec, get_codec, identity_of
+from kvstore.store.codecs import DEFAULT_CODEC, LEGACY_CODEC, Codec, get_codec, identity_of
 from kvstore.store.entry import (
     FORMAT_VERSION,
     MAX_ENTRY_HEADER,
@@ -55,6 +57,7 @@ from kvstore.store.entry import (
     decode_entry,
     encode_entry,
     read_header,
+    verify_checksum,
 )
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS
 from kvstore.store.keyspace import ACCESS, ENTRY, META, RECORD, access_key, entry_key, key_of, record_key
@@ -102,11 +105,12 @@ class KVStore:
     or ``memory://NAME``; default ``$KVSTORE_STORE`` or ``<home>/store``.
 
     ``readonly`` opens for reading only (a missing store is then an error). ``codec`` sets the
-    codec for the entries this handle writes (default: the store's, itself ``zstd-shuffle:1``
-    unless chosen when the store was created). A store's recorded default is always lossless: a
-    lossy codec applies only to the handle that names it, and is part of the keys it computes
-    (see :attr:`codec`). ``chunk_tokens`` sets the chunk size of a new store (default 512); an
-    existing store keeps its own. ``backend_options`` go to
+    codec for the entries this handle writes (default: the store's, itself ``zstd-split:1:16`` for
+    a store created by this release, ``zstd-shuffle:1`` before, unless chosen when it was
+    created). A store's recorded default is always lossless: a lossy codec applies only to the
+    handle that names it, and is part of the keys it computes (see :attr:`codec`).
+    ``chunk_tokens`` sets the chunk size of a new store (default 512); an existing store keeps its
+    own. ``backend_options`` go to
     :func:`kvstore.store.backends.open_backend`, e.g. ``cache_dir`` and ``cache_size`` for a local
     tier in front of a remote store.
     """
@@ -151,7 +155,7 @@ class KVStore:
         try:
             d = json.loads(raw)
             fmt = int(d["format"])
-            meta = _Meta(fmt, str(d.get("codec", DEFAULT_CODEC)), int(d.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)),
+            meta = _Meta(fmt, str(d.get("codec", LEGACY_CODEC)), int(d.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)),
                          float(d.get("created", 0.0)))  # fmt: skip
             get_codec(meta.codec)
             if not 1 <= meta.chunk_tokens <= MAX_CHUNK_TOKENS:
@@ -252,9 +256,13 @@ class KVStore:
             view = None if buf is None else self._decode(key, buf)
             yield view
 
-    def _decode(self, key: str, buf, lazy: bool = False) -> EntryView | None:
+    def _decode(self, key: str, buf, lazy: bool = False, checked: BaseException | bool = False) -> EntryView | None:
+        """``checked``: True when ``buf``'s checksum was verified already, or the exception
+        verifying it raised."""
         try:
-            view = decode_entry(buf, key=key, threads=self.codec.decode_threads(), lazy=lazy)
+            if isinstance(checked, BaseException):
+                raise checked
+            view = decode_entry(buf, key=key, threads=self.codec.decode_threads(), lazy=lazy, checked=bool(checked))
         except CorruptEntryError as exc:
             warnings.warn(
                 f"kvstore: entry {key[:16]} is corrupt ({exc}); treating it as a miss",
@@ -345,11 +353,24 @@ class KVStore:
         prefix (a corrupt one warns): the rest of the chain is a miss from there on. ``lazy``: see
         :func:`kvstore.store.entry.decode_entry` (checksums are still verified here)."""
         with contextlib.ExitStack() as stack:
-            views: list[EntryView] = []
-            expected_parent, expected_start = parent, 0
+            bufs = []
             for key in keys:
                 buf = stack.enter_context(self.backend.view(entry_key(key)))
-                view = None if buf is None else self._decode(key, buf, lazy)
+                if buf is None:
+                    break
+                bufs.append(buf)
+            # every chunk's checksum at once, on the load threads (xxh3 releases the GIL): one
+            # thread verifying a long context's chunks in turn cost as much as copying them
+            checks: list[BaseException | bool] = [False] * len(bufs)
+            if len(bufs) > 1:
+                errors = run_all([functools.partial(verify_checksum, b) for b in bufs], self.codec.decode_threads())
+                checks = [True if err is None else err for err in errors]
+            views: list[EntryView] = []
+            expected_parent, expected_start = parent, 0
+            for key, buf, check in zip(keys, bufs, checks):
+                if isinstance(check, BaseException) and not isinstance(check, CorruptEntryError):
+                    raise check
+                view = self._decode(key, buf, lazy, check)
                 if view is None:
                     break
                 h = view.header

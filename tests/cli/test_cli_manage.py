@@ -20,6 +20,7 @@ from helpers.paths import REPO
 from kvstore.cli.common import emit, parse_duration, parse_size, progress_bar, render_table
 from kvstore.cli.main import app, main
 from kvstore.store.backends import open_backend
+from kvstore.store.codecs import DEFAULT_CODEC
 from kvstore.store.entry import FORMAT_VERSION, Entry
 from kvstore.store.kvstore import KVStore
 
@@ -98,7 +99,7 @@ def test_ls_json_filter_and_sort(store):
     row = rows[-1]
     assert row["model"] == FP_TINY and row["model_name"] == "tiny" and row["dtype"] == "float32"
     assert (row["n_tokens"], row["chunks"], row["complete"], row["format"]) == (8, 1, True, 2)
-    assert row["codec"] == "zstd-shuffle:1" and row["stored_bytes"] > 0 and row["raw_bytes"] > 0
+    assert row["codec"] == DEFAULT_CODEC and row["stored_bytes"] > 0 and row["raw_bytes"] > 0
     assert row["numerics"] == {"device": "cpu", "attn": "sdpa"}
     chunk = json.loads(invoke("ls", "--store", path, "--chunks", "--format", "json", "--sort", "tokens").stdout)[-1]
     assert (chunk["n_layers"], chunk["kv_heads"], chunk["head_dim"], chunk["start"]) == (2, 2, 4, 0)
@@ -152,12 +153,12 @@ def test_stats(store):
     assert "Total: 4 contexts, 80 tokens; 4 chunks" in r.stdout and "dedupe 1.00x" in r.stdout
     table = [line.split() for line in r.stdout.splitlines() if line.startswith(("tiny", "other"))]
     assert [(t[0], t[2], t[3], t[4], t[5]) for t in table] == [
-        ("other", "float16", "zstd-shuffle:1", "2", "56"),
-        ("tiny", "bfloat16", "zstd-shuffle:1", "1", "16"),
-        ("tiny", "float32", "zstd-shuffle:1", "1", "8"),
+        ("other", "float16", DEFAULT_CODEC, "2", "56"),
+        ("tiny", "bfloat16", DEFAULT_CODEC, "1", "16"),
+        ("tiny", "float32", DEFAULT_CODEC, "1", "8"),
     ]
     doc = json.loads(invoke("stats", "--store", path, "--format", "json").stdout)
-    assert doc["format"] == FORMAT_VERSION and doc["codec"] == "zstd-shuffle:1"
+    assert doc["format"] == FORMAT_VERSION and doc["codec"] == DEFAULT_CODEC
     totals = doc["totals"]
     assert totals["contexts"] == totals["entries"] == 4 and totals["n_tokens"] == 80 and totals["corrupt"] == 0
     assert totals["logical_bytes"] == totals["stored_bytes"] and totals["dedupe_ratio"] == 1.0

@@ -7,263 +7,50 @@ A codec has two parts, named together in one spec string joined by ``+``:
   KV tensor into one or more stored tensors and decodes them straight into a destination buffer
   (a strided view of the batch buffers), in the model's dtype;
 * a **packing** decides how the payload's bytes are laid out: ``raw`` (a plain safetensors file),
-  ``zstd[:LEVEL]`` (one zstd frame per tensor) or ``zstd-shuffle[:LEVEL]`` (one frame per byte
-  plane of each tensor). Packings are lossless.
+  ``zstd[:LEVEL]`` (one zstd frame per tensor), ``zstd-shuffle[:LEVEL]`` (one frame per byte
+  plane of each tensor) or ``zstd-split[:LEVEL[:BITS]]`` (each float's low bytes as they are, its
+  high byte plane in one frame). Packings are lossless.
 
-Specs: ``raw``, ``zstd:3``, ``zstd-shuffle:1`` (the default), and with a quantizer e.g.
-``int8:64+zstd``. Only a lossy quantizer is part of an entry's identity (its key): entries under
-different lossless codecs are interchangeable.
+Specs: ``raw``, ``zstd:3``, ``zstd-shuffle:1``, ``zstd-split:1:16`` (the default: see
+``docs/codecs.md``), and with a quantizer e.g. ``int8:64+zstd``. Only a lossy quantizer is part of
+an entry's identity (its key): entries under different lossless codecs are interchangeable.
 
 A new codec is one module that defines a :class:`Quantizer` or :class:`Packing` and calls
-:func:`register_quantizer` / :func:`register_packing`; the built-in ones are imported at the
-bottom of this module. Codecs see tensors and bytes, never keys or stores.
+:func:`register_quantizer` / :func:`register_packing` from :mod:`kvstore.store.codecs.base` (never
+from this package, which imports the built-in codec modules: that would be an import cycle); add
+its import below. Codecs see tensors and bytes, never keys or stores.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
-
-import torch
-
-from kvstore.errors import CodecError, CorruptEntryError
-from kvstore.store.codecs.records import DecodedPayload, TensorRecord
-
-DEFAULT_CODEC = "zstd-shuffle:1"
-KV_ROLES = ("keys", "values")
-
-
-@runtime_checkable
-class StoredTensor(Protocol):
-    """A stored tensor ready to be read: into a destination buffer, or into a fresh tensor."""
-
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def dtype(self) -> torch.dtype: ...
-    def copy_into(self, dest: torch.Tensor) -> None: ...
-    def materialize(self) -> torch.Tensor: ...
-
-
-class Quantizer(Protocol):
-    """How one key or value tensor ``[kv_heads, n_tokens, head_dim]`` is stored.
-
-    ``role`` is ``"keys"`` or ``"values"``: a quantizer may treat them on different axes."""
-
-    name: str
-    lossless: bool
-
-    @property
-    def spec(self) -> str:
-        """This quantizer with its parameters, e.g. ``int8:64`` (``none`` for the identity)."""
-        ...
-
-    def params(self) -> dict:
-        """What an entry header records to decode (JSON-serialisable)."""
-        ...
-
-    def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
-        """The stored tensors for ``tensor`` (a chunk starting at context position ``start``):
-        ``(suffix, tensor)`` pairs, stored under ``name + suffix`` (suffix ``""``: under the
-        tensor's own name). Raises CodecError for a tensor this quantizer cannot store."""
-        ...
-
-    def reader(
-        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
-    ) -> StoredTensor:
-        """Check the stored parts of ``name`` against the ``shape`` and ``dtype`` the entry header
-        declares and return a reader for them. Raises CorruptEntryError when they do not fit."""
-        ...
-
-    def stored_names(self, name: str) -> list[str]:
-        """The names under which ``encode`` stores tensor ``name``."""
-        ...
-
-    def bits_per_value(self, head_dim: int, dtype_bits: int) -> float:
-        """Stored bits per key/value element, scales and zeros included (averaged over keys and
-        values; a context's first few tokens and partial groups aside): size estimates use it."""
-        ...
-
-
-class Packing(Protocol):
-    """How a payload's bytes are laid out (lossless)."""
-
-    name: str
-
-    @property
-    def spec(self) -> str: ...
-
-    def pack(self, tensors: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[str, str]) -> tuple[bytes, dict, int]:
-        """Serialize named CPU tensors: ``(payload, params, raw_bytes)``. ``params`` go into the
-        entry header and are what ``unpack`` needs; ``raw_bytes`` is the safetensors file's size."""
-        ...
-
-    def unpack(
-        self, payload: memoryview | bytes, params: Mapping, raw_bytes: int, threads: int, lazy: bool = False
-    ) -> DecodedPayload:
-        """Records viewing ``payload`` (or buffers decompressed from it). Memory allocated is bounded
-        by ``raw_bytes``; anything inconsistent raises CorruptEntryError. ``lazy``: records may
-        decompress when copied (and raise CorruptEntryError then), so that a load decodes each
-        tensor straight into place."""
-        ...
-
-
-_QUANTIZERS: dict[str, Callable[[str], Quantizer]] = {}
-_PACKINGS: dict[str, Callable[[str], Packing]] = {}
-# header codec "name" -> the packing described by a header's codec params (it decodes them)
-_FROM_PARAMS: dict[str, Callable[[Mapping], Packing]] = {}
-
-
-def register_quantizer(name: str, factory: Callable[[str], Quantizer]) -> None:
-    """Make ``name[:ARGS]`` a quantizer spec; ``factory(ARGS)`` builds it (``""`` when none given)
-    and raises CodecError for bad arguments."""
-    _QUANTIZERS[name] = factory
-
-
-def register_packing(
-    name: str, factory: Callable[[str], Packing], *, from_params: Callable[[Mapping], Packing] | None = None
-) -> None:
-    """Make ``name[:ARGS]`` a packing spec (``factory(ARGS)`` builds it). ``from_params`` builds the
-    packing an entry header's codec params describe, for entries whose params ``name`` is ``name``."""
-    _PACKINGS[name] = factory
-    if from_params is not None:
-        _FROM_PARAMS[name] = from_params
-
-
-@dataclass(frozen=True)
-class Codec:
-    """A quantizer and a packing. Build one from a spec with :func:`get_codec`."""
-
-    quantizer: Quantizer
-    packing: Packing
-    threads: int = 0  # decode threads; 0 = one per CPU core, at most 8 (not part of the format)
-
-    @property
-    def spec(self) -> str:
-        if self.quantizer.name == "none":
-            return self.packing.spec
-        if self.packing.name == "raw":
-            return self.quantizer.spec
-        return f"{self.quantizer.spec}+{self.packing.spec}"
-
-    @property
-    def lossless(self) -> bool:
-        return self.quantizer.lossless
-
-    @property
-    def identity(self) -> str:
-        """What of this codec is part of an entry's identity: the lossy quantizer's spec, or ``""``."""
-        return "" if self.lossless else self.quantizer.spec
-
-    def decode_threads(self) -> int:
-        return self.threads if self.threads > 0 else max(1, min(8, os.cpu_count() or 1))
-
-    def params(self, packing_params: Mapping) -> dict:
-        """The header's codec record: the packing's params, plus the quantizer's when it is not the identity."""
-        out = dict(packing_params)
-        if self.quantizer.name != "none":
-            out["quant"] = self.quantizer.params()
-        return out
-
-    def encode(
-        self, tensors: Sequence[tuple[str, torch.Tensor, str | None]], metadata: Mapping[str, str], start: int = 0
-    ) -> tuple[bytes, dict, int]:
-        """Serialize ``(name, tensor, role)`` triples (``role`` ``keys``/``values`` for KV tensors,
-        ``None`` for anything stored as is) of a chunk starting at context position ``start``.
-        Returns ``(payload, header codec params, raw_bytes)``."""
-        stored: list[tuple[str, torch.Tensor]] = []
-        for name, tensor, role in tensors:
-            if role in KV_ROLES:
-                stored += [(name + suffix, t) for suffix, t in self.quantizer.encode(role, tensor, start)]
-            else:
-                stored.append((name, tensor))
-        payload, packing_params, raw_bytes = self.packing.pack(stored, metadata)
-        return payload, self.params(packing_params), raw_bytes
-
-
-def codec_from_params(params: Mapping) -> Codec:
-    """The codec an entry header's codec record describes. Raises CorruptEntryError."""
-    name = params.get("name") if isinstance(params, Mapping) else None
-    if not isinstance(name, str) or name not in _FROM_PARAMS:
-        raise CorruptEntryError(f"unknown codec {name!r} in entry header")
-    packing = _FROM_PARAMS[name](params)
-    quant = params.get("quant")
-    if quant is None:
-        return Codec(_QUANTIZERS["none"](""), packing)
-    if not isinstance(quant, Mapping) or not isinstance(quant.get("name"), str) or quant["name"] not in _QUANTIZERS:
-        raise CorruptEntryError("entry header names an unknown quantizer")
-    try:
-        quantizer = _QUANTIZERS[quant["name"]](str(quant.get("args", "")))
-    except CodecError as exc:
-        raise CorruptEntryError(f"entry header has invalid quantizer parameters ({exc})") from None
-    return Codec(quantizer, packing)
-
-
-def spec_of(params: Mapping) -> str:
-    """The codec spec an entry header's codec record describes (``zstd-shuffle:1``, ``int8:64``...).
-    Raises CorruptEntryError."""
-    return codec_from_params(params).spec
-
-
-def identity_of(params: Mapping) -> str:
-    """What of an entry's codec is part of its identity: its lossy quantizer's spec, or ``""``.
-    Raises CorruptEntryError."""
-    if isinstance(params, Mapping) and params.get("quant") is None:
-        return ""
-    return codec_from_params(params).identity
-
-
-_ALIASES = {"default": DEFAULT_CODEC, "none": "raw"}
-
-
-def _split(part: str) -> tuple[str, str]:
-    base, _, args = part.partition(":")
-    return base.strip(), args.strip()
-
-
-def get_codec(spec: str | Codec | None = None, *, threads: int = 0) -> Codec:
-    """Parse a codec spec (see the module docstring); ``None`` or ``default`` is the default codec.
-    Raises CodecError naming the choices."""
-    if isinstance(spec, Codec):
-        return spec
-    text = (spec or "default").strip().lower()
-    text = _ALIASES.get(text, text)
-    parts = text.split("+")
-    quantizer: Quantizer | None = None
-    packing: Packing | None = None
-    for i, part in enumerate(parts):
-        base, args = _split(part)
-        try:
-            if i == 0 and base in _QUANTIZERS and base != "none":
-                quantizer = _QUANTIZERS[base](args)
-            elif base in _PACKINGS and i == len(parts) - 1:
-                packing = _PACKINGS[base](args)
-            else:
-                known = base in _QUANTIZERS or base in _PACKINGS
-                raise CodecError(f"{base!r} cannot go there" if known else "")
-        except CodecError as exc:
-            if not str(exc):
-                raise CodecError(f"unknown codec {spec!r}; use {choices()}") from None
-            raise CodecError(f"codec {spec!r} is not valid ({exc}); use {choices()}") from None
-    return Codec(quantizer or _QUANTIZERS["none"](""), packing or _PACKINGS["raw"](""), threads)
-
-
-def choices() -> str:
-    """The codec specs this kvstore accepts, for messages and ``--help``."""
-    quant = [q for q in _QUANTIZERS if q != "none"]
-    packings = ", ".join(f"{p}[:LEVEL]" if p != "raw" else p for p in _PACKINGS)
-    return packings + (f", or a quantizer ({', '.join(quant)}) optionally followed by +PACKING" if quant else "")
-
-
-# Built-in codecs register themselves on import.
-from kvstore.store.codecs import plain as _plain  # noqa: E402,F401
-from kvstore.store.codecs import quant as _quant  # noqa: E402,F401
-from kvstore.store.codecs import zstd as _zstd  # noqa: E402,F401
+# The built-in codecs register themselves on import; each imports only ``base`` and ``records``.
+from kvstore.store.codecs import plain as _plain  # noqa: F401
+from kvstore.store.codecs import quant as _quant  # noqa: F401
+from kvstore.store.codecs import split as _split  # noqa: F401
+from kvstore.store.codecs import zstd as _zstd  # noqa: F401
+from kvstore.store.codecs.base import (
+    DEFAULT_CODEC,
+    KV_ROLES,
+    LEGACY_CODEC,
+    Codec,
+    DecodedPayload,
+    Packing,
+    Quantizer,
+    StoredTensor,
+    TensorRecord,
+    choices,
+    codec_from_params,
+    get_codec,
+    identity_of,
+    register_packing,
+    register_quantizer,
+    spec_of,
+)
 
 __all__ = [
     "DEFAULT_CODEC",
+    "LEGACY_CODEC",
+    "KV_ROLES",
     "Codec",
     "DecodedPayload",
     "Packing",

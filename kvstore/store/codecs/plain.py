@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
-from kvstore.store.codecs import register_packing, register_quantizer
+from kvstore.store.codecs.base import register_packing, register_quantizer
 from kvstore.store.codecs.records import (
     DecodedPayload,
     TensorRecord,

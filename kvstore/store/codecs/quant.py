@@ -43,7 +43,7 @@ from collections.abc import Mapping
 import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
-from kvstore.store.codecs import register_quantizer
+from kvstore.store.codecs.base import register_quantizer
 from kvstore.store.codecs.records import TensorRecord
 
 SINK_TOKENS = 4

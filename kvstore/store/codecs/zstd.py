@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
-from kvstore.store.codecs import register_packing
+from kvstore.store.codecs.base import register_packing
 from kvstore.store.codecs.records import (
     DecodedPayload,
     TensorRecord,
