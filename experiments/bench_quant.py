@@ -148,7 +148,7 @@ def run_set(adapter, fmt, name: str, rows: list[dict], dtype: str, args) -> list
             dst_path = WORK / f"{dtype}-{name}-{codec.replace(':', '-').replace('/', '-').replace('+', '-')}"
             shutil.rmtree(dst_path, ignore_errors=True)
             with KVStore(str(dst_path)) as dst:
-                report = convert_contexts(store, dst, codec, keys=sorted(set(built.keys)))
+                report = convert_contexts(store, dst, codec, keys=sorted(set(built.keys)), rotary=adapter.rotary)
             assert report.converted == built.distinct and not report.problems, report
             out.append({**base, "codec": codec, "size": report.ratio, "path": str(dst_path)})
     for row in out[2:]:

@@ -40,7 +40,8 @@ class Identity:
         return float(dtype_bits)
 
     def reader(
-        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
+        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
+        start: int = 0,
     ) -> TensorRecord:
         rec = records.get(name)
         if rec is None:

@@ -167,7 +167,8 @@ class IntQuantizer:
 
     # -- decoding -------------------------------------------------------------------------------
     def reader(
-        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
+        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
+        start: int = 0,
     ) -> _IntReader:
         heads, n, dim = shape
         codes, scales, zeros, sink = (_rec(records, name + p) for p in PARTS)
@@ -274,7 +275,8 @@ class Fp8Quantizer:
         return [(".codes", codes.contiguous()), (".scales", scales)]
 
     def reader(
-        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
+        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
+        start: int = 0,
     ) -> _Fp8Reader:
         codes, scales = _rec(records, name + ".codes"), _rec(records, name + ".scales")
         if codes.shape != tuple(shape) or codes.dtype != torch.float8_e4m3fn:
