@@ -2,10 +2,12 @@
 
 A faster, rougher companion of ``bench_quant.py`` used to choose what to build: each scheme
 fake-quantizes (quantize, then dequantize) the keys and values of a few long contexts (the
-``long`` question set of ``bench_quant.py``), and every question is answered with 12 greedy tokens
-from the fake-quantized cache and from the exact one. Reported per scheme: rows identical, mean
-tokens before divergence, max |logit difference| at the first step, and the scheme's stored bits
-per element (codes, scales, zeros, outliers; the 4 sink tokens and entropy coding aside).
+``long`` question set of ``bench_quant.py``); every question's 12 greedy reference tokens come from
+the exact cache, then each scheme's cache is checked by teacher forcing (question and reference in
+one forward: the first position whose argmax differs is where greedy decoding would diverge).
+Reported per scheme: rows identical, mean tokens before divergence, max |logit difference| at the
+first step, and the scheme's stored bits per element (codes, scales, zeros, outliers; the 4 sink
+tokens and entropy coding aside).
 
 Schemes (``--schemes``, comma-separated; ``k``/``v`` parts joined by ``/``):
 
@@ -150,22 +152,34 @@ def fake_values(spec: str, v: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 @torch.inference_mode()
-def answer(model, layers, q_ids: list[int], n_ctx: int) -> tuple[list[int], torch.Tensor]:
+def reference(adapter, fmt, contexts: list[str], questions: list[str]) -> list[list[int]]:
+    """12 greedy tokens per row from an exact (lossless) stored cache, batched (the reference)."""
+    import tempfile
+
+    from kvstore.store.kvstore import KVStore
+
+    with tempfile.TemporaryDirectory() as d, KVStore(d) as store:
+        got = adapter.greedy_sample(
+            contexts, questions, N_NEW, store=store, stop_at_eos=False, return_details=True, batch_size=8,
+            prefix=fmt.head, special_tokens=fmt.add_special_tokens,
+        )  # fmt: skip
+    return got.tokens.tolist()
+
+
+@torch.inference_mode()
+def forced(model, layers, q_ids: list[int], ref: list[int], n_ctx: int) -> tuple[int, torch.Tensor]:
+    """Teacher forcing: the question and the reference answer in one forward on the cache; the
+    first answer position whose argmax differs from the reference is where greedy decoding from
+    this cache would diverge. Returns (tokens before divergence, first-step logits)."""
     from transformers import DynamicCache
 
     cache = DynamicCache([(k.unsqueeze(0), v.unsqueeze(0)) for k, v in layers], config=model.config)
-    ids = torch.tensor([q_ids])
-    pos = torch.arange(n_ctx, n_ctx + len(q_ids))[None]
-    out, first = [], None
-    for _ in range(N_NEW):
-        logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[0, -1]
-        if first is None:
-            first = logits.float()
-        t = int(logits.argmax())
-        out.append(t)
-        ids = torch.tensor([[t]])
-        pos = pos[:, -1:] + 1
-    return out, first
+    ids = torch.tensor([q_ids + ref[:-1]])
+    pos = torch.arange(n_ctx, n_ctx + ids.shape[1])[None]
+    logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[0]
+    picks = logits[len(q_ids) - 1 :].argmax(-1).tolist()
+    j = next((i for i, (a, b) in enumerate(zip(picks, ref)) if a != b), N_NEW)
+    return j, logits[len(q_ids) - 1].float()
 
 
 def main() -> None:
@@ -188,12 +202,17 @@ def main() -> None:
     meta = {"machine": bl.machine(), "args": vars(args), "new_tokens": N_NEW}
     work = []
     for c in contexts:
-        ids = adapter.encode_context(fmt.context_part(c), special_tokens=fmt.add_special_tokens)
+        rows_c = [r for r in rows if r["context"] == c]
+        ctx_text = fmt.context_part(c)
+        q_texts = [fmt.question_part(r["question"]) for r in rows_c]
+        refs = reference(adapter, fmt, [ctx_text] * len(q_texts), q_texts)
+        ids = adapter.encode_context(ctx_text, special_tokens=fmt.add_special_tokens)
         layers = [(k.clone(), v.clone()) for k, v in prefill(adapter, [ids])[0]]
-        qs = [adapter.encode_question(fmt.question_part(r["question"])) for r in rows if r["context"] == c]
-        refs = [answer(model, layers, q, len(ids)) for q in qs]
-        work.append((ids, layers, qs, refs))
-        print(f"context of {len(ids)} tokens, {len(qs)} questions", flush=True)
+        qs = [adapter.encode_question(q) for q in q_texts]
+        exact = [forced(model, layers, q, ref, len(ids)) for q, ref in zip(qs, refs)]
+        agree = sum(j == N_NEW for j, _ in exact)  # teacher forcing on the exact cache reproduces greedy
+        work.append((ids, layers, qs, [(ref, first) for ref, (_, first) in zip(refs, exact)]))
+        print(f"context of {len(ids)} tokens, {len(qs)} questions, forced == greedy on {agree}", flush=True)
     results = []
     for scheme in args.schemes.split(","):
         t0 = time.perf_counter()
@@ -210,8 +229,7 @@ def main() -> None:
                 bits_k.append(bk)
                 bits_v.append(bv)
             for q, (ref, ref_first) in zip(qs, refs):
-                got, first = answer(model, fake, q, len(ids))
-                j = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), N_NEW)
+                j, first = forced(model, fake, q, ref, len(ids))
                 before_all.append(j)
                 same += j == N_NEW
                 dl = max(dl, float((first - ref_first).abs().max()))
