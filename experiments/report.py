@@ -248,10 +248,25 @@ def prefix() -> None:
 
 
 def quant() -> None:
-    for stem in ("quant", "quant_bf16"):
+    for stem in ("quant", "quant_bf16", "quant_prerope", "quant_prerope_bf16"):
         d = load(stem)
         if d:
             quant_table(stem, d)
+    d = load("explore_int4")
+    if d:
+        print(f"### explore_int4\n\n{machine_line(d['meta']['machine'])}\n")
+        rows = [
+            (r["scheme"], f"{r['bits']:.2f}", f"{r['rows_identical']}/{r['rows']}",
+             f"{r['tokens_before_divergence']:.2f}/12", f"{r['max_dlogit']:.3f}")
+            for r in d["rows"]
+        ]  # fmt: skip
+        print(bl.md_table(rows, ["keys/values scheme", "bits", "rows identical", "tokens before", "max dlogit"]) + "\n")
+
+
+def _spread(r: dict, what: str) -> str:
+    """``median (min-max)`` in ms of a quant row's timing, or ``""``."""
+    t = r.get("timing", {}).get(what)
+    return f"{t['median'] * 1e3:.0f} ({t['min'] * 1e3:.0f}-{t['max'] * 1e3:.0f})" if t else ""
 
 
 def quant_table(stem: str, d: dict) -> None:
@@ -266,13 +281,13 @@ def quant_table(stem: str, d: dict) -> None:
             f"{r['tokens_before_divergence']:.2f}/12",
             f"{r['max_dlogit']:.3f}",
             f"{r['contains']}",
-            f"{r['load_ms']:.0f}" if "load_ms" in r else "",
-            f"{r['ttft_ms']:.0f}" if "ttft_ms" in r else "",
+            _spread(r, "load"),
+            _spread(r, "ttft"),
         )
         for r in d["rows"]
     ]
     heads = ["dtype", "set", "codec", "size vs fp32", "rows identical", "tokens before divergence", "max dlogit",
-             "contains", "load ms", "TTFT ms"]  # fmt: skip
+             "contains", "load ms median (min-max)", "TTFT ms median (min-max)"]  # fmt: skip
     print(bl.md_table(rows, heads) + "\n")
 
 
