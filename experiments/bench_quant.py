@@ -38,6 +38,7 @@ import argparse
 import json
 import shutil
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -170,6 +171,7 @@ def run_set(adapter, fmt, name: str, rows: list[dict], dtype: str, args) -> list
 
 
 def main() -> None:
+    global WORK
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--sets", default="demo,long")
@@ -183,7 +185,9 @@ def main() -> None:
     ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     ap.add_argument("--threads", type=int, default=bl.THREADS)
     ap.add_argument("--stem", default="quant", help="results file name: experiments/results/STEM.{json,csv}")
+    ap.add_argument("--work", default=str(WORK), help="scratch directory of the stores (one per concurrent run)")
     args = ap.parse_args()
+    WORK = Path(args.work)
     args.codecs = args.codecs.split(",")
     if args.quick:
         args.dtypes, args.sets, args.repeats, args.codecs = "float32", "demo", 2, ["int8", "int4"]
