@@ -405,3 +405,24 @@ def test_golden_prerope_entries(spec):
     assert _facts(spec) == want, "pre-rotation layout or numerics changed: bump FORMAT_VERSION"
     view = decode_entry(file.read_bytes())
     assert torch.equal(view.layers[0][0].materialize(), decode_entry(golden_entry(spec)).layers[0][0].materialize())
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+def test_cli_build_and_sample_with_int4r(tiny_llama_dir, tmp_path, capsys):
+    from helpers.cli import run_main, write_dataset
+
+    data = write_dataset(tmp_path / "d.jsonl", range(3))
+    store = tmp_path / "store"
+    base = ["--model", tiny_llama_dir, "--store", store, "--quiet", "--format", "json"]
+    code, out, err = run_main(capsys, "build", data, *base, "--codec", "int4r")
+    assert code == 0, err
+    assert json.loads(out)["codec"] == "int4r:128/64" and json.loads(out)["lossy"] is True
+    code, out, err = run_main(capsys, "sample", data, *base, "-n", "3", "--codec", "int4r", "--readonly-store")
+    assert code == 0 and json.loads(out)["cache_hit_rate"] == 1, err
+    # int4 entries of the same contexts are other keys: an int4 request misses them all
+    code, out, err = run_main(capsys, "sample", data, *base, "-n", "3", "--codec", "int4", "--readonly-store")
+    assert code == 0 and json.loads(out)["cache_hit_rate"] == 0, err
+    # converting needs the model's rotation, which sync does not load: one line, nothing written
+    code, out, err = run_main(capsys, "sync", store, tmp_path / "other", "--codec", "int8r")
+    assert code == 1 and "rotary" in err and err.count("\n") == 1
+    assert not (tmp_path / "other").exists() or run_main(capsys, "ls", "--store", tmp_path / "other")[0] == 0
