@@ -252,15 +252,6 @@ def quant() -> None:
         d = load(stem)
         if d:
             quant_table(stem, d)
-    d = load("explore_int4")
-    if d:
-        print(f"### explore_int4\n\n{machine_line(d['meta']['machine'])}\n")
-        rows = [
-            (r["scheme"], f"{r['bits']:.2f}", f"{r['rows_identical']}/{r['rows']}",
-             f"{r['tokens_before_divergence']:.2f}/12", f"{r['max_dlogit']:.3f}")
-            for r in d["rows"]
-        ]  # fmt: skip
-        print(bl.md_table(rows, ["keys/values scheme", "bits", "rows identical", "tokens before", "max dlogit"]) + "\n")
 
 
 def _spread(r: dict, what: str) -> str:
