@@ -249,10 +249,10 @@ def test_plain_entries_do_not_record_the_rotary():
 
 
 def test_specs_and_keys():
-    assert get_codec("int4r").spec == "int4r:128/64" and get_codec("int8r").spec == "int8r:128/64"
-    assert get_codec("int4r:32").spec == "int4r:32"
+    assert get_codec("int4r").spec == "int4r:32" and get_codec("int8r").spec == "int8r:128/64"
+    assert get_codec("int4r:128/64").spec == "int4r:128/64"
     assert get_codec("int4r:64/16+zstd:1").spec == "int4r:64/16+zstd:1"
-    assert get_codec("int4r").identity == "int4r:128/64" != get_codec("int4").identity
+    assert get_codec("int4r").identity == "int4r:32" != get_codec("int4:32").identity
     for bad in ("int4r:3", "int4r:x", "int4r:64/5"):
         with pytest.raises(CodecError):
             get_codec(bad)
@@ -416,7 +416,7 @@ def test_cli_build_and_sample_with_int4r(tiny_llama_dir, tmp_path, capsys):
     base = ["--model", tiny_llama_dir, "--store", store, "--quiet", "--format", "json"]
     code, out, err = run_main(capsys, "build", data, *base, "--codec", "int4r")
     assert code == 0, err
-    assert json.loads(out)["codec"] == "int4r:128/64" and json.loads(out)["lossy"] is True
+    assert json.loads(out)["codec"] == "int4r:32" and json.loads(out)["lossy"] is True
     code, out, err = run_main(capsys, "sample", data, *base, "-n", "3", "--codec", "int4r", "--readonly-store")
     assert code == 0 and json.loads(out)["cache_hit_rate"] == 1, err
     # int4 entries of the same contexts are other keys: an int4 request misses them all
