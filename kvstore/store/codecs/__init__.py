@@ -73,7 +73,7 @@ class Quantizer(Protocol):
     def reader(
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
         start: int = 0,
-    ) -> StoredTensor:
+    ) -> StoredTensor:  # fmt: skip
         """Check the stored parts of ``name`` against the ``shape`` and ``dtype`` the entry header
         declares and return a reader for them (``start``: the chunk's first context position, as
         given to ``encode``). Raises CorruptEntryError when they do not fit."""

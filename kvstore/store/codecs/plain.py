@@ -42,7 +42,7 @@ class Identity:
     def reader(
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
         start: int = 0,
-    ) -> TensorRecord:
+    ) -> TensorRecord:  # fmt: skip
         rec = records.get(name)
         if rec is None:
             raise CorruptEntryError(f"entry lacks tensor {name}")
