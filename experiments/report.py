@@ -248,7 +248,14 @@ def prefix() -> None:
 
 
 def quant() -> None:
-    for stem in ("quant", "quant_bf16", "quant_prerope", "quant_prerope_bf16"):
+    for stem in (
+        "quant",
+        "quant_bf16",
+        "quant_prerope",
+        "quant_prerope_bf16",
+        "quant_prerope_groups",
+        "quant_prerope_groups2",
+    ):
         d = load(stem)
         if d:
             quant_table(stem, d)
