@@ -29,6 +29,8 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
     .venv/bin/python experiments/bench_quant.py
     .venv/bin/python experiments/bench_quant.py --quick        # float32, the demo set's first 16 rows
     .venv/bin/python experiments/bench_quant.py --dtypes bfloat16 --stem quant_bf16   # one dtype per file
+    # the rotation-aware codecs (docs/lossy.md), floor rows taken from quant.json / quant_bf16.json:
+    .venv/bin/python experiments/bench_quant.py --dtypes float32 --codecs int8r,int4r --no-floor --stem quant_prerope
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import argparse
 import json
 import shutil
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -130,7 +133,7 @@ def run_set(adapter, fmt, name: str, rows: list[dict], dtype: str, args) -> list
         )
         ref = adapter.greedy_sample(contexts, questions, N_NEW, store=store, **kw)
         assert all(ref.cache_hit)
-        nocache = adapter.greedy_sample(contexts, questions, N_NEW, use_cache=False, **kw)
+        nocache = adapter.greedy_sample(contexts, questions, N_NEW, use_cache=False, **kw) if args.floor else None
         plan = adapter.plan(adapter.encode_context(contexts[longest], special_tokens=fmt.add_special_tokens), store,
                             prefix=fmt.head, special_tokens=fmt.add_special_tokens)  # fmt: skip
         base = {"dtype": dtype, "set": name, "contexts": built.distinct, "context_tokens": built.tokens}
@@ -140,19 +143,19 @@ def run_set(adapter, fmt, name: str, rows: list[dict], dtype: str, args) -> list
             **agreement(ref, ref), "contains": contains(adapter, ref, rows),
         }  # fmt: skip
         floor = {**base, "codec": "no-cache (model's own rounding)", **agreement(ref, nocache),
-                 "contains": contains(adapter, nocache, rows)}  # fmt: skip
+                 "contains": contains(adapter, nocache, rows)} if nocache is not None else None  # fmt: skip
         if name == "long" or args.quick:
             t = timings(adapter, store, plan, contexts[longest], questions[longest], args.repeats, fmt)
             lossless |= {"load_ms": t["load"]["median"] * 1e3, "ttft_ms": t["ttft"]["median"] * 1e3, "timing": t}
-        out += [floor, lossless]
+        out += [floor, lossless] if floor is not None else [None, lossless]
         for codec in args.codecs:  # each into a store of its own (int8 and int8+zstd share their keys)
             dst_path = WORK / f"{dtype}-{name}-{codec.replace(':', '-').replace('/', '-').replace('+', '-')}"
             shutil.rmtree(dst_path, ignore_errors=True)
             with KVStore(str(dst_path)) as dst:
-                report = convert_contexts(store, dst, codec, keys=sorted(set(built.keys)))
+                report = convert_contexts(store, dst, codec, keys=sorted(set(built.keys)), rotary=adapter.rotary)
             assert report.converted == built.distinct and not report.problems, report
             out.append({**base, "codec": codec, "size": report.ratio, "path": str(dst_path)})
-    for row in out[2:]:
+    for row in out[2:]:  # out[0] is the floor (None without --floor), out[1] the lossless reference
         with KVStore(row.pop("path"), codec=row["codec"], readonly=True) as store:
             got = adapter.greedy_sample(contexts, questions, N_NEW, store=store, **kw)
             assert all(got.cache_hit), row["codec"]
@@ -165,20 +168,27 @@ def run_set(adapter, fmt, name: str, rows: list[dict], dtype: str, args) -> list
                 row |= {"load_ms": t["load"]["median"] * 1e3, "ttft_ms": t["ttft"]["median"] * 1e3, "timing": t}
         print(f"  {dtype}/{name} {row['codec']}: size {row['size']:.3f}, rows {row['rows_identical']}/{row['rows']}, "
               f"tokens {row['tokens_before_divergence']:.2f}, dlogit {row['max_dlogit']:.3f}", flush=True)  # fmt: skip
-    return out
+    return [row for row in out if row is not None]
 
 
 def main() -> None:
+    global WORK
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--sets", default="demo,long")
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--no-floor", dest="floor", action="store_false",
+        help="skip the no-cache rows (the floor; it does not depend on the codecs: quant.json has it)",
+    )  # fmt: skip
     ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     ap.add_argument("--threads", type=int, default=bl.THREADS)
     ap.add_argument("--stem", default="quant", help="output file name: STEM.{json,csv}")
+    ap.add_argument("--work", default=str(WORK), help="scratch directory of the stores (one per concurrent run)")
     args = ap.parse_args()
+    WORK = Path(args.work)
     args.codecs = args.codecs.split(",")
     if args.quick:
         args.dtypes, args.sets, args.repeats, args.codecs = "float32", "demo", 2, ["int8", "int4"]

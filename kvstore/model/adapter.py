@@ -22,7 +22,9 @@ from kvstore.model.chains import ContextPlan
 from kvstore.model.decode import SampleResult
 from kvstore.model.identity import model_fingerprint
 from kvstore.model.layout import CacheLayout, cache_layout
+from kvstore.model.rope import rotary_of, rotary_refusal
 from kvstore.progress import Progress
+from kvstore.store.codecs.prerope import Rotary, needs_rotary
 from kvstore.store.entry import Entry
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, chain_seed
 from kvstore.store.kvstore import KVStore
@@ -70,6 +72,7 @@ class Adapter:
         self._fingerprint = fingerprint
         self._shapes: list[KVShape] | None = None
         self._layout: CacheLayout | None = None
+        self._rotary: tuple[Rotary | None] | None = None
         self._prefixes: dict[tuple, list[int]] = {}
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
@@ -116,6 +119,14 @@ class Adapter:
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model, weight_files=self._weight_files)
         return self._fingerprint
+
+    @property
+    def rotary(self) -> Rotary | None:
+        """The rotary embedding the model applies to its keys (:mod:`kvstore.model.rope`), or None
+        for a model whose rotary layout kvstore does not undo."""
+        if self._rotary is None:
+            self._rotary = (rotary_of(self.model),)
+        return self._rotary[0]
 
     @property
     def prefill_piece(self) -> int:
@@ -190,7 +201,7 @@ class Adapter:
         """An :class:`Entry` (a chunk at context position ``start``) of this model holding ``layers``."""
         return Entry(
             key, self.fingerprint, self.name, torch.as_tensor(token_ids, dtype=torch.int64), layers, parent=parent,
-            start=start, kinds=("attn",) * len(layers), numerics=self.numerics,
+            start=start, kinds=("attn",) * len(layers), numerics=self.numerics, rotary=self.rotary,
         )  # fmt: skip
 
     def check_supported(self, store: KVStore | None = None) -> None:
@@ -206,6 +217,11 @@ class Adapter:
             raise ModelError(
                 f"lossy codec {store.codec.spec} is only for models whose every layer is full attention "
                 f"(this {self.model.config.model_type} model has windowed or recurrent layers); use a lossless codec"
+            )
+        if store is not None and needs_rotary(store.codec) and self.rotary is None:
+            raise ModelError(
+                f"lossy codec {store.codec.spec} quantizes keys before their rotary embedding, and this model cannot "
+                f"have its rotation undone ({rotary_refusal(self.model)}); use int4 or int8"
             )
 
     @property

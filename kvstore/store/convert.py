@@ -21,6 +21,7 @@ from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.layer_kinds import ATTN
 from kvstore.progress import Progress
 from kvstore.store.codecs import Codec, get_codec, identity_of
+from kvstore.store.codecs.prerope import Rotary, needs_rotary
 from kvstore.store.entry import Entry
 from kvstore.store.keys import chain_keys, chain_seed
 from kvstore.store.kvstore import KVStore
@@ -83,12 +84,19 @@ def convert_contexts(
     *,
     progress: Progress | None = None,
     dry_run: bool = False,
+    rotary: Rotary | None = None,
 ) -> ConvertReport:
     """Write ``src``'s contexts (``keys``, default all) into ``dst`` (which may be ``src``) as chains
     of ``codec``, a lossy codec (``dry_run``: count what would be converted, write nothing).
     Raises CodecError for a lossless one (copying is ``kvstore sync``'s job: lossless codecs are
-    interchangeable)."""
+    interchangeable). ``rotary``: the model's rotary embedding (``Adapter.rotary``), which a codec
+    quantizing keys before it (``int4r``, ``int8r``) needs; such a codec without it raises CodecError."""
     codec = get_codec(codec)
+    if needs_rotary(codec) and rotary is None:
+        raise CodecError(
+            f"{codec.spec} quantizes keys before their rotary embedding: converting needs the model's rotary "
+            "parameters (rotary=Adapter.rotary)"
+        )
     if codec.lossless:
         raise CodecError(
             f"{codec.spec} is lossless: its entries are interchangeable with the source's, nothing to convert"
@@ -110,7 +118,7 @@ def convert_contexts(
                 report.present += 1
             else:
                 for j, (new, entry) in enumerate(zip(new_keys, entries)):
-                    moved = dataclasses.replace(entry, key=new, parent=new_keys[j - 1] if j else "")
+                    moved = dataclasses.replace(entry, key=new, parent=new_keys[j - 1] if j else "", rotary=rotary)
                     blob = dst.encode(moved, codec)
                     dst.put_bytes(new, blob)
                     report.chunks_written += 1

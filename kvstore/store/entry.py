@@ -71,6 +71,7 @@ from kvstore.store.header import (
     read_header,
     verify_checksum,
 )
+from kvstore.store.codecs.prerope import Rotary, with_rotary
 
 MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
 
@@ -86,7 +87,9 @@ class Entry:
     ``windows[i]``: its window for ``sliding``/``chunked`` layers. ``token_ids`` ``[n_tokens]``
     int64 are the chunk's own tokens, at context positions ``start`` onwards; ``parent`` is the
     previous chunk's key (``""`` for the first). ``kv_dtype``: the model's dtype, needed only when
-    no layer keeps keys and values (a state-space model; states keep their own dtypes)."""
+    no layer keeps keys and values (a state-space model; states keep their own dtypes).
+    ``rotary``: the model's rotary embedding, for codecs that quantize keys before it
+    (:mod:`kvstore.store.codecs.prerope`); not stored unless such a codec encodes the entry."""
 
     key: str
     model: str
@@ -101,6 +104,7 @@ class Entry:
     windows: tuple[int | None, ...] | None = None
     numerics: Mapping[str, str] = field(default_factory=dict)
     kv_dtype: torch.dtype | None = None
+    rotary: Rotary | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -220,7 +224,7 @@ def _layer_specs(
 def encode_entry(entry: Entry, codec: Codec | str | None = None) -> bytes:
     """Serialize ``entry`` in the current format (2). Returns the bytes to store. Raises
     ValueError for layers of inconsistent shapes or dtypes."""
-    codec = get_codec(codec)
+    codec = with_rotary(get_codec(codec), entry.rotary)
     ids = torch.as_tensor(entry.token_ids, dtype=torch.int64).reshape(-1).cpu()
     n_tokens = int(ids.numel())
     if n_tokens < 1:
@@ -292,7 +296,7 @@ def decode_entry(
         if spec.kind in KV_KINDS:
             kv_shape = (spec.kv_heads, spec.length, spec.head_dim)
             k, v = (
-                codec.quantizer.reader(role, kv_tensor_name(i, role), records, kv_shape, dtype)
+                codec.quantizer.reader(role, kv_tensor_name(i, role), records, kv_shape, dtype, start=header.start)
                 for role in ("keys", "values")
             )
             layers.append((k, v))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 # The built-in codecs register themselves on import; each imports only ``base`` and ``records``.
 from kvstore.store.codecs import plain as _plain  # noqa: F401
+from kvstore.store.codecs import prerope as _prerope  # noqa: F401
 from kvstore.store.codecs import quant as _quant  # noqa: F401
 from kvstore.store.codecs import split as _split  # noqa: F401
 from kvstore.store.codecs import zstd as _zstd  # noqa: F401

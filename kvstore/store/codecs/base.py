@@ -59,10 +59,12 @@ class Quantizer(Protocol):
         ...
 
     def reader(
-        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
-    ) -> StoredTensor:
+        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
+        start: int = 0,
+    ) -> StoredTensor:  # fmt: skip
         """Check the stored parts of ``name`` against the ``shape`` and ``dtype`` the entry header
-        declares and return a reader for them. Raises CorruptEntryError when they do not fit."""
+        declares and return a reader for them (``start``: the chunk's first context position, as
+        given to ``encode``). Raises CorruptEntryError when they do not fit."""
         ...
 
     def stored_names(self, name: str) -> list[str]:
@@ -102,12 +104,19 @@ _QUANTIZERS: dict[str, Callable[[str], Quantizer]] = {}
 _PACKINGS: dict[str, Callable[[str], Packing]] = {}
 # header codec "name" -> the packing described by a header's codec params (it decodes them)
 _FROM_PARAMS: dict[str, Callable[[Mapping], Packing]] = {}
+# quantizer name -> the quantizer described by a header's quant params (when args are not enough)
+_QUANT_FROM_PARAMS: dict[str, Callable[[Mapping], Quantizer]] = {}
 
 
-def register_quantizer(name: str, factory: Callable[[str], Quantizer]) -> None:
+def register_quantizer(
+    name: str, factory: Callable[[str], Quantizer], *, from_params: Callable[[Mapping], Quantizer] | None = None
+) -> None:
     """Make ``name[:ARGS]`` a quantizer spec; ``factory(ARGS)`` builds it (``""`` when none given)
-    and raises CodecError for bad arguments."""
+    and raises CodecError for bad arguments. ``from_params`` builds it from an entry header's quant
+    params (its ``params()``) when they hold more than ``args``; it raises CorruptEntryError."""
     _QUANTIZERS[name] = factory
+    if from_params is not None:
+        _QUANT_FROM_PARAMS[name] = from_params
 
 
 def register_packing(
@@ -183,7 +192,10 @@ def codec_from_params(params: Mapping) -> Codec:
     if not isinstance(quant, Mapping) or not isinstance(quant.get("name"), str) or quant["name"] not in _QUANTIZERS:
         raise CorruptEntryError("entry header names an unknown quantizer")
     try:
-        quantizer = _QUANTIZERS[quant["name"]](str(quant.get("args", "")))
+        if quant["name"] in _QUANT_FROM_PARAMS:
+            quantizer = _QUANT_FROM_PARAMS[quant["name"]](quant)
+        else:
+            quantizer = _QUANTIZERS[quant["name"]](str(quant.get("args", "")))
     except CodecError as exc:
         raise CorruptEntryError(f"entry header has invalid quantizer parameters ({exc})") from None
     return Codec(quantizer, packing)

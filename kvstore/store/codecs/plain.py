@@ -40,8 +40,9 @@ class Identity:
         return float(dtype_bits)
 
     def reader(
-        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
-    ) -> TensorRecord:
+        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
+        start: int = 0,
+    ) -> TensorRecord:  # fmt: skip
         rec = records.get(name)
         if rec is None:
             raise CorruptEntryError(f"entry lacks tensor {name}")

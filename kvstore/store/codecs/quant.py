@@ -167,8 +167,9 @@ class IntQuantizer:
 
     # -- decoding -------------------------------------------------------------------------------
     def reader(
-        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
-    ) -> _IntReader:
+        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
+        start: int = 0,
+    ) -> _IntReader:  # fmt: skip
         heads, n, dim = shape
         codes, scales, zeros, sink = (_rec(records, name + p) for p in PARTS)
         k = sink.shape[1] if len(sink.shape) == 3 else -1
@@ -274,8 +275,9 @@ class Fp8Quantizer:
         return [(".codes", codes.contiguous()), (".scales", scales)]
 
     def reader(
-        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
-    ) -> _Fp8Reader:
+        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
+        start: int = 0,
+    ) -> _Fp8Reader:  # fmt: skip
         codes, scales = _rec(records, name + ".codes"), _rec(records, name + ".scales")
         if codes.shape != tuple(shape) or codes.dtype != torch.float8_e4m3fn:
             raise CorruptEntryError(

@@ -1,0 +1,295 @@
+"""Rotation-aware integer quantizers: ``int4r`` and ``int8r`` (keys quantized before their rotary
+embedding).
+
+A rotary model (Llama, GPT-NeoX...) stores keys *after* rotating each channel pair ``(j, j + R/2)``
+of the first ``R`` channels by the angle ``position * inv_freq[j]``. Before that rotation a channel
+keeps the same scale and offset from token to token (a few channels carry large, steady
+magnitudes); after it, every channel pair swings between ``+a`` and ``-a`` along the tokens, so a
+per-channel scale over a group of tokens has to cover the whole swing. These quantizers undo the
+rotation (float64), quantize the pre-rotation keys per channel exactly like ``int8``/``int4`` do
+(:mod:`kvstore.store.codecs.quant`), and redo the rotation after decoding. Values are quantized as
+``int8``/``int4`` quantize them (per token, groups of channels): they are never rotated.
+
+The rotation only has to be the same one at encode and decode time (the pair ``un-rotate,
+re-rotate`` is the identity up to rounding whatever the angles); matching the model's own angles is
+what makes the pre-rotation channels steady, i.e. what makes the codes small. The angles come from
+the model's inverse frequencies (``Rotary``), recorded in every entry's header (``codec.quant.rotary``)
+so decoding needs no model; a chunk's token ``t`` is at context position ``start + t`` (entries of
+full-attention layers, the only ones lossy codecs store).
+
+Error bound: the pre-rotation values are within half a step of their codes (as for ``int4``); a
+rotation is orthonormal, so an output element ``a cos - b sin`` is off by at most
+``(|cos| + |sin|) * step / 2 <= sqrt(2) * step / 2``, where ``step`` is the larger of the pair's two
+channel steps; plus one rounding to the model's dtype (and float32 rotation arithmetic for float32
+and 16-bit models: float64 models are decoded in float64).
+
+Stored tensors: those of ``int8``/``int4`` (``NAME.codes``, ``.scales``, ``.zeros``, ``.sink``); for
+keys the codes, scales and zeros describe the pre-rotation values, the sink (a context's first
+tokens) holds the keys as the model made them.
+
+Specs: ``int4r[:G]`` or ``int4r:GK/GV`` (default ``32/32``: the best measured on SmolLM2's long
+contexts; with ``+zstd:1`` it stores 0.150x float32, ``experiments/results/quant_prerope_groups.json``)
+and ``int8r[:G]`` / ``int8r:GK/GV`` (default ``128/64``, as ``int8``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from kvstore.errors import CodecError, CorruptEntryError
+from kvstore.store.codecs.base import Codec, register_quantizer
+from kvstore.store.codecs.quant import (
+    SINK_TOKENS,
+    IntQuantizer,
+    _finite_params,
+    _rec,
+    _scratch,
+    _view,
+)
+from kvstore.store.codecs.records import TensorRecord
+
+PARTS = (".codes", ".scales", ".zeros", ".sink")
+LAYOUTS = ("half",)  # channel j pairs with j + R/2 (transformers' rotate_half); the only one handled
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A model's rotary embedding as kvstore undoes it: ``inv_freq`` (``R/2`` inverse frequencies,
+    the model's own float32 values as Python floats) rotate channel pairs ``(j, j + R/2)`` of the
+    first ``R = 2 * len(inv_freq)`` channels of each head by ``position * inv_freq[j]``; channels
+    from ``R`` on are not rotated (partial rotary, e.g. GPT-NeoX's ``rotary_pct``)."""
+
+    inv_freq: tuple[float, ...]
+    layout: str = "half"
+
+    @property
+    def dim(self) -> int:
+        return 2 * len(self.inv_freq)
+
+    def record(self) -> dict:
+        return {"inv_freq": list(self.inv_freq), "layout": self.layout}
+
+    @classmethod
+    def from_record(cls, rec: object) -> Rotary:
+        """Parse a header's ``rotary`` record. Raises CorruptEntryError."""
+        if not isinstance(rec, Mapping):
+            raise CorruptEntryError("entry header has no rotary parameters for its pre-rotation codec")
+        freqs, layout = rec.get("inv_freq"), rec.get("layout")
+        if (
+            not isinstance(freqs, list)
+            or not 1 <= len(freqs) <= 4096
+            or not all(isinstance(f, float) and math.isfinite(f) and f >= 0 for f in freqs)
+            or layout not in LAYOUTS
+        ):
+            raise CorruptEntryError("entry header has malformed rotary parameters")
+        return cls(tuple(freqs), layout)
+
+
+@lru_cache(maxsize=64)
+def _angles(inv_freq: tuple[float, ...], start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` ``[n, R/2]`` float64 of positions ``start..start+n-1``. The angles are
+    float32 products, as transformers computes them (so the pre-rotation keys are the model's own
+    to within its float32 ``cos``/``sin``); their cosines and sines are float64, so that rotating
+    back is exact to float64 rounding."""
+    pos = torch.arange(start, start + n, dtype=torch.float64).float()
+    ang = (pos[:, None] * torch.tensor(inv_freq, dtype=torch.float32)[None, :]).double()
+    return ang.cos(), ang.sin()
+
+
+def rotate(x: torch.Tensor, rotary: Rotary, start: int, *, inverse: bool = False, out: torch.Tensor | None = None):
+    """Keys ``x`` ``[heads, n, head_dim]`` of positions ``start..`` rotated as the model rotates
+    them (``inverse``: un-rotated), computed in ``x``'s dtype (pass float64 for an exact inverse)
+    into ``out`` (default a new tensor; may be ``x`` itself or a view of another dtype)."""
+    r, h = rotary.dim, rotary.dim // 2
+    if r > x.shape[-1]:
+        raise CodecError(f"rotary dimension {r} exceeds head_dim {x.shape[-1]}")
+    cos, sin = (t.to(x.dtype) for t in _angles(rotary.inv_freq, start, x.shape[1]))
+    if inverse:
+        sin = -sin
+    a, b = x[..., :h], x[..., h:r]
+    new_a = a * cos - b * sin
+    new_b = b * cos + a * sin
+    if out is None:
+        out = torch.empty_like(x)
+    if out is not x and r < x.shape[-1]:
+        out[..., r:].copy_(x[..., r:])
+    out[..., :h].copy_(new_a)
+    out[..., h:r].copy_(new_b)
+    return out
+
+
+class PreRopeQuantizer(IntQuantizer):
+    """``int4r`` / ``int8r``: ``int4``/``int8`` with keys quantized before their rotary embedding
+    (see the module docstring). ``rotary`` is bound at encode time (from the entry) or read from
+    an entry header at decode time."""
+
+    def __init__(self, bits: int, group_k: int, group_v: int, rotary: Rotary | None = None):
+        super().__init__(bits, group_k, group_v)
+        self.name = f"int{bits}r"
+        self.rotary = rotary
+
+    def with_rotary(self, rotary: Rotary | None) -> PreRopeQuantizer:
+        return PreRopeQuantizer(self.bits, self.group_k, self.group_v, rotary)
+
+    def params(self) -> dict:
+        out = super().params()
+        if self.rotary is not None:
+            out["rotary"] = self.rotary.record()
+        return out
+
+    def _need_rotary(self, error: type[Exception]) -> Rotary:
+        if self.rotary is None:
+            raise error(
+                f"{self.spec} quantizes keys before their rotary embedding and needs the model's rotary parameters "
+                "(entries built by an Adapter carry them; kvstore.store.convert takes rotary=)"
+            )
+        return self.rotary
+
+    def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
+        if role != "keys":
+            return super().encode(role, tensor, start)
+        rotary = self._need_rotary(CodecError)
+        x = tensor.detach().to("cpu")
+        heads, n, dim = x.shape
+        if rotary.dim > dim:
+            raise CodecError(f"{self.spec}: the rotary dimension {rotary.dim} exceeds head_dim {dim}")
+        k = min(SINK_TOKENS, n) if start == 0 else 0
+        sink = x[:, :k].contiguous()
+        pre = rotate(x[:, k:].double(), rotary, start + k, inverse=True).float()
+        # the same per-channel codes int4/int8 store, of the pre-rotation values (start > 0: no sink)
+        parts = dict(super().encode(role, pre, start=max(start, 1)))
+        parts[".sink"] = sink
+        return [(p, parts[p]) for p in PARTS]
+
+    def reader(
+        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
+        start: int = 0,
+    ):  # fmt: skip
+        if role != "keys":
+            return super().reader(role, name, records, shape, dtype)
+        rotary = self._need_rotary(CorruptEntryError)
+        heads, n, dim = shape
+        if rotary.dim > dim:
+            raise CorruptEntryError(f"tensor {name}: rotary dimension {rotary.dim} exceeds head_dim {dim}")
+        codes, scales, zeros, sink = (_rec(records, name + p) for p in PARTS)
+        k = sink.shape[1] if len(sink.shape) == 3 else -1
+        if sink.shape != (heads, k, dim) or sink.dtype != dtype or not 0 <= k <= min(SINK_TOKENS, n):
+            raise CorruptEntryError(
+                f"tensor {sink.name} is {sink.shape} {sink.dtype}, expected [{heads}, <=4, {dim}] {dtype}"
+            )
+        m = n - k
+        width = dim if self.bits == 8 else dim // 2
+        if codes.shape != (heads, m, width) or codes.dtype != torch.uint8 or (self.bits == 4 and dim % 2):
+            raise CorruptEntryError(
+                f"tensor {codes.name} is {codes.shape} {codes.dtype}, expected ({heads}, {m}, {width}) uint8"
+            )
+        want = (heads, -(-m // self.group_k), dim)
+        for rec in (scales, zeros):
+            if rec.shape != want or rec.dtype not in (torch.float16, torch.bfloat16):
+                raise CorruptEntryError(f"tensor {rec.name} is {rec.shape} {rec.dtype}, expected {want} float16")
+        s, z = scales.materialize().float(), zeros.materialize().float()
+        _finite_params(name, s, z)
+        return _PreRopeReader(self, rotary, name, tuple(shape), dtype, codes, s, z, sink, start)
+
+
+class _PreRopeReader:
+    """Decodes one pre-rotation key tensor into a destination buffer: codes -> float32 (float64
+    for a float64 model) -> rotated -> destination."""
+
+    def __init__(self, q: PreRopeQuantizer, rotary: Rotary, name, shape, dtype, codes, scales, zeros, sink, start):
+        self.q, self.rotary, self.name = q, rotary, name
+        self.shape, self.dtype = shape, dtype
+        self.codes, self.scales, self.zeros, self.sink, self.start = codes, scales, zeros, sink, start
+
+    def copy_into(self, dest: torch.Tensor) -> None:
+        if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
+            raise ValueError(f"{self.name}: destination {tuple(dest.shape)}/{dest.dtype} != {self.shape}/{self.dtype}")
+        k = self.sink.shape[1]
+        if k:
+            self.sink.copy_into(dest[:, :k])
+        d = dest[:, k:]
+        heads, m, dim = d.shape
+        wdt = torch.float64 if self.dtype == torch.float64 else torch.float32
+        work = _scratch("pre_f64" if wdt == torch.float64 else "pre_f32", d.numel(), wdt).view(d.shape)
+        codes = _view(self.codes)
+        if self.q.bits == 8:
+            work.copy_(codes)
+        else:
+            half = codes.shape[-1]
+            nib = _scratch("pre_u8", codes.numel(), torch.uint8).view(codes.shape)
+            torch.bitwise_and(codes, 15, out=nib)
+            work[..., :half].copy_(nib)
+            torch.bitwise_right_shift(codes, 4, out=nib)
+            work[..., half:].copy_(nib)
+        g = self.q.group_k
+        s, z = self.scales.to(wdt), self.zeros.to(wdt)
+        full = (m // g) * g
+        if full:
+            wv = work[:, :full].unflatten(1, (m // g, g))
+            torch.addcmul(z[:, : m // g].unsqueeze(2), wv, s[:, : m // g].unsqueeze(2), out=wv)
+        if m > full:
+            torch.addcmul(z[:, -1:], work[:, full:], s[:, -1:], out=work[:, full:])
+        rotated = rotate(work, self.rotary, self.start + k)
+        d.copy_(rotated)
+
+    def materialize(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.copy_into(out)
+        return out
+
+
+def with_rotary(codec: Codec, rotary: Rotary | None) -> Codec:
+    """``codec`` with ``rotary`` bound to its quantizer when that quantizer needs one (else as is)."""
+    if isinstance(codec.quantizer, PreRopeQuantizer) and rotary is not None:
+        return dataclasses.replace(codec, quantizer=codec.quantizer.with_rotary(rotary))
+    return codec
+
+
+def needs_rotary(codec: Codec) -> bool:
+    """Whether ``codec`` quantizes keys before their rotary embedding (and so needs a rotary model)."""
+    return isinstance(codec.quantizer, PreRopeQuantizer)
+
+
+def _group_arg(text: str, name: str) -> int:
+    try:
+        g = int(text)
+    except ValueError:
+        raise CodecError(f"{name} group size must be a whole number, not {text!r}") from None
+    if not 2 <= g <= 4096 or g & (g - 1):
+        raise CodecError(f"{name} group size must be a power of two from 2 to 4096, not {g}")
+    return g
+
+
+def _factory(bits: int, default_k: int, default_v: int):
+    name = f"int{bits}r"
+
+    def make(args: str) -> PreRopeQuantizer:
+        if not args:
+            return PreRopeQuantizer(bits, default_k, default_v)
+        gk, sep, gv = args.partition("/")
+        k = _group_arg(gk, name)
+        return PreRopeQuantizer(bits, k, _group_arg(gv, name) if sep else k)
+
+    return make
+
+
+def _from_params(bits: int, default_k: int, default_v: int):
+    make = _factory(bits, default_k, default_v)
+
+    def from_params(params: Mapping) -> PreRopeQuantizer:
+        q = make(str(params.get("args", "")))
+        return q.with_rotary(Rotary.from_record(params.get("rotary")))
+
+    return from_params
+
+
+register_quantizer("int4r", _factory(4, 32, 32), from_params=_from_params(4, 32, 32))
+register_quantizer("int8r", _factory(8, 128, 64), from_params=_from_params(8, 128, 64))
+
+__all__ = ["PreRopeQuantizer", "Rotary", "needs_rotary", "rotate", "with_rotary"]
