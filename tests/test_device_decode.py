@@ -230,3 +230,27 @@ def test_cuda_staged_load_matches_cpu(spec):
                 torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
             else:
                 assert torch.equal(bits(g), bits(w))
+
+
+@pytest.mark.parametrize("spec", ["int4", "int8+zstd:1"])
+def test_a_lossy_miss_answers_from_what_a_staged_load_gives_back(llama, forced, monkeypatch, spec):
+    """A miss under a lossy codec answers from the decoded codes (``store_and_reload``); it decodes
+    them through staging as loads do (on the device), so the next run's hit answers the same."""
+    adapter = llama
+    contexts, questions = _contexts(adapter)
+    device_decoded: list[bool] = []
+    real = staging.Staging.copy_into
+
+    def spy(self, record, dest):
+        device_decoded.append(getattr(record, "device_decode", False))
+        real(self, record, dest)
+
+    monkeypatch.setattr(staging.Staging, "copy_into", spy)
+    with KVStore("memory://", codec=spec, chunk_tokens=CHUNK) as store:
+        kw = dict(store=store, stop_at_eos=False, batch_size=2, return_details=True, return_scores=True)
+        miss = adapter.greedy_sample(contexts, questions, 5, **kw)
+        assert not any(miss.cache_hit) and device_decoded and all(device_decoded)
+        hit = adapter.greedy_sample(contexts, questions, 5, **kw)
+    assert all(hit.cache_hit) and torch.equal(hit.tokens, miss.tokens)
+    for a, b in zip(hit.scores, miss.scores):
+        assert torch.equal(a, b)

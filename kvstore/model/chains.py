@@ -249,14 +249,18 @@ def store_and_reload(
     (position ``p`` at slot ``slot0 + p``). The answer then comes from exactly what a later run
     loads, whether or not the store can be written."""
     offset = plan_.spans[depth][0]
+    # decoded as a load decodes them (on the buffers' device where the codec can), so that a later
+    # run's answer is this one's
+    staging = Staging(bufs[0][0].device)
     for i, entry in enumerate(chunk_entries(adapter, plan_, layers, depth, offset)):
         blob = store.encode(entry)
         view = decode_entry(blob, key=entry.key)
         h = view.header
         for (kb, vb), kv in zip(bufs, view.layers):
             assert kv is not None
-            kv[0].copy_into(kb[row, :, slot0 + h.start : slot0 + h.end])
-            kv[1].copy_into(vb[row, :, slot0 + h.start : slot0 + h.end])
+            staging.copy_into(kv[0], kb[row, :, slot0 + h.start : slot0 + h.end])
+            staging.copy_into(kv[1], vb[row, :, slot0 + h.start : slot0 + h.end])
+        staging.finish()  # release the host tensors chunk by chunk
         if writer is not None:
             writer.put_encoded(entry, blob, overwrite=i == 0)
     if writer is not None:
