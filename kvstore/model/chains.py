@@ -22,7 +22,7 @@ from kvstore.errors import CorruptEntryError, CorruptEntryWarning
 from kvstore.model.cache import Buffers, LayerKV, PreallocatedCache, new_buffers
 from kvstore.model.staging import Staging
 from kvstore.parallel import run_all
-from kvstore.store.codecs import identity_of, spec_of
+from kvstore.store.codecs import StoredTensor, identity_of, spec_of
 from kvstore.store.entry import Entry, EntryView, decode_entry
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, cache_key, chain_keys, chunk_key, chunk_spans
 from kvstore.store.kvstore import KVStore
@@ -159,7 +159,6 @@ def load_prefix(
     spec of each chunk loaded is appended to ``codecs``. With ``staging`` (accelerator buffers),
     records go through its pinned host tensors and asynchronous copies: call its ``finish()``
     before using ``bufs``."""
-    copy = staging.copy_into if staging is not None else _copy_into
     loaded = 0
     with store.open_chain(plan_.keys, lazy=True) as views:
         fitting = []
@@ -172,15 +171,7 @@ def load_prefix(
                 break
             fitting.append(view)
         # every tensor of every chunk straight into place, decompressed and copied on a few threads
-        tasks: list[tuple[int, Callable[[], None]]] = []
-        for j, view in enumerate(fitting):
-            h = view.header
-            for (kb, vb), kv, spec in zip(bufs, view.layers, h.layers):
-                if kv is None:
-                    continue
-                lo, hi = slot0 + h.end - spec.length, slot0 + h.end
-                tasks.append((j, functools.partial(copy, kv[0], kb[row, :, lo:hi])))
-                tasks.append((j, functools.partial(copy, kv[1], vb[row, :, lo:hi])))
+        tasks = _copy_tasks(fitting, bufs, row, slot0, staging)
         errors = run_all([fn for _, fn in tasks], store.codec.decode_threads())
         good = len(fitting)
         for (j, _), err in zip(tasks, errors):
@@ -207,6 +198,37 @@ def load_prefix(
     return loaded
 
 
+def _copy_tasks(
+    fitting: Sequence[EntryView], bufs: Buffers, row: int, slot0: int, staging: Staging | None
+) -> list[tuple[int, Callable[[], None]]]:
+    """``(chunk index, copy)`` for every stored tensor of the ``fitting`` chunks into row ``row``.
+    With an active ``staging``, one layer's keys (or values) over chunks that tile a span decode
+    into one host region sent with one copy, unless they dequantize on the device."""
+    items: list[tuple[int, int, int, StoredTensor, int, int]] = []  # chunk, layer, role, record, slots
+    for j, view in enumerate(fitting):
+        h = view.header
+        for i, (kv, spec) in enumerate(zip(view.layers, h.layers)):
+            if kv is not None:
+                lo, hi = slot0 + h.end - spec.length, slot0 + h.end
+                items += [(j, i, 0, kv[0], lo, hi), (j, i, 1, kv[1], lo, hi)]
+    if staging is None or not staging.active:  # straight into place, in the order they lie in the store
+        return [(j, functools.partial(_copy_into, rec, bufs[i][r][row, :, lo:hi])) for j, i, r, rec, lo, hi in items]
+    groups: dict[tuple[int, int], list[tuple[int, StoredTensor, int, int]]] = {}
+    for j, i, r, rec, lo, hi in items:
+        groups.setdefault((i, r), []).append((j, rec, lo, hi))
+    tasks: list[tuple[int, Callable[[], None]]] = []
+    for (i, r), ps in groups.items():
+        buf = bufs[i][r]
+        tiled = all(a[3] == b[2] for a, b in zip(ps, ps[1:]))
+        if tiled and not any(getattr(rec, "device_decode", False) for _, rec, _, _ in ps):
+            lo0 = ps[0][2]
+            region = staging.region(buf[row, :, lo0 : ps[-1][3]], len(ps))
+            tasks += [(j, functools.partial(region.copy_into, rec, lo - lo0, hi - lo0)) for j, rec, lo, hi in ps]
+        else:
+            tasks += [(j, functools.partial(staging.copy_into, rec, buf[row, :, lo:hi])) for j, rec, lo, hi in ps]
+    return tasks
+
+
 def _copy_into(record, dest) -> None:
     record.copy_into(dest)
 
@@ -227,14 +249,18 @@ def store_and_reload(
     (position ``p`` at slot ``slot0 + p``). The answer then comes from exactly what a later run
     loads, whether or not the store can be written."""
     offset = plan_.spans[depth][0]
+    # decoded as a load decodes them (on the buffers' device where the codec can), so that a later
+    # run's answer is this one's
+    staging = Staging(bufs[0][0].device)
     for i, entry in enumerate(chunk_entries(adapter, plan_, layers, depth, offset)):
         blob = store.encode(entry)
         view = decode_entry(blob, key=entry.key)
         h = view.header
         for (kb, vb), kv in zip(bufs, view.layers):
             assert kv is not None
-            kv[0].copy_into(kb[row, :, slot0 + h.start : slot0 + h.end])
-            kv[1].copy_into(vb[row, :, slot0 + h.start : slot0 + h.end])
+            staging.copy_into(kv[0], kb[row, :, slot0 + h.start : slot0 + h.end])
+            staging.copy_into(kv[1], vb[row, :, slot0 + h.start : slot0 + h.end])
+        staging.finish()  # release the host tensors chunk by chunk
         if writer is not None:
             writer.put_encoded(entry, blob, overwrite=i == 0)
     if writer is not None:

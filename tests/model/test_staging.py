@@ -26,14 +26,19 @@ def test_staged_loads_answer_as_direct_loads(monkeypatch):
         kw = dict(store=store, stop_at_eos=False, batch_size=4, return_details=True, return_scores=True)
         direct = adapter.greedy_sample(contexts, questions, 6, **kw)
         staged_records = []
-        real = staging.Staging.copy_into
+        real, real_region = staging.Staging.copy_into, staging.Region.copy_into
 
         def counting(self, record, dest):
             staged_records.append(self.active)
             real(self, record, dest)
 
+        def counting_region(self, record, start, end):  # lossless records go through regions
+            staged_records.append(self.staging.active)
+            real_region(self, record, start, end)
+
         monkeypatch.setattr(staging, "FORCE", True)
         monkeypatch.setattr(staging.Staging, "copy_into", counting)
+        monkeypatch.setattr(staging.Region, "copy_into", counting_region)
         staged = adapter.greedy_sample(contexts, questions, 6, **kw)
     assert staged_records and all(staged_records), "the staged path did not run"
     assert all(staged.cache_hit)

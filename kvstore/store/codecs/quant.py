@@ -38,13 +38,17 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import register_quantizer
 from kvstore.store.codecs.records import TensorRecord
+
+# ``stage(source, device)``: a stored tensor (``copy_into``) or host tensor, as a tensor on ``device``
+Stage = Callable[[Any, torch.device], torch.Tensor]
 
 SINK_TOKENS = 4
 PARTS = (".codes", ".scales", ".zeros", ".sink")
@@ -197,40 +201,57 @@ class IntQuantizer:
 
 
 class _IntReader:
-    """Decodes one int8/int4 tensor into a destination buffer."""
+    """Decodes one int8/int4 tensor into a destination buffer. ``device_decode``: with a ``stage``
+    (see :meth:`copy_into`) it dequantizes where the destination is."""
+
+    device_decode = True
 
     def __init__(self, q: IntQuantizer, role, name, shape, dtype, codes, scales, zeros, sink, group):
         self.q, self.role, self.name = q, role, name
         self.shape, self.dtype = tuple(shape), dtype
         self.codes, self.scales, self.zeros, self.sink, self.group = codes, scales, zeros, sink, group
 
-    def copy_into(self, dest: torch.Tensor) -> None:
+    def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
+        """Dequantize into ``dest``. Without ``stage``: on the host (a non-CPU ``dest`` gets one
+        copy of the float values). With ``stage`` (``stage(source, device)`` -> that stored or
+        host tensor on ``device``, e.g. :meth:`kvstore.model.staging.Staging.upload`): the codes
+        (uint8), scales, zeros and sink go to ``dest``'s device and the same arithmetic runs there,
+        in fresh device tensors instead of the host's per-thread scratch."""
         if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
             raise ValueError(f"{self.name}: destination {tuple(dest.shape)}/{dest.dtype} != {self.shape}/{self.dtype}")
         k = self.sink.shape[1]
-        if k:
+        if k and stage is not None:
+            dest[:, :k].copy_(stage(self.sink, dest.device))
+        elif k:
             self.sink.copy_into(dest[:, :k])
         d = dest[:, k:]
-        if d.dtype == torch.float32 and d.device.type == "cpu":
-            work = d
+        scales, zeros = self.scales, self.zeros
+        if stage is not None:
+            codes, scales, zeros = (stage(t, d.device) for t in (self.codes, scales, zeros))
+            work = d if d.dtype == torch.float32 else torch.empty(d.shape, dtype=torch.float32, device=d.device)
+        elif d.dtype == torch.float32 and d.device.type == "cpu":
+            codes, work = _view(self.codes), d
         else:  # bfloat16/float16 arithmetic is slow on CPU; other devices: decode on the host, copy once
-            work = _scratch("f32", d.numel(), torch.float32).view(d.shape)
-        codes = _view(self.codes)
+            codes, work = _view(self.codes), _scratch("f32", d.numel(), torch.float32).view(d.shape)
         if self.q.bits == 8:
             work.copy_(codes)
         else:
             half = codes.shape[-1]
-            nib = _scratch("u8", codes.numel(), torch.uint8).view(codes.shape)
+            nib = (
+                _scratch("u8", codes.numel(), torch.uint8).view(codes.shape)
+                if stage is None
+                else torch.empty_like(codes)
+            )
             torch.bitwise_and(codes, 15, out=nib)
             work[..., :half].copy_(nib)
             torch.bitwise_right_shift(codes, 4, out=nib)
             work[..., half:].copy_(nib)
-        self._affine(work)
+        self._affine(work, scales, zeros)
         if work is not d:
             d.copy_(work)
 
-    def _affine(self, w: torch.Tensor) -> None:
-        s, z, g = self.scales, self.zeros, self.group
+    def _affine(self, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
+        g = self.group
         if self.role == "values":  # scale constant along the inner group: mul_ + add_ (addcmul is slow here)
             wv = w.unflatten(2, (w.shape[2] // g, g))
             wv.mul_(s.unsqueeze(-1))
