@@ -25,7 +25,7 @@ from kvstore.model.cache import new_buffers
 from kvstore.store.codecs import get_codec
 from kvstore.store.codecs import records as records_mod
 from kvstore.store.kvstore import KVStore
-from tiny import make_tiny_model
+from helpers.tiny import make_tiny_model
 
 CHUNK = 16
 CODECS = ("raw", "zstd:1", "zstd-shuffle:1", "int8", "int4", "int8:32+zstd:1", "fp8")
