@@ -34,6 +34,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Import KV caches written by the llminference research code.",
     ),
     "sync": ("kvstore.cli.transfer", "sync", "Copy what one store lacks from another (any backends, e.g. to S3)."),
+    "lm-eval": (
+        "kvstore.cli.lmeval",
+        "lm_eval_command",
+        "Run lm-evaluation-harness with the `kvstore` model registered (needs kvstore[eval]).",
+    ),
 }
 
 
