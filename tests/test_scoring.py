@@ -180,6 +180,8 @@ def test_rolling_equals_hf_and_a_second_run_computes_no_context(kind, dtype):
                 assert [abs(r.logprob - w) <= TOL[dtype] * 10 for r, w in zip(got, want)] == [True] * 3
             assert [r.n_tokens for r in first] == [len(tok(d, add_special_tokens=False)["input_ids"]) for d in docs]
             assert all(r.cached_tokens == r.context_tokens for r in second)
+            assert second.prefill_tokens_computed == 0 < first.prefill_tokens_computed
+            assert second.prefill_tokens_saved == sum(r.context_tokens for r in second)
             assert first[0].windows == (1 if max_length is None else -(-first[0].n_tokens // 16))
             # the document's first window was stored as a chain ([head] + its tokens): a question about
             # the document loads that much

@@ -22,7 +22,7 @@ from kvstore.model.chains import ContextPlan
 from kvstore.model.decode import SampleResult
 from kvstore.model.identity import model_fingerprint
 from kvstore.model.layout import CacheLayout, cache_layout
-from kvstore.model.scoring import GenerationContext, RollingResult, ScoreResult
+from kvstore.model.scoring import GenerationContext, RollingResult, RollingResults, ScoreResult
 from kvstore.progress import Progress
 from kvstore.store.entry import Entry
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, chain_seed
@@ -449,12 +449,13 @@ class Adapter:
         progress: Progress | None = None,
         generation_context: GenerationContext | None = None,
         store_documents: bool = True,
-    ) -> list[RollingResult]:
+    ) -> RollingResults:
         """Log-likelihood of whole documents, as lm-eval's ``loglikelihood_rolling`` computes it:
         text encoded without special tokens, the first token scored from the BOS (or EOS) token,
         documents longer than ``max_length`` (default: the model's positions) in lm-eval's windows
-        (:func:`kvstore.model.scoring.rolling_windows`). One :class:`RollingResult` per document
-        (perplexity, bits per token and, for text, bits per character).
+        (:func:`kvstore.model.scoring.rolling_windows`). A list of one :class:`RollingResult` per
+        document (perplexity, bits per token and, for text, bits per character) that also carries
+        the run's ``prefill_tokens_computed`` and ``prefill_tokens_saved``.
 
         With the cache, each window's context (the prefix token; a last short window's overlap) is
         loaded from or stored in ``store``, so a second run computes no context token; every scored

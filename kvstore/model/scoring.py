@@ -119,6 +119,15 @@ class RollingResult:
         return -self.logprob / (self.n_chars * math.log(2)) if self.n_chars else math.nan
 
 
+class RollingResults(list[RollingResult]):
+    """What :meth:`Adapter.score_rolling` returns: one :class:`RollingResult` per document (a
+    list), and the run's ``prefill_tokens_computed`` / ``prefill_tokens_saved`` (window context
+    tokens, counted as :class:`ScoreResult` counts them)."""
+
+    prefill_tokens_computed: int = 0
+    prefill_tokens_saved: int = 0
+
+
 def prefix_token_id(adapter: Adapter) -> int:
     """The token an empty context is scored from, as lm-eval's ``hf`` model picks it: the
     tokenizer's BOS, or its EOS when it has no BOS."""
@@ -492,7 +501,7 @@ def score_rolling(
     progress: Progress | None = None,
     generation_context: GenerationContext | None = None,
     store_documents: bool = True,
-) -> list[RollingResult]:
+) -> RollingResults:
     """See :meth:`kvstore.model.adapter.Adapter.score_rolling`."""
     limit = max_length or adapter.max_positions
     head = prefix_token_id(adapter)
@@ -511,9 +520,13 @@ def score_rolling(
         adapter, ctx, cont, store=store, use_cache=use_cache, batch_size=batch_size, token_logprobs=token_logprobs,
         max_batch_tokens=max_batch_tokens, progress=progress, generation_context=generation_context, keep=keep,
     )  # fmt: skip
-    out = []
+    out = RollingResults()
+    out.prefill_tokens_computed, out.prefill_tokens_saved = scored.prefill_tokens_computed, scored.prefill_tokens_saved
+    windows_of: list[list[int]] = [[] for _ in texts]
+    for j, d in enumerate(owner):
+        windows_of[d].append(j)
     for d, text in enumerate(texts):
-        mine = [j for j in range(len(owner)) if owner[j] == d]
+        mine = windows_of[d]
         parts = [scored.rows[j] for j in mine]
         per_token = tuple(x for p in parts for x in (p.token_logprobs or ())) if token_logprobs else None
         out.append(
@@ -527,6 +540,7 @@ def score_rolling(
 
 __all__ = [
     "RollingResult",
+    "RollingResults",
     "ScoreResult",
     "ScoredRow",
     "encode_pair",
