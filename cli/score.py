@@ -90,6 +90,14 @@ def score(**kw):
     from kvstore.store.kvstore import KVStore
 
     mode = kw["mode"] or "choices"
+    if kw["template"] is not None:
+        try:
+            kw["template"].format(context="", question="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise click.BadParameter(
+                f"{kw['template']!r}: {exc!r}; use {{context}} and {{question}} (and {{{{ }}}} for a literal brace)",
+                param_hint="--template",
+            ) from None
     rows = load_choice_rows(
         kw["dataset"], context_field=kw["context_field"], question_field=kw["question_field"],
         choices_field=kw["choices_field"], label_field=kw["label_field"], answer_field=kw["answer_field"],
@@ -132,16 +140,21 @@ def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict
             conts.append(kw["delimiter"] + text)
             labels.append(f"{row.where}" + (f" choice {j}" if mode == "choices" else ""))
             owner.append(n)
+    documents = _shared_documents(kw["template"], rows, common["store"])
+    built = 0
     with progress_bar(len(conts), "score", kw["quiet"], unit="opt", rate="tok") as bar:
         with _corrupt_entries_as_warnings(bar):
+            if documents:  # several prompts per document: store each document once, every prompt loads it
+                built = adapter.generate_kv_cache(documents, common["store"], truncate=kw["truncate"]).tokens
             result = adapter.score(
                 contexts, conts, labels=labels, progress=bar, truncate=kw["truncate"], **common
             )  # fmt: skip
     per_row: list[list] = [[] for _ in rows]
     for i, scored in enumerate(result.rows):
         per_row[owner[i]].append((conts[i], scored))
-    counts = {"prefill_tokens_computed": result.prefill_tokens_computed,
-              "prefill_tokens_saved": result.prefill_tokens_saved}  # fmt: skip
+    computed = result.prefill_tokens_computed + built
+    no_cache_tokens = result.prefill_tokens_computed + result.prefill_tokens_saved
+    counts = {"prefill_tokens_computed": computed, "prefill_tokens_saved": no_cache_tokens - computed}
     if mode == "reference":
         return _reference_rows(rows, per_row, kw["delimiter"]), counts | _reference_summary(per_row)
     out, hits, hits_norm, graded = [], 0, 0, 0
@@ -169,6 +182,26 @@ def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict
         "acc_norm": round(hits_norm / graded, 4) if graded else None,
     }
     return out, summary | counts
+
+
+def _shared_documents(template: str | None, rows, store) -> list[str]:
+    """The documents (the prompt up to the end of ``{context}``) that begin more than one distinct
+    prompt, when the prompt puts the question after the context and the store can be written.
+    Stored first, each ends a chain the longer prompts continue (the store cuts their chains
+    where a stored shorter context ends), so every question loads the whole document; else each
+    question after the first would recompute the document's last, partial chunk."""
+    text = template if template is not None else DEFAULT_TEMPLATE
+    if store is None or store.readonly or "{context}" not in text:
+        return []
+    head = text.split("{context}", 1)[0]
+    if "{question}" in head:
+        return []
+    head = head.format()
+    prompts: dict[str, set[str]] = {}
+    for row in rows:
+        if row.question is not None or template is not None:
+            prompts.setdefault(head + row.context, set()).add(_prompt(template, row.context, row.question))
+    return [doc for doc, ps in prompts.items() if len(ps) > 1 and all(p != doc for p in ps)]
 
 
 def _reference_rows(rows, per_row, delimiter: str) -> list[dict]:

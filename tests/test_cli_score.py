@@ -83,13 +83,17 @@ def test_multiple_choice_cached_equals_no_cache_and_a_second_run_computes_nothin
         assert summary["acc"] == round(acc, 4) and summary["acc_norm"] == round(acc_norm, 4)
     assert per_row["cold"][1]["label"] == 0 and per_row["cold"][3]["label"] is None
     assert "correct" not in per_row["cold"][3]
-    # each prompt computed once, cold; nothing warm
+    # cold: rows a and b share a document, stored once and loaded by both prompts, which compute only
+    # their question part; every other prompt is computed once for all its options. Warm: nothing.
     adapter = Adapter.from_pretrained(str(tiny_llama_dir), dtype="float64")
     sizes = [len(adapter.encode_context(_prompt(r))) for r in ROWS]
-    assert cold["prefill_tokens_computed"] == sum(sizes)
-    assert cold["prefill_tokens_saved"] == sum(s * (len(r["choices"]) - 1) for s, r in zip(sizes, ROWS))
+    doc = len(adapter.encode_context(DOCS[0]))
+    assert [r["cached_tokens"] for r in per_row["cold"][:2]] == [doc, doc]
+    assert cold["prefill_tokens_computed"] == doc + (sizes[0] - doc) + (sizes[1] - doc) + sizes[2] + sizes[3]
+    no_cache_tokens = sum(s * len(r["choices"]) for s, r in zip(sizes, ROWS))
+    assert cold["prefill_tokens_saved"] == no_cache_tokens - cold["prefill_tokens_computed"]
     assert warm["prefill_tokens_computed"] == 0
-    assert ref["prefill_tokens_computed"] == sum(s * len(r["choices"]) for s, r in zip(sizes, ROWS))
+    assert ref["prefill_tokens_computed"] == no_cache_tokens
     assert ref["cache"] == "off" and cold["cache"] == "on"
 
 
