@@ -183,3 +183,9 @@ def test_too_long_row_is_named(tiny_neox_dir, tmp_path, capsys):
     args = ("score", data, "-m", tiny_neox_dir, "--no-cache", "-q", "--truncate", "--format=json")
     code, out, _ = run_main(capsys, *args)
     assert code == 0 and json.loads(out)["options"] == 2
+
+
+def test_bad_template_is_a_usage_error(tiny_neox_dir, tmp_path, capsys):
+    data = _write(tmp_path / "mc.jsonl", ROWS[:1])
+    code, _, err = run_main(capsys, "score", data, "-m", tiny_neox_dir, "--template", "{document}", "-q")
+    assert code == 2 and "--template" in err and "document" in err

@@ -261,3 +261,18 @@ def test_the_scoring_module_stays_below_its_callers():
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "scoring" not in names and "kvstore.model.scoring" not in mods, name
+
+
+def test_half_precision_log_softmax_runs_in_float32(tiny_llama):
+    """16-bit logits are upcast before log_softmax: per-token log-probs come back as float32 values
+    (not bfloat16's 8-bit mantissa), and the cached path stays close to the no-cache one."""
+    model, tok = tiny_llama
+    adapter = Adapter(model.to(torch.bfloat16), tok)
+    contexts, conts = [CORPUS[0], CORPUS[1]], [" The dog sleeps", " Paris"]
+    cached = adapter.score(contexts, conts, token_logprobs=True)
+    ref = adapter.score(contexts, conts, use_cache=False, token_logprobs=True)
+    values = [x for r in ref.rows for x in (r.token_logprobs or ())]
+    assert values and all(torch.isfinite(torch.tensor(values)))
+    assert any(float(torch.tensor(x, dtype=torch.bfloat16)) != x for x in values)  # not rounded to bf16
+    for a, b in zip(cached.rows, ref.rows):
+        assert abs(a.logprob - b.logprob) < 0.5 * a.n_tokens
