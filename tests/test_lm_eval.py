@@ -195,3 +195,18 @@ def test_cli_refuses_sampling_in_one_line(capsys, tiny_neox_dir, tmp_path):
     assert code == 1
     errors = [line for line in err.splitlines() if line.startswith("kvstore: error:")]
     assert len(errors) == 1 and "sampling" in errors[0]
+
+
+def test_cli_without_lm_eval_says_how_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)
+    code, _, err = run_main(capsys, "lm-eval", "--tasks", "x")
+    assert code == 1
+    assert err.strip().splitlines()[-1].startswith("kvstore: error: lm-eval is not installed")
+    assert "pip install 'kvstore[eval]'" in err
+
+
+def test_cli_help_is_lm_evals(capsys):
+    code, out, _ = run_main(capsys, "lm-eval", "--help")
+    assert code == 0
+    assert "lm-eval" in out and "run" in out
