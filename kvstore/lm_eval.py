@@ -230,10 +230,21 @@ class KVStoreLM(TemplateLM):
         return str(getattr(self.tokenizer, "name_or_path", "") or self.adapter.name).replace("/", "__")
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=not add_generation_prompt,
-        )  # fmt: skip
+        """The chat rendered as text by the tokenizer's template, as ``hf`` renders it (a template
+        that rejects a system turn is retried without it)."""
+        import jinja2
+
+        def render(history: list[dict[str, str]]) -> str:
+            return self.tokenizer.apply_chat_template(
+                history, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+            )  # fmt: skip
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            _log.warning("the chat template failed; retrying without the system turn")
+            return render([m for m in chat_history if m["role"] != "system"])
 
     def get_model_info(self) -> dict[str, Any]:
         return {

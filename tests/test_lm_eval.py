@@ -210,3 +210,15 @@ def test_cli_help_is_lm_evals(capsys):
     code, out, _ = run_main(capsys, "lm-eval", "--help")
     assert code == 0
     assert "lm-eval" in out and "run" in out
+
+
+def test_chat_template_prompts_match_hf(tiny_llama_dir, tmp_path, task_manager, hf_lm):
+    """With lm-eval's --apply_chat_template the rendered prompts start with the BOS text (tiny
+    llama's template), which both backends then encode without a second BOS."""
+    tasks = ["kv_tiny_mc", "kv_tiny_gen"]
+    ref = _evaluate(hf_lm(tiny_llama_dir), task_manager, tasks=tasks, apply_chat_template=True)
+    lm = _kvstore(tiny_llama_dir, tmp_path / "store")
+    got = _evaluate(lm, task_manager, tasks=tasks, apply_chat_template=True)
+    assert_same(ref, got, tasks)
+    assert ref["samples"]["kv_tiny_gen"][0]["arguments"][0][0].startswith("<s>")
+    lm.close()
