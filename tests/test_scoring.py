@@ -94,7 +94,18 @@ def test_cached_equals_no_cache_equals_hf_forward(kind, dtype, attn):
             assert ref.prefill_tokens_computed == sum(map(len, contexts)) and ref.prefill_tokens_saved == 0
 
 
-def test_options_of_one_context_compute_it_once(tiny_llama):
+def test_options_of_one_context_compute_it_once(tiny_llama, monkeypatch):
+    import time
+
+    from kvstore.model.writer import Writer
+
+    write = Writer._write
+
+    def slow_write(self, *args, **kwargs):  # a slow store: a batch must wait for what the previous one stored
+        time.sleep(0.3)
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Writer, "_write", slow_write)
     adapter = Adapter(*tiny_llama)
     ctx = CORPUS[0]
     options = [" The dog sleeps", " The fox runs", " Paris", " eight legs"]
