@@ -287,3 +287,26 @@ def test_half_precision_log_softmax_runs_in_float32(tiny_llama):
     assert any(float(torch.tensor(x, dtype=torch.bfloat16)) != x for x in values)  # not rounded to bf16
     for a, b in zip(cached.rows, ref.rows):
         assert abs(a.logprob - b.logprob) < 0.5 * a.n_tokens
+
+
+def test_a_batch_out_of_memory_runs_again_in_halves():
+    model, tok = make_tiny_model("neox", dtype=F64)
+    adapter = Adapter(model, tok)
+    contexts, conts = _rows(tok, model)
+    want = [_hf_score(model, c, y) for c, y in zip(contexts, conts)]
+    forward = model.forward
+    sizes: list[int] = []
+
+    def small_batches_only(*args, **kwargs):
+        sizes.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return forward(*args, **kwargs)
+
+    model.forward = small_batches_only
+    with KVStore("memory://", chunk_tokens=CHUNK) as store:
+        for use_cache in (True, False):
+            sizes.clear()
+            got = adapter.score(contexts, conts, store=store, use_cache=use_cache, batch_size=8)
+            _check(got, want, F64)
+            assert max(sizes) > 2 and sizes[-1] <= 2  # it ran out, then ran in halves

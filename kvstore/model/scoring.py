@@ -39,7 +39,7 @@ from kvstore.errors import ContextTooLongError, DatasetError, ModelError
 from kvstore.model import decode
 from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import PreallocatedCache
-from kvstore.model.forward import Stop
+from kvstore.model.forward import Stop, is_out_of_memory
 from kvstore.model.scores import (
     RollingResult,
     RollingResults,
@@ -209,6 +209,21 @@ def _groups(
         yield batch
 
 
+def _halving(run: Callable[[list[int]], None], batch: list[int], adapter: Adapter) -> None:
+    """``run(batch)``; on an out-of-memory error, the same rows in two halves (scores do not depend
+    on the batch), down to one row."""
+    try:
+        run(batch)
+    except Exception as exc:
+        if not is_out_of_memory(exc) or len(batch) == 1:
+            raise
+        del exc
+        if adapter.device.type == "cuda":
+            torch.cuda.empty_cache()
+        _halving(run, batch[: len(batch) // 2], adapter)
+        _halving(run, batch[len(batch) // 2 :], adapter)
+
+
 def _gather(logits: torch.Tensor, targets: Sequence[int], per_token: bool) -> tuple[float, bool, tuple | None]:
     """``(sum of log-probs, greedy, per-token log-probs)`` of ``targets`` from ``logits`` ``[n, V]``."""
     ftype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
@@ -241,42 +256,47 @@ def _score_cached(
     computed = 0
     seen: set[str] = set()
     dev = adapter.device
+
+    def run(batch: list[int]) -> None:
+        nonlocal computed
+        bplans = [plans[i] for i in batch]
+        if writer is not None and any(keys[i] in seen for i in batch):
+            writer.flush()  # a context split over batches: the next part loads what the first stored
+        seen.update(keys[i] for i in batch)
+        pre = decode.load_batch(adapter, bplans, [fed[i] for i in batch], 0, store, Stop())
+        computed += decode.complete(adapter, bplans, pre, store, writer)
+        B = len(batch)
+        c_len = [len(ctx[i]) for i in batch]
+        q_len = [len(fed[i]) for i in batch]
+        P, Q = max(c_len), max(q_len)
+        mask = torch.zeros((B, P + Q), dtype=torch.long)
+        pos = torch.empty((B, Q), dtype=torch.long)
+        input_ids = torch.full((B, Q), adapter.pad_id, dtype=torch.long)
+        for r, i in enumerate(batch):
+            c, q = c_len[r], q_len[r]
+            mask[r, P - c : P - 1] = 1  # the context's last slot is fed again below
+            mask[r, P : P + q] = 1
+            pos[r] = c - 2 + q  # pads after the row: its last position again (masked, in range)
+            pos[r, :q] = torch.arange(c - 1, c - 1 + q)
+            input_ids[r, :q] = torch.as_tensor(fed[i], dtype=torch.long)
+        cache = PreallocatedCache(pre.bufs, P)
+        with _entered(generation_context, adapter.model):
+            out = adapter.model(
+                input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                past_key_values=cache, use_cache=True, logits_to_keep=0,
+            )  # fmt: skip
+        for r, i in enumerate(batch):
+            total, greedy, per_token = _gather(out.logits[r, : len(cont[i])], cont[i], token_logprobs)
+            rows[i] = ScoredRow(total, greedy, len(cont[i]), per_token, pre.loaded[keys[i]])
+        if writer is not None:
+            _keep_rows(adapter, store, writer, batch, ctx, fed, pre.bufs, P, keep)
+        del out, cache
+        if progress:
+            progress(B, sum(sizes[i] for i in batch))
+
     try:
         for batch in _groups(order, keys, sizes, [len(f) for f in fed], batch_size, max_batch_tokens, row_logits):
-            bplans = [plans[i] for i in batch]
-            if writer is not None and any(keys[i] in seen for i in batch):
-                writer.flush()  # a context split over batches: the next part loads what the first stored
-            seen.update(keys[i] for i in batch)
-            pre = decode.load_batch(adapter, bplans, [fed[i] for i in batch], 0, store, Stop())
-            computed += decode.complete(adapter, bplans, pre, store, writer)
-            B = len(batch)
-            c_len = [len(ctx[i]) for i in batch]
-            q_len = [len(fed[i]) for i in batch]
-            P, Q = max(c_len), max(q_len)
-            mask = torch.zeros((B, P + Q), dtype=torch.long)
-            pos = torch.empty((B, Q), dtype=torch.long)
-            input_ids = torch.full((B, Q), adapter.pad_id, dtype=torch.long)
-            for r, i in enumerate(batch):
-                c, q = c_len[r], q_len[r]
-                mask[r, P - c : P - 1] = 1  # the context's last slot is fed again below
-                mask[r, P : P + q] = 1
-                pos[r] = c - 2 + q  # pads after the row: its last position again (masked, in range)
-                pos[r, :q] = torch.arange(c - 1, c - 1 + q)
-                input_ids[r, :q] = torch.as_tensor(fed[i], dtype=torch.long)
-            cache = PreallocatedCache(pre.bufs, P)
-            with _entered(generation_context, adapter.model):
-                out = adapter.model(
-                    input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                    past_key_values=cache, use_cache=True, logits_to_keep=0,
-                )  # fmt: skip
-            for r, i in enumerate(batch):
-                total, greedy, per_token = _gather(out.logits[r, : len(cont[i])], cont[i], token_logprobs)
-                rows[i] = ScoredRow(total, greedy, len(cont[i]), per_token, pre.loaded[keys[i]])
-            if writer is not None:
-                _keep_rows(adapter, store, writer, batch, ctx, fed, pre.bufs, P, keep)
-            del out, cache
-            if progress:
-                progress(B, sum(sizes[i] for i in batch))
+            _halving(run, batch, adapter)
     finally:
         if writer is not None:
             writer.close()
@@ -315,7 +335,9 @@ def _score_reference(
     row_logits = _vocab(adapter) * 4
     dev = adapter.device
     computed = 0
-    for batch in _groups(order, [str(i) for i in range(n)], sizes, sizes, batch_size, max_batch_tokens, row_logits):
+
+    def run(batch: list[int]) -> None:
+        nonlocal computed
         B = len(batch)
         L = max(sizes[i] for i in batch)
         lo = min(len(ctx[i]) - 1 for i in batch)  # first position whose logits are needed
@@ -337,6 +359,9 @@ def _score_reference(
         del out
         if progress:
             progress(B, sum(sizes[i] for i in batch))
+
+    for batch in _groups(order, [str(i) for i in range(n)], sizes, sizes, batch_size, max_batch_tokens, row_logits):
+        _halving(run, batch, adapter)
     return computed
 
 
