@@ -420,7 +420,8 @@ class Adapter:
         is the reference: context + continuation through the model in one forward. Both agree to
         rounding (float64 1e-10, float32 1e-4 in the tests). Rows run in batches of up to
         ``batch_size`` rows and ``max_batch_tokens`` padded tokens, the continuations of one
-        context together. ``generation_context(model)``, if given, is entered around the
+        context together; a batch that runs out of memory runs again as two halves.
+        ``generation_context(model)``, if given, is entered around the
         continuation forwards only (with the cache; the reference has one forward for both).
 
         Raises DatasetError (naming the row with ``labels``) for an empty continuation,
