@@ -147,6 +147,7 @@ def test_text_is_split_the_way_lm_eval_splits_it(kind):
     assert head == tok.bos_token_id
     assert encode_pair(adapter, "", " Paris") == ([head], adapter.encode_question(" Paris"))
     assert encode_pair(adapter, [], [head, 7, 8]) == ([head], [7, 8])
+    assert encode_pair(adapter, " \n", "x") == ([head], adapter.encode_question(" \nx"))  # whitespace moves
     assert encode_pair(adapter, [5, 6], [7]) == ([5, 6], [7])
     # the scores are those of exactly these ids, cached and not
     want = _hf_score(model, ctx, cont)
@@ -324,3 +325,25 @@ def test_a_lossy_store_scores_from_what_it_stored(tiny_llama):
     assert warm.prefill_tokens_computed == 0 and warm.logprobs == cold.logprobs
     assert cold.logprobs != exact.logprobs
     assert all(abs(a - b) < 0.1 * abs(b) for a, b in zip(cold.logprobs, exact.logprobs))
+
+
+@pytest.mark.parametrize("kind", ["neox", "llama"])
+def test_split_matches_lm_eval_itself(kind):
+    """Where lm-eval is installed (the eval extra): its own ``_encode_pair`` and empty-context rule,
+    run on the same tokenizer, give the ids ``encode_pair(..., special_tokens=False)`` gives."""
+    model_api = pytest.importorskip("lm_eval.api.model")
+    model, tok = make_tiny_model(kind, dtype=F64)
+    adapter = Adapter(model, tok)
+
+    class Like:  # what TemplateLM._encode_pair reads from its instance
+        backend = "causal"
+
+        @staticmethod
+        def tok_encode(text, add_special_tokens=None):
+            return tok(text, add_special_tokens=False)["input_ids"]
+
+    pairs = [("The capital of France is Par", "is."), ("Question: how many legs? Answer: ", "eight"),
+             ("def add(x, y):\n   ", " return x + y"), ("hello there!", "\nassistant: Hi!")]  # fmt: skip
+    for context, continuation in pairs:
+        want = model_api.TemplateLM._encode_pair(Like(), context, continuation)
+        assert encode_pair(adapter, context, continuation, special_tokens=False) == tuple(want)

@@ -130,7 +130,7 @@ def encode_pair(
     if both_text:
         assert isinstance(context, str) and isinstance(continuation, str)
         n_spaces = len(context) - len(context.rstrip())
-        if n_spaces and context.strip():
+        if n_spaces:  # a context of whitespace only becomes empty: scored from the prefix token
             continuation = context[-n_spaces:] + continuation
             context = context[:-n_spaces]
     ctx = adapter.encode_context(context, special_tokens=special_tokens) if _nonempty(context) else []
