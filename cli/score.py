@@ -3,9 +3,10 @@
 Each row's prompt (its context and question through ``--template``) is scored with every choice
 after it (``--delimiter`` between them, lm-eval's ``target_delimiter``): the options of a row share
 one stored context, loaded or computed once. ``acc`` picks the option with the highest
-log-likelihood, ``acc_norm`` the highest log-likelihood per character of the option's text
-(lm-eval's definitions). ``--reference`` scores each row's reference text instead (perplexity,
-bits per character); ``--rolling`` the whole context as a document (lm-eval's rolling windows).
+log-likelihood, ``acc_norm`` the highest log-likelihood per character of the option's text,
+``acc_bytes`` per UTF-8 byte (lm-eval's definitions). ``--reference`` scores each row's reference
+text instead (perplexity, bits per character); ``--rolling`` the whole context as a document
+(lm-eval's rolling windows).
 """
 
 from __future__ import annotations
@@ -157,30 +158,33 @@ def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict
     counts = {"prefill_tokens_computed": computed, "prefill_tokens_saved": no_cache_tokens - computed}
     if mode == "reference":
         return _reference_rows(rows, per_row, kw["delimiter"]), counts | _reference_summary(per_row)
-    out, hits, hits_norm, graded = [], 0, 0, 0
+    out: list[dict] = []
+    hits = {"acc": 0, "acc_norm": 0, "acc_bytes": 0}
+    graded = 0
     for row, options in zip(rows, per_row):
         lls = [s.logprob for _, s in options]
-        norm = [ll / len(choice) for ll, choice in zip(lls, row.choices)]  # lm-eval: characters of the choice
-        pred = max(range(len(lls)), key=lls.__getitem__)
-        pred_norm = max(range(len(norm)), key=norm.__getitem__)
-        item = {"id": row.id, "label": row.label, "prediction": pred, "prediction_norm": pred_norm}
+        # lm-eval's normalizations: by the choice's length in characters (acc_norm) and UTF-8 bytes (acc_bytes)
+        per_char = [ll / len(c) for ll, c in zip(lls, row.choices)]
+        per_byte = [ll / len(c.encode("utf-8")) for ll, c in zip(lls, row.choices)]
+        preds = {k: max(range(len(v)), key=v.__getitem__) for k, v in
+                 (("acc", lls), ("acc_norm", per_char), ("acc_bytes", per_byte))}  # fmt: skip
+        item = {"id": row.id, "label": row.label, "prediction": preds["acc"], "prediction_norm": preds["acc_norm"],
+                "prediction_bytes": preds["acc_bytes"]}  # fmt: skip
         if row.label is not None:
             graded += 1
-            hits += pred == row.label
-            hits_norm += pred_norm == row.label
-            item |= {"correct": pred == row.label, "correct_norm": pred_norm == row.label}
+            for k, p in preds.items():
+                hits[k] += p == row.label
+            item |= {"correct": preds["acc"] == row.label, "correct_norm": preds["acc_norm"] == row.label,
+                     "correct_bytes": preds["acc_bytes"] == row.label}  # fmt: skip
         item["choices"] = [
-            {"text": c, "logprob": s.logprob, "logprob_per_char": nm, "n_tokens": s.n_tokens, "is_greedy": s.is_greedy}
-            for c, (_, s), nm in zip(row.choices, options, norm)
-        ]
+            {"text": c, "logprob": s.logprob, "logprob_per_char": pc, "logprob_per_byte": pb, "n_tokens": s.n_tokens,
+             "is_greedy": s.is_greedy}
+            for c, (_, s), pc, pb in zip(row.choices, options, per_char, per_byte)
+        ]  # fmt: skip
         item["cached_tokens"] = options[0][1].cached_tokens
         out.append(item)
-    summary = {
-        "options": len(result.rows),
-        "graded": graded,
-        "acc": round(hits / graded, 4) if graded else None,
-        "acc_norm": round(hits_norm / graded, 4) if graded else None,
-    }
+    summary: dict[str, int | float | None] = {"options": len(result.rows), "graded": graded}
+    summary |= {k: (round(v / graded, 4) if graded else None) for k, v in hits.items()}
     return out, summary | counts
 
 

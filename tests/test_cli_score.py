@@ -79,8 +79,11 @@ def test_multiple_choice_cached_equals_no_cache_and_a_second_run_computes_nothin
     acc = sum(max(range(len(w)), key=w.__getitem__) == y for (_, w), y in zip(graded, labels)) / 3
     norm = [[x / len(c) for x, c in zip(w, r["choices"])] for r, w in graded]
     acc_norm = sum(max(range(len(n)), key=n.__getitem__) == y for n, y in zip(norm, labels)) / 3
+    per_byte = [[x / len(c.encode()) for x, c in zip(w, r["choices"])] for r, w in graded]
+    acc_bytes = sum(max(range(len(n)), key=n.__getitem__) == y for n, y in zip(per_byte, labels)) / 3
     for summary in (cold, warm, ref):
         assert summary["acc"] == round(acc, 4) and summary["acc_norm"] == round(acc_norm, 4)
+        assert summary["acc_bytes"] == round(acc_bytes, 4)
     assert per_row["cold"][1]["label"] == 0 and per_row["cold"][3]["label"] is None
     assert "correct" not in per_row["cold"][3]
     # cold: rows a and b share a document, stored once and loaded by both prompts, which compute only
