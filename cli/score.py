@@ -142,13 +142,15 @@ def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict
             labels.append(f"{row.where}" + (f" choice {j}" if mode == "choices" else ""))
             owner.append(n)
     documents = _shared_documents(kw["template"], rows, common["store"])
+    head = _head(kw["template"]) or None  # a fixed head (few-shot block): stored once for every prompt
     built = 0
     with progress_bar(len(conts), "score", kw["quiet"], unit="opt", rate="tok") as bar:
         with _corrupt_entries_as_warnings(bar):
             if documents:  # several prompts per document: store each document once, every prompt loads it
-                built = adapter.generate_kv_cache(documents, common["store"], truncate=kw["truncate"]).tokens
+                report = adapter.generate_kv_cache(documents, common["store"], truncate=kw["truncate"], prefix=head)
+                built = report.tokens
             result = adapter.score(
-                contexts, conts, labels=labels, progress=bar, truncate=kw["truncate"], **common
+                contexts, conts, labels=labels, progress=bar, truncate=kw["truncate"], prefix=head, **common
             )  # fmt: skip
     per_row: list[list] = [[] for _ in rows]
     for i, scored in enumerate(result.rows):
@@ -188,19 +190,25 @@ def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict
     return out, summary | counts
 
 
+def _head(template: str | None) -> str | None:
+    """The template's fixed text before ``{context}`` (e.g. a few-shot block; ``""`` for none),
+    or None when it has no ``{context}`` or puts the question before it."""
+    text = template if template is not None else DEFAULT_TEMPLATE
+    if "{context}" not in text:
+        return None
+    head = text.split("{context}", 1)[0]
+    return None if "{question}" in head else head.format()
+
+
 def _shared_documents(template: str | None, rows, store) -> list[str]:
     """The documents (the prompt up to the end of ``{context}``) that begin more than one distinct
     prompt, when the prompt puts the question after the context and the store can be written.
     Stored first, each ends a chain the longer prompts continue (the store cuts their chains
     where a stored shorter context ends), so every question loads the whole document; else each
     question after the first would recompute the document's last, partial chunk."""
-    text = template if template is not None else DEFAULT_TEMPLATE
-    if store is None or store.readonly or "{context}" not in text:
+    head = _head(template)
+    if store is None or store.readonly or head is None:
         return []
-    head = text.split("{context}", 1)[0]
-    if "{question}" in head:
-        return []
-    head = head.format()
     prompts: dict[str, set[str]] = {}
     for row in rows:
         if row.question is not None or template is not None:

@@ -192,3 +192,20 @@ def test_bad_template_is_a_usage_error(tiny_neox_dir, tmp_path, capsys):
     data = _write(tmp_path / "mc.jsonl", ROWS[:1])
     code, _, err = run_main(capsys, "score", data, "-m", tiny_neox_dir, "--template", "{document}", "-q")
     assert code == 2 and "--template" in err and "document" in err
+
+
+def test_a_fixed_head_in_the_template_is_stored_once(tiny_llama_dir, tmp_path):
+    """Text before {context} in --template (a few-shot block) is the prompts' shared prefix: the
+    second document's prompt loads it from the store instead of computing it."""
+    head = "Answer with a word from the text. Example: The sky is blue. Question: What is blue? Answer: sky\n\n"
+    rows = [{"id": "a", "context": DOCS[0], "question": "Who?", "choices": ["fox", "dog"], "label": 0},
+            {"id": "b", "context": DOCS[1], "question": "Who?", "choices": ["Anna", "Tom"], "label": 0}]  # fmt: skip
+    data = _write(tmp_path / "mc.jsonl", rows)
+    out = tmp_path / "p.jsonl"
+    template = head.replace("{", "{{").replace("}", "}}") + "{context}\nQuestion: {question}\nAnswer:"
+    args = ["score", data, "-m", tiny_llama_dir, "--store", tmp_path / "s", "--template", template, "-b", "2"]
+    _json(_run(*args, "--format", "json", "-q", "-o", out))
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    n_head = len(Adapter.from_pretrained(str(tiny_llama_dir)).encode_context(head))
+    first, second = sorted(r["cached_tokens"] for r in got)  # shorter prompts run first
+    assert first == 0 and n_head - 2 <= second <= n_head
