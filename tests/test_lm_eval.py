@@ -222,3 +222,19 @@ def test_chat_template_prompts_match_hf(tiny_llama_dir, tmp_path, task_manager, 
     assert_same(ref, got, tasks)
     assert ref["samples"]["kv_tiny_gen"][0]["arguments"][0][0].startswith("<s>")
     lm.close()
+
+
+def test_generation_second_run_computes_no_context(tiny_neox_dir, tmp_path, task_manager):
+    """Generation alone: the cold run computes (and stores) every prompt's context, the warm run
+    reads all of them back and computes none."""
+    store = tmp_path / "store"
+    cold = _kvstore(tiny_neox_dir, store)
+    first = _evaluate(cold, task_manager, tasks=["kv_tiny_gen"])
+    assert cold.context_tokens_computed > 0 and cold.context_tokens_loaded == 0
+    cold.close()
+    warm = _kvstore(tiny_neox_dir, store)
+    second = _evaluate(warm, task_manager, tasks=["kv_tiny_gen"])
+    assert warm.context_tokens_computed == 0
+    assert warm.context_tokens_loaded == cold.context_tokens_computed
+    assert_same(first, second, ["kv_tiny_gen"])
+    warm.close()
