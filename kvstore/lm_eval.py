@@ -27,8 +27,9 @@ same truncation, same text post-processing):
   text is cut at the first stop string, as ``hf`` cuts it.
 
 :attr:`KVStoreLM.context_tokens_computed` counts context tokens run through the model, summed
-over calls (:meth:`KVStoreLM.reset_counters` zeroes it): a second run over the same task
-with the same store computes none.
+over calls, and :attr:`KVStoreLM.context_tokens_loaded` the context tokens each request found in
+the store, summed over requests (:meth:`KVStoreLM.reset_counters` zeroes both): a second run over
+the same task with the same store computes none.
 """
 
 from __future__ import annotations
