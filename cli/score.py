@@ -143,10 +143,12 @@ def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict
             owner.append(n)
     documents = _shared_documents(kw["template"], rows, common["store"])
     head = _head(kw["template"]) or None  # a fixed head (few-shot block): stored once for every prompt
+    if head and common["store"] is not None and not common["store"].readonly:
+        documents.insert(0, head)  # stored before any prompt runs, so that every prompt finds it
     built = 0
     with progress_bar(len(conts), "score", kw["quiet"], unit="opt", rate="tok") as bar:
         with _corrupt_entries_as_warnings(bar):
-            if documents:  # several prompts per document: store each document once, every prompt loads it
+            if documents:  # the head, and documents that begin several prompts: stored once, loaded by each
                 report = adapter.generate_kv_cache(documents, common["store"], truncate=kw["truncate"], prefix=head)
                 built = report.tokens
             result = adapter.score(

@@ -195,8 +195,8 @@ def test_bad_template_is_a_usage_error(tiny_neox_dir, tmp_path, capsys):
 
 
 def test_a_fixed_head_in_the_template_is_stored_once(tiny_llama_dir, tmp_path):
-    """Text before {context} in --template (a few-shot block) is the prompts' shared prefix: the
-    second document's prompt loads it from the store instead of computing it."""
+    """Text before {context} in --template (a few-shot block) is the prompts' shared prefix: stored
+    once before the prompts run, then loaded by every prompt instead of computed."""
     head = "Answer with a word from the text. Example: The sky is blue. Question: What is blue? Answer: sky\n\n"
     rows = [{"id": "a", "context": DOCS[0], "question": "Who?", "choices": ["fox", "dog"], "label": 0},
             {"id": "b", "context": DOCS[1], "question": "Who?", "choices": ["Anna", "Tom"], "label": 0}]  # fmt: skip
@@ -207,5 +207,4 @@ def test_a_fixed_head_in_the_template_is_stored_once(tiny_llama_dir, tmp_path):
     _json(_run(*args, "--format", "json", "-q", "-o", out))
     got = [json.loads(x) for x in out.read_text().splitlines()]
     n_head = len(Adapter.from_pretrained(str(tiny_llama_dir)).encode_context(head))
-    first, second = sorted(r["cached_tokens"] for r in got)  # shorter prompts run first
-    assert first == 0 and n_head - 2 <= second <= n_head
+    assert [n_head - 2 <= r["cached_tokens"] <= n_head for r in got] == [True, True]  # stored first, then loaded
