@@ -134,8 +134,9 @@ class KVStoreLM(TemplateLM):
     * ``dtype`` (default float32, kvstore's exact setting; ``auto`` = the config's), ``device``
       (default, and for a ``cuda:N`` that does not exist: CUDA when available, else CPU, as ``hf``
       picks it), ``attn_implementation``;
-    * ``batch_size`` (an integer; ``auto`` means 8), ``max_length`` (default: the model's
-      positions, as ``hf`` resolves it), ``max_gen_toks`` (default 256);
+    * ``batch_size`` (an integer; ``auto`` means 8, or ``max_batch_size`` if smaller),
+      ``max_length`` (default: the model's positions, as ``hf`` resolves it), ``max_gen_toks``
+      (default 256);
     * ``add_bos_token``, ``prefix_token_id``: as for ``hf``.
 
     Raises :class:`~kvstore.errors.ModelError` for an unknown model arg or a bad value.
@@ -168,30 +169,34 @@ class KVStoreLM(TemplateLM):
                 "batch_size, max_length, max_gen_toks, use_cache, readonly, codec, chunk_tokens, attn_implementation, "
                 "add_bos_token, prefix_token_id"
             )
+        # every argument is checked before the (slow) model load
+        self.use_cache = _bool(use_cache, "use_cache")
+        ro = _bool(readonly, "readonly")
+        ct = _optional_int(chunk_tokens, "chunk_tokens")
+        if batch_size is None or str(batch_size).strip().lower().startswith("auto"):
+            # no probing: a fixed size, capped by max_batch_size as lm-eval caps its probe
+            self._batch_size = min(DEFAULT_BATCH_SIZE, int(max_batch_size)) if max_batch_size else DEFAULT_BATCH_SIZE
+        else:
+            self._batch_size = _optional_int(batch_size, "batch_size") or DEFAULT_BATCH_SIZE
+        self._max_length = _optional_int(max_length, "max_length")
+        self._max_gen_toks = _optional_int(max_gen_toks, "max_gen_toks") or DEFAULT_MAX_GEN_TOKS
+        self.add_bos_token = None if add_bos_token is None else _bool(add_bos_token, "add_bos_token")
+        self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
         name = None if pretrained in (None, "", "default") else str(pretrained)
         self.adapter = Adapter.from_pretrained(
             name, dtype=dtype, device=_device(device), attn_implementation=attn_implementation
         )
         self.tokenizer = self.adapter.tokenizer
-        self.use_cache = _bool(use_cache, "use_cache")
         self.store: KVStore | None = None
         if self.use_cache:
-            ro = _bool(readonly, "readonly")
-            ct = _optional_int(chunk_tokens, "chunk_tokens")
-            self.store = KVStore(store, readonly=ro, codec=codec) if ro else KVStore(
+            self.store = KVStore(store, readonly=True, codec=codec) if ro else KVStore(
                 store, codec=codec, chunk_tokens=ct
             )  # fmt: skip
-            self.adapter.check_supported(self.store)
-        if batch_size is None or str(batch_size).strip().lower().startswith("auto"):
-            self._batch_size = DEFAULT_BATCH_SIZE
-        else:
-            self._batch_size = _optional_int(batch_size, "batch_size") or DEFAULT_BATCH_SIZE
-        if max_batch_size is not None:
-            self._batch_size = min(self._batch_size, int(max_batch_size))
-        self._max_length = _optional_int(max_length, "max_length")
-        self._max_gen_toks = _optional_int(max_gen_toks, "max_gen_toks") or DEFAULT_MAX_GEN_TOKS
-        self.add_bos_token = None if add_bos_token is None else _bool(add_bos_token, "add_bos_token")
-        self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
+            try:
+                self.adapter.check_supported(self.store)
+            except BaseException:
+                self.store.close()
+                raise
         self._device = self.adapter.device
         self.context_tokens_computed = 0
         self.context_tokens_loaded = 0

@@ -238,3 +238,15 @@ def test_generation_second_run_computes_no_context(tiny_neox_dir, tmp_path, task
     assert warm.context_tokens_loaded == cold.context_tokens_computed
     assert_same(first, second, ["kv_tiny_gen"])
     warm.close()
+
+
+def test_bad_model_arg_is_refused_before_loading(tmp_path):
+    from kvstore.errors import ModelError
+    from kvstore.lm_eval import KVStoreLM
+
+    # the model path does not exist: the argument error comes first, without loading anything
+    with pytest.raises(ModelError, match="batch_size='zero' is not an integer"):
+        KVStoreLM(pretrained=str(tmp_path / "no-model"), store=str(tmp_path / "store"), batch_size="zero")
+    with pytest.raises(ModelError, match="use_cache='maybe' is not a boolean"):
+        KVStoreLM(pretrained=str(tmp_path / "no-model"), use_cache="maybe")
+    assert not (tmp_path / "store").exists()
