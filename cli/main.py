@@ -21,6 +21,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "sample",
         "Answer a dataset's questions with greedy decoding from stored caches.",
     ),
+    "score": (
+        "kvstore.cli.score",
+        "score",
+        "Multiple-choice accuracy (acc, acc_norm) or reference perplexity, from stored contexts.",
+    ),
     "ls": ("kvstore.cli.manage", "ls", "List the contexts (or chunks) of a store."),
     "stats": ("kvstore.cli.manage", "stats", "Totals of a store per model, dtype and codec; dedupe."),
     "verify": ("kvstore.cli.manage", "verify", "Check every entry's checksum and structure, and every chain."),
@@ -34,6 +39,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "Import KV caches written by the llminference research code.",
     ),
     "sync": ("kvstore.cli.transfer", "sync", "Copy what one store lacks from another (any backends, e.g. to S3)."),
+    "lm-eval": (
+        "kvstore.cli.lmeval",
+        "lm_eval_command",
+        "Run lm-evaluation-harness with the `kvstore` model registered (needs kvstore[eval]).",
+    ),
 }
 
 

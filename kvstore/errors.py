@@ -74,6 +74,10 @@ class DatasetError(KVStoreError, ValueError):
     """A dataset file is unreadable or a row is malformed; the message names file and line."""
 
 
+class RequestError(KVStoreError, ValueError):
+    """An evaluation request kvstore cannot serve as asked (e.g. sampling from a greedy decoder)."""
+
+
 class CorruptEntryWarning(UserWarning):
     """A stored entry failed verification on load and was treated as a miss."""
 

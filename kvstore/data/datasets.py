@@ -199,7 +199,7 @@ def load_dataset(
 def _example(record: dict, fields: Fields, default_id: str, require_question: bool) -> Example:
     context = record.get(fields.context)
     if context is None:
-        raise _missing(record, fields.context, "--context-field")
+        raise missing_field(record, fields.context, "--context-field")
     if not isinstance(context, str):
         raise BadRow(f"field {fields.context!r} must be a string, got {type_name(context)}")
     if not context.strip():
@@ -213,12 +213,12 @@ def _example(record: dict, fields: Fields, default_id: str, require_question: bo
         if question is None and require_question:
             raise BadRow(f"empty question in field {fields.question!r}")
     elif require_question:
-        raise _missing(record, fields.question, "--question-field")
+        raise missing_field(record, fields.question, "--question-field")
 
     raw_answers = record.get(fields.answers)
     if raw_answers is None:
         if require_question:
-            raise _missing(record, fields.answers, "--answers-field")
+            raise missing_field(record, fields.answers, "--answers-field")
         answers: tuple[str, ...] = ()
     else:
         answers = _answers(raw_answers, fields.answers)
@@ -254,7 +254,7 @@ def _answers(value: Any, field: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(text for text in texts if text))
 
 
-def _missing(record: dict, field: str, option: str) -> BadRow:
+def missing_field(record: dict, field: str, option: str) -> BadRow:
     present = [str(key) for key, value in record.items() if value is not None]
     if len(present) > 8:
         present[8:] = ["..."]

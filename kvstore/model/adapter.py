@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from kvstore import dtypes
 from kvstore.errors import ContextTooLongError, ModelError
-from kvstore.model import build, chains, decode, families, forward
+from kvstore.model import build, chains, decode, families, forward, scoring
 from kvstore.model.build import BuildReport
 from kvstore.model.cache import KVShape, LayerKV
 from kvstore.model.chains import ContextPlan
@@ -23,6 +23,7 @@ from kvstore.model.decode import SampleResult
 from kvstore.model.identity import model_fingerprint
 from kvstore.model.layout import CacheLayout, cache_layout
 from kvstore.model.rope import rotary_of, rotary_refusal
+from kvstore.model.scoring import GenerationContext, RollingResult, RollingResults, ScoreResult
 from kvstore.progress import Progress
 from kvstore.store.codecs.prerope import Rotary, needs_rotary
 from kvstore.store.entry import Entry
@@ -403,6 +404,89 @@ class Adapter:
         )  # fmt: skip
         return result if return_details else result.tokens
 
+    def score(
+        self,
+        contexts: Sequence[TextOrIds],
+        continuations: Sequence[TextOrIds],
+        *,
+        store: KVStore | None = None,
+        use_cache: bool = True,
+        batch_size: int = 8,
+        special_tokens: bool = True,
+        prefix: TextOrIds | None = None,
+        token_logprobs: bool = False,
+        max_batch_tokens: int | None = None,
+        progress: Progress | None = None,
+        labels: Sequence[str] | None = None,
+        generation_context: GenerationContext | None = None,
+        truncate: bool = False,
+    ) -> ScoreResult:
+        """Log-likelihood of ``continuations[i]`` given ``contexts[i]``: per row the sum of the
+        continuation tokens' log-probabilities, whether greedy decoding would have produced it,
+        and (``token_logprobs``) each token's log-probability (:class:`ScoreResult`).
+
+        Contexts and continuations are text or token ids, split as lm-eval's ``hf`` model splits
+        them (:func:`kvstore.model.scoring.encode_pair`: ids as given; for text, whitespace ending
+        the context moves to the continuation, whose ids are those of context + continuation past
+        the context's; an empty context is scored from the BOS, or EOS, token).
+
+        ``use_cache=True`` loads each distinct context's longest stored prefix from ``store`` once
+        per batch for every continuation of it, computes and stores the rest (``prefix``,
+        ``special_tokens``: as for :meth:`generate_kv_cache`, so the keys match); ``use_cache=False``
+        is the reference: context + continuation through the model in one forward. Both agree to
+        rounding (float64 1e-10, float32 1e-4 in the tests). Rows run in batches of up to
+        ``batch_size`` rows and ``max_batch_tokens`` padded tokens, the continuations of one
+        context together; a batch that runs out of memory runs again as two halves.
+        ``generation_context(model)``, if given, is entered around the
+        continuation forwards only (with the cache; the reference has one forward for both).
+
+        Raises DatasetError (naming the row with ``labels``) for an empty continuation,
+        ContextTooLongError when context + continuation exceed the model's positions (unless
+        ``truncate``, which drops the context's first tokens as lm-eval does), ModelError for a
+        model whose cache kvstore cannot reuse exactly (windowed and state models: with
+        ``use_cache=False`` only).
+        """
+        return scoring.score(
+            self, contexts, continuations, store=store, use_cache=use_cache, batch_size=batch_size,
+            special_tokens=special_tokens, prefix=prefix, token_logprobs=token_logprobs,
+            max_batch_tokens=max_batch_tokens, progress=progress, labels=labels,
+            generation_context=generation_context, truncate=truncate,
+        )  # fmt: skip
+
+    def score_rolling(
+        self,
+        texts: Sequence[TextOrIds],
+        *,
+        store: KVStore | None = None,
+        use_cache: bool = True,
+        max_length: int | None = None,
+        token_logprobs: bool = False,
+        batch_size: int = 8,
+        max_batch_tokens: int | None = None,
+        progress: Progress | None = None,
+        generation_context: GenerationContext | None = None,
+        store_documents: bool = True,
+    ) -> RollingResults:
+        """Log-likelihood of whole documents, as lm-eval's ``loglikelihood_rolling`` computes it:
+        text encoded without special tokens, the first token scored from the BOS (or EOS) token,
+        documents longer than ``max_length`` (default: the model's positions) in lm-eval's windows
+        (:func:`kvstore.model.scoring.rolling_windows`). A list of one :class:`RollingResult` per
+        document (perplexity, bits per token and, for text, bits per character) that also carries
+        the run's ``prefill_tokens_computed`` and ``prefill_tokens_saved``.
+
+        With the cache, each window's context (the prefix token; a last short window's overlap) is
+        loaded from or stored in ``store``, so a second run computes no context token; every scored
+        token is computed on every run (its log-probability needs the hidden state at its
+        position, which stored keys and values do not give). With ``store_documents`` the keys and
+        values that forward computed for a document's first window (``[BOS or EOS] + document``)
+        are stored as a chain too, at no extra compute, for later requests whose context starts
+        with it."""
+        return scoring.score_rolling(
+            self, texts, store=store, use_cache=use_cache, max_length=max_length, token_logprobs=token_logprobs,
+            batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress,
+            generation_context=generation_context, store_documents=store_documents,
+        )  # fmt: skip
+
     def decode(self, tokens: torch.Tensor | Sequence[int]) -> str:
         """Text of one row of generated ids, up to (not including) its first EOS."""
         ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
@@ -413,4 +497,4 @@ class Adapter:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-__all__ = ["Adapter", "BuildReport", "SampleResult", "TextOrIds"]
+__all__ = ["Adapter", "BuildReport", "RollingResult", "SampleResult", "ScoreResult", "TextOrIds"]

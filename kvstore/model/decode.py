@@ -273,6 +273,42 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, 
     T = P + Q + N
     dev = adapter.device
     pre = ahead if ahead is not None else load_batch(adapter, plans, q_ids, N, store, stop)
+    computed = complete(adapter, plans, pre, store, writer)
+    bufs, loaded, codecs = pre.bufs, pre.loaded, pre.codecs
+    cache = PreallocatedCache(bufs, P)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    pos = torch.empty((B, Q), dtype=torch.long)
+    input_ids = torch.full((B, Q), adapter.pad_id, dtype=torch.long)
+    for r in range(B):
+        c, q = c_len[r], q_len[r]
+        mask[r, P - c : P] = 1
+        mask[r, P + Q - q : P + Q] = 1
+        pos[r] = c  # pad slots: any in-range position, they are masked
+        pos[r, Q - q :] = torch.arange(c, c + q)
+        input_ids[r, Q - q :] = torch.as_tensor(q_ids[r], dtype=torch.long)
+    mask[:, P + Q :] = 1
+    mask = mask.to(dev)
+    out = adapter.model(
+        input_ids=input_ids.to(dev),
+        attention_mask=mask[:, : P + Q],
+        position_ids=pos.to(dev),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    next_pos = torch.tensor([c + q for c, q in zip(c_len, q_len)], device=dev)
+    step = _fixed_steps(adapter, bufs, mask, P + Q, next_pos, stop)
+    tokens, scores = greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop, return_scores, step)
+    return tokens, scores, [loaded[p.key] for p in plans], computed, [codec_label(codecs[p.key]) for p in plans]
+
+
+def complete(adapter: Adapter, plans, pre: Loaded, store, writer) -> int:
+    """The second half of loading a batch: compute what :func:`load_batch` did not find (a whole
+    context by a prefill, the rest of a partly stored one on top of its prefix), write it into its
+    row and hand it to ``writer``; then zero the pad slots and copy each context into the other
+    rows sharing it. Returns the context tokens computed."""
+    c_len = [p.n_tokens for p in plans]
+    P = max(c_len)
     bufs, rows_of, loaded, codecs = pre.bufs, pre.rows_of, pre.loaded, pre.codecs
     lossy = store is not None and not store.codec.lossless
     missing = [k for k in rows_of if loaded[k] == 0]
@@ -309,32 +345,7 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, 
                     writer.put_chunks(adapter, plans[r0], layers, depth, loaded[k])
             codecs[k].append(store.codec.spec)
     _fill_pads_and_repeats(bufs, rows_of, c_len, P)
-    cache = PreallocatedCache(bufs, P)
-    mask = torch.zeros((B, T), dtype=torch.long)
-    pos = torch.empty((B, Q), dtype=torch.long)
-    input_ids = torch.full((B, Q), adapter.pad_id, dtype=torch.long)
-    for r in range(B):
-        c, q = c_len[r], q_len[r]
-        mask[r, P - c : P] = 1
-        mask[r, P + Q - q : P + Q] = 1
-        pos[r] = c  # pad slots: any in-range position, they are masked
-        pos[r, Q - q :] = torch.arange(c, c + q)
-        input_ids[r, Q - q :] = torch.as_tensor(q_ids[r], dtype=torch.long)
-    mask[:, P + Q :] = 1
-    mask = mask.to(dev)
-    out = adapter.model(
-        input_ids=input_ids.to(dev),
-        attention_mask=mask[:, : P + Q],
-        position_ids=pos.to(dev),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    next_pos = torch.tensor([c + q for c, q in zip(c_len, q_len)], device=dev)
-    step = _fixed_steps(adapter, bufs, mask, P + Q, next_pos, stop)
-    tokens, scores = greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop, return_scores, step)
-    computed = sum(c_len[rows_of[k][0]] - loaded[k] for k in rows_of)
-    return tokens, scores, [loaded[p.key] for p in plans], computed, [codec_label(codecs[p.key]) for p in plans]
+    return sum(c_len[rows_of[k][0]] - loaded[k] for k in rows_of)
 
 
 def _fixed_steps(adapter: Adapter, bufs: Buffers, mask, first_slot: int, next_pos, stop: Stop) -> StaticSteps | None:
@@ -398,12 +409,15 @@ def decode_reference(adapter: Adapter, full_ids, N, stop: Stop, return_scores):
 
 
 __all__ = [
+    "Loaded",
     "SampleResult",
     "Stop",
+    "complete",
     "is_out_of_memory",
     "decode_cached",
     "decode_reference",
     "greedy_loop",
     "greedy_sample",
+    "load_batch",
     "row_length",
 ]

@@ -1,0 +1,270 @@
+"""``kvstore score``: multiple-choice accuracy, and the likelihood of reference texts, from stored contexts.
+
+Each row's prompt (its context and question through ``--template``) is scored with every choice
+after it (``--delimiter`` between them, lm-eval's ``target_delimiter``): the options of a row share
+one stored context, loaded or computed once. ``acc`` picks the option with the highest
+log-likelihood, ``acc_norm`` the highest log-likelihood per character of the option's text,
+``acc_bytes`` per UTF-8 byte (lm-eval's definitions). ``--reference`` scores each row's reference
+text instead (perplexity, bits per character); ``--rolling`` the whole context as a document
+(lm-eval's rolling windows).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import click
+
+from kvstore import dtypes
+from kvstore.cli.common import progress_bar, quiet_option, store_option, store_options
+from kvstore.cli.workflow import _corrupt_entries_as_warnings, emit_summary
+
+DEFAULT_TEMPLATE = "{context}\nQuestion: {question}\nAnswer:"
+LN2 = math.log(2)
+
+
+def _prompt(template: str | None, context: str, question: str | None) -> str:
+    if template is None:
+        return DEFAULT_TEMPLATE.format(context=context, question=question) if question else context
+    return template.format(context=context, question=question or "")
+
+
+@click.command()
+@click.argument("dataset")
+@click.option("--context-field", default="context", show_default=True, help="Field holding the context.")
+@click.option("--question-field", default="question", show_default=True, help="Field holding the question (optional).")
+@click.option("--choices-field", default="choices", show_default=True, help="Field holding the options (a list).")
+@click.option("--label-field", default="label", show_default=True, help="Field holding the right option's index.")
+@click.option("--answer-field", default="answer", show_default=True, help="Or: field holding the right option's text.")
+@click.option("--reference-field", default="reference", show_default=True, help="Field holding the reference text.")
+@click.option("--id-field", default="id", show_default=True, help="Field holding the row id (optional).")
+@click.option("--choices-sep", default="|", show_default=True, help="Separator of options in a CSV cell.")
+@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N rows.")
+@click.option(
+    "--reference", "mode", flag_value="reference", help="Score each row's reference text: perplexity, bits per char."
+)
+@click.option(
+    "--rolling", "mode", flag_value="rolling", help="Score each row's context as a whole document (lm-eval rolling)."
+)
+@click.option(
+    "--template",
+    default=None,
+    help="Prompt with {context} and {question} [default: '{context}\\nQuestion: {question}\\nAnswer:' for rows "
+    "with a question, else '{context}'].",
+)
+@click.option(
+    "--delimiter", default=" ", show_default=True, help="Text between the prompt and each option or reference."
+)
+@click.option(
+    "--model", "-m", default=None, help="Hub id, local directory or .gguf file [default: bundled SmolLM2]."
+)  # fmt: skip
+@click.option(
+    "--dtype", default="float32", show_default=True, type=click.Choice(list(dtypes.MODEL_DTYPE_CHOICES)),
+    help="Dtype to run the model (and store KV) in.",
+)  # fmt: skip
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
+@click.option("--batch-size", "-b", default=8, show_default=True, type=click.IntRange(min=1), help="Rows per forward.")
+@click.option(
+    "--max-batch-tokens", type=click.IntRange(min=1), default=None, help="At most this many padded tokens x rows."
+)
+@click.option("--truncate", is_flag=True, help="Drop a too long context's first tokens (lm-eval's rule).")
+@click.option("--no-cache", is_flag=True, help="Reference path: context + option in one forward, ignore the store.")
+@click.option("--readonly-store", is_flag=True, help="Do not store contexts computed for missing entries.")
+@click.option(
+    "--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per row here."
+)
+@store_option
+@quiet_option
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def score(**kw):
+    """Score DATASET's multiple-choice rows (acc, acc_norm) or reference texts from stored contexts.
+
+    DATASET is a .jsonl, .csv or .json file of rows with a context, optionally a question, and
+    choices with a label index or answer text (or, with --reference, a reference text). Missing
+    contexts are computed and stored; --no-cache gives the same scores without the store.
+    """
+    from kvstore.data.choices import load_choice_rows
+    from kvstore.model.adapter import Adapter
+    from kvstore.store.kvstore import KVStore
+
+    mode = kw["mode"] or "choices"
+    if kw["template"] is not None:
+        try:
+            kw["template"].format(context="", question="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise click.BadParameter(
+                f"{kw['template']!r}: {exc!r}; use {{context}} and {{question}} (and {{{{ }}}} for a literal brace)",
+                param_hint="--template",
+            ) from None
+    rows = load_choice_rows(
+        kw["dataset"], context_field=kw["context_field"], question_field=kw["question_field"],
+        choices_field=kw["choices_field"], label_field=kw["label_field"], answer_field=kw["answer_field"],
+        reference_field=kw["reference_field"], id_field=kw["id_field"], reference=mode == "reference",
+        choices_sep=kw["choices_sep"], limit=kw["limit"], need_choices=mode == "choices",
+    )  # fmt: skip
+    if not kw["quiet"]:
+        click.echo(f"kvstore: loading model {kw['model'] or 'SmolLM2-135M-Instruct (bundled)'} ...", err=True)
+    adapter = Adapter.from_pretrained(kw["model"], dtype=kw["dtype"], device=kw["device"])
+    kv = None if kw["no_cache"] else KVStore(kw["store"], readonly=kw["readonly_store"], **store_options())
+    common = dict(store=kv, use_cache=not kw["no_cache"], batch_size=kw["batch_size"],
+                  max_batch_tokens=kw["max_batch_tokens"])  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        if mode == "rolling":
+            out_rows, summary = _rolling(adapter, rows, common, kw["quiet"])
+        else:
+            out_rows, summary = _scored(adapter, rows, mode, common, kw)
+    finally:
+        if kv is not None:
+            kv.close()
+    seconds = time.perf_counter() - t0
+    if kw["output"]:
+        with Path(kw["output"]).open("w", encoding="utf-8") as f:
+            for r in out_rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    head = {"dataset": kw["dataset"], "model": adapter.name, "dtype": adapter.dtype_name, "mode": mode,
+            "cache": "off" if kw["no_cache"] else "on", "rows": len(rows)}  # fmt: skip
+    emit_summary("score", head | summary | {"seconds": round(seconds, 3), "output": kw["output"]}, kw["fmt"])
+
+
+def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict], dict]:
+    """Multiple-choice or reference rows through :meth:`Adapter.score`."""
+    contexts, conts, labels, owner = [], [], [], []
+    for n, row in enumerate(rows):
+        prompt = _prompt(kw["template"], row.context, row.question)
+        texts = row.choices if mode == "choices" else (row.reference,)
+        for j, text in enumerate(texts):
+            contexts.append(prompt)
+            conts.append(kw["delimiter"] + text)
+            labels.append(f"{row.where}" + (f" choice {j}" if mode == "choices" else ""))
+            owner.append(n)
+    documents = _shared_documents(kw["template"], rows, common["store"])
+    head = _head(kw["template"]) or None  # a fixed head (few-shot block): stored once for every prompt
+    if head and common["store"] is not None and not common["store"].readonly:
+        documents.insert(0, head)  # stored before any prompt runs, so that every prompt finds it
+    built = 0
+    with progress_bar(len(conts), "score", kw["quiet"], unit="opt", rate="tok") as bar:
+        with _corrupt_entries_as_warnings(bar):
+            if documents:  # the head, and documents that begin several prompts: stored once, loaded by each
+                report = adapter.generate_kv_cache(documents, common["store"], truncate=kw["truncate"], prefix=head)
+                built = report.tokens
+            result = adapter.score(
+                contexts, conts, labels=labels, progress=bar, truncate=kw["truncate"], prefix=head, **common
+            )  # fmt: skip
+    per_row: list[list] = [[] for _ in rows]
+    for i, scored in enumerate(result.rows):
+        per_row[owner[i]].append((conts[i], scored))
+    computed = result.prefill_tokens_computed + built
+    no_cache_tokens = result.prefill_tokens_computed + result.prefill_tokens_saved
+    counts = {"prefill_tokens_computed": computed, "prefill_tokens_saved": no_cache_tokens - computed}
+    if mode == "reference":
+        return _reference_rows(rows, per_row, kw["delimiter"]), counts | _reference_summary(per_row)
+    out: list[dict] = []
+    hits = {"acc": 0, "acc_norm": 0, "acc_bytes": 0}
+    graded = 0
+    for row, options in zip(rows, per_row):
+        lls = [s.logprob for _, s in options]
+        # lm-eval's normalizations: by the choice's length in characters (acc_norm) and UTF-8 bytes (acc_bytes)
+        per_char = [ll / len(c) for ll, c in zip(lls, row.choices)]
+        per_byte = [ll / len(c.encode("utf-8")) for ll, c in zip(lls, row.choices)]
+        preds = {k: max(range(len(v)), key=v.__getitem__) for k, v in
+                 (("acc", lls), ("acc_norm", per_char), ("acc_bytes", per_byte))}  # fmt: skip
+        item = {"id": row.id, "label": row.label, "prediction": preds["acc"], "prediction_norm": preds["acc_norm"],
+                "prediction_bytes": preds["acc_bytes"]}  # fmt: skip
+        if row.label is not None:
+            graded += 1
+            for k, p in preds.items():
+                hits[k] += p == row.label
+            item |= {"correct": preds["acc"] == row.label, "correct_norm": preds["acc_norm"] == row.label,
+                     "correct_bytes": preds["acc_bytes"] == row.label}  # fmt: skip
+        item["choices"] = [
+            {"text": c, "logprob": s.logprob, "logprob_per_char": pc, "logprob_per_byte": pb, "n_tokens": s.n_tokens,
+             "is_greedy": s.is_greedy}
+            for c, (_, s), pc, pb in zip(row.choices, options, per_char, per_byte)
+        ]  # fmt: skip
+        item["cached_tokens"] = options[0][1].cached_tokens
+        out.append(item)
+    summary: dict[str, int | float | None] = {"options": len(result.rows), "graded": graded}
+    summary |= {k: (round(v / graded, 4) if graded else None) for k, v in hits.items()}
+    return out, summary | counts
+
+
+def _head(template: str | None) -> str | None:
+    """The template's fixed text before ``{context}`` (e.g. a few-shot block; ``""`` for none),
+    or None when it has no ``{context}`` or puts the question before it."""
+    text = template if template is not None else DEFAULT_TEMPLATE
+    if "{context}" not in text:
+        return None
+    head = text.split("{context}", 1)[0]
+    return None if "{question}" in head else head.format()
+
+
+def _shared_documents(template: str | None, rows, store) -> list[str]:
+    """The documents (the prompt up to the end of ``{context}``) that begin more than one distinct
+    prompt, when the prompt puts the question after the context and the store can be written.
+    Stored first, each ends a chain the longer prompts continue (the store cuts their chains
+    where a stored shorter context ends), so every question loads the whole document; else each
+    question after the first would recompute the document's last, partial chunk."""
+    head = _head(template)
+    if store is None or store.readonly or head is None:
+        return []
+    prompts: dict[str, set[str]] = {}
+    for row in rows:
+        if row.question is not None or template is not None:
+            prompts.setdefault(head + row.context, set()).add(_prompt(template, row.context, row.question))
+    return [doc for doc, ps in prompts.items() if len(ps) > 1 and all(p != doc for p in ps)]
+
+
+def _reference_rows(rows, per_row, delimiter: str) -> list[dict]:
+    out = []
+    for row, ((text, s),) in zip(rows, per_row):
+        out.append({
+            "id": row.id, "logprob": s.logprob, "n_tokens": s.n_tokens, "n_chars": len(text),
+            "nll_per_token": -s.logprob / s.n_tokens, "perplexity": math.exp(-s.logprob / s.n_tokens),
+            "bits_per_char": -s.logprob / (len(text) * LN2), "is_greedy": s.is_greedy, "cached_tokens": s.cached_tokens,
+        })  # fmt: skip
+    return out
+
+
+def _reference_summary(per_row) -> dict:
+    """Corpus figures: token- and character-weighted (sums over every row, not means of rows)."""
+    nll = -math.fsum(s.logprob for options in per_row for _, s in options)
+    tokens = sum(s.n_tokens for options in per_row for _, s in options)
+    chars = sum(len(t) for options in per_row for t, _ in options)
+    nbytes = sum(len(t.encode("utf-8")) for options in per_row for t, _ in options)
+    return {
+        "tokens_scored": tokens,
+        "nll_per_token": round(nll / tokens, 6),
+        "perplexity": round(math.exp(nll / tokens), 4),
+        "bits_per_char": round(nll / (chars * LN2), 6),
+        "bits_per_byte": round(nll / (nbytes * LN2), 6),
+    }
+
+
+def _rolling(adapter, rows, common: dict, quiet: bool) -> tuple[list[dict], dict]:
+    """Each row's context as a whole document through :meth:`Adapter.score_rolling`."""
+    texts = [row.context for row in rows]
+    with progress_bar(None, "score", quiet, unit="win", rate="tok") as bar:
+        with _corrupt_entries_as_warnings(bar):
+            docs = adapter.score_rolling(texts, progress=bar, **common)
+    out = [
+        {"id": row.id, "logprob": d.logprob, "n_tokens": d.n_tokens, "n_chars": d.n_chars, "windows": d.windows,
+         "perplexity": d.perplexity, "bits_per_char": d.bits_per_char, "cached_tokens": d.cached_tokens}
+        for row, d in zip(rows, docs)
+    ]  # fmt: skip
+    nll = -math.fsum(d.logprob for d in docs)
+    tokens = sum(d.n_tokens for d in docs)
+    chars = sum(d.n_chars or 0 for d in docs)
+    nbytes = sum(len(t.encode("utf-8")) for t in texts)
+    return out, {
+        "tokens_scored": tokens,
+        "nll_per_token": round(nll / tokens, 6) if tokens else None,
+        "perplexity": round(math.exp(nll / tokens), 4) if tokens else None,
+        "bits_per_char": round(nll / (chars * LN2), 6) if chars else None,
+        "bits_per_byte": round(nll / (nbytes * LN2), 6) if nbytes else None,
+        "prefill_tokens_computed": docs.prefill_tokens_computed,
+        "prefill_tokens_saved": docs.prefill_tokens_saved,
+    }
