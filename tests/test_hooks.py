@@ -191,7 +191,8 @@ def test_error_under_a_hook_is_one_line_naming_it(tmp_path):
     with KVStore(str(tmp_path / "s")) as store:
         adapter.generate_kv_cache(contexts, store)
         before = _store_bytes(store)
-        with pytest.raises(HookError, match=r"generation context 'test_error_under.*broken' failed: RuntimeError: layer exploded") as exc:  # fmt: skip
+        expected = r"generation context 'test_error_under.*broken' failed: RuntimeError: layer exploded"
+        with pytest.raises(HookError, match=expected) as exc:
             _sample(adapter, contexts, questions, store=store, generation_context=broken)
         assert "\n" not in str(exc.value)
         assert _store_bytes(store) == before
