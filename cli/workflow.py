@@ -420,7 +420,7 @@ def sample(**kwargs):
     specs = kwargs.pop("decode_attention")
     stop_strings = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop_strings)
     _check_codec(codec)
-    variants = _check_variants(specs)  # a bad spec fails here, before the model loads
+    variants = _check_variants(specs, compile_steps)  # a bad spec fails here, before the model loads
     data, adapter, prompt = _load_everything(opts, require_question=True)
     dataset = opts.dataset
     examples = data.examples
@@ -522,12 +522,12 @@ def sample(**kwargs):
     sys.stdout.flush()
 
 
-def _check_variants(specs: tuple[str, ...]) -> list[str]:
+def _check_variants(specs: tuple[str, ...], compile_steps: bool) -> list[str]:
     """The ``--decode-attention`` values, each checked (HookError: one line); none: a plain run."""
-    from kvstore.model.hooks import variants
+    from kvstore.model.hooks import check_steps, variants
 
     if specs:
-        variants(list(specs))
+        check_steps(variants(list(specs)), "compiled" if compile_steps else "dynamic")
     return list(specs)
 
 

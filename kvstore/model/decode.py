@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.errors import ContextTooLongError, HookError, ModelError
+from kvstore.errors import ContextTooLongError, ModelError
 from kvstore.model import chains, contexts, hooks
 from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
@@ -152,11 +152,7 @@ def sample_variants(
         raise ValueError("no variant to answer with")
     hooked = any(not v.dense for v in variants)
     split = hooked or len(variants) > 1  # the reference prefills contexts apart from the answers
-    if hooked and steps != "dynamic":
-        raise HookError(
-            f"generation contexts and decode attention ({', '.join(v.name for v in variants if not v.dense)}) "
-            "run eager decode steps; drop compile / --compile"
-        )
+    hooks.check_steps(variants, steps)
     if split and not adapter.layout.dense:
         raise ModelError(
             f"{adapter.name}: generation contexts, decode attention and variant sweeps are for models whose every "

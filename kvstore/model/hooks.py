@@ -166,6 +166,17 @@ def hook_variant(generation_context: GenerationContext | None, decode_attention:
     return Variant(f"{name}+{att.name}", both)
 
 
+def check_steps(chosen: Sequence[Variant], steps: str) -> None:
+    """HookError (one line) when a variant with a generation context would run fixed-shape or
+    compiled decode steps (``steps`` other than ``dynamic``): hooks run eager steps only."""
+    hooked = [v.name for v in chosen if not v.dense]
+    if hooked and steps != "dynamic":
+        raise HookError(
+            f"generation contexts and decode attention ({', '.join(hooked)}) run eager decode steps; drop compile / "
+            "--compile"
+        )
+
+
 @contextlib.contextmanager
 def running(v: Variant, model: torch.nn.Module) -> Iterator[None]:
     """Enter ``v``'s generation context on ``model`` (nothing for a dense variant). An exception
@@ -199,6 +210,7 @@ __all__ = [
     "GenerationContext",
     "Variant",
     "attention_context",
+    "check_steps",
     "dense_attn_implementation",
     "hook_variant",
     "register",
