@@ -269,7 +269,7 @@ def test_sweep_loads_once_and_leaves_context_slots_alone(tmp_path, monkeypatch):
     adapter = _adapter()
     contexts, questions = _rows()
     loads, prefills, checked = [], [], []
-    real_load, real_prefill, real_answer = decode.load_batch, forward.prefill, decode._answer
+    real_load, real_prefill, real_answer = decode.load_batch, forward.prefill, decode.answer
 
     def load_batch(*a, **k):
         loads.append(1)
@@ -289,7 +289,7 @@ def test_sweep_loads_once_and_leaves_context_slots_alone(tmp_path, monkeypatch):
 
     monkeypatch.setattr(decode, "load_batch", load_batch)
     monkeypatch.setattr(decode, "prefill", prefill)
-    monkeypatch.setattr(decode, "_answer", answer)
+    monkeypatch.setattr(decode, "answer", answer)
     monkeypatch.setattr(decode, "LOAD_AHEAD", False)
     with KVStore(str(tmp_path / "s")) as store:
         adapter.generate_kv_cache(contexts, store)

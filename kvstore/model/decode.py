@@ -38,12 +38,13 @@ import torch
 
 from kvstore.errors import ContextTooLongError, ModelError
 from kvstore.model import chains, contexts, hooks
+from kvstore.model.answers import answer, fixed_steps, reference_split
 from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
 from kvstore.model.forward import Stop, batches, greedy_loop, is_out_of_memory, prefill, row_length
 from kvstore.model.hooks import GenerationContext, Variant
 from kvstore.model.staging import Staging
-from kvstore.model.static import StaticSteps, bucket_slots
+from kvstore.model.static import bucket_slots
 from kvstore.model.writer import Writer
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
@@ -210,7 +211,7 @@ def sample_variants(
                     stop, return_scores, ahead, variants,
                 )  # fmt: skip
             elif split:
-                answers = decode_reference_split(
+                answers = reference_split(
                     adapter, [c_ids[i] for i in rows], [q_ids[i] for i in rows], num_new_tokens, stop, return_scores,
                     variants,
                 )  # fmt: skip
@@ -386,59 +387,9 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, 
             codecs[k].append(store.codec.spec)
     _fill_pads_and_repeats(bufs, rows_of, c_len, P)
     spans = [(P - c, P) for c in c_len]
-    answers = [_answer(adapter, bufs, spans, P, q_ids, N, stop, return_scores, v) for v in variants]
+    answers = [answer(adapter, bufs, spans, P, q_ids, N, stop, return_scores, v) for v in variants]
     computed = sum(c_len[rows_of[k][0]] - loaded[k] for k in rows_of)
     return answers, [loaded[p.key] for p in plans], computed, [codec_label(codecs[p.key]) for p in plans]
-
-
-def _answer(adapter: Adapter, bufs: Buffers, spans: Sequence[tuple[int, int]], P: int, q_ids, N, stop: Stop,
-            return_scores, variant: Variant):  # fmt: skip
-    """Answer a batch whose row ``r`` has its context in slots ``spans[r]`` (all before ``P``):
-    the questions left-padded into slots ``P .. P + Q``, then the greedy loop, all under
-    ``variant``'s generation context. Writes only slots from ``P`` on. Returns ``(tokens, scores,
-    seconds)``."""
-    t0 = time.perf_counter()
-    B = len(q_ids)
-    q_len = [len(q) for q in q_ids]
-    c_len = [b - a for a, b in spans]
-    Q = max(q_len)
-    T = P + Q + N
-    dev = adapter.device
-    cache = PreallocatedCache(bufs, P)
-    mask = torch.zeros((B, T), dtype=torch.long)
-    pos = torch.empty((B, Q), dtype=torch.long)
-    input_ids = torch.full((B, Q), adapter.pad_id, dtype=torch.long)
-    for r in range(B):
-        (a, b), c, q = spans[r], c_len[r], q_len[r]
-        mask[r, a:b] = 1
-        mask[r, P + Q - q : P + Q] = 1
-        pos[r] = c  # pad slots: any in-range position, they are masked
-        pos[r, Q - q :] = torch.arange(c, c + q)
-        input_ids[r, Q - q :] = torch.as_tensor(q_ids[r], dtype=torch.long)
-    mask[:, P + Q :] = 1
-    mask = mask.to(dev)
-    next_pos = torch.tensor([c + q for c, q in zip(c_len, q_len)], device=dev)
-    with hooks.running(variant, adapter.model):
-        out = adapter.model(
-            input_ids=input_ids.to(dev),
-            attention_mask=mask[:, : P + Q],
-            position_ids=pos.to(dev),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        step = _fixed_steps(adapter, bufs, mask, P + Q, next_pos, stop)
-        tokens, scores = greedy_loop(
-            adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop, return_scores, step
-        )
-    return tokens, scores, time.perf_counter() - t0
-
-
-def _fixed_steps(adapter: Adapter, bufs: Buffers, mask, first_slot: int, next_pos, stop: Stop) -> StaticSteps | None:
-    """The fixed-shape step callback for ``greedy_loop`` (None: eager steps)."""
-    if stop.steps == "dynamic":
-        return None
-    return StaticSteps(adapter, bufs, mask, first_slot, next_pos, compiled=stop.steps == "compiled")
 
 
 def codec_label(specs: Sequence[str]) -> str | None:
@@ -490,41 +441,8 @@ def decode_reference(adapter: Adapter, full_ids, N, stop: Stop, return_scores):
         logits_to_keep=torch.tensor([[n - 1] for n in lens], device=dev),
     )
     next_pos = torch.tensor(lens, device=dev)
-    step = _fixed_steps(adapter, bufs, mask, L, next_pos, stop)
+    step = fixed_steps(adapter, bufs, mask, L, next_pos, stop)
     return greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, L, N, stop, return_scores, step)
-
-
-@torch.inference_mode()
-def decode_reference_split(adapter: Adapter, c_ids, q_ids, N, stop: Stop, return_scores, variants: Sequence[Variant]):
-    """The reference under generation contexts: the batch's contexts prefilled densely together
-    (right-padded, outside every hook), then each variant answers on top of them
-    (:func:`_answer`). Returns ``(tokens, scores, seconds)`` per variant."""
-    B = len(c_ids)
-    c_len = [len(c) for c in c_ids]
-    L, Q = max(c_len), max(len(q) for q in q_ids)
-    if Q == 0:
-        raise ValueError("every question needs at least one token")
-    dev = adapter.device
-    bufs = new_buffers(adapter.kv_shapes(), B, bucket_slots(L + Q + N, stop.steps != "dynamic"), adapter.dtype, dev)
-    input_ids = torch.full((B, L), adapter.pad_id, dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for r, ids in enumerate(c_ids):
-        input_ids[r, : c_len[r]] = torch.as_tensor(ids, dtype=torch.long)
-        mask[r, : c_len[r]] = 1
-    adapter.model(
-        input_ids=input_ids.to(dev),
-        attention_mask=mask.to(dev),
-        position_ids=torch.arange(L, device=dev).expand(B, L),
-        past_key_values=PreallocatedCache(bufs, 0),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    for kb, vb in bufs:  # pad slots: masked, zeroed like the cached layout's
-        for r, c in enumerate(c_len):
-            kb[r, :, c:L].zero_()
-            vb[r, :, c:L].zero_()
-    spans = [(0, c) for c in c_len]
-    return [_answer(adapter, bufs, spans, L, q_ids, N, stop, return_scores, v) for v in variants]
 
 
 __all__ = [
@@ -533,7 +451,6 @@ __all__ = [
     "is_out_of_memory",
     "decode_cached",
     "decode_reference",
-    "decode_reference_split",
     "greedy_loop",
     "greedy_sample",
     "sample_variants",
