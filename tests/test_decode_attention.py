@@ -238,3 +238,26 @@ def test_float32_and_bfloat16_models_run():
         got = _sample(adapter, contexts, questions, use_cache=False, decode_attention="topk:64")
         tol = 1e-4 if dtype == torch.float32 else 0.5
         assert _max_diff(got, dense) < tol
+
+
+def test_two_functions_of_one_name_each_run_their_own():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def make(fn):
+        def attention(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return attention
+
+    first, second = make(sdpa_attention_forward), make(sparse.topk_attention(1))
+    assert first.__qualname__ == second.__qualname__
+    ctx_first, ctx_second = attention_context(first), attention_context(second)  # both made before either runs
+    adapter = _adapter()
+    contexts, questions = _rows()
+    dense = _sample(adapter, contexts, questions, use_cache=False)
+    one = _sample(adapter, contexts, questions, use_cache=False, decode_attention="topk:1")
+    assert torch.equal(_sample(adapter, contexts, questions, use_cache=False, generation_context=ctx_first).tokens,
+                       dense.tokens)  # fmt: skip
+    assert torch.equal(_sample(adapter, contexts, questions, use_cache=False, generation_context=ctx_second).tokens,
+                       one.tokens)  # fmt: skip
+    assert not torch.equal(one.tokens, dense.tokens)

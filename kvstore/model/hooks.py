@@ -92,10 +92,11 @@ def attention_context(spec_or_fn: str | sparse.AttentionFunction) -> GenerationC
         label = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
     if fn is None:
         return lambda model: contextlib.nullcontext()
-    name = register(ATTN_PREFIX + label.replace(" ", ""), fn)
+    name = ATTN_PREFIX + label.replace(" ", "")
 
     @contextlib.contextmanager
     def switched(model: torch.nn.Module) -> Iterator[None]:
+        register(name, fn)  # on entry: another function may have taken the name since (two lambdas)
         config: Any = model.config
         before = config._attn_implementation
         had = hasattr(model, DENSE_ATTN_ATTR)
