@@ -306,3 +306,16 @@ def test_sweep_variant_names_are_unique():
     adapter = _adapter()
     with pytest.raises(HookError, match="named twice: topk:2"):
         adapter.sweep([[5, 6]], [[7]], 2, variants=["topk:2", "topk:2"])
+
+
+def test_generation_context_and_decode_attention_together():
+    adapter = _adapter()
+    contexts, questions = _rows()
+    alone = _sample(adapter, contexts, questions, use_cache=False, generation_context=perturb)
+    both = _sample(adapter, contexts, questions, use_cache=False, generation_context=perturb,
+                   decode_attention="topk:64")  # fmt: skip
+    assert both.variant == "perturb+topk:64"
+    assert torch.equal(both.tokens, alone.tokens)  # 64 keys cover every context: dense attention, scaled layer
+    assert _max_diff(both, alone) < 1e-10
+    few = _sample(adapter, contexts, questions, use_cache=False, generation_context=perturb, decode_attention="topk:2")
+    assert not torch.equal(few.tokens, alone.tokens)

@@ -154,11 +154,6 @@ def sample_variants(
     hooked = any(not v.dense for v in variants)
     split = hooked or len(variants) > 1  # the reference prefills contexts apart from the answers
     hooks.check_steps(variants, steps)
-    if split and not adapter.layout.dense:
-        raise ModelError(
-            f"{adapter.name}: generation contexts, decode attention and variant sweeps are for models whose every "
-            "layer is full attention; this one has sliding-window, chunked or state layers"
-        )
     if steps not in STEPS:
         raise ValueError(f"steps must be one of {', '.join(STEPS)}, not {steps!r}")
     stop = Stop(stop_at_eos, tuple(s for s in stop_strings if s), steps)
@@ -172,6 +167,11 @@ def sample_variants(
     if num_new_tokens < 1 or batch_size < 1:
         raise ValueError("num_new_tokens and batch_size must be at least 1")
     adapter.check_supported(store if use_cache else None)
+    if split and not adapter.layout.dense:
+        raise ModelError(
+            f"{adapter.name}: generation contexts, decode attention and variant sweeps are for models whose every "
+            "layer is full attention; this one has sliding-window, chunked or state layers"
+        )
     q_ids = [adapter.encode_question(q) for q in questions]
     c_ids = [
         adapter.context_ids(c, special_tokens=special_tokens, truncate=truncate, max_context_tokens=max_context_tokens,
