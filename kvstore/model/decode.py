@@ -208,7 +208,7 @@ def sample_variants(
             if use_cache:
                 answers, row_cached, row_computed, row_codecs = decode_cached(
                     adapter, [plans[i] for i in rows], [q_ids[i] for i in rows], num_new_tokens, store, writer,
-                    stop, return_scores, ahead, variants,
+                    stop, return_scores, variants, ahead,
                 )  # fmt: skip
             elif split:
                 answers = reference_split(
@@ -335,7 +335,7 @@ def load_batch(adapter: Adapter, plans, q_ids, N, store, stop: Stop) -> Loaded:
 
 @torch.inference_mode()
 def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, return_scores,
-                  ahead: Loaded | None = None, variants: Sequence[Variant] = (hooks.DENSE,)):  # fmt: skip
+                  variants: Sequence[Variant] = (hooks.DENSE,), ahead: Loaded | None = None):  # fmt: skip
     """One batch from stored caches (see the module docstring). Returns ``(answers, cached tokens
     per row, context tokens computed, codec labels per row)``, ``answers`` holding ``(tokens,
     scores, seconds)`` per variant. ``ahead``: this batch's :func:`load_batch`, done already."""
