@@ -125,7 +125,7 @@ def ls(store: str, model: str | None, chunks: bool, sort_by: str, reverse: bool,
         formatters={
             "key": lambda k: short(k, n),
             "model": lambda m: short(m, n),
-            "stored_bytes": human_bytes,
+            "stored_bytes": lambda b: human_bytes(b or 0),
             "created": _time,
             "last_access": _time,
         },  # fmt: skip

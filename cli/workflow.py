@@ -49,8 +49,9 @@ def emit_summary(title: str, summary: dict, fmt: str) -> None:
         return
     click.echo(f"{title} summary")
     width = max(len(k) for k in summary)
+    tables = {k: v for k, v in summary.items() if isinstance(v, list) and v and isinstance(v[0], dict)}
     for k, v in summary.items():
-        if v is None:
+        if v is None or k in tables:
             continue
         if isinstance(v, bool):
             v = "yes" if v else "no"
@@ -63,6 +64,28 @@ def emit_summary(title: str, summary: dict, fmt: str) -> None:
         elif isinstance(v, int):
             v = f"{v:,}"
         click.echo(f"  {k.replace('_', ' '):<{width}}  {v}")
+    for k, table in tables.items():
+        click.echo(f"{k.replace('_', ' ')}:")
+        _echo_table(table)
+
+
+def _echo_table(table: list[dict]) -> None:
+    """Rows of dicts as aligned columns (fractions as percentages, None as -)."""
+
+    def cell(k: str, v) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float) and (k in ("accuracy", "contains", "exact_match", "f1") or k.startswith("agreement")):
+            return f"{v:.1%}"
+        return str(v)
+
+    keys = list(table[0])
+    cells = [[cell(k, r.get(k)) for k in keys] for r in table]
+    heads = [k.replace("_", " ") for k in keys]
+    widths = [max(len(h), *(len(c[j]) for c in cells)) for j, h in enumerate(heads)]
+    click.echo("  " + "  ".join(h.rjust(w) for h, w in zip(heads, widths)))
+    for c in cells:
+        click.echo("  " + "  ".join(x.rjust(w) for x, w in zip(c, widths)))
 
 
 def _dataset_options(fn):
@@ -370,11 +393,21 @@ def build(**kwargs):
     "Answer from caches stored with this codec. Lossless codecs are interchangeable (the default: the store's); "
     "a lossy one (int8[:G], int4[:G], fp8) uses only entries built with it, and stores missing contexts with it."
 )
+@click.option(
+    "--decode-attention",
+    "decode_attention",
+    multiple=True,
+    metavar="SPEC",
+    help="Answer with this attention for the question and answer steps (contexts stay dense): dense, topk:K, "
+    "sparq:R:K or a plug-in module:function. Repeat it to sweep: every batch is loaded once and answered under "
+    "each variant (one output row per question and variant, a summary row per variant).",
+)
 def sample(**kwargs):
     """Answer every question of DATASET with greedy decoding from stored context caches.
 
     Missing contexts are computed, stored and used. --no-cache runs the same decoding without
-    the store (the reference): both give the same predictions.
+    the store (the reference): both give the same predictions. --decode-attention answers under
+    decode-time attention variants (see docs/hooks.md).
     """
     from kvstore.data.metrics import clean_prediction, contains_match, lenient_match, score
     from kvstore.store.kvstore import KVStore
@@ -385,8 +418,10 @@ def sample(**kwargs):
         for k in ("max_new_tokens", "no_cache", "output", "readonly_store", "codec", "stop_strings", "max_batch_tokens",
                   "compile_steps")
     )  # fmt: skip
+    specs = kwargs.pop("decode_attention")
     stop_strings = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop_strings)
     _check_codec(codec)
+    variants = _check_variants(specs, compile_steps)  # a bad spec fails here, before the model loads
     data, adapter, prompt = _load_everything(opts, require_question=True)
     dataset = opts.dataset
     examples = data.examples
@@ -397,57 +432,60 @@ def sample(**kwargs):
     lossy = kv is not None and not kv.codec.lossless
     bar = progress_bar(len(examples), "sample", opts.quiet, unit="q", rate="tok")
     t0 = time.perf_counter()
+    common = dict(
+        use_cache=not no_cache,
+        store=kv,
+        batch_size=opts.batch_size or 8,
+        special_tokens=prompt.add_special_tokens,
+        truncate=opts.truncate,
+        max_context_tokens=opts.max_context_tokens,
+        labels=labels,
+        progress=bar,
+        prefix=prompt.head or None,
+        stop_strings=stop_strings,
+        max_batch_tokens=max_batch_tokens,
+        compile=compile_steps,
+    )
     try:
         with _corrupt_entries_as_warnings(bar):
-            result = adapter.greedy_sample(
-                contexts,
-                questions,
-                max_new_tokens,
-                use_cache=not no_cache,
-                store=kv,
-                batch_size=opts.batch_size or 8,
-                special_tokens=prompt.add_special_tokens,
-                truncate=opts.truncate,
-                max_context_tokens=opts.max_context_tokens,
-                labels=labels,
-                return_details=True,
-                progress=bar,
-                prefix=prompt.head or None,
-                stop_strings=stop_strings,
-                max_batch_tokens=max_batch_tokens,
-                compile=compile_steps,
-            )
+            if variants:
+                results = list(adapter.sweep(contexts, questions, max_new_tokens, variants=variants, **common).values())
+            else:
+                results = [adapter.greedy_sample(contexts, questions, max_new_tokens, return_details=True, **common)]
     finally:
         bar.close()
         if kv is not None:
             kv.close()
     seconds = time.perf_counter() - t0
+    result = results[0]
     rows = []
-    for i, ex in enumerate(examples):
-        text = adapter.decode(result.tokens[i][: result.lengths[i]])
-        pred = clean_prediction(text)
-        rows.append(
-            {
+    for res in results:
+        for i, ex in enumerate(examples):
+            text = adapter.decode(res.tokens[i][: res.lengths[i]])
+            pred = clean_prediction(text)
+            row = {
                 "id": ex.id,
                 "question": ex.question,
                 "prediction": pred,
                 "answers": list(ex.answers),
                 "correct": bool(ex.answers) and lenient_match(pred, ex.answers),
                 "contains_answer": bool(ex.answers) and contains_match(pred, ex.answers),
-                "cache_hit": bool(result.cache_hit[i]),
-                "cached_tokens": result.cached_tokens[i] if not no_cache else 0,
-                "codec": result.codecs[i] if not no_cache else None,
+                "cache_hit": bool(res.cache_hit[i]),
+                "cached_tokens": res.cached_tokens[i] if not no_cache else 0,
+                "codec": res.codecs[i] if not no_cache else None,
                 "raw_output": text,
             }
-        )
+            if variants:
+                row["variant"] = res.variant
+            rows.append(row)
     if output:
         out = Path(output)
         with out.open("w", encoding="utf-8") as f:
             for r in rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    answered = [r for r in rows if r["answers"]]
+    n = len(examples)
+    answered = [r for r in rows[:n] if r["answers"]]
     scores = score([r["prediction"] for r in answered], [r["answers"] for r in answered]) if answered else {}
-    n = len(rows)
     summary = {
         "dataset": dataset,
         "model": adapter.name,
@@ -465,6 +503,10 @@ def sample(**kwargs):
         "prefill_tokens_computed": result.prefill_tokens_computed,
         "output": output,
     }
+    if variants:  # the metrics are per variant
+        for k in ("accuracy", "contains", "exact_match", "f1"):
+            summary[k] = None
+        summary["variants"] = variant_table(adapter, results, rows, n)
     if not output and opts.fmt == "text" and not opts.quiet:
         for r in rows[:5]:
             click.echo(
@@ -479,3 +521,42 @@ def sample(**kwargs):
         )
     emit_summary("sample", summary, opts.fmt)
     sys.stdout.flush()
+
+
+def _check_variants(specs: tuple[str, ...], compile_steps: bool) -> list[str]:
+    """The ``--decode-attention`` values, each checked (HookError: one line); none: a plain run."""
+    from kvstore.model.hooks import check_steps, variants
+
+    if specs:
+        check_steps(variants(list(specs)), "compiled" if compile_steps else "dynamic")
+    return list(specs)
+
+
+def variant_table(adapter, results, rows: list[dict], n: int) -> list[dict]:
+    """Per variant of a sweep: task metrics over its ``n`` rows, tokens/s of its decoding, and
+    agreement with the ``dense`` variant (rows with the same tokens; None without a dense one)."""
+    from kvstore.data.metrics import score
+
+    dense = next((r for r in results if r.variant == "dense"), None)
+    table = []
+    for v, res in enumerate(results):
+        mine = [r for r in rows[v * n : (v + 1) * n] if r["answers"]]
+        s = score([r["prediction"] for r in mine], [r["answers"] for r in mine]) if mine else {}
+        agree = None
+        if dense is not None:
+            same = sum(
+                res.lengths[i] == dense.lengths[i] and bool((res.tokens[i] == dense.tokens[i]).all()) for i in range(n)
+            )
+            agree = round(same / n, 4) if n else None
+        generated = sum(res.lengths)
+        table.append(
+            {
+                "variant": res.variant,
+                **{k: (round(s[k], 4) if mine else None) for k in ("accuracy", "contains", "exact_match", "f1")},
+                "agreement_with_dense": agree,
+                "generated_tokens": generated,
+                "decode_seconds": round(res.decode_seconds, 3),
+                "tokens_per_second": round(generated / res.decode_seconds, 1) if res.decode_seconds else None,
+            }
+        )
+    return table

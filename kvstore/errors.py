@@ -84,3 +84,9 @@ class CorruptEntryWarning(UserWarning):
 
 class StoreOfflineWarning(UserWarning):
     """A remote store is unreachable; a local tier in front of it answers what it holds."""
+
+
+class HookError(KVStoreError):
+    """A generation context (a decode-time hook, e.g. a decode-attention variant) is malformed, or
+    raised while the model ran under it; the message names the hook. Nothing stored is affected:
+    hooks run only after every context is loaded or computed and stored."""

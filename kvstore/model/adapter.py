@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from kvstore import dtypes
 from kvstore.errors import ContextTooLongError, ModelError
-from kvstore.model import build, chains, decode, families, forward, scoring
+from kvstore.model import build, chains, decode, families, forward, hooks, scoring, sparse
 from kvstore.model.build import BuildReport
 from kvstore.model.cache import KVShape, LayerKV
 from kvstore.model.chains import ContextPlan
@@ -139,7 +139,10 @@ class Adapter:
 
     @property
     def attn_implementation(self) -> str:
-        return str(getattr(self.model.config, "_attn_implementation", None) or "eager")
+        """The model's own attention implementation (also while a decode-attention variant is
+        switched on: keys and entries always name the one that computed the stored tensors)."""
+        own = hooks.dense_attn_implementation(self.model)
+        return str(own or getattr(self.model.config, "_attn_implementation", None) or "eager")
 
     @property
     def numerics(self) -> dict[str, str]:
@@ -372,6 +375,8 @@ class Adapter:
         stop_strings: Sequence[str] = (),
         max_batch_tokens: int | None = None,
         compile: bool = False,
+        generation_context: hooks.GenerationContext | None = None,
+        decode_attention: str | sparse.AttentionFunction | None = None,
     ) -> torch.Tensor | SampleResult:
         """Greedy answers to ``questions[i]`` about ``contexts[i]``.
 
@@ -395,12 +400,22 @@ class Adapter:
         ``compile``: decode steps run with fixed shapes (KV slots in buckets of 256, a 4-D mask over
         all of them) under ``torch.compile``, compiled once per batch size and slot bucket
         (:mod:`kvstore.model.static`); models whose layers are all full attention only.
+
+        ``generation_context``: a callable taking the model and returning a context manager,
+        entered around each batch's question forward and decode steps only (never around a
+        prefill: contexts are loaded, or computed and stored, before it is entered; see
+        :mod:`kvstore.model.hooks`). ``decode_attention``: an attention function used for those
+        steps (``topk:K``, ``sparq:R:K``, ``dense``, a ``module:function`` path or a function
+        with transformers' attention interface; see :mod:`kvstore.model.sparse`). An exception
+        raised under either becomes a one-line HookError naming it. Both need a model whose
+        every layer is full attention and eager steps (not ``compile``).
         """
         result = decode.greedy_sample(
             self, contexts, questions, num_new_tokens, use_cache=use_cache, store=store, batch_size=batch_size,
             stop_at_eos=stop_at_eos, special_tokens=special_tokens, truncate=truncate,
             max_context_tokens=max_context_tokens, return_scores=return_scores, labels=labels, progress=progress,
             prefix=prefix, stop_strings=stop_strings, max_batch_tokens=max_batch_tokens, compile=compile,
+            generation_context=generation_context, decode_attention=decode_attention,
         )  # fmt: skip
         return result if return_details else result.tokens
 
@@ -486,6 +501,29 @@ class Adapter:
             batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress,
             generation_context=generation_context, store_documents=store_documents,
         )  # fmt: skip
+
+    def sweep(
+        self,
+        contexts: Sequence[TextOrIds],
+        questions: Sequence[TextOrIds],
+        num_new_tokens: int = 20,
+        *,
+        variants: Sequence[str | hooks.Variant | sparse.AttentionFunction | None],
+        **kwargs,
+    ) -> dict[str, SampleResult]:
+        """:meth:`greedy_sample` (with ``return_details``) under each of ``variants`` from one load:
+        each batch's contexts are loaded (or computed and stored) once and every variant answers
+        from the same buffers, without another load or prefill. A variant is a decode-attention
+        spec (``dense``, ``topk:K``, ``sparq:R:K``, ``module:function``), an attention function,
+        or a :class:`kvstore.model.hooks.Variant` (a named generation context). Returns the
+        results by variant name, in the order given. ``kwargs``: as for :meth:`greedy_sample`
+        (``return_details``, ``generation_context`` and ``decode_attention`` excepted)."""
+        for name in ("return_details", "generation_context", "decode_attention"):
+            if name in kwargs:
+                raise TypeError(f"sweep() takes variants, not {name}")
+        chosen = hooks.variants(variants)
+        results = decode.sample_variants(self, contexts, questions, num_new_tokens, variants=chosen, **kwargs)
+        return {r.variant: r for r in results}
 
     def decode(self, tokens: torch.Tensor | Sequence[int]) -> str:
         """Text of one row of generated ids, up to (not including) its first EOS."""

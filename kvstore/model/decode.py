@@ -13,6 +13,14 @@ Layouts (B rows; exactness depends on them):
   of one batch may hit at different depths.
 * **Reference decode** (``use_cache=False``): context + question ids of each row right-padded in
   one sequence, the same preallocated cache, logits taken at each row's last real token.
+  With a generation context (a hook, :mod:`kvstore.model.hooks`) or several variants, the
+  contexts are prefilled densely first (right-padded, outside any hook), then each variant answers
+  on top of them as the cached decode does, so cached == no-cache under any hook.
+
+**Variants** (a sweep): each batch's contexts are loaded (or computed and stored) once; then every
+variant answers from the same buffers, its question and answer written into the slots after the
+contexts (``P`` on), which each variant overwrites; the context slots are never written again.
+A variant's generation context is entered around its question forward and decode steps only.
 
 The two paths share :func:`greedy_loop` and differ in layout; the tests also compare both with
 Hugging Face ``generate``, which shares nothing with them.
@@ -20,6 +28,7 @@ Hugging Face ``generate``, which shares nothing with them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,13 +36,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.errors import ContextTooLongError
-from kvstore.model import chains, contexts
+from kvstore.errors import ContextTooLongError, ModelError
+from kvstore.model import chains, contexts, hooks
+from kvstore.model.answers import answer, fixed_steps, reference_split
 from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
 from kvstore.model.forward import Stop, batches, greedy_loop, is_out_of_memory, prefill, row_length
+from kvstore.model.hooks import GenerationContext, Variant
 from kvstore.model.staging import Staging
-from kvstore.model.static import StaticSteps, bucket_slots
+from kvstore.model.static import bucket_slots
 from kvstore.model.writer import Writer
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
@@ -58,6 +69,9 @@ class SampleResult:
     ``prefill_tokens_saved``: context tokens the no-cache path would have computed and this run
     did not. ``codecs``: per row, the codec spec of the entries its context came from or was
     stored with (``int8:64`` when the answer came from a lossy cache; None without a cache).
+    ``variant``: the name of the variant that answered (``dense`` without a hook);
+    ``decode_seconds``: time spent answering under it (question forwards and decode steps, every
+    batch; loads and prefills are shared by the variants of a sweep and not counted).
     """
 
     tokens: torch.Tensor
@@ -68,6 +82,8 @@ class SampleResult:
     prefill_tokens_computed: int = 0
     cached_tokens: list[int] = field(default_factory=list)
     codecs: list[str | None] = field(default_factory=list)
+    variant: str = hooks.DENSE.name
+    decode_seconds: float = 0.0
 
 
 @uses_grouped_kv
@@ -92,11 +108,52 @@ def greedy_sample(
     max_batch_tokens: int | None = None,
     compile: bool = False,
     steps: str = "dynamic",
+    generation_context: GenerationContext | None = None,
+    decode_attention: str | hooks.sparse.AttentionFunction | None = None,
 ) -> SampleResult:
     """See :meth:`kvstore.model.adapter.Adapter.greedy_sample`. ``steps``: ``dynamic`` (eager, the
     key length grows), ``static`` (fixed shapes, eager) or ``compiled`` (fixed shapes under
     ``torch.compile``; what ``compile=True`` selects)."""
+    kwargs = dict(locals())
+    for name in ("adapter", "contexts", "questions", "num_new_tokens", "generation_context", "decode_attention"):
+        kwargs.pop(name)
+    variant = hooks.hook_variant(generation_context, decode_attention)
+    return sample_variants(adapter, contexts, questions, num_new_tokens, variants=[variant], **kwargs)[0]
+
+
+@uses_grouped_kv
+def sample_variants(
+    adapter: Adapter,
+    contexts: Sequence[TextOrIds],
+    questions: Sequence[TextOrIds],
+    num_new_tokens: int = 20,
+    *,
+    variants: Sequence[Variant] = (hooks.DENSE,),
+    use_cache: bool = True,
+    store: KVStore | None = None,
+    batch_size: int = 8,
+    stop_at_eos: bool = True,
+    special_tokens: bool = True,
+    truncate: bool = False,
+    max_context_tokens: int | None = None,
+    return_scores: bool = False,
+    labels: Sequence[str] | None = None,
+    progress: Progress | None = None,
+    prefix: TextOrIds | None = None,
+    stop_strings: Sequence[str] = (),
+    max_batch_tokens: int | None = None,
+    compile: bool = False,
+    steps: str = "dynamic",
+) -> list[SampleResult]:
+    """:func:`greedy_sample` under each of ``variants`` (:class:`kvstore.model.hooks.Variant`),
+    from one load of each batch: one :class:`SampleResult` per variant, in order."""
     steps = "compiled" if compile else steps
+    variants = list(variants)
+    if not variants:
+        raise ValueError("no variant to answer with")
+    hooked = any(not v.dense for v in variants)
+    split = hooked or len(variants) > 1  # the reference prefills contexts apart from the answers
+    hooks.check_steps(variants, steps)
     if steps not in STEPS:
         raise ValueError(f"steps must be one of {', '.join(STEPS)}, not {steps!r}")
     stop = Stop(stop_at_eos, tuple(s for s in stop_strings if s), steps)
@@ -110,6 +167,11 @@ def greedy_sample(
     if num_new_tokens < 1 or batch_size < 1:
         raise ValueError("num_new_tokens and batch_size must be at least 1")
     adapter.check_supported(store if use_cache else None)
+    if split and not adapter.layout.dense:
+        raise ModelError(
+            f"{adapter.name}: generation contexts, decode attention and variant sweeps are for models whose every "
+            "layer is full attention; this one has sliding-window, chunked or state layers"
+        )
     q_ids = [adapter.encode_question(q) for q in questions]
     c_ids = [
         adapter.context_ids(c, special_tokens=special_tokens, truncate=truncate, max_context_tokens=max_context_tokens,
@@ -125,11 +187,13 @@ def greedy_sample(
                     f"{num_new_tokens} new tokens exceed the model's {adapter.max_positions} positions; use a shorter "
                     "question, fewer new tokens or a lower max_context_tokens"
                 )
-    out = torch.full((n, num_new_tokens), adapter.pad_id, dtype=torch.long)
-    lengths = [0] * n
+    V = len(variants)
+    out = [torch.full((n, num_new_tokens), adapter.pad_id, dtype=torch.long) for _ in range(V)]
+    lengths = [[0] * n for _ in range(V)]
     cached = [0] * n
     codecs: list[str | None] = [None] * n
-    scores: list[torch.Tensor] | None = [torch.empty(0)] * n if return_scores else None
+    scores: list[list[torch.Tensor]] | None = [[torch.empty(0)] * n for _ in range(V)] if return_scores else None
+    seconds = [0.0] * V
     computed = 0
     plans = [adapter.plan(c, store, prefix=prefix, special_tokens=special_tokens) for c in c_ids] if use_cache else []
     keys = [p.key for p in plans] if use_cache else [""] * n
@@ -142,14 +206,21 @@ def greedy_sample(
         ahead = box.pop() if box else None  # the only reference: freed here on an out-of-memory retry
         try:
             if use_cache:
-                tokens, step_scores, row_cached, row_computed, row_codecs = decode_cached(
+                answers, row_cached, row_computed, row_codecs = decode_cached(
                     adapter, [plans[i] for i in rows], [q_ids[i] for i in rows], num_new_tokens, store, writer,
-                    stop, return_scores, ahead,
+                    stop, return_scores, variants, ahead,
+                )  # fmt: skip
+            elif split:
+                answers = reference_split(
+                    adapter, [c_ids[i] for i in rows], [q_ids[i] for i in rows], num_new_tokens, stop, return_scores,
+                    variants,
                 )  # fmt: skip
             else:
+                t0 = time.perf_counter()
                 tokens, step_scores = decode_reference(
                     adapter, [c_ids[i] + q_ids[i] for i in rows], num_new_tokens, stop, return_scores
                 )
+                answers = [(tokens, step_scores, time.perf_counter() - t0)]
         except Exception as exc:
             if not is_out_of_memory(exc) or len(rows) == 1:
                 raise
@@ -167,11 +238,13 @@ def greedy_sample(
             computed += row_computed
         else:
             computed += sum(len(c_ids[i]) for i in rows)
-        for j, i in enumerate(rows):
-            out[i] = tokens[j]
-            lengths[i] = row_length(adapter, tokens[j], stop)
-            if scores is not None:
-                scores[i] = step_scores[j]
+        for v, (tokens, step_scores, secs) in enumerate(answers):
+            seconds[v] += secs
+            for j, i in enumerate(rows):
+                out[v][i] = tokens[j]
+                lengths[v][i] = row_length(adapter, tokens[j], stop)
+                if scores is not None:
+                    scores[v][i] = step_scores[j]
         if progress:
             progress(len(rows), sum(len(c_ids[i]) + len(q_ids[i]) for i in rows))
 
@@ -202,7 +275,11 @@ def greedy_sample(
             writer.close()
     hits = [use_cache and cached[i] == len(c_ids[i]) for i in range(n)]
     saved = sum(len(c) for c in c_ids) - computed
-    return SampleResult(out, lengths, hits, scores, saved, computed, cached, codecs)
+    return [
+        SampleResult(out[v], lengths[v], hits, scores[v] if scores is not None else None, saved, computed, cached,
+                     codecs, variants[v].name, seconds[v])
+        for v in range(V)
+    ]  # fmt: skip
 
 
 def _result(pending: Future[Loaded] | None) -> Loaded | None:
@@ -258,48 +335,25 @@ def load_batch(adapter: Adapter, plans, q_ids, N, store, stop: Stop) -> Loaded:
 
 @torch.inference_mode()
 def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, return_scores,
-                  ahead: Loaded | None = None):  # fmt: skip
-    """One batch from stored caches (see the module docstring). Returns ``(tokens, scores, cached
-    tokens per row, context tokens computed)``. ``ahead``: this batch's :func:`load_batch`, done
-    already."""
+                  variants: Sequence[Variant] = (hooks.DENSE,), ahead: Loaded | None = None):  # fmt: skip
+    """One batch from stored caches (see the module docstring). Returns ``(answers, cached tokens
+    per row, context tokens computed, codec labels per row)``, ``answers`` holding ``(tokens,
+    scores, seconds)`` per variant. ``ahead``: this batch's :func:`load_batch`, done already."""
     if not adapter.layout.dense:  # windowed, state-space, hybrid: position masks, stored states
-        return contexts.decode_cached(adapter, plans, q_ids, N, store, writer, stop, return_scores)
-    B = len(plans)
+        t0 = time.perf_counter()
+        tokens, scores, got, computed, labels = contexts.decode_cached(
+            adapter, plans, q_ids, N, store, writer, stop, return_scores
+        )
+        return [(tokens, scores, time.perf_counter() - t0)], got, computed, labels
     c_len = [p.n_tokens for p in plans]
-    q_len = [len(q) for q in q_ids]
-    P, Q = max(c_len), max(q_len)
+    P, Q = max(c_len), max(len(q) for q in q_ids)
     if Q == 0:
         raise ValueError("every question needs at least one token")
-    T = P + Q + N
-    dev = adapter.device
     pre = ahead if ahead is not None else load_batch(adapter, plans, q_ids, N, store, stop)
     computed = complete(adapter, plans, pre, store, writer)
-    bufs, loaded, codecs = pre.bufs, pre.loaded, pre.codecs
-    cache = PreallocatedCache(bufs, P)
-    mask = torch.zeros((B, T), dtype=torch.long)
-    pos = torch.empty((B, Q), dtype=torch.long)
-    input_ids = torch.full((B, Q), adapter.pad_id, dtype=torch.long)
-    for r in range(B):
-        c, q = c_len[r], q_len[r]
-        mask[r, P - c : P] = 1
-        mask[r, P + Q - q : P + Q] = 1
-        pos[r] = c  # pad slots: any in-range position, they are masked
-        pos[r, Q - q :] = torch.arange(c, c + q)
-        input_ids[r, Q - q :] = torch.as_tensor(q_ids[r], dtype=torch.long)
-    mask[:, P + Q :] = 1
-    mask = mask.to(dev)
-    out = adapter.model(
-        input_ids=input_ids.to(dev),
-        attention_mask=mask[:, : P + Q],
-        position_ids=pos.to(dev),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    next_pos = torch.tensor([c + q for c, q in zip(c_len, q_len)], device=dev)
-    step = _fixed_steps(adapter, bufs, mask, P + Q, next_pos, stop)
-    tokens, scores = greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, P + Q, N, stop, return_scores, step)
-    return tokens, scores, [loaded[p.key] for p in plans], computed, [codec_label(codecs[p.key]) for p in plans]
+    spans = [(P - c, P) for c in c_len]
+    answers = [answer(adapter, pre.bufs, spans, P, q_ids, N, stop, return_scores, v) for v in variants]
+    return answers, [pre.loaded[p.key] for p in plans], computed, [codec_label(pre.codecs[p.key]) for p in plans]
 
 
 def complete(adapter: Adapter, plans, pre: Loaded, store, writer) -> int:
@@ -346,13 +400,6 @@ def complete(adapter: Adapter, plans, pre: Loaded, store, writer) -> int:
             codecs[k].append(store.codec.spec)
     _fill_pads_and_repeats(bufs, rows_of, c_len, P)
     return sum(c_len[rows_of[k][0]] - loaded[k] for k in rows_of)
-
-
-def _fixed_steps(adapter: Adapter, bufs: Buffers, mask, first_slot: int, next_pos, stop: Stop) -> StaticSteps | None:
-    """The fixed-shape step callback for ``greedy_loop`` (None: eager steps)."""
-    if stop.steps == "dynamic":
-        return None
-    return StaticSteps(adapter, bufs, mask, first_slot, next_pos, compiled=stop.steps == "compiled")
 
 
 def codec_label(specs: Sequence[str]) -> str | None:
@@ -404,7 +451,7 @@ def decode_reference(adapter: Adapter, full_ids, N, stop: Stop, return_scores):
         logits_to_keep=torch.tensor([[n - 1] for n in lens], device=dev),
     )
     next_pos = torch.tensor(lens, device=dev)
-    step = _fixed_steps(adapter, bufs, mask, L, next_pos, stop)
+    step = fixed_steps(adapter, bufs, mask, L, next_pos, stop)
     return greedy_loop(adapter, cache, mask, out.logits[:, -1], next_pos, L, N, stop, return_scores, step)
 
 
@@ -419,5 +466,6 @@ __all__ = [
     "greedy_loop",
     "greedy_sample",
     "load_batch",
+    "sample_variants",
     "row_length",
 ]

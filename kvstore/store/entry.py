@@ -59,6 +59,7 @@ from kvstore import dtypes
 from kvstore.errors import CorruptEntryError
 from kvstore.layer_kinds import ATTN, KV_KINDS, STATE, STATE_KINDS  # the kind sets re-exported: they lived here
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
+from kvstore.store.codecs.prerope import Rotary, with_rotary
 from kvstore.store.header import (
     FORMAT_VERSION,
     MAGIC,
@@ -71,7 +72,6 @@ from kvstore.store.header import (
     read_header,
     verify_checksum,
 )
-from kvstore.store.codecs.prerope import Rotary, with_rotary
 
 MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
 

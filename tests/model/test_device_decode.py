@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers.entries import bits, split, with_frame
+from helpers.tiny import make_tiny_model
 from kvstore.errors import CorruptEntryWarning
 from kvstore.model import chains, staging
 from kvstore.model.adapter import Adapter
@@ -25,7 +26,6 @@ from kvstore.model.cache import new_buffers
 from kvstore.store.codecs import get_codec
 from kvstore.store.codecs import records as records_mod
 from kvstore.store.kvstore import KVStore
-from helpers.tiny import make_tiny_model
 
 CHUNK = 16
 CODECS = ("raw", "zstd:1", "zstd-shuffle:1", "int8", "int4", "int8:32+zstd:1", "fp8")
