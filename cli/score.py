@@ -20,7 +20,7 @@ import click
 
 from kvstore import dtypes
 from kvstore.cli.common import progress_bar, quiet_option, store_option, store_options
-from kvstore.cli.workflow import _corrupt_entries_as_warnings, emit_summary
+from kvstore.cli.summary import corrupt_entries_as_warnings, emit_summary
 
 DEFAULT_TEMPLATE = "{context}\nQuestion: {question}\nAnswer:"
 LN2 = math.log(2)
@@ -74,6 +74,12 @@ def _prompt(template: str | None, context: str, question: str | None) -> str:
 @click.option("--no-cache", is_flag=True, help="Reference path: context + option in one forward, ignore the store.")
 @click.option("--readonly-store", is_flag=True, help="Do not store contexts computed for missing entries.")
 @click.option(
+    "--decode-attention", multiple=True, metavar="SPEC",
+    help="Score the options under this attention (dense, topk:K, sparq:R:K or module:function); contexts stay "
+    "dense and are stored as without it. Repeat it to sweep: each batch is loaded once and scored under every "
+    "variant (rows get a variant field, the summary a row per variant).",
+)  # fmt: skip
+@click.option(
     "--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per row here."
 )
 @store_option
@@ -88,9 +94,14 @@ def score(**kw):
     """
     from kvstore.data.choices import load_choice_rows
     from kvstore.model.adapter import Adapter
+    from kvstore.model.hooks import variants
     from kvstore.store.kvstore import KVStore
 
     mode = kw["mode"] or "choices"
+    specs = list(kw.pop("decode_attention"))
+    variants(specs or ["dense"])  # a bad spec or a name given twice: one-line HookError before the model loads
+    if len(specs) > 1 and mode == "rolling":
+        raise click.UsageError("--rolling scores under one --decode-attention at a time")
     if kw["template"] is not None:
         try:
             kw["template"].format(context="", question="")
@@ -111,10 +122,13 @@ def score(**kw):
     kv = None if kw["no_cache"] else KVStore(kw["store"], readonly=kw["readonly_store"], **store_options())
     common = dict(store=kv, use_cache=not kw["no_cache"], batch_size=kw["batch_size"],
                   max_batch_tokens=kw["max_batch_tokens"])  # fmt: skip
+    kw["variants"] = specs
     t0 = time.perf_counter()
     try:
         if mode == "rolling":
-            out_rows, summary = _rolling(adapter, rows, common, kw["quiet"])
+            out_rows, summary = _rolling(
+                adapter, rows, common | {"decode_attention": (specs or [None])[0]}, kw["quiet"]
+            )
         else:
             out_rows, summary = _scored(adapter, rows, mode, common, kw)
     finally:
@@ -126,7 +140,8 @@ def score(**kw):
             for r in out_rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
     head = {"dataset": kw["dataset"], "model": adapter.name, "dtype": adapter.dtype_name, "mode": mode,
-            "cache": "off" if kw["no_cache"] else "on", "rows": len(rows)}  # fmt: skip
+            "cache": "off" if kw["no_cache"] else "on", "attention": ", ".join(specs) or "dense",
+            "rows": len(rows)}  # fmt: skip
     emit_summary("score", head | summary | {"seconds": round(seconds, 3), "output": kw["output"]}, kw["fmt"])
 
 
@@ -147,21 +162,60 @@ def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict
         documents.insert(0, head)  # stored before any prompt runs, so that every prompt finds it
     built = 0
     with progress_bar(len(conts), "score", kw["quiet"], unit="opt", rate="tok") as bar:
-        with _corrupt_entries_as_warnings(bar):
+        with corrupt_entries_as_warnings(bar):
             if documents:  # the head, and documents that begin several prompts: stored once, loaded by each
                 report = adapter.generate_kv_cache(documents, common["store"], truncate=kw["truncate"], prefix=head)
                 built = report.tokens
-            result = adapter.score(
-                contexts, conts, labels=labels, progress=bar, truncate=kw["truncate"], prefix=head, **common
+            results = adapter.score_sweep(
+                contexts, conts, variants=kw["variants"] or ["dense"], labels=labels, progress=bar,
+                truncate=kw["truncate"], prefix=head, **common,
             )  # fmt: skip
-    per_row: list[list] = [[] for _ in rows]
-    for i, scored in enumerate(result.rows):
-        per_row[owner[i]].append((conts[i], scored))
-    computed = result.prefill_tokens_computed + built
-    no_cache_tokens = result.prefill_tokens_computed + result.prefill_tokens_saved
+    first = next(iter(results.values()))
+    computed = first.prefill_tokens_computed + built
+    no_cache_tokens = first.prefill_tokens_computed + first.prefill_tokens_saved
     counts = {"prefill_tokens_computed": computed, "prefill_tokens_saved": no_cache_tokens - computed}
-    if mode == "reference":
-        return _reference_rows(rows, per_row, kw["delimiter"]), counts | _reference_summary(per_row)
+    graded: dict[str, tuple[list[dict], dict]] = {}
+    for name, result in results.items():
+        per_row: list[list] = [[] for _ in rows]
+        for i, scored in enumerate(result.rows):
+            per_row[owner[i]].append((conts[i], scored))
+        if mode == "reference":
+            graded[name] = _reference_rows(rows, per_row, kw["delimiter"]), _reference_summary(per_row)
+        else:
+            graded[name] = _choice_rows(rows, per_row)
+    if len(graded) == 1:
+        out, summary = graded[name]
+        return out, summary | counts
+    return _sweep_rows(graded, mode), {"options": len(first.rows)} | counts | {"variants": _sweep_table(graded, mode)}
+
+
+def _sweep_rows(graded: dict[str, tuple[list[dict], dict]], mode: str) -> list[dict]:
+    """Every variant's rows, each with its ``variant`` (rows of one variant together, in order)."""
+    return [{"variant": name} | item for name, (items, _) in graded.items() for item in items]
+
+
+def _sweep_table(graded: dict[str, tuple[list[dict], dict]], mode: str) -> list[dict]:
+    """A summary row per variant: its figures, and (multiple choice, with a ``dense`` variant) the
+    fraction of rows whose ``acc`` prediction is the dense one's."""
+    dense = graded.get("dense")
+    table = []
+    for name, (items, summary) in graded.items():
+        row = {"variant": name}
+        if mode == "reference":
+            row |= {k: summary[k] for k in ("perplexity", "bits_per_char", "nll_per_token")}
+        else:
+            row |= {k: summary[k] for k in ("acc", "acc_norm", "acc_bytes")}
+            same = None
+            if dense is not None and items:
+                same = sum(a["prediction"] == b["prediction"] for a, b in zip(items, dense[0])) / len(items)
+            row["agreement_with_dense"] = None if same is None else round(same, 4)
+        table.append(row)
+    return table
+
+
+def _choice_rows(rows, per_row) -> tuple[list[dict], dict]:
+    """Per multiple-choice row: each option's log-likelihood (and per character / byte), the
+    predictions by lm-eval's ``acc``, ``acc_norm`` and ``acc_bytes``; and their accuracies."""
     out: list[dict] = []
     hits = {"acc": 0, "acc_norm": 0, "acc_bytes": 0}
     graded = 0
@@ -187,9 +241,9 @@ def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict
         ]  # fmt: skip
         item["cached_tokens"] = options[0][1].cached_tokens
         out.append(item)
-    summary: dict[str, int | float | None] = {"options": len(result.rows), "graded": graded}
+    summary: dict[str, int | float | None] = {"options": sum(len(o) for o in per_row), "graded": graded}
     summary |= {k: (round(v / graded, 4) if graded else None) for k, v in hits.items()}
-    return out, summary | counts
+    return out, summary
 
 
 def _head(template: str | None) -> str | None:
@@ -248,7 +302,7 @@ def _rolling(adapter, rows, common: dict, quiet: bool) -> tuple[list[dict], dict
     """Each row's context as a whole document through :meth:`Adapter.score_rolling`."""
     texts = [row.context for row in rows]
     with progress_bar(None, "score", quiet, unit="win", rate="tok") as bar:
-        with _corrupt_entries_as_warnings(bar):
+        with corrupt_entries_as_warnings(bar):
             docs = adapter.score_rolling(texts, progress=bar, **common)
     out = [
         {"id": row.id, "logprob": d.logprob, "n_tokens": d.n_tokens, "n_chars": d.n_chars, "windows": d.windows,

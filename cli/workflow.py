@@ -6,7 +6,6 @@ contexts ``build`` stores are exactly the ones ``sample`` looks up.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
@@ -16,76 +15,8 @@ from pathlib import Path
 import click
 
 from kvstore import dtypes
-from kvstore.cli.common import echo_json, progress_bar, quiet_option, store_option, store_options
-
-
-@contextlib.contextmanager
-def _corrupt_entries_as_warnings(bar):
-    """Show each :class:`kvstore.errors.CorruptEntryWarning` (a stored entry that failed
-    verification and was treated as a miss) as one ``kvstore: warning: ...`` line on stderr,
-    every time; Python's default would print two lines with a source excerpt, once per place."""
-    import warnings
-
-    from kvstore.errors import CorruptEntryWarning
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always", CorruptEntryWarning)
-        show = warnings.showwarning
-
-        def one_line(message, category, filename, lineno, file=None, line=None):
-            if issubclass(category, CorruptEntryWarning):
-                bar.write(f"kvstore: warning: {str(message).removeprefix('kvstore: ')}")
-            else:
-                show(message, category, filename, lineno, file, line)
-
-        warnings.showwarning = one_line
-        yield
-
-
-def emit_summary(title: str, summary: dict, fmt: str) -> None:
-    """The closing summary: JSON on stdout with ``--format json``, else aligned lines."""
-    if fmt == "json":
-        echo_json(summary)
-        return
-    click.echo(f"{title} summary")
-    width = max(len(k) for k in summary)
-    tables = {k: v for k, v in summary.items() if isinstance(v, list) and v and isinstance(v[0], dict)}
-    for k, v in summary.items():
-        if v is None or k in tables:
-            continue
-        if isinstance(v, bool):
-            v = "yes" if v else "no"
-        elif isinstance(v, int) and k.endswith("bytes"):
-            from kvstore.units import human_bytes
-
-            v = f"{v:,} ({human_bytes(v)})"
-        elif isinstance(v, float) and k in ("accuracy", "contains", "exact_match", "f1", "cache_hit_rate"):
-            v = f"{v:.1%}"
-        elif isinstance(v, int):
-            v = f"{v:,}"
-        click.echo(f"  {k.replace('_', ' '):<{width}}  {v}")
-    for k, table in tables.items():
-        click.echo(f"{k.replace('_', ' ')}:")
-        _echo_table(table)
-
-
-def _echo_table(table: list[dict]) -> None:
-    """Rows of dicts as aligned columns (fractions as percentages, None as -)."""
-
-    def cell(k: str, v) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, float) and (k in ("accuracy", "contains", "exact_match", "f1") or k.startswith("agreement")):
-            return f"{v:.1%}"
-        return str(v)
-
-    keys = list(table[0])
-    cells = [[cell(k, r.get(k)) for k in keys] for r in table]
-    heads = [k.replace("_", " ") for k in keys]
-    widths = [max(len(h), *(len(c[j]) for c in cells)) for j, h in enumerate(heads)]
-    click.echo("  " + "  ".join(h.rjust(w) for h, w in zip(heads, widths)))
-    for c in cells:
-        click.echo("  " + "  ".join(x.rjust(w) for x, w in zip(c, widths)))
+from kvstore.cli.common import progress_bar, quiet_option, store_option, store_options
+from kvstore.cli.summary import check_variants, corrupt_entries_as_warnings, emit_summary, variant_table
 
 
 def _dataset_options(fn):
@@ -265,9 +196,8 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @_model_options
 @_codec_option(
     "Codec for new entries: lossless zstd-split[:LEVEL[:BITS]], raw, zstd[:LEVEL] or zstd-shuffle[:LEVEL] "
-    "[default: the store's; new stores zstd-split:1:16], or lossy int8[:G], int4[:G] or fp8 (optionally "
-    "+PACKING): lossy entries are found only by "
-    "sample --codec with the same codec."
+    "[default: the store's; new stores zstd-split:1:16], or lossy int8[:G], int4[:G], fp8, int4r or int8r "
+    "(optionally +PACKING): lossy entries are found only by sample --codec with the same codec."
 )
 @click.option(
     "--shard",
@@ -290,6 +220,7 @@ def build(**kwargs):
     DATASET is a .jsonl, .csv or SQuAD-style .json file. --shard I/N splits the work over N
     jobs (e.g. a SLURM array writing into one s3:// store); each is idempotent like a build.
     """
+    from kvstore.model.options import BuildOptions
     from kvstore.store.kvstore import KVStore
 
     opts = RunOptions.take(kwargs)
@@ -304,22 +235,13 @@ def build(**kwargs):
     for ex in data.examples:
         first_id.setdefault(ex.context, ex.id)
     labels = [f"{dataset}: context of row {first_id[c]}" for c in contexts]
-    texts = [prompt.context_part(c) for c in contexts]
+    options = BuildOptions(
+        batch_size=opts.batch_size, truncate=opts.truncate, max_context_tokens=opts.max_context_tokens,
+        skip_errors=opts.skip_bad_rows, shard=shard,
+    )  # fmt: skip
     with KVStore(opts.store, codec=codec, chunk_tokens=chunk_tokens, **store_options()) as kv:
-        with progress_bar(len(texts), "build", opts.quiet, unit="ctx", rate="tok") as bar:
-            report = adapter.generate_kv_cache(
-                texts,
-                kv,
-                batch_size=opts.batch_size,
-                special_tokens=prompt.add_special_tokens,
-                truncate=opts.truncate,
-                max_context_tokens=opts.max_context_tokens,
-                skip_errors=opts.skip_bad_rows,
-                labels=labels,
-                progress=bar,
-                prefix=prompt.head or None,
-                shard=shard,
-            )
+        with progress_bar(len(contexts), "build", opts.quiet, unit="ctx", rate="tok") as bar:
+            report = adapter.build(contexts, kv, options, prompt=prompt, labels=labels, progress=bar)
     summary = {
         "dataset": dataset,
         "store": str(kv.url),
@@ -382,6 +304,7 @@ def build(**kwargs):
     default=None,
     help="Memory budget: at most this many padded tokens (context + question + new) x rows per batch.",
 )
+@click.option("--load-ahead/--no-load-ahead", default=True, hidden=True, help="Benchmarks: load the next batch early.")
 @click.option(
     "--compile",
     "compile_steps",
@@ -391,7 +314,8 @@ def build(**kwargs):
 )
 @_codec_option(
     "Answer from caches stored with this codec. Lossless codecs are interchangeable (the default: the store's); "
-    "a lossy one (int8[:G], int4[:G], fp8) uses only entries built with it, and stores missing contexts with it."
+    "a lossy one (int8[:G], int4[:G], fp8, int4r, int8r) uses only entries built with it, and stores missing "
+    "contexts with it."
 )
 @click.option(
     "--decode-attention",
@@ -410,6 +334,7 @@ def sample(**kwargs):
     decode-time attention variants (see docs/hooks.md).
     """
     from kvstore.data.metrics import clean_prediction, contains_match, lenient_match, score
+    from kvstore.model.options import SampleOptions
     from kvstore.store.kvstore import KVStore
 
     opts = RunOptions.take(kwargs)
@@ -419,39 +344,33 @@ def sample(**kwargs):
                   "compile_steps")
     )  # fmt: skip
     specs = kwargs.pop("decode_attention")
+    load_ahead = kwargs.pop("load_ahead")
     stop_strings = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop_strings)
     _check_codec(codec)
-    variants = _check_variants(specs, compile_steps)  # a bad spec fails here, before the model loads
+    variants = check_variants(specs, compile_steps)  # a bad spec fails here, before the model loads
     data, adapter, prompt = _load_everything(opts, require_question=True)
     dataset = opts.dataset
     examples = data.examples
-    contexts = [prompt.context_part(ex.context) for ex in examples]
-    questions = [prompt.question_part(ex.question) for ex in examples]
+    contexts = [ex.context for ex in examples]
+    questions = [ex.question for ex in examples]
     labels = [f"{dataset}: row {ex.id}" for ex in examples]
     kv = None if no_cache else KVStore(opts.store, readonly=readonly_store, codec=codec, **store_options())
     lossy = kv is not None and not kv.codec.lossless
     bar = progress_bar(len(examples), "sample", opts.quiet, unit="q", rate="tok")
     t0 = time.perf_counter()
-    common = dict(
-        use_cache=not no_cache,
-        store=kv,
-        batch_size=opts.batch_size or 8,
-        special_tokens=prompt.add_special_tokens,
-        truncate=opts.truncate,
-        max_context_tokens=opts.max_context_tokens,
-        labels=labels,
-        progress=bar,
-        prefix=prompt.head or None,
-        stop_strings=stop_strings,
-        max_batch_tokens=max_batch_tokens,
-        compile=compile_steps,
-    )
+    options = SampleOptions(
+        num_new_tokens=max_new_tokens, use_cache=not no_cache, batch_size=opts.batch_size or 8,
+        max_batch_tokens=max_batch_tokens, stop_strings=stop_strings, truncate=opts.truncate,
+        max_context_tokens=opts.max_context_tokens, steps="compiled" if compile_steps else "dynamic",
+        load_ahead=load_ahead,
+    )  # fmt: skip
+    common = dict(store=kv, prompt=prompt, labels=labels, progress=bar)
     try:
-        with _corrupt_entries_as_warnings(bar):
+        with corrupt_entries_as_warnings(bar):
             if variants:
-                results = list(adapter.sweep(contexts, questions, max_new_tokens, variants=variants, **common).values())
+                results = list(adapter.sweep(contexts, questions, options, variants=variants, **common).values())
             else:
-                results = [adapter.greedy_sample(contexts, questions, max_new_tokens, return_details=True, **common)]
+                results = [adapter.sample(contexts, questions, options, **common)]
     finally:
         bar.close()
         if kv is not None:
@@ -521,42 +440,3 @@ def sample(**kwargs):
         )
     emit_summary("sample", summary, opts.fmt)
     sys.stdout.flush()
-
-
-def _check_variants(specs: tuple[str, ...], compile_steps: bool) -> list[str]:
-    """The ``--decode-attention`` values, each checked (HookError: one line); none: a plain run."""
-    from kvstore.model.hooks import check_steps, variants
-
-    if specs:
-        check_steps(variants(list(specs)), "compiled" if compile_steps else "dynamic")
-    return list(specs)
-
-
-def variant_table(adapter, results, rows: list[dict], n: int) -> list[dict]:
-    """Per variant of a sweep: task metrics over its ``n`` rows, tokens/s of its decoding, and
-    agreement with the ``dense`` variant (rows with the same tokens; None without a dense one)."""
-    from kvstore.data.metrics import score
-
-    dense = next((r for r in results if r.variant == "dense"), None)
-    table = []
-    for v, res in enumerate(results):
-        mine = [r for r in rows[v * n : (v + 1) * n] if r["answers"]]
-        s = score([r["prediction"] for r in mine], [r["answers"] for r in mine]) if mine else {}
-        agree = None
-        if dense is not None:
-            same = sum(
-                res.lengths[i] == dense.lengths[i] and bool((res.tokens[i] == dense.tokens[i]).all()) for i in range(n)
-            )
-            agree = round(same / n, 4) if n else None
-        generated = sum(res.lengths)
-        table.append(
-            {
-                "variant": res.variant,
-                **{k: (round(s[k], 4) if mine else None) for k in ("accuracy", "contains", "exact_match", "f1")},
-                "agreement_with_dense": agree,
-                "generated_tokens": generated,
-                "decode_seconds": round(res.decode_seconds, 3),
-                "tokens_per_second": round(generated / res.decode_seconds, 1) if res.decode_seconds else None,
-            }
-        )
-    return table

@@ -10,10 +10,12 @@ stored bytes, and the in-memory floor's question step measured in the same run (
 ``floor``), so that ``1 + load / floor`` is what the codec adds to the floor. Minimums are the
 figures least disturbed by other jobs on a shared machine; the load average is recorded.
 
-Command (from the repository root; writes experiments/results/codec_load.json)::
+Command (from the repository root; the suites ``codec_load`` and ``codec_load_bf16``: ``python -m
+experiments run codec_load [ARGS]`` writes experiments/results/; run by hand it writes to
+cache/bench/raw/)::
 
-    .venv/bin/python experiments/bench_codec_load.py
-    .venv/bin/python experiments/bench_codec_load.py --dtype bfloat16 --lengths 1024,2048
+    .venv/bin/python experiments/bench_codec_load.py                      # codec_load.json
+    .venv/bin/python experiments/bench_codec_load.py --dtype bfloat16     # codec_load_bfloat16.json
 """
 
 from __future__ import annotations

@@ -63,7 +63,6 @@ def main() -> None:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
-    from kvstore.model import decode
     from kvstore.store.kvstore import KVStore
 
     adapter = bl.load_adapter()
@@ -103,8 +102,8 @@ def main() -> None:
         return out[:, L:]
 
     def ours(batch: int, n: int, use_cache: bool, steps: str):
-        r = decode.greedy_sample(
-            adapter, contexts[:batch], q_ids[:batch], n, use_cache=use_cache, store=store if use_cache else None,
+        r = adapter.sample(
+            contexts[:batch], q_ids[:batch], num_new_tokens=n, use_cache=use_cache, store=store if use_cache else None,
             batch_size=batch, stop_at_eos=False, steps=steps,
         )  # fmt: skip
         return r.tokens

@@ -42,6 +42,7 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
     .venv/bin/python experiments/bench_e2e.py --parts cold,overhead
     .venv/bin/python experiments/bench_e2e.py --parts variants
     .venv/bin/python experiments/bench_e2e.py --parts loadahead --contexts 20
+    .venv/bin/python experiments/bench_e2e.py --parts overhead --overhead-contexts 6   # suite e2e_overhead_split
     .venv/bin/python experiments/bench_e2e.py --quick                      # smoke test: 4 short contexts
 
 The issue's full size is ``--contexts 225`` (~450 questions): about 10 minutes of build and as long
@@ -366,29 +367,24 @@ def part_overhead(args, data: Path) -> dict:
 
 def part_loadahead(args, data: Path, store: Path) -> dict:
     """``sample`` from the warm store with the next batch loaded on a worker (the default) and
-    without (``decode.LOAD_AHEAD = False``), in this process through the CLI's own entry point,
+    without (``sample --no-load-ahead``), in this process through the CLI's own entry point,
     alternating, ``--cache-repeats`` times each; the answering ``seconds`` of each summary."""
     import contextlib
     import io
 
     from kvstore.cli.main import main as cli_main
-    from kvstore.model import decode
 
     out: dict = {"ahead": [], "sequential": []}
     argv = ["sample", str(data), "--store", str(store), "-n", str(args.new_tokens), "-b", str(args.batch_size),
             "--readonly-store", "--quiet", "--format", "json"]  # fmt: skip
-    try:
-        for _ in range(args.cache_repeats):
-            for mode in ("ahead", "sequential"):
-                decode.LOAD_AHEAD = mode == "ahead"
-                buf = io.StringIO()
-                with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
-                    cli_main(argv)
-                text = buf.getvalue()
-                out[mode].append(json.loads(text[text.index("{") :])["seconds"])
-                print(f"  sample, {mode}: {out[mode][-1]:.2f} s  load {bl.loadavg()}", flush=True)
-    finally:
-        decode.LOAD_AHEAD = True
+    for _ in range(args.cache_repeats):
+        for mode in ("ahead", "sequential"):
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+                cli_main(argv + ([] if mode == "ahead" else ["--no-load-ahead"]))
+            text = buf.getvalue()
+            out[mode].append(json.loads(text[text.index("{") :])["seconds"])
+            print(f"  sample, {mode}: {out[mode][-1]:.2f} s  load {bl.loadavg()}", flush=True)
     return out
 
 

@@ -19,8 +19,10 @@ identical, and context tokens computed (warm: none).
 
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 .venv/bin/python experiments/bench_lm_eval.py --documents 8 --repeats 1
 
-Writes experiments/results/lm_eval.json after every run (so an interrupted benchmark keeps what
-it measured); the summary has min / median / max per backend and the speed-ups of the medians.
+Writes ``lm_eval.json`` after every run (so an interrupted benchmark keeps what it measured): through
+the suite ``lm_eval`` (``python -m experiments run lm_eval [ARGS]``) into experiments/results/, run
+by hand into cache/bench/raw/. The summary has min / median / max per backend and the speed-ups of
+the medians.
 """
 
 from __future__ import annotations
@@ -154,7 +156,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--tasks", default="mc,gen", help="comma-separated: mc, gen")
-    parser.add_argument("--out", type=Path, default=None, help="default experiments/results/lm_eval.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default lm_eval.json in cache/bench/raw/ (the runner's folder)"
+    )
     parser.add_argument("--documents", type=int, default=None, help="use the first N documents (default all 12)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 2 documents, 1 repeat, *_quick.json")
     args = parser.parse_args()

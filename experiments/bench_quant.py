@@ -29,7 +29,7 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
     .venv/bin/python experiments/bench_quant.py
     .venv/bin/python experiments/bench_quant.py --quick        # float32, the demo set's first 16 rows
     .venv/bin/python experiments/bench_quant.py --dtypes bfloat16 --stem quant_bf16   # one dtype per file
-    # the rotation-aware codecs (docs/lossy.md), floor rows taken from quant.json / quant_bf16.json:
+    # the pre-RoPE codecs (docs/lossy-codecs.md; the suite quant_prerope), floor rows in quant.json / quant_bf16.json:
     .venv/bin/python experiments/bench_quant.py --dtypes float32 --codecs int8r,int4r --no-floor --stem quant_prerope
 """
 

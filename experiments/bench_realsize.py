@@ -32,7 +32,8 @@ median with min and max over its repeats; the load average is recorded before an
 configuration (the CPU machine is shared with other jobs). Results are rewritten after every
 configuration, so an interrupted run keeps what it measured.
 
-Commands (from the repository root; write experiments/results/realsize.json)::
+Commands (from the repository root; the suite ``realsize``: ``python -m experiments run realsize
+[ARGS]`` writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     nohup .venv/bin/python experiments/bench_realsize.py > cache/realsize.log 2>&1 &   # CPU: 1B, 2k+4k
     python experiments/bench_realsize.py --contexts 2048,4096,8192,16384,32768 --shapes all  # CUDA

@@ -12,8 +12,9 @@ context token.
 
     .venv/bin/python experiments/bench_score.py --documents 8 --repeats 3
 
-Writes experiments/results/score.json after every repetition (min / median / max per mode, the
-speed-ups of the medians, the load average before and after each run).
+Writes ``score.json`` after every repetition (min / median / max per mode, the speed-ups of the
+medians, the load average before and after each run): through the suite ``score`` (``python -m
+experiments run score [ARGS]``) into experiments/results/, run by hand into cache/bench/raw/.
 """
 
 from __future__ import annotations

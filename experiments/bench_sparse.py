@@ -23,9 +23,11 @@ per variant (each loads every batch from the store again), ``--repeats`` times e
 max). A separate CLI ``sample`` run would also load the model once more each time: ``model_load_s``
 is that, measured once.
 
-Command (from the repository root; writes experiments/results/sparse.json and sparse.csv)::
+Command (from the repository root; the suite ``sparse``: ``python -m experiments run sparse [ARGS]``
+writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_sparse.py
+    .venv/bin/python experiments/bench_sparse.py --sets long --cost-rows 0 --stem sparse_long
     .venv/bin/python experiments/bench_sparse.py --quick     # 16 demo rows, 3 variants, no long set
 """
 
@@ -121,7 +123,9 @@ def run_set(adapter, fmt, name: str, rows: list[dict], variants: list[str]) -> t
         )
         print(f"  {name}: built {built.built} contexts, {built.tokens} tokens in {built.seconds:.1f} s", flush=True)
         t0 = time.perf_counter()
-        results = adapter.sweep(contexts, questions, N_NEW, variants=variants, store=store, **kwargs(fmt))
+        results = adapter.sweep(
+            contexts, questions, num_new_tokens=N_NEW, variants=variants, store=store, **kwargs(fmt)
+        )
         sweep_s = time.perf_counter() - t0
         assert all(results["dense"].cache_hit), "the sweep should prefill nothing"
         computed = results["dense"].prefill_tokens_computed
@@ -153,7 +157,9 @@ def cost(adapter, fmt, rows: list[dict], repeats: int) -> dict:
                                   special_tokens=fmt.add_special_tokens)  # fmt: skip
 
         def sweep():
-            adapter.sweep(contexts, questions, N_NEW, variants=list(COST_VARIANTS), store=store, **kwargs(fmt))
+            adapter.sweep(
+                contexts, questions, num_new_tokens=N_NEW, variants=list(COST_VARIANTS), store=store, **kwargs(fmt)
+            )
 
         def separate():
             for v in COST_VARIANTS:

@@ -29,6 +29,9 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
     .venv/bin/python experiments/bench_ttft.py                 # full: 256..4096 tokens, 5 repeats
     .venv/bin/python experiments/bench_ttft.py --chunk-sweep   # + chunk sizes 64..2048 at 2048 tokens
     .venv/bin/python experiments/bench_ttft.py --quick         # smoke test: 256/512, 2 repeats
+    .venv/bin/python experiments/bench_ttft.py --dtype bfloat16   # ttft_bfloat16.* (the suite ttft_bf16)
+
+The suite ``ttft_codecs`` runs it per lossless codec (``--codecs ... --no-v1 --out ttft_codecs``).
 """
 
 from __future__ import annotations

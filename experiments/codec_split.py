@@ -17,7 +17,8 @@ load: decompress and put every tensor straight into its place in a padded batch 
 view, as a kvstore load does), against a plain copy of the same bytes into the same place. Every
 load is checked to give the original bytes back.
 
-Command (from the repository root; writes experiments/results/codec_split.json):
+Command (from the repository root; the suite ``codec_split``: ``python -m experiments run codec_split
+[ARGS]`` writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/codec_split.py
 """

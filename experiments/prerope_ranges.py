@@ -9,7 +9,8 @@ Reported per G: the summed pre/post range ratio over all layers, heads, channels
 same for the rotated channel pairs split by how far they turn over G tokens (``inv_freq * G``
 below or above pi/2), and those pairs' share of the post-RoPE range.
 
-Command (from the repository root; writes experiments/results/prerope_ranges.json)::
+Command (from the repository root; the suite ``prerope_ranges``: ``python -m experiments run
+prerope_ranges`` writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/prerope_ranges.py
 """

@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 # tests/test_public_names.py keeps the two the same.
 _LAZY = {
     "Adapter": "kvstore.model.adapter",
+    "BuildOptions": "kvstore.model.options",
     "BuildReport": "kvstore.model.build",
     "Dataset": "kvstore.data.datasets",
     "Entry": "kvstore.store.entry",
@@ -29,7 +30,9 @@ _LAZY = {
     "FORMAT_VERSION": "kvstore.store.entry",
     "KVStore": "kvstore.store.kvstore",
     "PromptFormat": "kvstore.data.prompts",
+    "SampleOptions": "kvstore.model.options",
     "SampleResult": "kvstore.model.decode",
+    "ScoreResult": "kvstore.model.scores",
     "StoreInfo": "kvstore.store.scan",
     "cache_key": "kvstore.store.keys",
     "estimate_size": "kvstore.size.estimate",
@@ -54,6 +57,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.decode import SampleResult as SampleResult
     from kvstore.model.identity import model_fingerprint as model_fingerprint
     from kvstore.model.loading import load_model as load_model
+    from kvstore.model.options import BuildOptions as BuildOptions
+    from kvstore.model.options import SampleOptions as SampleOptions
+    from kvstore.model.scores import ScoreResult as ScoreResult
     from kvstore.size.estimate import estimate_size as estimate_size
     from kvstore.size.estimate import size_report as size_report
     from kvstore.store.codecs import get_codec as get_codec

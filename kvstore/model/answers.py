@@ -24,10 +24,10 @@ from kvstore.model.hooks import Variant
 from kvstore.model.static import StaticSteps, bucket_slots
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter
+    from kvstore.model.handle import ModelHandle
 
 
-def answer(adapter: Adapter, bufs: Buffers, spans: Sequence[tuple[int, int]], P: int, q_ids, N, stop: Stop,
+def answer(adapter: ModelHandle, bufs: Buffers, spans: Sequence[tuple[int, int]], P: int, q_ids, N, stop: Stop,
             return_scores, variant: Variant):  # fmt: skip
     """Answer a batch whose row ``r`` has its context in slots ``spans[r]`` (all before ``P``):
     the questions left-padded into slots ``P .. P + Q``, then the greedy loop, all under
@@ -70,7 +70,7 @@ def answer(adapter: Adapter, bufs: Buffers, spans: Sequence[tuple[int, int]], P:
     return tokens, scores, time.perf_counter() - t0
 
 
-def fixed_steps(adapter: Adapter, bufs: Buffers, mask, first_slot: int, next_pos, stop: Stop) -> StaticSteps | None:
+def fixed_steps(adapter: ModelHandle, bufs: Buffers, mask, first_slot: int, next_pos, stop: Stop) -> StaticSteps | None:
     """The fixed-shape step callback for ``greedy_loop`` (None: eager steps)."""
     if stop.steps == "dynamic":
         return None
@@ -78,7 +78,7 @@ def fixed_steps(adapter: Adapter, bufs: Buffers, mask, first_slot: int, next_pos
 
 
 @torch.inference_mode()
-def reference_split(adapter: Adapter, c_ids, q_ids, N, stop: Stop, return_scores, variants: Sequence[Variant]):
+def reference_split(adapter: ModelHandle, c_ids, q_ids, N, stop: Stop, return_scores, variants: Sequence[Variant]):
     """The reference under generation contexts: the batch's contexts prefilled densely together
     (right-padded, outside every hook), then each variant answers on top of them
     (:func:`answer`). Returns ``(tokens, scores, seconds)`` per variant."""

@@ -30,35 +30,36 @@ from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import LayerKV
 from kvstore.model.chains import ContextPlan
 from kvstore.model.forward import batches, prefill
+from kvstore.model.options import BuildOptions
 from kvstore.model.writer import BuildReport, Writer
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter, TextOrIds
+    from kvstore.model.handle import ModelHandle, TextOrIds
 
 
-def default_build_batch(adapter: Adapter) -> int:
+def default_build_batch(adapter: ModelHandle) -> int:
     """Rows per build forward when none is asked for: 1 on CPU (contexts one at a time prefilled
     faster than in padded batches of 8 on the 2-core VM: 42.7 vs 62.2 s for the same 16 contexts,
     experiments/results/e2e_overhead.json), 8 on accelerators."""
     return 1 if adapter.device.type == "cpu" else 8
 
 
-def stored_depth(adapter: Adapter, store: KVStore, plan: ContextPlan) -> int:
+def stored_depth(adapter: ModelHandle, store: KVStore, plan: ContextPlan) -> int:
     """How many leading chunks of ``plan`` are stored, intact and this model's (verified)."""
     with store.open_chain(plan.keys) as views:
         return sum(1 for _ in _fitting(adapter, plan, views))
 
 
-def _fitting(adapter: Adapter, plan: ContextPlan, views):
+def _fitting(adapter: ModelHandle, plan: ContextPlan, views):
     for j, view in enumerate(views):
         if not chains.fits(adapter, view, plan, j):
             return
         yield view
 
 
-def load_prefix_kv(adapter: Adapter, store: KVStore, plan: ContextPlan, depth: int) -> LayerKV | None:
+def load_prefix_kv(adapter: ModelHandle, store: KVStore, plan: ContextPlan, depth: int) -> LayerKV | None:
     """The keys/values of ``plan``'s first ``depth`` chunks, materialized (None if they are no
     longer all stored intact)."""
     pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
@@ -73,7 +74,7 @@ def load_prefix_kv(adapter: Adapter, store: KVStore, plan: ContextPlan, depth: i
     )
 
 
-def load_v1(adapter: Adapter, store: KVStore, plan: ContextPlan) -> LayerKV | None:
+def load_v1(adapter: ModelHandle, store: KVStore, plan: ContextPlan) -> LayerKV | None:
     """The keys/values of a format-1 entry holding exactly ``plan``'s context, materialized (None
     when there is none, or it is corrupt or another model's)."""
     if not store.contains(plan.v1_key):
@@ -86,7 +87,7 @@ def load_v1(adapter: Adapter, store: KVStore, plan: ContextPlan) -> LayerKV | No
 
 
 def compute(
-    adapter: Adapter, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer, report: BuildReport,
+    adapter: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer, report: BuildReport,
     batch_size: int, max_batch_tokens: int | None, progress: Progress | None, count: bool = True,
 ) -> None:  # fmt: skip
     """Compute and write ``(plan, depth)`` jobs: each plan's chunks from ``depth`` on, then (when
@@ -141,24 +142,22 @@ def in_shard(key: str, i: int, n: int) -> bool:
 
 @uses_grouped_kv
 def build_caches(
-    adapter: Adapter,
+    adapter: ModelHandle,
     contexts: Sequence[TextOrIds],
     store: KVStore,
+    options: BuildOptions | None = None,
     *,
-    batch_size: int | None = None,
-    max_batch_tokens: int | None = 16384,
     special_tokens: bool = True,
-    truncate: bool = False,
-    max_context_tokens: int | None = None,
-    skip_errors: bool = False,
     labels: Sequence[str] | None = None,
     progress: Progress | None = None,
     prefix: TextOrIds | None = None,
-    shard: tuple[int, int] | None = None,
 ) -> BuildReport:
     """Store the cache of every distinct context of ``contexts`` that is not stored whole and
-    intact (in shard ``shard`` = ``(i, n)``: those whose key :func:`in_shard` gives to ``i``).
-    See :meth:`kvstore.model.adapter.Adapter.generate_kv_cache`."""
+    intact (with ``options.shard`` = ``(i, n)``: those whose key :func:`in_shard` gives to ``i``).
+    See :meth:`kvstore.model.adapter.Adapter.build`."""
+    options = options if options is not None else BuildOptions()
+    batch_size, max_batch_tokens, truncate = options.batch_size, options.max_batch_tokens, options.truncate
+    max_context_tokens, skip_errors, shard = options.max_context_tokens, options.skip_errors, options.shard
     if shard is not None and not 0 <= shard[0] < shard[1]:
         raise ValueError(f"shard {shard[0]}/{shard[1]}: need 0 <= I < N")
     if batch_size is None:

@@ -28,7 +28,7 @@ from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, cache_key, chain_keys, chun
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter
+    from kvstore.model.handle import ModelHandle
     from kvstore.model.writer import Writer
 
 
@@ -59,7 +59,7 @@ class ContextPlan:
 
 
 def plan(
-    adapter: Adapter, ids: Sequence[int], *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, lossy: str = "",
+    adapter: ModelHandle, ids: Sequence[int], *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS, lossy: str = "",
     boundaries: Sequence[int] = (), store: KVStore | None = None,
 ) -> ContextPlan:  # fmt: skip
     """The chain of a tokenized context for this adapter's model, dtype and numerics. With a
@@ -68,7 +68,7 @@ def plan(
     chunk is reused too."""
     seed = adapter.chain_seed(lossy)
     cuts = list(boundaries)
-    if store is not None and getattr(store.backend, "local", False):
+    if store is not None and store.backend.local:
         cuts = stored_tails(seed, ids, chunk_tokens, cuts, store)
     spans = chunk_spans(len(ids), chunk_tokens, cuts)
     return ContextPlan(
@@ -104,7 +104,7 @@ def stored_tails(seed: str, ids: Sequence[int], chunk_tokens: int, cuts: list[in
 
 
 def chunk_entries(
-    adapter: Adapter, plan_: ContextPlan, layers: LayerKV, first: int = 0, offset: int = 0
+    adapter: ModelHandle, plan_: ContextPlan, layers: LayerKV, first: int = 0, offset: int = 0
 ) -> list[Entry]:
     """Entries for chunks ``first..`` of ``plan_`` cut from ``layers`` (per layer ``(keys, values)``
     ``[kv_heads, n, head_dim]`` holding positions ``offset..offset+n-1``)."""
@@ -116,7 +116,7 @@ def chunk_entries(
     return out
 
 
-def fits(adapter: Adapter, view: EntryView, plan_: ContextPlan, j: int) -> bool:
+def fits(adapter: ModelHandle, view: EntryView, plan_: ContextPlan, j: int) -> bool:
     """Whether a stored chunk is chunk ``j`` of ``plan_`` for this model: its model, dtype, span,
     tokens and layer shapes. Its key already says all that; the entry must agree too, so that a
     misfiled or forged entry never feeds another model's tensors to this one, and a lossy entry
@@ -150,7 +150,7 @@ def fits(adapter: Adapter, view: EntryView, plan_: ContextPlan, j: int) -> bool:
 
 
 def load_prefix(
-    adapter: Adapter, store: KVStore, plan_: ContextPlan, bufs: Buffers, row: int, slot0: int,
+    adapter: ModelHandle, store: KVStore, plan_: ContextPlan, bufs: Buffers, row: int, slot0: int,
     codecs: list[str] | None = None, staging: Staging | None = None,
 ) -> int:  # fmt: skip
     """Copy the longest verified stored prefix of ``plan_`` into batch row ``row`` of ``bufs``,
@@ -240,7 +240,7 @@ def _warn_corrupt(key: str, exc: Exception) -> None:
 
 
 def store_and_reload(
-    adapter: Adapter, store: KVStore, plan_: ContextPlan, layers: LayerKV, bufs: Buffers, row: int, slot0: int,
+    adapter: ModelHandle, store: KVStore, plan_: ContextPlan, layers: LayerKV, bufs: Buffers, row: int, slot0: int,
     depth: int = 0, writer: Writer | None = None,
 ) -> None:  # fmt: skip
     """For a lossy codec: encode chunks ``depth..`` of ``plan_`` (``layers`` holding the positions
@@ -268,7 +268,7 @@ def store_and_reload(
 
 
 @torch.inference_mode()
-def extend(adapter: Adapter, prefixes: Sequence[LayerKV], rests: Sequence[Sequence[int]]) -> list[LayerKV]:
+def extend(adapter: ModelHandle, prefixes: Sequence[LayerKV], rests: Sequence[Sequence[int]]) -> list[LayerKV]:
     """Run ``rests[i]`` (token ids) on top of ``prefixes[i]`` (per layer ``(keys, values)``
     ``[kv_heads, L_i, head_dim]`` of the context's first ``L_i >= 1`` positions), all rows in one
     forward: prefixes left-padded to the longest, rests left-padded after them, explicit

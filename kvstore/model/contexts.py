@@ -32,7 +32,7 @@ from kvstore.store.entry import Entry
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter
+    from kvstore.model.handle import ModelHandle
     from kvstore.model.writer import BuildReport, Writer
     from kvstore.progress import Progress
 
@@ -50,7 +50,7 @@ class Computed:
 
 
 def load(
-    adapter: Adapter, store: KVStore, plan: ContextPlan, depth: int | None = None, codecs: list[str] | None = None
+    adapter: ModelHandle, store: KVStore, plan: ContextPlan, depth: int | None = None, codecs: list[str] | None = None
 ) -> RowCache | None:
     """The longest verified stored prefix of ``plan`` (at most ``depth`` chunks) as a
     :class:`RowCache` (materialized on the CPU), or None when nothing of it is stored. The codec
@@ -92,7 +92,7 @@ def load(
 
 
 @torch.inference_mode()
-def compute(adapter: Adapter, jobs: Sequence[tuple[ContextPlan, RowCache | None]]) -> list[Computed]:
+def compute(adapter: ModelHandle, jobs: Sequence[tuple[ContextPlan, RowCache | None]]) -> list[Computed]:
     """Compute the rest of each ``(plan, stored prefix or None)``, all in one batch of slots.
     Models with states run chunk by chunk (rows whose chunks have equal lengths together)."""
     layout = adapter.layout
@@ -135,7 +135,7 @@ def compute(adapter: Adapter, jobs: Sequence[tuple[ContextPlan, RowCache | None]
     return out
 
 
-def entries(adapter: Adapter, plan: ContextPlan, computed: Computed) -> list[Entry]:
+def entries(adapter: ModelHandle, plan: ContextPlan, computed: Computed) -> list[Entry]:
     """The entries of ``plan``'s chunks from ``computed.start`` on."""
     layout = adapter.layout
     kinds = tuple(lay.kind for lay in layout.layers)
@@ -173,7 +173,7 @@ def entries(adapter: Adapter, plan: ContextPlan, computed: Computed) -> list[Ent
     return out
 
 
-def _write(writer: Writer, adapter: Adapter, plan: ContextPlan, computed: Computed, record: bool) -> None:
+def _write(writer: Writer, adapter: ModelHandle, plan: ContextPlan, computed: Computed, record: bool) -> None:
     # the first chunk computed is written even if present: it was missing or corrupt (a repair)
     for i, entry in enumerate(entries(adapter, plan, computed)):
         writer.put(entry, overwrite=i == 0)
@@ -182,7 +182,7 @@ def _write(writer: Writer, adapter: Adapter, plan: ContextPlan, computed: Comput
 
 
 def compute_jobs(
-    adapter: Adapter, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer, report: BuildReport,
+    adapter: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer, report: BuildReport,
     batch_size: int, max_batch_tokens: int | None, progress: Progress | None, count: bool,
     account: Callable[[BuildReport, Sequence[int], bool, Progress | None], None],
 ) -> None:  # fmt: skip
@@ -204,7 +204,7 @@ def compute_jobs(
 
 
 @torch.inference_mode()
-def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop, return_scores):
+def decode_cached(adapter: ModelHandle, plans, q_ids, N, store, writer, stop, return_scores):
     """:func:`kvstore.model.decode.decode_cached` for these models (same arguments and results)."""
     distinct = list({p.key: p for p in plans}.values())
     caches: dict[str, RowCache] = {}
@@ -236,7 +236,7 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop, return
 
 
 @torch.inference_mode()
-def decode_reference(adapter: Adapter, full_ids, N, stop, return_scores):
+def decode_reference(adapter: ModelHandle, full_ids, N, stop, return_scores):
     """:func:`kvstore.model.decode.decode_reference` for these models: each row's context and
     question from nothing, in the same slots and masks."""
     slots = Slots(adapter, adapter.layout, [None] * len(full_ids), max(map(len, full_ids)) + N)

@@ -42,7 +42,8 @@ from kvstore.model.answers import answer, fixed_steps, reference_split
 from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
 from kvstore.model.forward import Stop, batches, greedy_loop, is_out_of_memory, prefill, row_length
-from kvstore.model.hooks import GenerationContext, Variant
+from kvstore.model.hooks import Variant
+from kvstore.model.options import SampleOptions
 from kvstore.model.staging import Staging
 from kvstore.model.static import bucket_slots
 from kvstore.model.writer import Writer
@@ -50,11 +51,7 @@ from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter, TextOrIds
-
-
-STEPS = ("dynamic", "static", "compiled")
-LOAD_AHEAD = True  # load the next batch's stored prefixes on a worker while a batch decodes
+    from kvstore.model.handle import ModelHandle, TextOrIds
 
 
 @dataclass
@@ -87,76 +84,36 @@ class SampleResult:
 
 
 @uses_grouped_kv
-def greedy_sample(
-    adapter: Adapter,
-    contexts: Sequence[TextOrIds],
-    questions: Sequence[TextOrIds],
-    num_new_tokens: int = 20,
-    *,
-    use_cache: bool = True,
-    store: KVStore | None = None,
-    batch_size: int = 8,
-    stop_at_eos: bool = True,
-    special_tokens: bool = True,
-    truncate: bool = False,
-    max_context_tokens: int | None = None,
-    return_scores: bool = False,
-    labels: Sequence[str] | None = None,
-    progress: Progress | None = None,
-    prefix: TextOrIds | None = None,
-    stop_strings: Sequence[str] = (),
-    max_batch_tokens: int | None = None,
-    compile: bool = False,
-    steps: str = "dynamic",
-    generation_context: GenerationContext | None = None,
-    decode_attention: str | hooks.sparse.AttentionFunction | None = None,
-) -> SampleResult:
-    """See :meth:`kvstore.model.adapter.Adapter.greedy_sample`. ``steps``: ``dynamic`` (eager, the
-    key length grows), ``static`` (fixed shapes, eager) or ``compiled`` (fixed shapes under
-    ``torch.compile``; what ``compile=True`` selects)."""
-    kwargs = dict(locals())
-    for name in ("adapter", "contexts", "questions", "num_new_tokens", "generation_context", "decode_attention"):
-        kwargs.pop(name)
-    variant = hooks.hook_variant(generation_context, decode_attention)
-    return sample_variants(adapter, contexts, questions, num_new_tokens, variants=[variant], **kwargs)[0]
-
-
-@uses_grouped_kv
 def sample_variants(
-    adapter: Adapter,
+    adapter: ModelHandle,
     contexts: Sequence[TextOrIds],
     questions: Sequence[TextOrIds],
-    num_new_tokens: int = 20,
+    options: SampleOptions | None = None,
     *,
     variants: Sequence[Variant] = (hooks.DENSE,),
-    use_cache: bool = True,
     store: KVStore | None = None,
-    batch_size: int = 8,
-    stop_at_eos: bool = True,
     special_tokens: bool = True,
-    truncate: bool = False,
-    max_context_tokens: int | None = None,
-    return_scores: bool = False,
+    prefix: TextOrIds | None = None,
     labels: Sequence[str] | None = None,
     progress: Progress | None = None,
-    prefix: TextOrIds | None = None,
-    stop_strings: Sequence[str] = (),
-    max_batch_tokens: int | None = None,
-    compile: bool = False,
-    steps: str = "dynamic",
 ) -> list[SampleResult]:
-    """:func:`greedy_sample` under each of ``variants`` (:class:`kvstore.model.hooks.Variant`),
-    from one load of each batch: one :class:`SampleResult` per variant, in order."""
-    steps = "compiled" if compile else steps
+    """Greedy answers (see :meth:`kvstore.model.adapter.Adapter.sample`) under each of
+    ``variants`` (:class:`kvstore.model.hooks.Variant`), from one load of each batch: one
+    :class:`SampleResult` per variant, in order."""
+    options = options if options is not None else SampleOptions()
+    num_new_tokens, use_cache, batch_size, max_batch_tokens = (
+        options.num_new_tokens, options.use_cache, options.batch_size, options.max_batch_tokens
+    )  # fmt: skip
+    truncate, max_context_tokens, return_scores, steps = (
+        options.truncate, options.max_context_tokens, options.return_scores, options.steps
+    )  # fmt: skip
     variants = list(variants)
     if not variants:
         raise ValueError("no variant to answer with")
     hooked = any(not v.dense for v in variants)
     split = hooked or len(variants) > 1  # the reference prefills contexts apart from the answers
     hooks.check_steps(variants, steps)
-    if steps not in STEPS:
-        raise ValueError(f"steps must be one of {', '.join(STEPS)}, not {steps!r}")
-    stop = Stop(stop_at_eos, tuple(s for s in stop_strings if s), steps)
+    stop = Stop(options.stop_at_eos, tuple(s for s in options.stop_strings if s), steps)
     if steps != "dynamic" and not adapter.layout.dense:
         raise ValueError(
             f"compiled decoding supports models whose every layer is full attention; {adapter.name} has "
@@ -164,8 +121,6 @@ def sample_variants(
         )
     if len(contexts) != len(questions):
         raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
-    if num_new_tokens < 1 or batch_size < 1:
-        raise ValueError("num_new_tokens and batch_size must be at least 1")
     adapter.check_supported(store if use_cache else None)
     if split and not adapter.layout.dense:
         raise ModelError(
@@ -251,7 +206,7 @@ def sample_variants(
     sizes = [len(c_ids[i]) + len(q_ids[i]) + num_new_tokens for i in range(n)]
     todo = list(batches(order, sizes, batch_size, max_batch_tokens))
     # the next batch's stored prefixes load on a worker while this batch decodes
-    overlap = LOAD_AHEAD and use_cache and store is not None and adapter.layout.dense and len(todo) > 1
+    overlap = options.load_ahead and use_cache and store is not None and adapter.layout.dense and len(todo) > 1
     loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if overlap else None
 
     def load_ahead(rows: list[int]) -> Future[Loaded] | None:
@@ -307,7 +262,7 @@ class Loaded:
 
 
 @torch.inference_mode()
-def load_batch(adapter: Adapter, plans, q_ids, N, store, stop: Stop) -> Loaded:
+def load_batch(adapter: ModelHandle, plans, q_ids, N, store, stop: Stop) -> Loaded:
     """Allocate a batch's KV buffers and copy each distinct context's longest stored prefix into
     its row (the first half of :func:`decode_cached`; ``sample`` runs it for the next batch on a
     worker while the current batch decodes)."""
@@ -334,7 +289,7 @@ def load_batch(adapter: Adapter, plans, q_ids, N, store, stop: Stop) -> Loaded:
 
 
 @torch.inference_mode()
-def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, return_scores,
+def decode_cached(adapter: ModelHandle, plans, q_ids, N, store, writer, stop: Stop, return_scores,
                   variants: Sequence[Variant] = (hooks.DENSE,), ahead: Loaded | None = None):  # fmt: skip
     """One batch from stored caches (see the module docstring). Returns ``(answers, cached tokens
     per row, context tokens computed, codec labels per row)``, ``answers`` holding ``(tokens,
@@ -356,7 +311,7 @@ def decode_cached(adapter: Adapter, plans, q_ids, N, store, writer, stop: Stop, 
     return answers, [pre.loaded[p.key] for p in plans], computed, [codec_label(pre.codecs[p.key]) for p in plans]
 
 
-def complete(adapter: Adapter, plans, pre: Loaded, store, writer) -> int:
+def complete(adapter: ModelHandle, plans, pre: Loaded, store, writer) -> int:
     """The second half of loading a batch: compute what :func:`load_batch` did not find (a whole
     context by a prefill, the rest of a partly stored one on top of its prefix), write it into its
     row and hand it to ``writer``; then zero the pad slots and copy each context into the other
@@ -422,7 +377,7 @@ def _fill_pads_and_repeats(bufs: Buffers, rows_of: dict[str, list[int]], c_len: 
 
 
 @torch.inference_mode()
-def decode_reference(adapter: Adapter, full_ids, N, stop: Stop, return_scores):
+def decode_reference(adapter: ModelHandle, full_ids, N, stop: Stop, return_scores):
     if not adapter.layout.dense:
         return contexts.decode_reference(adapter, full_ids, N, stop, return_scores)
     B = len(full_ids)
@@ -464,7 +419,6 @@ __all__ = [
     "decode_cached",
     "decode_reference",
     "greedy_loop",
-    "greedy_sample",
     "load_batch",
     "sample_variants",
     "row_length",

@@ -19,7 +19,7 @@ from kvstore.errors import ModelError
 from kvstore.model.cache import LayerKV, PreallocatedCache, new_buffers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter
+    from kvstore.model.handle import ModelHandle
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Stop:
     strings: tuple[str, ...] = ()
     steps: str = "dynamic"  # one of STEPS (kvstore.model.static for the fixed-shape ones)
 
-    def hit(self, adapter: Adapter, ids: Sequence[int]) -> bool:
+    def hit(self, adapter: ModelHandle, ids: Sequence[int]) -> bool:
         """Whether generated ``ids`` (a row so far) end the row."""
         if self.eos and ids and ids[-1] in adapter.eos_ids:
             return True
@@ -50,7 +50,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 @torch.inference_mode()
-def prefill(adapter: Adapter, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
+def prefill(adapter: ModelHandle, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
     """Run the model over a batch of token-id lists (right-padded together); per row, the
     per-layer ``(keys, values)`` ``[kv_heads, n_i, head_dim]`` of its own tokens only (views).
 
@@ -107,7 +107,7 @@ def batches(
         yield batch
 
 
-def row_length(adapter: Adapter, row: torch.Tensor, stop: Stop) -> int:
+def row_length(adapter: ModelHandle, row: torch.Tensor, stop: Stop) -> int:
     """Tokens of a generated row up to and including the one that stopped it (all of them if none did)."""
     ids = row.tolist()
     for j in range(len(ids)):
@@ -116,7 +116,9 @@ def row_length(adapter: Adapter, row: torch.Tensor, stop: Stop) -> int:
     return len(ids)
 
 
-def greedy_loop(adapter: Adapter, cache, mask, logits, next_pos, first_slot, N, stop: Stop, return_scores, step=None):
+def greedy_loop(
+    adapter: ModelHandle, cache, mask, logits, next_pos, first_slot, N, stop: Stop, return_scores, step=None
+):
     """Greedy decoding from the logits of each row's last prompt token. Slot ``first_slot + t``
     holds generated token ``t`` at position ``next_pos + t``. ``step(tokens, t)``, if given,
     runs the model on each row's token ``t`` instead and returns the next logits."""

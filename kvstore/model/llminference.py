@@ -32,7 +32,7 @@ from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter
+    from kvstore.model.handle import ModelHandle
 
 SPOT_CHECK_ATOL = {torch.float64: 1e-8, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 2e-1}
 
@@ -65,7 +65,7 @@ def _load(path: Path) -> torch.Tensor:
 
 
 def import_caches(
-    adapter: Adapter,
+    adapter: ModelHandle,
     cache_dir: str | os.PathLike,
     contexts: Sequence[str],
     store: KVStore,

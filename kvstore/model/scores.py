@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import ModelError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter, TextOrIds
+    from kvstore.model.handle import ModelHandle, TextOrIds
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,13 @@ class ScoreResult:
     """What :meth:`Adapter.score` returns: ``rows`` in input order; ``prefill_tokens_computed``:
     context tokens run through the model (each distinct context once per batch with the cache;
     every row's context without it); ``prefill_tokens_saved``: context tokens the no-cache path
-    would have computed and this run did not."""
+    would have computed and this run did not. ``variant``: the attention it was scored under
+    (``dense``, a decode-attention spec or a generation context's name)."""
 
     rows: list[ScoredRow]
     prefill_tokens_computed: int = 0
     prefill_tokens_saved: int = 0
+    variant: str = "dense"
 
     @property
     def logprobs(self) -> list[float]:
@@ -91,7 +93,7 @@ class RollingResults(list[RollingResult]):
     prefill_tokens_saved: int = 0
 
 
-def prefix_token_id(adapter: Adapter) -> int:
+def prefix_token_id(adapter: ModelHandle) -> int:
     """The token an empty context is scored from, as lm-eval's ``hf`` model picks it: the
     tokenizer's BOS, or its EOS when it has no BOS."""
     tok = adapter.tokenizer
@@ -105,7 +107,7 @@ def prefix_token_id(adapter: Adapter) -> int:
 
 
 def encode_pair(
-    adapter: Adapter, context: TextOrIds, continuation: TextOrIds, *, special_tokens: bool = True
+    adapter: ModelHandle, context: TextOrIds, continuation: TextOrIds, *, special_tokens: bool = True
 ) -> tuple[list[int], list[int]]:
     """The ``(context ids, continuation ids)`` a row is scored as, split the way lm-eval's ``hf``
     model splits a request:

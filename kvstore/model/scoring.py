@@ -29,17 +29,17 @@ types and the tokenization rules live in :mod:`kvstore.model.scores` (re-exporte
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvstore.errors import ContextTooLongError, DatasetError, ModelError
-from kvstore.model import decode
+from kvstore.model import decode, hooks
 from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import PreallocatedCache
-from kvstore.model.forward import Stop, is_out_of_memory
+from kvstore.model.forward import Stop
+from kvstore.model.score_rows import gather, row_batches, run_halving, score_reference, vocab_size
 from kvstore.model.scores import (
     RollingResult,
     RollingResults,
@@ -54,17 +54,14 @@ from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter, TextOrIds
+    from kvstore.model.handle import ModelHandle, TextOrIds
 
-GenerationContext = Callable[[Any], AbstractContextManager]
-# float32 logits one scoring forward may hold ([rows, fed tokens, vocab]); a batch takes fewer rows
-# rather than exceed it (one row always runs)
-LOGITS_BYTES = 512 << 20
+GenerationContext = hooks.GenerationContext
 
 
 @uses_grouped_kv
 def score(
-    adapter: Adapter,
+    adapter: ModelHandle,
     contexts: Sequence[TextOrIds],
     continuations: Sequence[TextOrIds],
     *,
@@ -79,8 +76,78 @@ def score(
     labels: Sequence[str] | None = None,
     generation_context: GenerationContext | None = None,
     truncate: bool = False,
+    decode_attention: Any = None,
 ) -> ScoreResult:
-    """See :meth:`kvstore.model.adapter.Adapter.score`."""
+    """Log-likelihood of ``continuations[i]`` given ``contexts[i]``: per row the sum of the
+    continuation tokens' log-probabilities, whether greedy decoding would have produced it,
+    and (``token_logprobs``) each token's log-probability (:class:`ScoreResult`).
+
+    Contexts and continuations are text or token ids, split as lm-eval's ``hf`` model splits
+    them (:func:`kvstore.model.scoring.encode_pair`: ids as given; for text, whitespace ending
+    the context moves to the continuation, whose ids are those of context + continuation past
+    the context's; an empty context is scored from the BOS, or EOS, token).
+
+    ``use_cache=True`` loads each distinct context's longest stored prefix from ``store`` once
+    per batch for every continuation of it, computes and stores the rest (``prefix``,
+    ``special_tokens``: as for ``Adapter.generate_kv_cache``, so the keys match); ``use_cache=False``
+    is the reference: context + continuation through the model in one forward. Both agree to
+    rounding (float64 1e-10, float32 1e-4 in the tests). Rows run in batches of up to
+    ``batch_size`` rows and ``max_batch_tokens`` padded tokens, the continuations of one
+    context together; a batch that runs out of memory runs again as two halves.
+    ``generation_context(model)`` and ``decode_attention`` (as for ``Adapter.greedy_sample``), if
+    given, are entered around the continuation forwards only, never a context's prefill; the
+    reference then splits the same way (nothing stored), so both paths agree under a hook.
+
+    Raises DatasetError (naming the row with ``labels``) for an empty continuation,
+    ContextTooLongError when context + continuation exceed the model's positions (unless
+    ``truncate``, which drops the context's first tokens as lm-eval does), ModelError for a
+    model whose cache kvstore cannot reuse exactly (windowed and state models: with
+    ``use_cache=False`` only).
+    """
+    ctx, cont = _encode_rows(adapter, contexts, continuations, special_tokens, labels, truncate)
+    return score_ids(
+        adapter, ctx, cont, store=store, use_cache=use_cache, batch_size=batch_size, special_tokens=special_tokens,
+        prefix=prefix, token_logprobs=token_logprobs, max_batch_tokens=max_batch_tokens, progress=progress,
+        generation_context=generation_context, decode_attention=decode_attention,
+    )  # fmt: skip
+
+
+@uses_grouped_kv
+def score_sweep(
+    adapter: ModelHandle,
+    contexts: Sequence[TextOrIds],
+    continuations: Sequence[TextOrIds],
+    *,
+    variants: Sequence[Any],
+    store: KVStore | None = None,
+    use_cache: bool = True,
+    batch_size: int = 8,
+    special_tokens: bool = True,
+    prefix: TextOrIds | None = None,
+    token_logprobs: bool = False,
+    max_batch_tokens: int | None = None,
+    progress: Progress | None = None,
+    labels: Sequence[str] | None = None,
+    truncate: bool = False,
+) -> dict[str, ScoreResult]:
+    """:func:`score` under each of ``variants`` (decode-attention specs such as ``dense``,
+    ``topk:K``, ``sparq:R:K``, attention functions, or :class:`kvstore.model.hooks.Variant`) from
+    one load of each batch: every variant scores from the same loaded buffers (no second load or
+    prefill). Results by variant name, in the order given; each equals a :func:`score` run with
+    that variant alone (``decode_attention`` / ``generation_context``)."""
+    chosen = hooks.variants(variants)
+    ctx, cont = _encode_rows(adapter, contexts, continuations, special_tokens, labels, truncate)
+    results = _score_many(
+        adapter, ctx, cont, chosen, store=store, use_cache=use_cache, batch_size=batch_size,
+        special_tokens=special_tokens, prefix=prefix, token_logprobs=token_logprobs,
+        max_batch_tokens=max_batch_tokens, progress=progress, keep=None,
+    )  # fmt: skip
+    return {v.name: r for v, r in zip(chosen, results)}
+
+
+def _encode_rows(adapter: ModelHandle, contexts, continuations, special_tokens: bool, labels, truncate: bool):
+    """Token ids of each (context, continuation) row, split as lm-eval splits them and fitted to
+    the model's positions; DatasetError naming a row whose continuation is empty."""
     if len(contexts) != len(continuations):
         raise ValueError(f"{len(contexts)} contexts but {len(continuations)} continuations")
     pairs = [encode_pair(adapter, c, y, special_tokens=special_tokens) for c, y in zip(contexts, continuations)]
@@ -90,14 +157,10 @@ def score(
         if not cont[i]:
             raise DatasetError(f"{label}: the continuation is empty after tokenization; there is nothing to score")
         ctx[i] = _fit(adapter, ctx[i], len(cont[i]), truncate, label)
-    return score_ids(
-        adapter, ctx, cont, store=store, use_cache=use_cache, batch_size=batch_size, special_tokens=special_tokens,
-        prefix=prefix, token_logprobs=token_logprobs, max_batch_tokens=max_batch_tokens, progress=progress,
-        generation_context=generation_context,
-    )  # fmt: skip
+    return ctx, cont
 
 
-def _fit(adapter: Adapter, ctx: list[int], n_cont: int, truncate: bool, label: str) -> list[int]:
+def _fit(adapter: ModelHandle, ctx: list[int], n_cont: int, truncate: bool, label: str) -> list[int]:
     """``ctx`` such that context + continuation - 1 tokens fit the model's positions: as is, or
     left-truncated (lm-eval's rule: the last ``max_positions + 1`` tokens of the pair) with
     ``truncate``; else ContextTooLongError naming the row."""
@@ -113,7 +176,7 @@ def _fit(adapter: Adapter, ctx: list[int], n_cont: int, truncate: bool, label: s
 
 
 def score_ids(
-    adapter: Adapter,
+    adapter: ModelHandle,
     ctx: Sequence[Sequence[int]],
     cont: Sequence[Sequence[int]],
     *,
@@ -127,13 +190,41 @@ def score_ids(
     progress: Progress | None = None,
     generation_context: GenerationContext | None = None,
     keep: Sequence[bool] | None = None,
+    decode_attention: Any = None,
 ) -> ScoreResult:
     """Score tokenized rows (each context at least 1 token, each continuation at least 1, both
     fitting the model's positions). ``keep[i]``: also store row ``i``'s context + continuation as
-    a chain (cached path; the KV the scoring forward computed, nothing recomputed)."""
+    a chain (cached path; the KV the scoring forward computed, nothing recomputed).
+
+    ``generation_context`` and ``decode_attention`` (:func:`kvstore.model.hooks.hook_variant`) are
+    entered around the continuation forwards only, never around a context's prefill; with a hook
+    the reference splits the same way (each context but its last token computed without it, and
+    nothing stored), so cached and no-cache scores agree under any hook."""
+    hooked = hooks.hook_variant(generation_context, decode_attention)
+    return _score_many(
+        adapter, ctx, cont, [hooked], store=store, use_cache=use_cache, batch_size=batch_size,
+        special_tokens=special_tokens, prefix=prefix, token_logprobs=token_logprobs,
+        max_batch_tokens=max_batch_tokens, progress=progress, keep=keep,
+    )[0]  # fmt: skip
+
+
+def _score_many(
+    adapter: ModelHandle, ctx, cont, chosen: Sequence[hooks.Variant], *, store: KVStore | None, use_cache: bool,
+    batch_size: int, special_tokens: bool, prefix, token_logprobs: bool, max_batch_tokens: int | None,
+    progress: Progress | None, keep: Sequence[bool] | None,
+) -> list[ScoreResult]:  # fmt: skip
+    """One :class:`ScoreResult` per variant in ``chosen``, every variant scored from each batch's
+    one load. Rows are kept (``keep``) only from a dense variant's forward: a hooked one's keys and
+    values are not what the model computes."""
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
     adapter.check_supported(store if use_cache else None)
+    hooked = [v for v in chosen if not v.dense]
+    if hooked and not adapter.layout.dense:
+        raise ModelError(
+            f"generation contexts and decode attention need a model whose every layer is full attention; "
+            f"{adapter.name} ({adapter.model.config.model_type}) has sliding-window, chunked or state layers"
+        )
     if use_cache and not adapter.layout.dense:
         raise ModelError(
             f"scoring from stored caches supports models whose every layer is full attention; {adapter.name} "
@@ -143,103 +234,30 @@ def score_ids(
     n = len(ctx)
     ctx = [list(map(int, c)) for c in ctx]
     cont = [list(map(int, y)) for y in cont]
-    rows: list[ScoredRow | None] = [None] * n
+    rows: list[list[ScoredRow | None]] = [[None] * n for _ in chosen]
     computed = 0
-    if use_cache:
+    if use_cache or hooked:  # a hooked reference: the cached layout with nothing loaded or stored
         computed = _score_cached(
-            adapter, ctx, cont, rows, store, batch_size, special_tokens, prefix, token_logprobs, max_batch_tokens,
-            progress, generation_context, keep or [False] * n,
+            adapter, ctx, cont, rows, store if use_cache else None, batch_size, special_tokens, prefix,
+            token_logprobs, max_batch_tokens, progress, chosen, keep or [False] * n,
         )  # fmt: skip
     else:
-        computed = _score_reference(
-            adapter, ctx, cont, rows, batch_size, token_logprobs, max_batch_tokens, progress, generation_context
-        )
-    done = [r for r in rows if r is not None]
-    assert len(done) == n
-    return ScoreResult(done, computed, sum(len(c) for c in ctx) - computed)
-
-
-def _entered(generation_context: GenerationContext | None, model) -> AbstractContextManager:
-    return generation_context(model) if generation_context is not None else nullcontext()
-
-
-def _vocab(adapter: Adapter) -> int:
-    out = adapter.model.get_output_embeddings()
-    if out is not None and getattr(out, "weight", None) is not None:
-        return int(out.weight.shape[0])
-    return int(adapter.model.config.get_text_config(decoder=True).vocab_size)
-
-
-def _groups(
-    order: Sequence[int], keys: Sequence[str], sizes: Sequence[int], fed: Sequence[int], batch_size: int,
-    max_batch_tokens: int | None, row_logits: int,
-) -> Iterator[list[int]]:  # fmt: skip
-    """Batches of rows in ``order`` (rows of one key consecutive) that keep a key's rows together
-    whenever they fit in one batch: at most ``batch_size`` rows, ``max_batch_tokens`` padded tokens
-    (rows x longest ``sizes``) and :data:`LOGITS_BYTES` of logits (rows x longest ``fed`` x
-    ``row_logits`` bytes per fed token). A key with more rows than fit is split over batches."""
-    runs: list[list[int]] = []
-    for i in order:
-        if runs and keys[runs[-1][0]] == keys[i]:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-
-    def fits(batch: list[int]) -> bool:
-        if len(batch) > batch_size:
-            return False
-        if max_batch_tokens and max(sizes[j] for j in batch) * len(batch) > max_batch_tokens and len(batch) > 1:
-            return False
-        return len(batch) == 1 or max(fed[j] for j in batch) * len(batch) * row_logits <= LOGITS_BYTES
-
-    batch: list[int] = []
-    for run in runs:
-        if batch and fits(batch + run):
-            batch += run
-            continue
-        if batch:
-            yield batch
-            batch = []
-        for i in run:
-            if batch and not fits(batch + [i]):
-                yield batch
-                batch = []
-            batch.append(i)
-    if batch:
-        yield batch
-
-
-def _halving(run: Callable[[list[int]], None], batch: list[int], adapter: Adapter) -> None:
-    """``run(batch)``; on an out-of-memory error, the same rows in two halves (scores do not depend
-    on the batch), down to one row."""
-    try:
-        run(batch)
-    except Exception as exc:
-        if not is_out_of_memory(exc) or len(batch) == 1:
-            raise
-        del exc
-        if adapter.device.type == "cuda":
-            torch.cuda.empty_cache()
-        _halving(run, batch[: len(batch) // 2], adapter)
-        _halving(run, batch[len(batch) // 2 :], adapter)
-
-
-def _gather(logits: torch.Tensor, targets: Sequence[int], per_token: bool) -> tuple[float, bool, tuple | None]:
-    """``(sum of log-probs, greedy, per-token log-probs)`` of ``targets`` from ``logits`` ``[n, V]``."""
-    ftype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-    lp = torch.log_softmax(logits.to(ftype), dim=-1)
-    t = torch.as_tensor(list(targets), dtype=torch.long, device=lp.device)
-    picked = lp.gather(-1, t[:, None])[:, 0]
-    greedy = bool((lp.argmax(dim=-1) == t).all())
-    tokens = tuple(picked.double().cpu().tolist()) if per_token else None
-    return float(picked.double().sum()), greedy, tokens
+        computed = score_reference(adapter, ctx, cont, rows[0], batch_size, token_logprobs, max_batch_tokens, progress)
+        for other in rows[1:]:  # dense variants named twice are refused; several dense ones share it
+            other[:] = rows[0]
+    out = []
+    for v, mine in zip(chosen, rows):
+        done = [r for r in mine if r is not None]
+        assert len(done) == n
+        out.append(ScoreResult(done, computed, sum(len(c) for c in ctx) - computed, v.name))
+    return out
 
 
 @torch.inference_mode()
 def _score_cached(
-    adapter: Adapter, ctx, cont, rows: list, store: KVStore | None, batch_size: int, special_tokens: bool, prefix,
-    token_logprobs: bool, max_batch_tokens: int | None, progress: Progress | None,
-    generation_context: GenerationContext | None, keep: Sequence[bool],
+    adapter: ModelHandle, ctx, cont, rows: list, store: KVStore | None, batch_size: int, special_tokens: bool, prefix,
+    token_logprobs: bool, max_batch_tokens: int | None, progress: Progress | None, chosen: Sequence[hooks.Variant],
+    keep: Sequence[bool],
 ) -> int:  # fmt: skip
     n = len(ctx)
     limit = adapter.max_positions
@@ -251,7 +269,7 @@ def _score_cached(
     keys = [p.key for p in plans]
     order = sorted(range(n), key=lambda i: (len(ctx[i]), keys[i], i))
     sizes = [len(ctx[i]) + len(fed[i]) for i in range(n)]
-    row_logits = _vocab(adapter) * 4
+    row_logits = vocab_size(adapter) * 4
     writer = Writer(store, None) if (store is not None and not store.readonly) else None
     computed = 0
     seen: set[str] = set()
@@ -279,31 +297,34 @@ def _score_cached(
             pos[r] = c - 2 + q  # pads after the row: its last position again (masked, in range)
             pos[r, :q] = torch.arange(c - 1, c - 1 + q)
             input_ids[r, :q] = torch.as_tensor(fed[i], dtype=torch.long)
-        cache = PreallocatedCache(pre.bufs, P)
-        with _entered(generation_context, adapter.model):
-            out = adapter.model(
-                input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                past_key_values=cache, use_cache=True, logits_to_keep=0,
-            )  # fmt: skip
-        for r, i in enumerate(batch):
-            total, greedy, per_token = _gather(out.logits[r, : len(cont[i])], cont[i], token_logprobs)
-            rows[i] = ScoredRow(total, greedy, len(cont[i]), per_token, pre.loaded[keys[i]])
-        if writer is not None:
-            _keep_rows(adapter, store, writer, batch, ctx, fed, pre.bufs, P, keep)
-        del out, cache
+        kept = False
+        for j, v in enumerate(chosen):  # each variant writes only the fed slots, from P on: contexts stay
+            cache = PreallocatedCache(pre.bufs, P)
+            with hooks.running(v, adapter.model):
+                out = adapter.model(
+                    input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                    past_key_values=cache, use_cache=True, logits_to_keep=0,
+                )  # fmt: skip
+            for r, i in enumerate(batch):
+                total, greedy, per_token = gather(out.logits[r, : len(cont[i])], cont[i], token_logprobs)
+                rows[j][i] = ScoredRow(total, greedy, len(cont[i]), per_token, pre.loaded[keys[i]])
+            if writer is not None and v.dense and not kept:  # the fed slots hold what the model computes
+                _keep_rows(adapter, store, writer, batch, ctx, fed, pre.bufs, P, keep)
+                kept = True
+            del out, cache
         if progress:
             progress(B, sum(sizes[i] for i in batch))
 
     try:
-        for batch in _groups(order, keys, sizes, [len(f) for f in fed], batch_size, max_batch_tokens, row_logits):
-            _halving(run, batch, adapter)
+        for batch in row_batches(order, keys, sizes, [len(f) for f in fed], batch_size, max_batch_tokens, row_logits):
+            run_halving(run, batch, adapter)
     finally:
         if writer is not None:
             writer.close()
     return computed
 
 
-def _keep_rows(adapter: Adapter, store, writer: Writer, batch, ctx, fed, bufs, P: int, keep) -> None:
+def _keep_rows(adapter: ModelHandle, store, writer: Writer, batch, ctx, fed, bufs, P: int, keep) -> None:
     """Store each kept row's context + fed tokens as a chain, from the KV the scoring forward left
     in ``bufs`` (the context's slots but its last, then the fed slots); chains stored whole already
     are left alone."""
@@ -323,50 +344,8 @@ def _keep_rows(adapter: Adapter, store, writer: Writer, batch, ctx, fed, bufs, P
         writer.put_chunks(adapter, plan, layers)
 
 
-@torch.inference_mode()
-def _score_reference(
-    adapter: Adapter, ctx, cont, rows: list, batch_size: int, token_logprobs: bool, max_batch_tokens: int | None,
-    progress: Progress | None, generation_context: GenerationContext | None,
-) -> int:  # fmt: skip
-    n = len(ctx)
-    seqs = [ctx[i] + cont[i][:-1] for i in range(n)]
-    order = sorted(range(n), key=lambda i: (len(seqs[i]), i))
-    sizes = [len(s) for s in seqs]
-    row_logits = _vocab(adapter) * 4
-    dev = adapter.device
-    computed = 0
-
-    def run(batch: list[int]) -> None:
-        nonlocal computed
-        B = len(batch)
-        L = max(sizes[i] for i in batch)
-        lo = min(len(ctx[i]) - 1 for i in batch)  # first position whose logits are needed
-        input_ids = torch.full((B, L), adapter.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for r, i in enumerate(batch):
-            input_ids[r, : sizes[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
-            mask[r, : sizes[i]] = 1
-        with _entered(generation_context, adapter.model):
-            out = adapter.model(
-                input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
-                position_ids=torch.arange(L, device=dev).expand(B, L), use_cache=False, logits_to_keep=L - lo,
-            )  # fmt: skip
-        for r, i in enumerate(batch):
-            a = len(ctx[i]) - 1 - lo
-            total, greedy, per_token = _gather(out.logits[r, a : a + len(cont[i])], cont[i], token_logprobs)
-            rows[i] = ScoredRow(total, greedy, len(cont[i]), per_token, 0)
-        computed += sum(len(ctx[i]) for i in batch)
-        del out
-        if progress:
-            progress(B, sum(sizes[i] for i in batch))
-
-    for batch in _groups(order, [str(i) for i in range(n)], sizes, sizes, batch_size, max_batch_tokens, row_logits):
-        _halving(run, batch, adapter)
-    return computed
-
-
 def score_rolling(
-    adapter: Adapter,
+    adapter: ModelHandle,
     texts: Sequence[TextOrIds],
     *,
     store: KVStore | None = None,
@@ -378,8 +357,22 @@ def score_rolling(
     progress: Progress | None = None,
     generation_context: GenerationContext | None = None,
     store_documents: bool = True,
+    decode_attention: Any = None,
 ) -> RollingResults:
-    """See :meth:`kvstore.model.adapter.Adapter.score_rolling`."""
+    """Log-likelihood of whole documents, as lm-eval's ``loglikelihood_rolling`` computes it:
+    text encoded without special tokens, the first token scored from the BOS (or EOS) token,
+    documents longer than ``max_length`` (default: the model's positions) in lm-eval's windows
+    (:func:`kvstore.model.scoring.rolling_windows`). A list of one :class:`RollingResult` per
+    document (perplexity, bits per token and, for text, bits per character) that also carries
+    the run's ``prefill_tokens_computed`` and ``prefill_tokens_saved``.
+
+    With the cache, each window's context (the prefix token; a last short window's overlap) is
+    loaded from or stored in ``store``, so a second run computes no context token; every scored
+    token is computed on every run (its log-probability needs the hidden state at its
+    position, which stored keys and values do not give). With ``store_documents`` the keys and
+    values that forward computed for a document's first window (``[BOS or EOS] + document``)
+    are stored as a chain too, at no extra compute, for later requests whose context starts
+    with it."""
     limit = max_length or adapter.max_positions
     head = prefix_token_id(adapter)
     docs = [adapter.encode_question(t) for t in texts]
@@ -396,6 +389,7 @@ def score_rolling(
     scored = score_ids(
         adapter, ctx, cont, store=store, use_cache=use_cache, batch_size=batch_size, token_logprobs=token_logprobs,
         max_batch_tokens=max_batch_tokens, progress=progress, generation_context=generation_context, keep=keep,
+        decode_attention=decode_attention,
     )  # fmt: skip
     out = RollingResults()
     out.prefill_tokens_computed, out.prefill_tokens_saved = scored.prefill_tokens_computed, scored.prefill_tokens_saved
@@ -426,4 +420,5 @@ __all__ = [
     "score",
     "score_ids",
     "score_rolling",
+    "score_sweep",
 ]

@@ -36,7 +36,7 @@ from kvstore.model import attention, masks
 from kvstore.model.cache import Buffers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter
+    from kvstore.model.handle import ModelHandle
 
 SLOT_BUCKET = 256  # slots are allocated in multiples of this, so nearby lengths share one compiled step
 RECOMPILE_LIMIT = 64  # compiled shapes per step function before torch.compile gives up (torch's default: 8)
@@ -87,7 +87,7 @@ def _step(model: torch.nn.Module, input_ids, mask, position_ids, cache) -> torch
     return out.logits[:, -1]
 
 
-def step_function(adapter: Adapter, compiled: bool) -> Callable[..., torch.Tensor]:
+def step_function(adapter: ModelHandle, compiled: bool) -> Callable[..., torch.Tensor]:
     """The model's fixed-shape step; compiled once per model (``torch.compile`` keeps a graph per
     shape underneath)."""
     if not compiled:
@@ -112,7 +112,7 @@ class StaticSteps:
     the eager loop's ``[B, slots]`` attention mask (1 on real prompt slots); ``next_pos``: each
     row's position of generated token 0."""
 
-    def __init__(self, adapter: Adapter, buffers: Buffers, mask: torch.Tensor, first_slot: int,
+    def __init__(self, adapter: ModelHandle, buffers: Buffers, mask: torch.Tensor, first_slot: int,
                  next_pos: torch.Tensor, compiled: bool):  # fmt: skip
         slots = buffers[0][0].shape[2]
         for k, v in buffers:  # unwritten slots: finite (0 * NaN would poison the masked sum)

@@ -20,7 +20,7 @@ from kvstore.store.entry import Entry
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.adapter import Adapter
+    from kvstore.model.handle import ModelHandle
 
 # Bytes of KV waiting for the writer (a chunk larger than this still passes, alone): bounds the
 # memory a fast prefill can pile up while letting compute run a batch or two ahead of the writer.
@@ -130,7 +130,13 @@ class Writer:
         self._enqueue((_Record(plan.key, plan.keys, plan.n_tokens), True))
 
     def put_chunks(
-        self, adapter: Adapter, plan: ContextPlan, layers: LayerKV, depth: int = 0, offset: int = 0, record: bool = True
+        self,
+        adapter: ModelHandle,
+        plan: ContextPlan,
+        layers: LayerKV,
+        depth: int = 0,
+        offset: int = 0,
+        record: bool = True,
     ) -> None:
         """Chunks ``depth..`` of ``plan`` from ``layers`` (positions ``offset..``), then (with
         ``record``) its context record. The chunk at ``depth`` is written even if present: it is

@@ -208,3 +208,45 @@ def test_a_fixed_head_in_the_template_is_stored_once(tiny_llama_dir, tmp_path):
     got = [json.loads(x) for x in out.read_text().splitlines()]
     n_head = len(Adapter.from_pretrained(str(tiny_llama_dir)).encode_context(head))
     assert [n_head - 2 <= r["cached_tokens"] <= n_head for r in got] == [True, True]  # stored first, then loaded
+
+
+def test_decode_attention_option_scores_under_it_and_a_bad_spec_is_one_line(tiny_llama_dir, tmp_path, capsys):
+    data = _write(tmp_path / "mc.jsonl", ROWS[:2])
+    base = ["score", data, "--model", tiny_llama_dir, "--dtype", "float64", "--format", "json", "-q"]
+    runs = {}
+    for name, extra in {"dense": [], "topk": ["--decode-attention", "topk:2"],
+                        "ref": ["--decode-attention", "topk:2", "--no-cache"]}.items():  # fmt: skip
+        out = tmp_path / f"{name}.jsonl"
+        summary = _json(_run(*base, "--store", tmp_path / "store", "-o", out, *extra))
+        assert summary["attention"] == ("dense" if name == "dense" else "topk:2")
+        runs[name] = [c["logprob"] for line in out.read_text().splitlines() for c in json.loads(line)["choices"]]
+    assert max(abs(a - b) for a, b in zip(runs["topk"], runs["ref"])) <= 1e-10
+    assert max(abs(a - b) for a, b in zip(runs["topk"], runs["dense"])) > 1e-6
+    code, out, err = run_main(capsys, *base, "--decode-attention", "topk:0")
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "topk" in err, err
+
+
+def test_a_sweep_scores_every_variant_from_one_load_as_separate_runs_do(tiny_llama_dir, tmp_path):
+    data = _write(tmp_path / "mc.jsonl", ROWS)
+    base = ["score", data, "--model", tiny_llama_dir, "--dtype", "float64", "--format", "json", "-q",
+            "--store", tmp_path / "store"]  # fmt: skip
+    variants = ["dense", "topk:2", "sparq:2:3"]
+    swept = _json(
+        _run(*base, "-o", tmp_path / "sweep.jsonl", *[a for v in variants for a in ("--decode-attention", v)])
+    )
+    rows = [json.loads(x) for x in (tmp_path / "sweep.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == [v for v in variants for _ in ROWS]
+    assert [t["variant"] for t in swept["variants"]] == variants
+    alone = _json(_run(*base[:-1], tmp_path / "other", "-o", tmp_path / "alone.jsonl"))  # one dense run, empty store
+    assert swept["prefill_tokens_computed"] == alone["prefill_tokens_computed"] > 0  # each context computed once
+    for v in variants:
+        one = _json(_run(*base, "-o", tmp_path / f"{v}.jsonl", "--decode-attention", v))
+        got = [json.loads(x) for x in (tmp_path / f"{v}.jsonl").read_text().splitlines()]
+        mine = [r for r in rows if r["variant"] == v]
+        for a, b in zip(mine, got):
+            assert [c["logprob"] for c in a["choices"]] == pytest.approx(
+                [c["logprob"] for c in b["choices"]], abs=1e-10
+            )
+        table = next(t for t in swept["variants"] if t["variant"] == v)
+        assert (table["acc"], table["acc_norm"]) == (one["acc"], one["acc_norm"])
+    assert next(t for t in swept["variants"] if t["variant"] == "dense")["agreement_with_dense"] == 1.0

@@ -228,7 +228,7 @@ def test_compiled_steps_with_a_hook_are_refused():
     with pytest.raises(HookError, match="drop compile"):
         adapter.greedy_sample([[5, 6]], [[7]], 2, decode_attention="topk:2", compile=True)
     with pytest.raises(HookError, match="drop compile"):
-        decode.greedy_sample(adapter, [[5, 6]], [[7]], 2, steps="static", generation_context=perturb)
+        adapter.sample([[5, 6]], [[7]], num_new_tokens=2, steps="static", generation_context=perturb)
 
 
 def test_windowed_models_are_refused(tmp_path):
@@ -253,7 +253,9 @@ def test_sweep_equals_separate_runs(use_cache, tmp_path):
         if use_cache:
             adapter.generate_kv_cache(contexts, store)
             kw["store"] = store
-        swept = adapter.sweep(contexts, questions, N_NEW, variants=[*VARIANTS, Variant("scaled", perturb)], **kw)
+        swept = adapter.sweep(
+            contexts, questions, num_new_tokens=N_NEW, variants=[*VARIANTS, Variant("scaled", perturb)], **kw
+        )
         assert list(swept) == [*VARIANTS, "scaled"]
         for v in VARIANTS:
             alone = adapter.greedy_sample(contexts, questions, N_NEW, decode_attention=v, return_details=True, **kw)
@@ -290,12 +292,11 @@ def test_sweep_loads_once_and_leaves_context_slots_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(decode, "load_batch", load_batch)
     monkeypatch.setattr(decode, "prefill", prefill)
     monkeypatch.setattr(decode, "answer", answer)
-    monkeypatch.setattr(decode, "LOAD_AHEAD", False)
     with KVStore(str(tmp_path / "s")) as store:
         adapter.generate_kv_cache(contexts, store)
         prefills.clear()
-        swept = adapter.sweep(contexts, questions, N_NEW, variants=VARIANTS, store=store, batch_size=2,
-                              stop_at_eos=False)  # fmt: skip
+        swept = adapter.sweep(contexts, questions, num_new_tokens=N_NEW, variants=VARIANTS, store=store, batch_size=2,
+                              stop_at_eos=False, load_ahead=False)  # fmt: skip
     assert len(loads) == 2  # two batches, each loaded once for three variants
     assert prefills == []
     assert len(checked) == 2 * len(VARIANTS)
@@ -305,7 +306,7 @@ def test_sweep_loads_once_and_leaves_context_slots_alone(tmp_path, monkeypatch):
 def test_sweep_variant_names_are_unique():
     adapter = _adapter()
     with pytest.raises(HookError, match="named twice: topk:2"):
-        adapter.sweep([[5, 6]], [[7]], 2, variants=["topk:2", "topk:2"])
+        adapter.sweep([[5, 6]], [[7]], num_new_tokens=2, variants=["topk:2", "topk:2"])
 
 
 def test_generation_context_and_decode_attention_together():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers.tiny import CORPUS, make_family_model, make_tiny_model
-from kvstore.errors import ContextTooLongError, DatasetError, ModelError
+from kvstore.errors import ContextTooLongError, DatasetError, HookError, ModelError
 from kvstore.model import scoring
 from kvstore.model.adapter import Adapter
 from kvstore.model.scoring import encode_pair, prefix_token_id, rolling_windows
@@ -205,7 +205,8 @@ def test_rolling_equals_hf_and_a_second_run_computes_no_context(kind, dtype):
     assert abs(r.perplexity - torch.exp(torch.tensor(-r.logprob / r.n_tokens, dtype=F64)).item()) < 1e-6 * r.perplexity
 
 
-def test_generation_context_wraps_only_the_continuation_forwards(tiny_neox):
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_context_wraps_only_the_continuation_forwards(tiny_neox, use_cache):
     model, tok = tiny_neox
     adapter = Adapter(model, tok)
     state = {"on": False}
@@ -226,7 +227,8 @@ def test_generation_context_wraps_only_the_continuation_forwards(tiny_neox):
         adapter.kv_shapes()
         seen.clear()
         with KVStore("memory://", chunk_tokens=CHUNK) as store:
-            adapter.score([CORPUS[0]] * 2, [" a", " b c"], store=store, generation_context=hooked)
+            adapter.score([CORPUS[0]] * 2, [" a", " b c"], store=store if use_cache else None, use_cache=use_cache,
+                          generation_context=hooked)  # fmt: skip
     finally:
         handle.remove()
     n = len(adapter.encode_context(CORPUS[0]))
@@ -347,3 +349,65 @@ def test_split_matches_lm_eval_itself(kind):
     for context, continuation in pairs:
         want = model_api.TemplateLM._encode_pair(Like(), context, continuation)
         assert encode_pair(adapter, context, continuation, special_tokens=False) == tuple(want)
+
+
+@pytest.mark.parametrize("kind", ["neox", "llama"])
+def test_decode_attention_scores_agree_cached_and_without_cache(kind):
+    """Top-k attention over the continuation forwards: cold, warm and no-cache runs give the same
+    scores (the reference splits like the cached path), and they differ from dense scores, so the
+    attention really ran; the store holds what a dense run stores (a later dense run hits it)."""
+    model, tok = make_tiny_model(kind, dtype=F64, seed=7)
+    adapter = Adapter(model, tok)
+    contexts, conts = _rows(tok, model, seed=3)
+    dense = adapter.score(contexts, conts, use_cache=False)
+    ref = adapter.score(contexts, conts, use_cache=False, decode_attention="topk:2")
+    with KVStore("memory://", chunk_tokens=CHUNK) as store:
+        cold = adapter.score(contexts, conts, store=store, decode_attention="topk:2")
+        warm = adapter.score(contexts, conts, store=store, decode_attention="topk:2")
+        after = adapter.score(contexts, conts, store=store)
+    assert warm.prefill_tokens_computed == 0 and after.prefill_tokens_computed == 0
+    for got in (cold, warm):
+        for i, (a, b) in enumerate(zip(got.logprobs, ref.logprobs)):
+            assert abs(a - b) <= TOL[F64], f"row {i}: {a} vs {b}"
+    assert max(abs(a - b) for a, b in zip(ref.logprobs, dense.logprobs)) > 1e-6
+    for i, (a, b) in enumerate(zip(after.logprobs, dense.logprobs)):
+        assert abs(a - b) <= TOL[F64], f"row {i}: {a} vs {b}"
+
+
+def test_a_bad_decode_attention_spec_is_one_line(tiny_llama):
+    adapter = Adapter(*tiny_llama)
+    with pytest.raises(HookError) as err:
+        adapter.score(["a b"], [" c"], use_cache=False, decode_attention="topk:zero")
+    assert "\n" not in str(err.value)
+
+
+def test_score_sweep_equals_separate_runs_from_one_load(tiny_llama):
+    adapter = Adapter(*tiny_llama)
+    contexts, conts = [CORPUS[0]] * 3 + [CORPUS[1]], [" a", " b c", " d", " e f"]
+    variants = ["dense", "topk:2", "sparq:2:3"]
+    with KVStore("memory://", chunk_tokens=CHUNK) as store:
+        swept = adapter.score_sweep(contexts, conts, variants=variants, store=store)
+    assert list(swept) == variants and [r.variant for r in swept.values()] == variants
+    with KVStore("memory://", chunk_tokens=CHUNK) as store:
+        one = adapter.score(contexts, conts, store=store)
+    assert {r.prefill_tokens_computed for r in swept.values()} == {one.prefill_tokens_computed}  # computed once
+    for v in variants:
+        alone = adapter.score(contexts, conts, use_cache=False, decode_attention=v)
+        assert swept[v].logprobs == pytest.approx(alone.logprobs, abs=1e-4), v
+    with pytest.raises(HookError):
+        adapter.score_sweep(contexts, conts, variants=["topk:2", "topk:2"])
+
+
+def test_a_hooked_rolling_run_stores_no_hooked_keys_and_values():
+    """Rolling scoring stores a document's first window from its scoring forward; under a hook that
+    forward's keys and values are not the model's, so nothing is kept: a later request starting with
+    the document scores as without any cache."""
+    model, tok = make_tiny_model("llama", dtype=F64, seed=11)
+    adapter = Adapter(model, tok)
+    doc = CORPUS[2]
+    with KVStore("memory://", chunk_tokens=CHUNK) as store:
+        adapter.score_rolling([doc], store=store, decode_attention="topk:2")
+        ids = [prefix_token_id(adapter)] + adapter.encode_question(doc)
+        got = adapter.score([ids], [" and"], store=store)
+    want = adapter.score([ids], [" and"], use_cache=False)
+    assert abs(got.logprobs[0] - want.logprobs[0]) <= TOL[F64]

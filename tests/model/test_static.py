@@ -11,7 +11,7 @@ import torch
 from helpers.cli import read_predictions, run_main, write_dataset
 from helpers.rows import random_rows
 from helpers.tiny import make_family_model, make_tiny_model
-from kvstore.model import decode, static
+from kvstore.model import static
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
 
@@ -28,7 +28,7 @@ def _hf_generate(model, ids: list[int], n: int) -> torch.Tensor:
 
 def _sample(adapter, contexts, questions, steps, **kw):
     kw.setdefault("stop_at_eos", False)
-    return decode.greedy_sample(adapter, contexts, questions, N_NEW, steps=steps, return_scores=True, **kw)
+    return adapter.sample(contexts, questions, num_new_tokens=N_NEW, steps=steps, return_scores=True, **kw)
 
 
 @pytest.mark.parametrize("kind", ["neox", "llama"])
@@ -91,7 +91,7 @@ def test_fixed_steps_need_full_attention_and_valid_steps():
         adapter.greedy_sample([[5, 6, 7]], [[8]], 2, use_cache=False, compile=True)
     llama = Adapter(*make_tiny_model("llama"))
     with pytest.raises(ValueError, match="steps must be one of"):
-        decode.greedy_sample(llama, [[5, 6, 7]], [[8]], 2, steps="fast")
+        llama.sample([[5, 6, 7]], [[8]], num_new_tokens=2, steps="fast")
 
 
 def test_cli_sample_compile(tiny_llama_dir, tmp_path, capsys):

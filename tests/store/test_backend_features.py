@@ -46,11 +46,6 @@ def test_store_info_reads_disk_bytes_from_the_protocol(tmp_path):
         assert store.scan().disk_bytes is None
 
 
-# kvstore/model/chains.py still reads `getattr(store.backend, "local", False)` (the model core is
-# being rewritten on another branch): removed by the integrator, who switches it to `.local`.
-PROBES_LEFT = {"kvstore/model/chains.py"}
-
-
 def test_no_caller_probes_a_backend_with_getattr():
     import ast
 
@@ -63,6 +58,6 @@ def test_no_caller_probes_a_backend_with_getattr():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr") and node.args:
                 target = ast.unparse(node.args[0])
-                if ("backend" in target or "remote" in target) and rel not in PROBES_LEFT:
+                if "backend" in target or "remote" in target:
                     found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "declare the feature on the Backend protocol instead:\n" + "\n".join(found)

@@ -1,0 +1,118 @@
+"""What ``build``, ``sample`` and ``score`` print around their work: one-line warnings for
+corrupt entries, the closing summary (aligned lines or JSON), and a sweep's per-variant table."""
+
+from __future__ import annotations
+
+import contextlib
+
+import click
+
+from kvstore.cli.common import echo_json
+from kvstore.cli.table import render_table
+
+
+@contextlib.contextmanager
+def corrupt_entries_as_warnings(bar):
+    """Show each :class:`kvstore.errors.CorruptEntryWarning` (a stored entry that failed
+    verification and was treated as a miss) as one ``kvstore: warning: ...`` line on stderr,
+    every time; Python's default would print two lines with a source excerpt, once per place."""
+    import warnings
+
+    from kvstore.errors import CorruptEntryWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", CorruptEntryWarning)
+        show = warnings.showwarning
+
+        def one_line(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, CorruptEntryWarning):
+                bar.write(f"kvstore: warning: {str(message).removeprefix('kvstore: ')}")
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = one_line
+        yield
+
+
+def emit_summary(title: str, summary: dict, fmt: str) -> None:
+    """The closing summary: JSON on stdout with ``--format json``, else aligned lines."""
+    if fmt == "json":
+        echo_json(summary)
+        return
+    click.echo(f"{title} summary")
+    width = max(len(k) for k in summary)
+    tables = {k: v for k, v in summary.items() if isinstance(v, list) and v and isinstance(v[0], dict)}
+    for k, v in summary.items():
+        if v is None or k in tables:
+            continue
+        if isinstance(v, bool):
+            v = "yes" if v else "no"
+        elif isinstance(v, int) and k.endswith("bytes"):
+            from kvstore.units import human_bytes
+
+            v = f"{v:,} ({human_bytes(v)})"
+        elif isinstance(v, float) and k in ("accuracy", "contains", "exact_match", "f1", "cache_hit_rate"):
+            v = f"{v:.1%}"
+        elif isinstance(v, int):
+            v = f"{v:,}"
+        click.echo(f"  {k.replace('_', ' '):<{width}}  {v}")
+    for k, table in tables.items():
+        click.echo(f"{k.replace('_', ' ')}:")
+        _echo_table(table)
+
+
+def _echo_table(table: list[dict]) -> None:
+    """Rows of dicts as one aligned table (fractions as percentages, None as -)."""
+
+    def cell(k: str, v):
+        if isinstance(v, float) and (k in ("accuracy", "contains", "exact_match", "f1") or k.startswith("agreement")):
+            return f"{v:.1%}"
+        return v
+
+    keys = list(table[0])
+    rows = [[cell(k, r.get(k)) for k in keys] for r in table]
+    body = render_table(rows, [k.replace("_", " ") for k in keys], align="r" * len(keys))
+    for line in body.splitlines():
+        click.echo("  " + line)
+
+
+def check_variants(specs: tuple[str, ...], compile_steps: bool) -> list[str]:
+    """The ``--decode-attention`` values, each checked (HookError: one line); none: a plain run."""
+    from kvstore.model.hooks import check_steps, variants
+
+    if specs:
+        check_steps(variants(list(specs)), "compiled" if compile_steps else "dynamic")
+    return list(specs)
+
+
+def variant_table(adapter, results, rows: list[dict], n: int) -> list[dict]:
+    """Per variant of a sweep: task metrics over its ``n`` rows, tokens/s of its decoding, and
+    agreement with the ``dense`` variant (rows with the same tokens; None without a dense one)."""
+    from kvstore.data.metrics import score
+
+    dense = next((r for r in results if r.variant == "dense"), None)
+    table = []
+    for v, res in enumerate(results):
+        mine = [r for r in rows[v * n : (v + 1) * n] if r["answers"]]
+        s = score([r["prediction"] for r in mine], [r["answers"] for r in mine]) if mine else {}
+        agree = None
+        if dense is not None:
+            same = sum(
+                res.lengths[i] == dense.lengths[i] and bool((res.tokens[i] == dense.tokens[i]).all()) for i in range(n)
+            )
+            agree = round(same / n, 4) if n else None
+        generated = sum(res.lengths)
+        table.append(
+            {
+                "variant": res.variant,
+                **{k: (round(s[k], 4) if mine else None) for k in ("accuracy", "contains", "exact_match", "f1")},
+                "agreement_with_dense": agree,
+                "generated_tokens": generated,
+                "decode_seconds": round(res.decode_seconds, 3),
+                "tokens_per_second": round(generated / res.decode_seconds, 1) if res.decode_seconds else None,
+            }
+        )
+    return table
+
+
+__all__ = ["check_variants", "corrupt_entries_as_warnings", "emit_summary", "variant_table"]

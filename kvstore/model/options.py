@@ -1,0 +1,130 @@
+"""Options of the model layer's work, as values: how to build, how to sample, which prompt format.
+
+:class:`BuildOptions` and :class:`SampleOptions` are frozen dataclasses shared by the Python API
+(:meth:`kvstore.model.adapter.Adapter.build`, :meth:`~kvstore.model.adapter.Adapter.sample`,
+:meth:`~kvstore.model.adapter.Adapter.sweep`) and the CLI (``kvstore build`` / ``kvstore sample``
+build one from their flags); the functions below the front take them whole instead of
+re-declaring every knob. A field named in a call overrides the options given
+(:meth:`SampleOptions.of`).
+
+The prompt format (:class:`kvstore.data.prompts.PromptFormat`: template, head, special tokens) is
+one value given to both ``build`` and ``sample``: :func:`apply_prompt` turns it into the context
+and question texts, the ``special_tokens`` flag and the shared head (``prefix``) that keys depend
+on, so the two cannot drift apart the way separately passed ``special_tokens``/``prefix`` could.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.data.prompts import PromptFormat
+
+STEPS = ("dynamic", "static", "compiled")
+Opts = TypeVar("Opts", "BuildOptions", "SampleOptions")
+
+
+def _of(cls: type[Opts], options: Opts | None, fields: dict[str, Any]) -> Opts:
+    base = options if options is not None else cls()
+    if not isinstance(base, cls):
+        raise TypeError(f"options must be a {cls.__name__}, not {type(base).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"unknown {cls.__name__} field(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return dataclasses.replace(base, **fields) if fields else base
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How contexts are built into a store.
+
+    ``batch_size``: contexts per prefill (None: 1 on CPU, where it measured faster than padded
+    batches, 8 on accelerators); ``max_batch_tokens``: padded tokens per batch; ``truncate``: keep
+    a too long context's last tokens instead of refusing it; ``max_context_tokens``: the context
+    limit (default: the model's positions less the adapter's reserve); ``skip_errors``: count a
+    bad row in the report and build the others; ``shard=(i, n)``: build only the contexts whose
+    key is ``i`` modulo ``n``."""
+
+    batch_size: int | None = None
+    max_batch_tokens: int | None = 16384
+    truncate: bool = False
+    max_context_tokens: int | None = None
+    skip_errors: bool = False
+    shard: tuple[int, int] | None = None
+
+    @classmethod
+    def of(cls, options: BuildOptions | None = None, **fields: Any) -> BuildOptions:
+        """``options`` (default: the defaults) with ``fields`` replaced; TypeError for a field
+        that does not exist."""
+        return _of(cls, options, fields)
+
+
+@dataclass(frozen=True)
+class SampleOptions:
+    """How questions are answered.
+
+    ``num_new_tokens`` per row; ``use_cache``: load contexts from (and store them in) the store,
+    else the no-cache reference; ``batch_size`` rows and ``max_batch_tokens`` padded tokens per
+    batch; ``stop_at_eos`` and ``stop_strings`` end a row (pads after it); ``truncate`` and
+    ``max_context_tokens`` as for :class:`BuildOptions` (use the same values, or keys differ);
+    ``return_scores``: keep each step's logits; ``steps``: ``dynamic`` (eager, the key length
+    grows), ``static`` (fixed shapes, eager) or ``compiled`` (fixed shapes under
+    ``torch.compile``); ``load_ahead``: load the next batch's stored prefixes on a worker while a
+    batch decodes."""
+
+    num_new_tokens: int = 20
+    use_cache: bool = True
+    batch_size: int = 8
+    max_batch_tokens: int | None = None
+    stop_at_eos: bool = True
+    stop_strings: tuple[str, ...] = ()
+    truncate: bool = False
+    max_context_tokens: int | None = None
+    return_scores: bool = False
+    steps: str = "dynamic"
+    load_ahead: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if self.steps not in STEPS:
+            raise ValueError(f"steps must be one of {', '.join(STEPS)}, not {self.steps!r}")
+        if self.num_new_tokens < 1 or self.batch_size < 1:
+            raise ValueError("num_new_tokens and batch_size must be at least 1")
+
+    @classmethod
+    def of(cls, options: SampleOptions | None = None, **fields: Any) -> SampleOptions:
+        """``options`` (default: the defaults) with ``fields`` replaced; TypeError for a field
+        that does not exist."""
+        return _of(cls, options, fields)
+
+
+def apply_prompt(
+    prompt: PromptFormat | None,
+    contexts: Sequence[Any],
+    questions: Sequence[Any] | None = None,
+    *,
+    special_tokens: bool = True,
+    prefix: Any = None,
+) -> tuple[list[Any], list[Any] | None, bool, Any]:
+    """``(contexts, questions, special_tokens, prefix)`` under ``prompt``: each context as its
+    context part and each question as its question part, the prompt's ``add_special_tokens`` and
+    its head as the shared prefix. Without a prompt, everything as given. Raises ValueError when
+    both a prompt and ``special_tokens``/``prefix`` are given (the prompt sets them), TypeError for
+    a context or question given as token ids (a prompt formats text)."""
+    if prompt is None:
+        return list(contexts), None if questions is None else list(questions), special_tokens, prefix
+    if special_tokens is not True or prefix is not None:
+        raise ValueError("give prompt= or special_tokens=/prefix=, not both: the prompt format sets them")
+    for kind, texts in (("context", contexts), ("question", questions or ())):
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise TypeError(f"row {i}: prompt= formats text, but this {kind} is token ids")
+    out_q = None if questions is None else [prompt.question_part(q) for q in questions]
+    return [prompt.context_part(c) for c in contexts], out_q, prompt.add_special_tokens, prompt.head or None
+
+
+__all__ = ["STEPS", "BuildOptions", "SampleOptions", "apply_prompt"]

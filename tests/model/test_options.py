@@ -1,0 +1,112 @@
+"""Options as values: one prompt format for build and sample (keys cannot drift apart), options
+objects with per-call overrides, and the research code's calls still working."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.tiny import CORPUS, make_tiny_model
+from kvstore.data.prompts import PromptFormat
+from kvstore.model.adapter import Adapter
+from kvstore.model.options import BuildOptions, SampleOptions, apply_prompt
+from kvstore.store.kvstore import KVStore
+
+N_NEW = 4
+
+
+@pytest.fixture
+def adapter() -> Adapter:
+    return Adapter(*make_tiny_model("llama", dtype=torch.float64))
+
+
+def _rows():
+    contexts = [CORPUS[0], CORPUS[1], CORPUS[0]]
+    questions = ["Who sleeps?", "What is it?", "Where?"]
+    return contexts, questions
+
+
+def test_one_prompt_format_for_build_and_sample_hits_and_equals_the_reference(adapter):
+    fmt = PromptFormat.plain("Read this.\n{context}\nQ: {question}\nA:")
+    contexts, questions = _rows()
+    with KVStore("memory://", chunk_tokens=8) as store:
+        report = adapter.build(contexts, store, prompt=fmt)
+        assert report.built == 2
+        got = adapter.sample(contexts, questions, store=store, prompt=fmt, num_new_tokens=N_NEW, stop_at_eos=False)
+    assert all(got.cache_hit) and got.prefill_tokens_computed == 0
+    ref = adapter.sample(contexts, questions, prompt=fmt, use_cache=False, num_new_tokens=N_NEW, stop_at_eos=False)
+    assert torch.equal(got.tokens, ref.tokens)
+    # the same as spelling the format out by hand, as the CLI used to
+    by_hand = adapter.greedy_sample(
+        [fmt.context_part(c) for c in contexts], [fmt.question_part(q) for q in questions], N_NEW, use_cache=False,
+        special_tokens=fmt.add_special_tokens, prefix=fmt.head, stop_at_eos=False,
+    )  # fmt: skip
+    assert torch.equal(by_hand, ref.tokens)
+
+
+def test_a_prompt_format_with_another_head_misses(adapter):
+    contexts, questions = _rows()
+    with KVStore("memory://", chunk_tokens=8) as store:
+        adapter.build(contexts, store, prompt=PromptFormat.plain("Read this.\n{context}\nQ: {question}\nA:"))
+        other = PromptFormat.plain("Read that.\n{context}\nQ: {question}\nA:")
+        got = adapter.sample(contexts, questions, store=store, prompt=other, num_new_tokens=N_NEW)
+    assert not any(got.cache_hit)
+
+
+def test_prompt_and_its_parts_together_are_refused(adapter):
+    fmt = PromptFormat.plain()
+    with pytest.raises(ValueError, match="not both"):
+        adapter.sample(["a b"], ["c"], prompt=fmt, prefix="a", use_cache=False)
+    with pytest.raises(ValueError, match="not both"):
+        apply_prompt(fmt, ["a"], special_tokens=False)
+    with pytest.raises(TypeError, match="token ids"):
+        adapter.sample([[5, 6]], ["c"], prompt=fmt, use_cache=False)
+
+
+def test_options_objects_and_overrides(adapter):
+    contexts, questions = _rows()
+    opts = SampleOptions(num_new_tokens=N_NEW, stop_at_eos=False, use_cache=False)
+    a = adapter.sample(contexts, questions, opts)
+    b = adapter.sample(contexts, questions, opts, batch_size=1)  # a field named in the call overrides
+    c = adapter.greedy_sample(contexts, questions, N_NEW, use_cache=False, stop_at_eos=False)  # the research call
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.tokens, c)
+    assert SampleOptions.of(opts, batch_size=2).batch_size == 2 and opts.batch_size == 8
+    with pytest.raises(TypeError, match="unknown SampleOptions field"):
+        adapter.sample(contexts, questions, opts, batchsize=2)
+    with pytest.raises(TypeError, match="must be a SampleOptions"):
+        adapter.sample(contexts, questions, BuildOptions())
+    with pytest.raises(ValueError, match="steps must be one of"):
+        SampleOptions(steps="fast")
+    with pytest.raises(ValueError, match="at least 1"):
+        SampleOptions(num_new_tokens=0)
+    with KVStore("memory://", chunk_tokens=8) as store:
+        report = adapter.generate_kv_cache(contexts, store, shard=(0, 2))  # legacy keywords become BuildOptions
+        assert report.distinct + report.other_shards == 2
+        with pytest.raises(ValueError, match="0 <= I < N"):
+            adapter.build(contexts, store, BuildOptions(shard=(2, 2)))
+
+
+def test_load_ahead_is_an_option_not_a_global(adapter, monkeypatch):
+    """``load_ahead=False`` loads every batch in turn on the caller's thread; the answers agree."""
+    import threading
+
+    from kvstore.model import decode
+
+    threads: list[str] = []
+    real = decode.load_batch
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "load_batch", spy)
+    contexts, questions = _rows()
+    with KVStore("memory://", chunk_tokens=8) as store:
+        adapter.build(contexts, store)
+        on = adapter.sample(contexts, questions, store=store, batch_size=1, num_new_tokens=N_NEW)
+        ahead = list(threads)
+        threads.clear()
+        off = adapter.sample(contexts, questions, store=store, batch_size=1, num_new_tokens=N_NEW, load_ahead=False)
+    assert torch.equal(on.tokens, off.tokens)
+    assert any(t.startswith("kvstore-load") for t in ahead)
+    assert threads and not any(t.startswith("kvstore-load") for t in threads)
