@@ -216,7 +216,7 @@ SUITES: tuple[Suite, ...] = (
           tuple(f"e2e_{p}" for p in ("main", "overhead", "sweep", "variants", "loadahead", "cold")), convert=e2e,
           raw=("e2e.json",)),
     Suite("e2e_overhead_split", "Build overhead with the default codec zstd-split:1:16",
-          ("experiments/bench_e2e.py", "--parts", "overhead", "--overhead-contexts", "6", "--overhead-repeats", "2"),
+          ("experiments/bench_e2e.py", "--parts", "overhead", "--overhead-contexts", "16", "--overhead-repeats", "3"),
           ("e2e_overhead_split",), convert=e2e_overhead_split, raw=("e2e.json",)),
     Suite("quant", "Lossy codecs: quality gate (float32 model)", ("experiments/bench_quant.py",), ("quant",)),
     Suite("quant_bf16", "Lossy codecs: quality gate (bfloat16 model)",
