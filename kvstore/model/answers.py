@@ -59,7 +59,7 @@ def answer(adapter: ModelHandle, bufs: Buffers, spans: Sequence[tuple[int, int]]
             input_ids=input_ids.to(dev),
             attention_mask=mask[:, : P + Q],
             position_ids=pos.to(dev),
-            past_key_values=cache,
+            **{adapter.layout.cache_arg: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -98,7 +98,7 @@ def reference_split(adapter: ModelHandle, c_ids, q_ids, N, stop: Stop, return_sc
         input_ids=input_ids.to(dev),
         attention_mask=mask.to(dev),
         position_ids=torch.arange(L, device=dev).expand(B, L),
-        past_key_values=PreallocatedCache(bufs, 0),
+        **{adapter.layout.cache_arg: PreallocatedCache(bufs, 0)},
         use_cache=True,
         logits_to_keep=1,
     )

@@ -296,8 +296,8 @@ def extend(adapter: ModelHandle, prefixes: Sequence[LayerKV], rests: Sequence[Se
         input_ids[i, S - s :] = torch.as_tensor(rest, dtype=torch.long)
     cache = PreallocatedCache(bufs, L)
     adapter.model(
-        input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), past_key_values=cache,
-        use_cache=True, logits_to_keep=1,
+        input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+        **{adapter.layout.cache_arg: cache}, use_cache=True, logits_to_keep=1,
     )  # fmt: skip
     return [tuple((kb[i, :, L + S - s :], vb[i, :, L + S - s :]) for kb, vb in bufs) for i, s in enumerate(sizes)]
 

@@ -401,7 +401,7 @@ def decode_reference(adapter: ModelHandle, full_ids, N, stop: Stop, return_score
         input_ids=input_ids.to(dev),
         attention_mask=mask[:, :L],
         position_ids=torch.arange(L, device=dev).expand(B, L),
-        past_key_values=cache,
+        **{adapter.layout.cache_arg: cache},
         use_cache=True,
         logits_to_keep=torch.tensor([[n - 1] for n in lens], device=dev),
     )

@@ -79,7 +79,7 @@ def prefill(adapter: ModelHandle, batch: Sequence[Sequence[int]]) -> list[LayerK
             input_ids=input_ids[:, a:b],
             attention_mask=mask[:, :b],
             position_ids=torch.arange(a, b, device=dev).expand(B, b - a),
-            past_key_values=cache,
+            **{adapter.layout.cache_arg: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -152,7 +152,7 @@ def greedy_loop(
             input_ids=nxt[:, None],
             attention_mask=mask[:, : first_slot + t + 1],
             position_ids=(next_pos + t)[:, None],
-            past_key_values=cache,
+            **{adapter.layout.cache_arg: cache},
             use_cache=True,
             logits_to_keep=1,
         )

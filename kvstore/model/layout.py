@@ -99,8 +99,8 @@ class CacheLayout:
     """How a model's cache is stored and handed back (see the module docstring).
 
     ``dense``: every layer ``attn`` (kvstore's original path); ``mask_dict``: the model takes
-    ``{layer_type: mask}``; ``cache_arg``: the forward's cache keyword (``cache_params`` for
-    Mamba and Mamba-2); ``single_step``: after a stored state the mixer must see one token per
+    ``{layer_type: mask}``; ``cache_arg``: the forward's cache keyword
+    (:func:`cache_keyword`); ``single_step``: after a stored state the mixer must see one token per
     forward; ``attn``: the attention implementation (masks are bool for sdpa, additive for eager)."""
 
     layers: tuple[LayerLayout, ...]
@@ -156,6 +156,18 @@ def _window(cfg: Any, kind: str) -> int | None:
 
 
 @torch.inference_mode()
+def cache_keyword(model: Any) -> str:
+    """The keyword ``model.forward`` takes its cache under: ``cache`` from transformers 5.24 (which
+    warns on ``past_key_values``, and whose Mamba ignores a cache given under an older name),
+    ``cache_params`` for Mamba and Mamba-2 before it, else ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "cache_params" in params and "past_key_values" not in params:
+        return "cache_params"
+    return "past_key_values"
+
+
 def cache_layout(model: Any, pad_id: int = 0) -> CacheLayout:
     """The :class:`CacheLayout` of a loaded model. Dense models are read from the config alone;
     the others run one one-token forward to read each layer's key/value and state shapes.
@@ -166,10 +178,10 @@ def cache_layout(model: Any, pad_id: int = 0) -> CacheLayout:
     kinds = list(family.kinds)
     attn = str(getattr(config, "_attn_implementation", None) or "eager")
     if set(kinds) <= {ATTN}:
-        return CacheLayout(tuple(LayerLayout(ATTN) for _ in kinds), attn=attn)
+        return CacheLayout(tuple(LayerLayout(ATTN) for _ in kinds), attn=attn, cache_arg=cache_keyword(model))
     device = next(model.parameters()).device
     out = model(input_ids=torch.tensor([[pad_id]], device=device), use_cache=True)
-    cache = getattr(out, "past_key_values", None) or getattr(out, "cache_params", None)
+    cache = next((c for c in (getattr(out, n, None) for n in ("cache", "past_key_values", "cache_params")) if c), None)
     cache_layers = list(getattr(cache, "layers", None) or [])
     what = family.model_type or type(model).__name__
     if len(cache_layers) != len(kinds):
@@ -206,12 +218,10 @@ def cache_layout(model: Any, pad_id: int = 0) -> CacheLayout:
             f"{what}: its layers need different attention masks but its forward takes only one; kvstore cannot "
             "mask them exactly, so it refuses it"
         )
-    params = inspect.signature(model.forward).parameters
-    cache_arg = "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
     return CacheLayout(
-        tuple(layers), dense=False, mask_dict=mask_dict, cache_arg=cache_arg,
+        tuple(layers), dense=False, mask_dict=mask_dict, cache_arg=cache_keyword(model),
         single_step=family.model_type in SINGLE_STEP_TYPES, attn=attn,
     )  # fmt: skip
 
 
-__all__ = ["MASK_KEYS", "STATE_MASK_KEYS", "STATE_NAMES", "CacheLayout", "LayerLayout", "cache_layout"]
+__all__ = ["MASK_KEYS", "STATE_MASK_KEYS", "STATE_NAMES", "CacheLayout", "LayerLayout", "cache_keyword", "cache_layout"]

@@ -303,7 +303,7 @@ def _score_cached(
             with hooks.running(v, adapter.model):
                 out = adapter.model(
                     input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-                    past_key_values=cache, use_cache=True, logits_to_keep=0,
+                    **{adapter.layout.cache_arg: cache}, use_cache=True, logits_to_keep=0,
                 )  # fmt: skip
             for r, i in enumerate(batch):
                 total, greedy, per_token = gather(out.logits[r, : len(cont[i])], cont[i], token_logprobs)

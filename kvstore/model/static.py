@@ -75,14 +75,14 @@ class FixedCache(Cache):
         Cache.__init__(self, layers=[FixedLayer(k, v, filled) for k, v in buffers])
 
 
-def _step(model: torch.nn.Module, input_ids, mask, position_ids, cache) -> torch.Tensor:
+def _step(model: torch.nn.Module, cache_arg: str, input_ids, mask, position_ids, cache) -> torch.Tensor:
     out = model(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **{cache_arg: cache},
     )
     return out.logits[:, -1]
 
@@ -90,8 +90,9 @@ def _step(model: torch.nn.Module, input_ids, mask, position_ids, cache) -> torch
 def step_function(adapter: ModelHandle, compiled: bool) -> Callable[..., torch.Tensor]:
     """The model's fixed-shape step; compiled once per model (``torch.compile`` keeps a graph per
     shape underneath)."""
+    cache_arg = adapter.layout.cache_arg
     if not compiled:
-        return lambda *args: _step(adapter.model, *args)
+        return lambda *args: _step(adapter.model, cache_arg, *args)
     attention.install()  # compiled CPU steps attend to grouped KV heads without repeating them
     with _lock:
         fn = _compiled.get(adapter.model)
@@ -100,7 +101,7 @@ def step_function(adapter: ModelHandle, compiled: bool) -> Callable[..., torch.T
             if getattr(dynamo, "recompile_limit", RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
                 dynamo.recompile_limit = RECOMPILE_LIMIT
             model = adapter.model
-            fn = torch.compile(lambda *args: _step(model, *args), dynamic=False)
+            fn = torch.compile(lambda *args: _step(model, cache_arg, *args), dynamic=False)
             _compiled[adapter.model] = fn
     return fn
 

@@ -100,7 +100,7 @@ def _patched_forward(model, edit):
     original = model.forward
 
     def forward(*args, **kwargs):
-        past = kwargs.get("past_key_values")
+        past = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 5.24 names it cache
         if past is not None and past.get_seq_length() > 0:
             edit(kwargs)
         return original(*args, **kwargs)
