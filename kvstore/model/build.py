@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.errors import ContextTooLongError
-from kvstore.model import chains, contexts
+from kvstore.model import chains
 from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import LayerKV
 from kvstore.model.chains import ContextPlan
@@ -91,18 +91,24 @@ def compute(
     batch_size: int, max_batch_tokens: int | None, progress: Progress | None, count: bool = True,
 ) -> None:  # fmt: skip
     """Compute and write ``(plan, depth)`` jobs: each plan's chunks from ``depth`` on, then (when
-    ``count``: they are contexts, not shared prefixes) its record. Jobs with nothing stored are
-    prefilled; the others extend their stored prefix."""
-    if not adapter.layout.dense:  # windows and recurrent states: stored per layer as the model needs them
-        args = (batch_size, max_batch_tokens, progress, count, _account)
-        return contexts.compute_jobs(adapter, store, jobs, writer, report, *args)
+    ``count``: they are contexts, not shared prefixes) its record, the way the model's cache path
+    does it (:mod:`kvstore.model.paths`)."""
+    adapter.path.compute(adapter, store, jobs, writer, report, batch_size, max_batch_tokens, progress, count)
+
+
+def compute_dense(
+    adapter: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer, report: BuildReport,
+    batch_size: int, max_batch_tokens: int | None, progress: Progress | None, count: bool = True,
+) -> None:  # fmt: skip
+    """:func:`compute` for full-attention models: jobs with nothing stored are prefilled in
+    batches; the others extend their stored prefix."""
     fresh = [(p, d) for p, d in jobs if d == 0]
     lengths = [p.n_tokens for p, _ in fresh]
     for batch in batches(sorted(range(len(fresh)), key=lambda i: lengths[i]), lengths, batch_size, max_batch_tokens):
         rows = prefill(adapter, [fresh[i][0].ids for i in batch])
         for i, layers in zip(batch, rows):
             writer.put_chunks(adapter, fresh[i][0], layers, record=count)
-        _account(report, [fresh[i][0].n_tokens for i in batch], count, progress)
+        account(report, [fresh[i][0].n_tokens for i in batch], count, progress)
     partial = [(p, d) for p, d in jobs if d > 0]
     rest = [p.n_tokens - p.spans[d - 1][1] for p, d in partial]
     sizes = [p.n_tokens for p, _ in partial]
@@ -112,7 +118,9 @@ def compute(
             plan, depth = partial[i]
             kv = load_prefix_kv(adapter, store, plan, depth)
             if kv is None:  # the prefix went away meanwhile: compute the whole context
-                compute(adapter, store, [(plan, 0)], writer, report, batch_size, max_batch_tokens, progress, count)
+                compute_dense(
+                    adapter, store, [(plan, 0)], writer, report, batch_size, max_batch_tokens, progress, count
+                )
                 continue
             prefixes.append(kv)
             todo.append(i)
@@ -123,10 +131,10 @@ def compute(
                 writer.put_chunks(adapter, partial[i][0], layers, partial[i][1], s, record=count)
             if count:
                 report.tokens_reused += sum(starts)
-            _account(report, [rest[i] for i in todo], count, progress)
+            account(report, [rest[i] for i in todo], count, progress)
 
 
-def _account(report: BuildReport, tokens: Sequence[int], count: bool, progress: Progress | None) -> None:
+def account(report: BuildReport, tokens: Sequence[int], count: bool, progress: Progress | None) -> None:
     report.tokens += sum(tokens)
     if count:
         report.built += len(tokens)
@@ -256,7 +264,9 @@ __all__ = [
     "Writer",
     "batches",
     "build_caches",
+    "account",
     "compute",
+    "compute_dense",
     "in_shard",
     "load_v1",
     "prefill",

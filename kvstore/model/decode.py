@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.errors import ContextTooLongError, ModelError
-from kvstore.model import chains, contexts, hooks
+from kvstore.model import chains, hooks
 from kvstore.model.answers import answer, fixed_steps, reference_split
 from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
@@ -114,7 +114,7 @@ def sample_variants(
     split = hooked or len(variants) > 1  # the reference prefills contexts apart from the answers
     hooks.check_steps(variants, steps)
     stop = Stop(options.stop_at_eos, tuple(s for s in options.stop_strings if s), steps)
-    if steps != "dynamic" and not adapter.layout.dense:
+    if steps != "dynamic" and not adapter.path.supports("compile"):
         raise ValueError(
             f"compiled decoding supports models whose every layer is full attention; {adapter.name} has "
             "sliding-window, chunked or state layers (decode it without compile)"
@@ -122,7 +122,7 @@ def sample_variants(
     if len(contexts) != len(questions):
         raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
     adapter.check_supported(store if use_cache else None)
-    if split and not adapter.layout.dense:
+    if split and not adapter.path.supports("hooks"):
         raise ModelError(
             f"{adapter.name}: generation contexts, decode attention and variant sweeps are for models whose every "
             "layer is full attention; this one has sliding-window, chunked or state layers"
@@ -206,7 +206,9 @@ def sample_variants(
     sizes = [len(c_ids[i]) + len(q_ids[i]) + num_new_tokens for i in range(n)]
     todo = list(batches(order, sizes, batch_size, max_batch_tokens))
     # the next batch's stored prefixes load on a worker while this batch decodes
-    overlap = options.load_ahead and use_cache and store is not None and adapter.layout.dense and len(todo) > 1
+    overlap = (
+        options.load_ahead and use_cache and store is not None and adapter.path.supports("load_ahead") and len(todo) > 1
+    )
     loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if overlap else None
 
     def load_ahead(rows: list[int]) -> Future[Loaded] | None:
@@ -291,15 +293,16 @@ def load_batch(adapter: ModelHandle, plans, q_ids, N, store, stop: Stop) -> Load
 @torch.inference_mode()
 def decode_cached(adapter: ModelHandle, plans, q_ids, N, store, writer, stop: Stop, return_scores,
                   variants: Sequence[Variant] = (hooks.DENSE,), ahead: Loaded | None = None):  # fmt: skip
-    """One batch from stored caches (see the module docstring). Returns ``(answers, cached tokens
-    per row, context tokens computed, codec labels per row)``, ``answers`` holding ``(tokens,
-    scores, seconds)`` per variant. ``ahead``: this batch's :func:`load_batch`, done already."""
-    if not adapter.layout.dense:  # windowed, state-space, hybrid: position masks, stored states
-        t0 = time.perf_counter()
-        tokens, scores, got, computed, labels = contexts.decode_cached(
-            adapter, plans, q_ids, N, store, writer, stop, return_scores
-        )
-        return [(tokens, scores, time.perf_counter() - t0)], got, computed, labels
+    """One batch from stored caches, the way the model's cache path answers
+    (:mod:`kvstore.model.paths`). Returns ``(answers, cached tokens per row, context tokens
+    computed, codec labels per row)``, ``answers`` holding ``(tokens, scores, seconds)`` per
+    variant. ``ahead``: this batch's :func:`load_batch`, done already (dense models)."""
+    return adapter.path.decode_cached(adapter, plans, q_ids, N, store, writer, stop, return_scores, variants, ahead)
+
+
+def decode_cached_dense(adapter: ModelHandle, plans, q_ids, N, store, writer, stop: Stop, return_scores,
+                        variants: Sequence[Variant] = (hooks.DENSE,), ahead: Loaded | None = None):  # fmt: skip
+    """:func:`decode_cached` for full-attention models (see the module docstring)."""
     c_len = [p.n_tokens for p in plans]
     P, Q = max(c_len), max(len(q) for q in q_ids)
     if Q == 0:
@@ -378,8 +381,14 @@ def _fill_pads_and_repeats(bufs: Buffers, rows_of: dict[str, list[int]], c_len: 
 
 @torch.inference_mode()
 def decode_reference(adapter: ModelHandle, full_ids, N, stop: Stop, return_scores):
-    if not adapter.layout.dense:
-        return contexts.decode_reference(adapter, full_ids, N, stop, return_scores)
+    """Each row's context and question through the model together (no cache), then ``N`` greedy
+    steps, the way the model's cache path lays rows out. Returns ``(tokens, scores)``."""
+    return adapter.path.decode_reference(adapter, full_ids, N, stop, return_scores)
+
+
+@torch.inference_mode()
+def decode_reference_dense(adapter: ModelHandle, full_ids, N, stop: Stop, return_scores):
+    """:func:`decode_reference` for full-attention models."""
     B = len(full_ids)
     lens = [len(x) for x in full_ids]
     L = max(lens)

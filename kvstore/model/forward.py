@@ -66,7 +66,7 @@ def prefill(adapter: ModelHandle, batch: Sequence[Sequence[int]]) -> list[LayerK
         input_ids[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         mask[i, : len(ids)] = 1
     piece = adapter.prefill_piece
-    chunked = bool(piece) and L > piece and adapter.layout.dense
+    chunked = bool(piece) and L > piece and adapter.path.supports("chunked_prefill")
     # pieces write into buffers allocated once; one forward keeps the tensors the model returns
     cache: Any = DynamicCache()
     if chunked:

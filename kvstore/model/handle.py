@@ -23,6 +23,7 @@ from kvstore.model.cache import KVShape, LayerKV
 from kvstore.model.chains import ContextPlan
 from kvstore.model.identity import model_fingerprint
 from kvstore.model.layout import CacheLayout, cache_layout
+from kvstore.model.paths import CachePath, path_for
 from kvstore.model.rope import rotary_of, rotary_refusal
 from kvstore.store.codecs.prerope import Rotary, needs_rotary
 from kvstore.store.entry import Entry
@@ -216,8 +217,8 @@ class ModelHandle:
         reason = families.refusal(self.model.config)
         if reason is not None:
             raise ModelError(reason)
-        layout = self.layout  # a windowed or recurrent model is probed once here; raises ModelError
-        if store is not None and not store.codec.lossless and not layout.dense:
+        path = self.path  # a windowed or recurrent model is probed once here (its layout); raises ModelError
+        if store is not None and not store.codec.lossless and not path.supports("lossy"):
             raise ModelError(
                 f"lossy codec {store.codec.spec} is only for models whose every layer is full attention "
                 f"(this {self.model.config.model_type} model has windowed or recurrent layers); use a lossless codec"
@@ -235,6 +236,12 @@ class ModelHandle:
         if self._layout is None:
             self._layout = cache_layout(self.model, self.pad_id)
         return self._layout
+
+    @property
+    def path(self) -> CachePath:
+        """How this model's cache is stored and reused (:mod:`kvstore.model.paths`): chosen once,
+        from :attr:`layout`."""
+        return path_for(self.layout.dense)
 
     def kv_shapes(self) -> list[KVShape]:
         """Per layer (kv_heads, key head_dim, value head_dim), from one tiny forward."""
@@ -306,7 +313,7 @@ class ModelHandle:
         """Run the model over a batch of token-id lists (right-padded together); per row, the
         per-layer ``(keys, values)`` ``[kv_heads, n_i, head_dim]`` of its own tokens only.
         Dense (full-attention) models only: raises ModelError for the others."""
-        if not self.layout.dense:
+        if not self.path.supports("prefill"):
             raise ModelError(f"{self.name}: prefill gives full-attention keys and values; use generate_kv_cache")
         return forward.prefill(self, batch)
 

@@ -220,12 +220,12 @@ def _score_many(
         raise ValueError("batch_size must be at least 1")
     adapter.check_supported(store if use_cache else None)
     hooked = [v for v in chosen if not v.dense]
-    if hooked and not adapter.layout.dense:
+    if hooked and not adapter.path.supports("hooks"):
         raise ModelError(
             f"generation contexts and decode attention need a model whose every layer is full attention; "
             f"{adapter.name} ({adapter.model.config.model_type}) has sliding-window, chunked or state layers"
         )
-    if use_cache and not adapter.layout.dense:
+    if use_cache and not adapter.path.supports("scoring"):
         raise ModelError(
             f"scoring from stored caches supports models whose every layer is full attention; {adapter.name} "
             f"({adapter.model.config.model_type}) has sliding-window, chunked or state layers: score it without the "
