@@ -65,6 +65,7 @@ from kvstore.store.header import (
     MAGIC,
     MAX_ENTRY_HEADER,
     STATE_NAME,
+    STORE_FORMAT,
     TRAILER_BYTES,
     EntryHeader,
     LayerSpec,
@@ -222,8 +223,9 @@ def _layer_specs(
 
 
 def encode_entry(entry: Entry, codec: Codec | str | None = None) -> bytes:
-    """Serialize ``entry`` in the current format (2). Returns the bytes to store. Raises
-    ValueError for layers of inconsistent shapes or dtypes."""
+    """Serialize ``entry`` in the format its codec needs (:attr:`Codec.entry_format`: 2, or 3 for
+    the ``zstd-split`` packing and the ``int4r``/``int8r`` quantizers). Returns the bytes to store.
+    Raises ValueError for layers of inconsistent shapes or dtypes."""
     codec = with_rotary(get_codec(codec), entry.rotary)
     ids = torch.as_tensor(entry.token_ids, dtype=torch.int64).reshape(-1).cpu()
     n_tokens = int(ids.numel())
@@ -233,7 +235,7 @@ def encode_entry(entry: Entry, codec: Codec | str | None = None) -> bytes:
     tensors.append(("token_ids", ids, None))
     created = time.time() if entry.created is None else entry.created
     facts: dict[str, Any] = {
-        "format": FORMAT_VERSION,
+        "format": codec.entry_format,
         "key": entry.key,
         "parent": entry.parent,
         "model": entry.model,
@@ -323,6 +325,7 @@ def decode_entry(
 
 __all__ = [
     "FORMAT_VERSION",
+    "STORE_FORMAT",
     "KV_KINDS",
     "MAGIC",
     "MAX_COMPRESSION_RATIO",

@@ -18,7 +18,11 @@ from kvstore.layer_kinds import ATTN, FULL_KV_KINDS, KINDS, KV_KINDS, STATE_KIND
 from kvstore.store.codecs import codec_from_params
 from kvstore.store.keyspace import is_key
 
-FORMAT_VERSION = 2
+# The newest entry format this kvstore reads: 2 (chains of chunks) and 3 (the same layout, written
+# by entries whose codec a format-2 reader does not know: zstd-split, int4r, int8r). The store's own
+# layout (meta, e/, r/, a/) is STORE_FORMAT, unchanged since format 2.
+FORMAT_VERSION = 3
+STORE_FORMAT = 2
 MAGIC = b"\x89KVS\r\n\x1a\n"
 _PREFIX = len(MAGIC) + 4
 TRAILER_BYTES = 8
@@ -253,6 +257,7 @@ def verify_checksum(buf: bytes | memoryview) -> None:
 
 __all__ = [
     "FORMAT_VERSION",
+    "STORE_FORMAT",
     "MAGIC",
     "MAX_ENTRY_HEADER",
     "TRAILER_BYTES",

@@ -49,8 +49,8 @@ from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import DEFAULT_CODEC, LEGACY_CODEC, Codec, get_codec, identity_of
 from kvstore.store.entry import (
-    FORMAT_VERSION,
     MAX_ENTRY_HEADER,
+    STORE_FORMAT,
     Entry,
     EntryHeader,
     EntryView,
@@ -146,7 +146,7 @@ class KVStore:
         default = codec.spec if codec is not None and codec.lossless else DEFAULT_CODEC
         if raw is None:
             # a new store records its (lossless) codec and chunk size, so a reopen uses them again
-            meta = _Meta(FORMAT_VERSION, default, chunk_tokens or DEFAULT_CHUNK_TOKENS, time.time())
+            meta = _Meta(STORE_FORMAT, default, chunk_tokens or DEFAULT_CHUNK_TOKENS, time.time())
             if self.readonly or self.backend.put_if_absent(META, meta.record()):
                 return meta
             raw = self.backend.get(META)  # another process created the store meanwhile: use its description
@@ -164,14 +164,14 @@ class KVStore:
             raise KVStoreError(
                 f"store {self.url} has an unreadable description record; is it a kvstore store?"
             ) from None
-        if fmt > FORMAT_VERSION:
+        if fmt > STORE_FORMAT:
             raise FormatVersionError(
                 f"store {self.url} was written by format version {fmt}; this kvstore reads up to "
-                f"{FORMAT_VERSION} - upgrade kvstore"
+                f"{STORE_FORMAT} - upgrade kvstore"
             )
-        if fmt < FORMAT_VERSION and not self.readonly:
+        if fmt < STORE_FORMAT and not self.readonly:
             # a format-1 store: its entries stay as they are (and readable); new ones are chunks
-            meta = _Meta(FORMAT_VERSION, meta.codec, DEFAULT_CHUNK_TOKENS, meta.created)
+            meta = _Meta(STORE_FORMAT, meta.codec, DEFAULT_CHUNK_TOKENS, meta.created)
             self.backend.put(META, meta.record())
         return meta
 

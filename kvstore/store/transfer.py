@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from kvstore.errors import CorruptEntryError, FormatVersionError, KVStoreError, StoreNotFoundError
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
-from kvstore.store.entry import FORMAT_VERSION, decode_entry
+from kvstore.store.entry import STORE_FORMAT, decode_entry
 from kvstore.store.keyspace import ENTRY, META, key_of
 
 
@@ -95,16 +95,16 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
     if src_meta is None:
         raise StoreNotFoundError(f"{src_name} holds no kvstore store (no description record)")
     src_format = _format(src_meta, src_name)
-    if src_format > FORMAT_VERSION:
+    if src_format > STORE_FORMAT:
         raise FormatVersionError(
-            f"{src_name} is format {src_format}; this kvstore reads up to {FORMAT_VERSION} - upgrade kvstore"
+            f"{src_name} is format {src_format}; this kvstore reads up to {STORE_FORMAT} - upgrade kvstore"
         )
     dst_meta = None if dst is None else dst.get(META)
     if dst_meta is not None:
         dst_format = _format(dst_meta, dst_name)
-        if dst_format > FORMAT_VERSION:
+        if dst_format > STORE_FORMAT:
             raise FormatVersionError(
-                f"{dst_name} is format {dst_format}; this kvstore writes up to {FORMAT_VERSION} - upgrade kvstore"
+                f"{dst_name} is format {dst_format}; this kvstore writes up to {STORE_FORMAT} - upgrade kvstore"
             )
         if src_format > dst_format:
             raise FormatVersionError(

@@ -203,16 +203,16 @@ def test_store_path_is_a_file(command, tiny_llama_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("command", ["build", "sample"])
 def test_store_from_a_newer_format(command, tiny_llama_dir, tmp_path, capsys):
-    from kvstore.store.entry import FORMAT_VERSION
+    from kvstore.store.entry import STORE_FORMAT
     from kvstore.store.kvstore import KVStore
 
     dataset = write_rows(tmp_path / "data.jsonl", [GOOD])
     store = tmp_path / "store"
     assert run_main(capsys, "build", dataset, "--model", tiny_llama_dir, "--store", store, "--quiet")[0] == 0
     with KVStore(str(store)) as s:
-        s.backend.put(b"meta", json.dumps({"format": FORMAT_VERSION + 1, "codec": "raw", "created": 0}).encode())
+        s.backend.put(b"meta", json.dumps({"format": STORE_FORMAT + 1, "codec": "raw", "created": 0}).encode())
     code, out, err = run_main(capsys, command, dataset, "--model", tiny_llama_dir, "--store", store, "--quiet")
-    assert_error_line(code, out, err, f"format version {FORMAT_VERSION + 1}", "upgrade kvstore")
+    assert_error_line(code, out, err, f"format version {STORE_FORMAT + 1}", "upgrade kvstore")
 
 
 @pytest.fixture

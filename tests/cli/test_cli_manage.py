@@ -20,8 +20,8 @@ from helpers.paths import REPO
 from kvstore.cli.common import emit, parse_duration, parse_size, progress_bar, render_table
 from kvstore.cli.main import app, main
 from kvstore.store.backends import open_backend
-from kvstore.store.codecs import DEFAULT_CODEC
-from kvstore.store.entry import FORMAT_VERSION, Entry
+from kvstore.store.codecs import DEFAULT_CODEC, get_codec
+from kvstore.store.entry import STORE_FORMAT, Entry
 from kvstore.store.kvstore import KVStore
 
 FP_OTHER = "2" * 64
@@ -98,7 +98,8 @@ def test_ls_json_filter_and_sort(store):
     assert [row["key"] for row in rows] == [e.key for e in reversed(entries)]  # largest first
     row = rows[-1]
     assert row["model"] == FP_TINY and row["model_name"] == "tiny" and row["dtype"] == "float32"
-    assert (row["n_tokens"], row["chunks"], row["complete"], row["format"]) == (8, 1, True, 2)
+    fmt = get_codec(DEFAULT_CODEC).entry_format  # zstd-split: format 3
+    assert (row["n_tokens"], row["chunks"], row["complete"], row["format"]) == (8, 1, True, fmt)
     assert row["codec"] == DEFAULT_CODEC and row["stored_bytes"] > 0 and row["raw_bytes"] > 0
     assert row["numerics"] == {"device": "cpu", "attn": "sdpa"}
     chunk = json.loads(invoke("ls", "--store", path, "--chunks", "--format", "json", "--sort", "tokens").stdout)[-1]
@@ -158,7 +159,7 @@ def test_stats(store):
         ("tiny", "float32", DEFAULT_CODEC, "1", "8"),
     ]
     doc = json.loads(invoke("stats", "--store", path, "--format", "json").stdout)
-    assert doc["format"] == FORMAT_VERSION and doc["codec"] == DEFAULT_CODEC
+    assert doc["format"] == STORE_FORMAT and doc["codec"] == DEFAULT_CODEC
     totals = doc["totals"]
     assert totals["contexts"] == totals["entries"] == 4 and totals["n_tokens"] == 80 and totals["corrupt"] == 0
     assert totals["logical_bytes"] == totals["stored_bytes"] and totals["dedupe_ratio"] == 1.0
@@ -350,7 +351,7 @@ def test_store_path_is_a_file(cmd, tmp_path, capsys):
 def test_future_format_store(store, capsys):
     path, entries = store
     with KVStore(path) as s:
-        s.backend.put(b"meta", json.dumps({"format": FORMAT_VERSION + 1, "codec": "raw", "created": 0}).encode())
+        s.backend.put(b"meta", json.dumps({"format": STORE_FORMAT + 1, "codec": "raw", "created": 0}).encode())
     for cmd in COMMANDS:
         code, out, err = run_main(capsys, *cmd, "--store", path)
         assert code == 1 and len(err.splitlines()) == 1 and "upgrade kvstore" in err, cmd

@@ -292,12 +292,12 @@ def split_facts(blob: bytes) -> dict:
 
 
 def _file(name: str) -> Path:
-    return GOLDEN / f"entry_v2_{name}.kvs"
+    return GOLDEN / f"entry_v3_{name}.kvs"
 
 
 @pytest.fixture(scope="module")
 def golden() -> dict:
-    path = GOLDEN / "format_v2_split.json"
+    path = GOLDEN / "format_v3_split.json"
     if REGEN:
         facts = {"zstd_version": zstandard.ZSTD_VERSION, "entries": {}}
         for name, make in GOLDEN_SPLIT.items():
@@ -352,3 +352,29 @@ def test_codecs_package_has_no_import_cycle():
 
     cycles = [m for m in graph if reaches(m, m, {m})]
     assert not cycles, f"import cycle through {cycles}"
+
+
+@pytest.mark.parametrize(
+    ("codec", "fmt"),
+    [("raw", 2), ("zstd-shuffle:1", 2), ("zstd:3", 2), ("int8", 2), ("int4+zstd-shuffle:1", 2),
+     ("zstd-split:1:16", 3), ("zstd-split:1", 3), ("int8+zstd-split:1", 3)],
+)  # fmt: skip
+def test_an_entry_is_written_in_the_format_its_codec_came_with(codec, fmt):
+    """Codecs a format-2 reader knows keep writing format 2 (its golden files are unchanged);
+    zstd-split (and int4r/int8r: tests/store/test_prerope.py) write format 3."""
+    header, _ = split(golden_entry(torch.float32, codec))
+    assert header["format"] == fmt and get_codec(codec).entry_format == fmt
+
+
+def test_a_reader_of_format_2_refuses_a_format_3_entry_instead_of_taking_it_for_corrupt(monkeypatch):
+    """What the previous release does with a zstd-split entry: FormatVersionError ("upgrade
+    kvstore"), which its loads raise and its puts leave in place, where an unknown codec in a
+    format-2 entry would have been a CorruptEntryError (a miss, recomputed and overwritten)."""
+    from kvstore.errors import FormatVersionError
+    from kvstore.store import header as header_mod
+
+    blob = golden_entry(torch.float32, "zstd-split:1:16")
+    assert decode_entry(blob).header.format == 3
+    monkeypatch.setattr(header_mod, "FORMAT_VERSION", 2)
+    with pytest.raises(FormatVersionError, match="format version 3; this kvstore reads up to 2 - upgrade kvstore"):
+        decode_entry(blob)

@@ -393,8 +393,8 @@ def _facts(spec: str) -> dict:
 
 @pytest.mark.parametrize("spec", GOLDEN_SPECS)
 def test_golden_prerope_entries(spec):
-    path = GOLDEN / "format_v2_prerope.json"
-    file = GOLDEN / f"entry_v2_{spec.replace(':', '-').replace('/', '-')}.kvs"
+    path = GOLDEN / "format_v3_prerope.json"
+    file = GOLDEN / f"entry_v3_{spec.replace(':', '-').replace('/', '-')}.kvs"
     if REGEN:
         facts = json.loads(path.read_text()) if path.exists() else {}
         facts[spec] = _facts(spec)
@@ -425,3 +425,9 @@ def test_cli_build_and_sample_with_int4r(tiny_llama_dir, tmp_path, capsys):
     code, out, err = run_main(capsys, "sync", store, tmp_path / "other", "--codec", "int8r")
     assert code == 1 and "rotary" in err and err.count("\n") == 1
     assert not (tmp_path / "other").exists() or run_main(capsys, "ls", "--store", tmp_path / "other")[0] == 0
+
+
+def test_pre_rope_codecs_write_format_3():
+    """A format-2 reader does not know int4r/int8r: their entries say format 3 (it refuses them)."""
+    assert get_codec("int4r").entry_format == get_codec("int8r+zstd:1").entry_format == 3
+    assert _facts("int4r")["header"]["format"] == 3

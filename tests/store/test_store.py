@@ -23,7 +23,7 @@ from kvstore.errors import (
 )
 from kvstore.store import scan
 from kvstore.store.codecs import DEFAULT_CODEC
-from kvstore.store.entry import FORMAT_VERSION, Entry, EntryHeader, LayerSpec
+from kvstore.store.entry import STORE_FORMAT, Entry, EntryHeader, LayerSpec
 from kvstore.store.gc import execute_plan, plan_gc
 from kvstore.store.keys import cache_key, chain_keys, chain_seed
 from kvstore.store.kvstore import KVStore
@@ -134,11 +134,11 @@ def test_reopen_keeps_entries_and_meta(url):
         for e in entries:
             s.put(e)
         meta = s.meta
-    assert meta.format == FORMAT_VERSION and meta.codec == "zstd:5" and meta.chunk_tokens == 512
+    assert meta.format == STORE_FORMAT and meta.codec == "zstd:5" and meta.chunk_tokens == 512
     with KVStore(url) as s:  # a restart: nothing but the store itself says how it was made
         assert s.meta == meta
         assert s.codec.spec == "zstd:5"
-        assert s.format == FORMAT_VERSION
+        assert s.format == STORE_FORMAT
         assert all(same(s.get(e.key), e) for e in entries)
         s.put(make_entry(seed=7))
         assert s.header(make_entry(seed=7).key).codec_spec == "zstd:5"
@@ -149,7 +149,7 @@ def test_reopen_keeps_entries_and_meta(url):
 def test_future_store_format_is_refused(url):
     with KVStore(url) as s:
         s.put(make_entry())
-        s.backend.put(b"meta", json.dumps({"format": FORMAT_VERSION + 1, "codec": "raw", "created": 0}).encode())
+        s.backend.put(b"meta", json.dumps({"format": STORE_FORMAT + 1, "codec": "raw", "created": 0}).encode())
     for readonly in (False, True):
         with pytest.raises(FormatVersionError, match="upgrade kvstore"):
             KVStore(url, readonly=readonly)
@@ -322,7 +322,7 @@ def info_of(*entries: EntryInfo, corrupt: tuple[CorruptInfo, ...] = ()) -> Store
     access = {e.key: e.last_access for e in entries if e.last_access is not None}
     contexts = tuple(scan._context(e.key, (e.key,), e.n_tokens, e.created, by_key, access) for e in entries)
     refs = {e.key: 1 for e in entries}
-    return StoreInfo("memory://plan", FORMAT_VERSION, "zstd-shuffle:1", 0.0, tuple(entries), corrupt, None, False,
+    return StoreInfo("memory://plan", STORE_FORMAT, "zstd-shuffle:1", 0.0, tuple(entries), corrupt, None, False,
                      contexts, 256, refs)  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from helpers.entries import encode, kv_layers
 from kvstore.cli.main import app
 from kvstore.errors import FormatVersionError
 from kvstore.store.backends import open_backend
-from kvstore.store.entry import FORMAT_VERSION
+from kvstore.store.entry import STORE_FORMAT
 from kvstore.store.kvstore import KVStore
 from kvstore.store.transfer import execute_sync, plan_sync, sync
 
@@ -109,12 +109,12 @@ def test_description_rules(tmp_path):
         older.put(b"meta", json.dumps({"format": 0, "codec": "raw"}).encode())
         with pytest.raises(FormatVersionError, match="sync into a new store"):
             plan_sync(src, older)
-        older.put(b"meta", json.dumps({"format": FORMAT_VERSION, "codec": "raw"}).encode())
+        older.put(b"meta", json.dumps({"format": STORE_FORMAT, "codec": "raw"}).encode())
         plan = plan_sync(src, older)
         assert plan.meta == "keep" and len(plan.missing) == 2
         execute_sync(plan, src, older)
         assert json.loads(older.get(b"meta"))["codec"] == "raw"  # DST keeps its own description
-        older.put(b"meta", json.dumps({"format": FORMAT_VERSION + 1}).encode())
+        older.put(b"meta", json.dumps({"format": STORE_FORMAT + 1}).encode())
         with pytest.raises(FormatVersionError, match="upgrade kvstore"):
             plan_sync(src, older)
     finally:

@@ -106,25 +106,37 @@ _PACKINGS: dict[str, Callable[[str], Packing]] = {}
 _FROM_PARAMS: dict[str, Callable[[Mapping], Packing]] = {}
 # quantizer name -> the quantizer described by a header's quant params (when args are not enough)
 _QUANT_FROM_PARAMS: dict[str, Callable[[Mapping], Quantizer]] = {}
+# The entry format that chains of chunks started with (2), and the format each later quantizer or
+# packing came with: an entry is written in the newest format among its codec's parts, so that a
+# kvstore that does not know a part refuses the entry ("upgrade kvstore") instead of taking it for
+# corrupt (which would make it recompute and overwrite the entry, or let gc remove it).
+BASE_FORMAT = 2
+_SINCE: dict[tuple[str, str], int] = {}
 
 
 def register_quantizer(
-    name: str, factory: Callable[[str], Quantizer], *, from_params: Callable[[Mapping], Quantizer] | None = None
-) -> None:
+    name: str, factory: Callable[[str], Quantizer], *, from_params: Callable[[Mapping], Quantizer] | None = None,
+    since: int = BASE_FORMAT,
+) -> None:  # fmt: skip
     """Make ``name[:ARGS]`` a quantizer spec; ``factory(ARGS)`` builds it (``""`` when none given)
     and raises CodecError for bad arguments. ``from_params`` builds it from an entry header's quant
-    params (its ``params()``) when they hold more than ``args``; it raises CorruptEntryError."""
+    params (its ``params()``) when they hold more than ``args``; it raises CorruptEntryError.
+    ``since``: the entry format it came with (see :data:`BASE_FORMAT`)."""
     _QUANTIZERS[name] = factory
+    _SINCE["quant", name] = since
     if from_params is not None:
         _QUANT_FROM_PARAMS[name] = from_params
 
 
 def register_packing(
-    name: str, factory: Callable[[str], Packing], *, from_params: Callable[[Mapping], Packing] | None = None
-) -> None:
+    name: str, factory: Callable[[str], Packing], *, from_params: Callable[[Mapping], Packing] | None = None,
+    since: int = BASE_FORMAT,
+) -> None:  # fmt: skip
     """Make ``name[:ARGS]`` a packing spec (``factory(ARGS)`` builds it). ``from_params`` builds the
-    packing an entry header's codec params describe, for entries whose params ``name`` is ``name``."""
+    packing an entry header's codec params describe, for entries whose params ``name`` is ``name``.
+    ``since``: the entry format it came with (see :data:`BASE_FORMAT`)."""
     _PACKINGS[name] = factory
+    _SINCE["packing", name] = since
     if from_params is not None:
         _FROM_PARAMS[name] = from_params
 
@@ -153,6 +165,12 @@ class Codec:
     def identity(self) -> str:
         """What of this codec is part of an entry's identity: the lossy quantizer's spec, or ``""``."""
         return "" if self.lossless else self.quantizer.spec
+
+    @property
+    def entry_format(self) -> int:
+        """The format an entry encoded with this codec is written in: the newest its parts came with."""
+        return max(_SINCE.get(("quant", self.quantizer.name), BASE_FORMAT),
+                   _SINCE.get(("packing", self.packing.name), BASE_FORMAT))  # fmt: skip
 
     def decode_threads(self) -> int:
         return self.threads if self.threads > 0 else max(1, min(8, os.cpu_count() or 1))

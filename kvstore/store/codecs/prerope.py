@@ -289,7 +289,7 @@ def _from_params(bits: int, default_k: int, default_v: int):
     return from_params
 
 
-register_quantizer("int4r", _factory(4, 32, 32), from_params=_from_params(4, 32, 32))
-register_quantizer("int8r", _factory(8, 128, 64), from_params=_from_params(8, 128, 64))
+register_quantizer("int4r", _factory(4, 32, 32), from_params=_from_params(4, 32, 32), since=3)
+register_quantizer("int8r", _factory(8, 128, 64), from_params=_from_params(8, 128, 64), since=3)
 
 __all__ = ["PreRopeQuantizer", "Rotary", "needs_rotary", "rotate", "with_rotary"]

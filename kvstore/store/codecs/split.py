@@ -280,6 +280,6 @@ def _from_params(params: Mapping) -> SplitPacking:
     return SplitPacking(level if isinstance(level, int) and not isinstance(level, bool) else 0, widths or WIDTHS)
 
 
-register_packing("zstd-split", _factory, from_params=_from_params)
+register_packing("zstd-split", _factory, from_params=_from_params, since=3)
 
 __all__ = ["SPLIT", "SplitPacking", "SplitRecord", "plane_table"]
