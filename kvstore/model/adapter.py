@@ -18,7 +18,7 @@ from kvstore.model.build import BuildReport
 from kvstore.model.decode import SampleResult
 from kvstore.model.handle import ModelHandle, TextOrIds
 from kvstore.model.options import BuildOptions, SampleOptions, apply_prompt
-from kvstore.model.scoring import GenerationContext, RollingResult, RollingResults, ScoreResult
+from kvstore.model.scoring import RollingResult, RollingResults, ScoreResult
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
@@ -137,57 +137,18 @@ class Adapter(ModelHandle):
             prefix=prefix, labels=labels, progress=progress,
         )  # fmt: skip
 
-    def score(
-        self,
-        contexts: Sequence[TextOrIds],
-        continuations: Sequence[TextOrIds],
-        *,
-        store: KVStore | None = None,
-        use_cache: bool = True,
-        batch_size: int = 8,
-        special_tokens: bool = True,
-        prefix: TextOrIds | None = None,
-        token_logprobs: bool = False,
-        max_batch_tokens: int | None = None,
-        progress: Progress | None = None,
-        labels: Sequence[str] | None = None,
-        generation_context: GenerationContext | None = None,
-        truncate: bool = False,
-        decode_attention: str | sparse.AttentionFunction | None = None,
-    ) -> ScoreResult:
+    def score(self, contexts: Sequence[TextOrIds], continuations: Sequence[TextOrIds], **kwargs) -> ScoreResult:
         """Log-likelihood of ``continuations[i]`` given ``contexts[i]`` per row, from stored contexts
         (``use_cache``) or without them, as lm-eval's ``hf`` model computes it: a
-        :class:`ScoreResult`. See :func:`kvstore.model.scoring.score` for the rules and errors."""
-        return scoring.score(
-            self, contexts, continuations, store=store, use_cache=use_cache, batch_size=batch_size,
-            special_tokens=special_tokens, prefix=prefix, token_logprobs=token_logprobs,
-            max_batch_tokens=max_batch_tokens, progress=progress, labels=labels,
-            generation_context=generation_context, truncate=truncate, decode_attention=decode_attention,
-        )  # fmt: skip
+        :class:`ScoreResult`. Arguments (``store``, ``use_cache``, ``batch_size``, ``prefix``,
+        ``token_logprobs``, ``truncate``, ``generation_context``, ``decode_attention``, ...), rules and
+        errors: :func:`kvstore.model.scoring.score`."""
+        return scoring.score(self, contexts, continuations, **kwargs)
 
-    def score_rolling(
-        self,
-        texts: Sequence[TextOrIds],
-        *,
-        store: KVStore | None = None,
-        use_cache: bool = True,
-        max_length: int | None = None,
-        token_logprobs: bool = False,
-        batch_size: int = 8,
-        max_batch_tokens: int | None = None,
-        progress: Progress | None = None,
-        generation_context: GenerationContext | None = None,
-        store_documents: bool = True,
-        decode_attention: str | sparse.AttentionFunction | None = None,
-    ) -> RollingResults:
+    def score_rolling(self, texts: Sequence[TextOrIds], **kwargs) -> RollingResults:
         """Log-likelihood of whole documents in lm-eval's ``loglikelihood_rolling`` windows: one
-        :class:`RollingResult` per document. See :func:`kvstore.model.scoring.score_rolling`."""
-        return scoring.score_rolling(
-            self, texts, store=store, use_cache=use_cache, max_length=max_length, token_logprobs=token_logprobs,
-            batch_size=batch_size, max_batch_tokens=max_batch_tokens, progress=progress,
-            generation_context=generation_context, store_documents=store_documents,
-            decode_attention=decode_attention,
-        )  # fmt: skip
+        :class:`RollingResult` per document. Arguments: :func:`kvstore.model.scoring.score_rolling`."""
+        return scoring.score_rolling(self, texts, **kwargs)
 
     def score_sweep(
         self, contexts: Sequence[TextOrIds], continuations: Sequence[TextOrIds], *, variants: Sequence, **kwargs

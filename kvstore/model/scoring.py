@@ -65,18 +65,9 @@ def score(
     contexts: Sequence[TextOrIds],
     continuations: Sequence[TextOrIds],
     *,
-    store: KVStore | None = None,
-    use_cache: bool = True,
-    batch_size: int = 8,
-    special_tokens: bool = True,
-    prefix: TextOrIds | None = None,
-    token_logprobs: bool = False,
-    max_batch_tokens: int | None = None,
-    progress: Progress | None = None,
-    labels: Sequence[str] | None = None,
     generation_context: GenerationContext | None = None,
-    truncate: bool = False,
     decode_attention: Any = None,
+    **kwargs: Any,
 ) -> ScoreResult:
     """Log-likelihood of ``continuations[i]`` given ``contexts[i]``: per row the sum of the
     continuation tokens' log-probabilities, whether greedy decoding would have produced it,
@@ -102,14 +93,10 @@ def score(
     ContextTooLongError when context + continuation exceed the model's positions (unless
     ``truncate``, which drops the context's first tokens as lm-eval does), ModelError for a
     model whose cache kvstore cannot reuse exactly (windowed and state models: with
-    ``use_cache=False`` only).
+    ``use_cache=False`` only). The keyword arguments are :func:`score_sweep`'s.
     """
-    ctx, cont = _encode_rows(adapter, contexts, continuations, special_tokens, labels, truncate)
-    return score_ids(
-        adapter, ctx, cont, store=store, use_cache=use_cache, batch_size=batch_size, special_tokens=special_tokens,
-        prefix=prefix, token_logprobs=token_logprobs, max_batch_tokens=max_batch_tokens, progress=progress,
-        generation_context=generation_context, decode_attention=decode_attention,
-    )  # fmt: skip
+    variant = hooks.hook_variant(generation_context, decode_attention)
+    return score_sweep(adapter, contexts, continuations, variants=[variant], **kwargs)[variant.name]
 
 
 @uses_grouped_kv
@@ -180,38 +167,23 @@ def score_ids(
     ctx: Sequence[Sequence[int]],
     cont: Sequence[Sequence[int]],
     *,
-    store: KVStore | None = None,
-    use_cache: bool = True,
-    batch_size: int = 8,
-    special_tokens: bool = True,
-    prefix: TextOrIds | None = None,
-    token_logprobs: bool = False,
-    max_batch_tokens: int | None = None,
-    progress: Progress | None = None,
     generation_context: GenerationContext | None = None,
-    keep: Sequence[bool] | None = None,
     decode_attention: Any = None,
+    **kwargs: Any,
 ) -> ScoreResult:
     """Score tokenized rows (each context at least 1 token, each continuation at least 1, both
-    fitting the model's positions). ``keep[i]``: also store row ``i``'s context + continuation as
-    a chain (cached path; the KV the scoring forward computed, nothing recomputed).
-
-    ``generation_context`` and ``decode_attention`` (:func:`kvstore.model.hooks.hook_variant`) are
-    entered around the continuation forwards only, never around a context's prefill; with a hook
-    the reference splits the same way (each context but its last token computed without it, and
-    nothing stored), so cached and no-cache scores agree under any hook."""
-    hooked = hooks.hook_variant(generation_context, decode_attention)
-    return _score_many(
-        adapter, ctx, cont, [hooked], store=store, use_cache=use_cache, batch_size=batch_size,
-        special_tokens=special_tokens, prefix=prefix, token_logprobs=token_logprobs,
-        max_batch_tokens=max_batch_tokens, progress=progress, keep=keep,
-    )[0]  # fmt: skip
+    fitting the model's positions); the other keyword arguments are :func:`_score_many`'s
+    (``keep[i]``: also store row ``i``'s context + continuation as a chain, from the KV the
+    scoring forward computed). ``generation_context`` and ``decode_attention`` as for
+    :func:`score`."""
+    return _score_many(adapter, ctx, cont, [hooks.hook_variant(generation_context, decode_attention)], **kwargs)[0]
 
 
 def _score_many(
-    adapter: ModelHandle, ctx, cont, chosen: Sequence[hooks.Variant], *, store: KVStore | None, use_cache: bool,
-    batch_size: int, special_tokens: bool, prefix, token_logprobs: bool, max_batch_tokens: int | None,
-    progress: Progress | None, keep: Sequence[bool] | None,
+    adapter: ModelHandle, ctx, cont, chosen: Sequence[hooks.Variant], *, store: KVStore | None = None,
+    use_cache: bool = True, batch_size: int = 8, special_tokens: bool = True, prefix: TextOrIds | None = None,
+    token_logprobs: bool = False, max_batch_tokens: int | None = None, progress: Progress | None = None,
+    keep: Sequence[bool] | None = None,
 ) -> list[ScoreResult]:  # fmt: skip
     """One :class:`ScoreResult` per variant in ``chosen``, every variant scored from each batch's
     one load. Rows are kept (``keep``) only from a dense variant's forward: a hooked one's keys and

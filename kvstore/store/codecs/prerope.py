@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -44,17 +44,9 @@ import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import Codec, register_quantizer
-from kvstore.store.codecs.quant import (
-    SINK_TOKENS,
-    IntQuantizer,
-    _finite_params,
-    _rec,
-    _scratch,
-    _view,
-)
+from kvstore.store.codecs.quant import PARTS, SINK_TOKENS, IntQuantizer, _scratch, _view, int_factory
 from kvstore.store.codecs.records import TensorRecord
 
-PARTS = (".codes", ".scales", ".zeros", ".sink")
 LAYOUTS = ("half",)  # channel j pairs with j + R/2 (transformers' rotate_half); the only one handled
 
 
@@ -174,27 +166,9 @@ class PreRopeQuantizer(IntQuantizer):
         if role != "keys":
             return super().reader(role, name, records, shape, dtype)
         rotary = self._need_rotary(CorruptEntryError)
-        heads, n, dim = shape
-        if rotary.dim > dim:
-            raise CorruptEntryError(f"tensor {name}: rotary dimension {rotary.dim} exceeds head_dim {dim}")
-        codes, scales, zeros, sink = (_rec(records, name + p) for p in PARTS)
-        k = sink.shape[1] if len(sink.shape) == 3 else -1
-        if sink.shape != (heads, k, dim) or sink.dtype != dtype or not 0 <= k <= min(SINK_TOKENS, n):
-            raise CorruptEntryError(
-                f"tensor {sink.name} is {sink.shape} {sink.dtype}, expected [{heads}, <=4, {dim}] {dtype}"
-            )
-        m = n - k
-        width = dim if self.bits == 8 else dim // 2
-        if codes.shape != (heads, m, width) or codes.dtype != torch.uint8 or (self.bits == 4 and dim % 2):
-            raise CorruptEntryError(
-                f"tensor {codes.name} is {codes.shape} {codes.dtype}, expected ({heads}, {m}, {width}) uint8"
-            )
-        want = (heads, -(-m // self.group_k), dim)
-        for rec in (scales, zeros):
-            if rec.shape != want or rec.dtype not in (torch.float16, torch.bfloat16):
-                raise CorruptEntryError(f"tensor {rec.name} is {rec.shape} {rec.dtype}, expected {want} float16")
-        s, z = scales.materialize().float(), zeros.materialize().float()
-        _finite_params(name, s, z)
+        if rotary.dim > shape[2]:
+            raise CorruptEntryError(f"tensor {name}: rotary dimension {rotary.dim} exceeds head_dim {shape[2]}")
+        codes, s, z, sink, _ = self.checked_parts(role, name, records, shape, dtype)
         return _PreRopeReader(self, rotary, name, tuple(shape), dtype, codes, s, z, sink, start)
 
 
@@ -256,27 +230,8 @@ def needs_rotary(codec: Codec) -> bool:
     return isinstance(codec.quantizer, PreRopeQuantizer)
 
 
-def _group_arg(text: str, name: str) -> int:
-    try:
-        g = int(text)
-    except ValueError:
-        raise CodecError(f"{name} group size must be a whole number, not {text!r}") from None
-    if not 2 <= g <= 4096 or g & (g - 1):
-        raise CodecError(f"{name} group size must be a power of two from 2 to 4096, not {g}")
-    return g
-
-
-def _factory(bits: int, default_k: int, default_v: int):
-    name = f"int{bits}r"
-
-    def make(args: str) -> PreRopeQuantizer:
-        if not args:
-            return PreRopeQuantizer(bits, default_k, default_v)
-        gk, sep, gv = args.partition("/")
-        k = _group_arg(gk, name)
-        return PreRopeQuantizer(bits, k, _group_arg(gv, name) if sep else k)
-
-    return make
+def _factory(bits: int, default_k: int, default_v: int) -> Callable[[str], PreRopeQuantizer]:
+    return int_factory(PreRopeQuantizer, f"int{bits}r", bits, default_k, default_v)
 
 
 def _from_params(bits: int, default_k: int, default_v: int):

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,6 +51,7 @@ from kvstore.store.codecs.records import TensorRecord
 Stage = Callable[[Any, torch.device], torch.Tensor]
 
 SINK_TOKENS = 4
+Q = TypeVar("Q", bound="IntQuantizer")
 PARTS = (".codes", ".scales", ".zeros", ".sink")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _F16_MAX = 65504.0
@@ -174,6 +175,14 @@ class IntQuantizer:
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
         start: int = 0,
     ) -> _IntReader:  # fmt: skip
+        return _IntReader(self, role, name, shape, dtype, *self.checked_parts(role, name, records, shape, dtype))
+
+    def checked_parts(
+        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[TensorRecord, torch.Tensor, torch.Tensor, TensorRecord, int]:
+        """``(codes, scales, zeros, sink, group)`` of ``name``, each part checked against the
+        ``shape`` and ``dtype`` the header declares (scales and zeros as float32, finite).
+        Raises CorruptEntryError when they do not fit."""
         heads, n, dim = shape
         codes, scales, zeros, sink = (_rec(records, name + p) for p in PARTS)
         k = sink.shape[1] if len(sink.shape) == 3 else -1
@@ -197,7 +206,7 @@ class IntQuantizer:
                 raise CorruptEntryError(f"tensor {rec.name} is {rec.shape} {rec.dtype}, expected {want} float16")
         s, z = scales.materialize().float(), zeros.materialize().float()
         _finite_params(name, s, z)
-        return _IntReader(self, role, name, shape, dtype, codes, s, z, sink, g)
+        return codes, s, z, sink, g
 
 
 class _IntReader:
@@ -351,14 +360,16 @@ def _group_arg(text: str, name: str) -> int:
     return g
 
 
-def _int_factory(bits: int, default_k: int, default_v: int):
-    def make(args: str) -> IntQuantizer:
-        name = f"int{bits}"
+def int_factory(cls: type[Q], name: str, bits: int, default_k: int, default_v: int) -> Callable[[str], Q]:
+    """The spec factory of an integer quantizer class: ``NAME`` (the defaults), ``NAME:G`` (keys
+    and values in groups of G) or ``NAME:GK/GV``."""
+
+    def make(args: str) -> Q:
         if not args:
-            return IntQuantizer(bits, default_k, default_v)
+            return cls(bits, default_k, default_v)
         gk, sep, gv = args.partition("/")
         k = _group_arg(gk, name)
-        return IntQuantizer(bits, k, _group_arg(gv, name) if sep else k)
+        return cls(bits, k, _group_arg(gv, name) if sep else k)
 
     return make
 
@@ -369,8 +380,8 @@ def _fp8(args: str) -> Fp8Quantizer:
     return Fp8Quantizer()
 
 
-register_quantizer("int8", _int_factory(8, 128, 64))
-register_quantizer("int4", _int_factory(4, 32, 64))
+register_quantizer("int8", int_factory(IntQuantizer, "int8", 8, 128, 64))
+register_quantizer("int4", int_factory(IntQuantizer, "int4", 4, 32, 64))
 register_quantizer("fp8", _fp8)
 
 __all__ = ["FP8_MAX", "SINK_TOKENS", "Fp8Quantizer", "IntQuantizer"]
