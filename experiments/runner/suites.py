@@ -228,6 +228,11 @@ SUITES: tuple[Suite, ...] = (
           ("experiments/bench_quant.py", "--dtypes", "float32", "--codecs", "int8r,int4r,int4r:128/32", "--repeats",
            "3", "--no-floor", "--stem", "quant_prerope"),
           tuple(f"quant_prerope{p}" for p in ("", "_bf16", "_groups", "_groups2")), quick=None),
+    # the other part: --dtypes bfloat16 --stem quant_ecq_bf16
+    Suite("quant_ecq", "Entropy-coded quantization (ecq): quality gate against int4r/int8r sizes",
+          ("experiments/bench_quant.py", "--dtypes", "float32", "--codecs", "ecq,ecq:0.15,ecq:0.25,ecq:0.04",
+           "--repeats", "3", "--no-floor", "--stem", "quant_ecq"),
+          ("quant_ecq", "quant_ecq_bf16"), quick=None),
     Suite("prerope_ranges", "How much undoing RoPE narrows the key ranges int4r quantizes",
           ("experiments/prerope_ranges.py",), ("prerope_ranges",), quick=None),
     Suite("s3", "S3 backend against a local SeaweedFS", ("experiments/bench_s3.py",), _s3_outputs(),

@@ -18,10 +18,10 @@ from kvstore.layer_kinds import ATTN, FULL_KV_KINDS, KINDS, KV_KINDS, STATE_KIND
 from kvstore.store.codecs import codec_from_params
 from kvstore.store.keyspace import is_key
 
-# The newest entry format this kvstore reads: 2 (chains of chunks) and 3 (the same layout, written
-# by entries whose codec a format-2 reader does not know: zstd-split, int4r, int8r). The store's own
-# layout (meta, e/, r/, a/) is STORE_FORMAT, unchanged since format 2.
-FORMAT_VERSION = 3
+# The newest entry format this kvstore reads: 2 (chains of chunks), 3 and 4 (the same layout, written
+# by entries whose codec an older reader does not know: 3 for zstd-split, int4r, int8r; 4 for ecq).
+# The store's own layout (meta, e/, r/, a/) is STORE_FORMAT, unchanged since format 2.
+FORMAT_VERSION = 4
 STORE_FORMAT = 2
 MAGIC = b"\x89KVS\r\n\x1a\n"
 _PREFIX = len(MAGIC) + 4

@@ -220,14 +220,16 @@ class _PreRopeReader:
 
 def with_rotary(codec: Codec, rotary: Rotary | None) -> Codec:
     """``codec`` with ``rotary`` bound to its quantizer when that quantizer needs one (else as is)."""
-    if isinstance(codec.quantizer, PreRopeQuantizer) and rotary is not None:
-        return dataclasses.replace(codec, quantizer=codec.quantizer.with_rotary(rotary))
+    bind = getattr(codec.quantizer, "with_rotary", None)
+    if bind is not None and rotary is not None:
+        return dataclasses.replace(codec, quantizer=bind(rotary))
     return codec
 
 
 def needs_rotary(codec: Codec) -> bool:
-    """Whether ``codec`` quantizes keys before their rotary embedding (and so needs a rotary model)."""
-    return isinstance(codec.quantizer, PreRopeQuantizer)
+    """Whether ``codec`` quantizes keys before their rotary embedding (and so needs a rotary model):
+    its quantizer binds one (``with_rotary``: ``int4r``, ``int8r``, ``ecq``)."""
+    return callable(getattr(codec.quantizer, "with_rotary", None))
 
 
 def _factory(bits: int, default_k: int, default_v: int) -> Callable[[str], PreRopeQuantizer]:
