@@ -7,7 +7,7 @@ For each model dtype (float32, bfloat16) of the bundled SmolLM2-135M-Instruct an
   the four articles asks it of the joined context: ~60 questions);
 
 both in the chat template (the default for this model), the lossless store is built once
-(``zstd-shuffle:1``), then converted to each lossy codec without recomputing
+(the store default when it runs: ``zstd-shuffle:1`` before ``zstd-split:1:16``, named in its row), then converted to each lossy codec without recomputing
 (``kvstore.store.convert``, which writes exactly what ``build --codec`` writes). Every row is
 answered with 12 greedy tokens (no stop at EOS) from the lossless cache (the reference), from each
 lossy cache, and without any cache (``no-cache``: the model's own rounding noise against the
@@ -138,7 +138,7 @@ def run_set(adapter, fmt, name: str, rows: list[dict], dtype: str, args) -> list
                             prefix=fmt.head, special_tokens=fmt.add_special_tokens)  # fmt: skip
         base = {"dtype": dtype, "set": name, "contexts": built.distinct, "context_tokens": built.tokens}
         lossless = {
-            **base, "codec": "zstd-shuffle:1 (lossless)", "size": built.ratio,
+            **base, "codec": f"{store.codec.spec} (lossless)", "size": built.ratio,
             "size_vs_f32": built.ratio / 2 if dtype == "bfloat16" else built.ratio,
             **agreement(ref, ref), "contains": contains(adapter, ref, rows),
         }  # fmt: skip
