@@ -196,7 +196,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @_model_options
 @_codec_option(
     "Codec for new entries: lossless zstd-split[:LEVEL[:BITS]], raw, zstd[:LEVEL] or zstd-shuffle[:LEVEL] "
-    "[default: the store's; new stores zstd-split:1:16], or lossy int8[:G], int4[:G], fp8, int4r or int8r "
+    "[default: the store's; new stores zstd-split:1:16], or lossy int8[:G], int4[:G], fp8, int4r, int8r or ecq[:STEP] "
     "(optionally +PACKING): lossy entries are found only by sample --codec with the same codec."
 )
 @click.option(
@@ -314,7 +314,7 @@ def build(**kwargs):
 )
 @_codec_option(
     "Answer from caches stored with this codec. Lossless codecs are interchangeable (the default: the store's); "
-    "a lossy one (int8[:G], int4[:G], fp8, int4r, int8r) uses only entries built with it, and stores missing "
+    "a lossy one (int8[:G], int4[:G], fp8, int4r, int8r, ecq) uses only entries built with it, and stores missing "
     "contexts with it."
 )
 @click.option(

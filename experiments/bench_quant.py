@@ -6,8 +6,9 @@ For each model dtype (float32, bfloat16) of the bundled SmolLM2-135M-Instruct an
 * ``long``: the demo articles four at a time (5 contexts of ~1.3k tokens; every question about one of
   the four articles asks it of the joined context: ~60 questions);
 
-both in the chat template (the default for this model), the lossless store is built once
-(the store default when it runs: ``zstd-shuffle:1`` before ``zstd-split:1:16``, named in its row), then converted to each lossy codec without recomputing
+both in the chat template (the default for this model), the lossless store is built once (the
+store default when it runs: ``zstd-shuffle:1`` before ``zstd-split:1:16``, named in its row), then
+converted to each lossy codec without recomputing
 (``kvstore.store.convert``, which writes exactly what ``build --codec`` writes). Every row is
 answered with 12 greedy tokens (no stop at EOS) from the lossless cache (the reference), from each
 lossy cache, and without any cache (``no-cache``: the model's own rounding noise against the

@@ -228,7 +228,7 @@ def golden_v1() -> dict:
 
 def test_golden_format_version(golden, golden_v1):
     # this kvstore reads formats 1 to 3; raw and zstd-shuffle entries are still written as format 2
-    assert FORMAT_VERSION == 3 and golden["format_version"] == 2 and golden_v1["format_version"] == 1
+    assert FORMAT_VERSION == 4 and golden["format_version"] == 2 and golden_v1["format_version"] == 1
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_ENTRIES))

@@ -265,8 +265,9 @@ def get_codec(spec: str | Codec | None = None, *, threads: int = 0) -> Codec:
             if not str(exc):
                 raise CodecError(f"unknown codec {spec!r}; use {choices()}") from None
             raise CodecError(f"codec {spec!r} is not valid ({exc}); use {choices()}") from None
-    if packing is None and quantizer is not None and getattr(quantizer, "default_packing", None):
-        packing = get_codec(quantizer.default_packing).packing  # e.g. ecq's codes need an entropy coder
+    default_packing = getattr(quantizer, "default_packing", None)
+    if packing is None and default_packing:
+        packing = get_codec(default_packing).packing  # e.g. ecq's codes need an entropy coder
     return Codec(quantizer or _QUANTIZERS["none"](""), packing or _PACKINGS["raw"](""), threads)
 
 
