@@ -23,6 +23,9 @@ from kvstore.store.keyspace import is_key
 # The store's own layout (meta, e/, r/, a/) is STORE_FORMAT, unchanged since format 2.
 FORMAT_VERSION = 4
 STORE_FORMAT = 2
+# A chunk ends by this context position at most (a trillion tokens): the rotation of a pre-RoPE codec
+# computes angles from positions, which float64 stops counting exactly past 2**53.
+MAX_POSITION = 1 << 40
 MAGIC = b"\x89KVS\r\n\x1a\n"
 _PREFIX = len(MAGIC) + 4
 TRAILER_BYTES = 8
@@ -224,6 +227,8 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
     else:
         layers = _layers_v2(h, n_tokens)
         parent, start, numerics = h.get("parent"), _int(h, "start"), h.get("numerics")  # type: ignore[assignment]
+        if start + n_tokens > MAX_POSITION:
+            raise CorruptEntryError("entry header field 'start' is out of range")
         if not isinstance(parent, str) or (parent and not is_key(parent)):
             raise CorruptEntryError("entry header field 'parent' is missing or invalid")
         if not isinstance(numerics, dict) or not all(isinstance(v, str) for v in numerics.values()):

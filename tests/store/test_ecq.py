@@ -97,6 +97,22 @@ def test_an_outlier_raises_the_step_instead_of_clipping():
     assert float((y - x).abs().max()) <= float(parts[".steps"].max()) / 2 * (1 + 1e-6) + 1e-3
 
 
+def test_float64_models_keep_float64_precision():
+    """A head whose spread float32 cannot resolve (1000 + 1e-7 noise) still decodes within half its step."""
+    g = torch.Generator().manual_seed(3)
+    x = 1000 + 1e-7 * torch.randn(2, 50, 16, generator=g, dtype=torch.float64)
+    parts, y = roundtrip(quantizer(), "values", x, 8)
+    assert float(parts[".steps"].min()) > 1e-10
+    assert bool(((y - x).abs() <= parts[".steps"].double() / 2 * (1 + 1e-6)).all())
+
+
+def test_huge_values_give_a_finite_step():
+    x = keys_like(dtype=torch.float32, start=8) * 1e20
+    parts, y = roundtrip(quantizer(), "values", x, 8)
+    assert bool(torch.isfinite(parts[".steps"]).all()) and bool(torch.isfinite(y).all())
+    assert bool(((y - x).abs() <= parts[".steps"] / 2 * (1 + 1e-5)).all())
+
+
 def test_bfloat16_keys_are_the_float32_result_rounded_once():
     q = quantizer()
     x = keys_like(dtype=torch.bfloat16, start=300)
@@ -165,7 +181,11 @@ def test_specs_keys_and_the_default_packing():
     assert get_codec("ecq").spec == "ecq:0.18+zstd:1" and get_codec("ecq").identity == "ecq:0.18"
     assert get_codec("ecq:0.2/0.1").spec == "ecq:0.2/0.1+zstd:1"
     assert get_codec("ecq:0.25+zstd-shuffle:1").spec == "ecq:0.25+zstd-shuffle:1"
-    assert get_codec("ecq+raw").spec == "ecq:0.18"
+    assert get_codec("ecq+raw").spec == "ecq:0.18+raw" and get_codec(get_codec("ecq+raw").spec).packing.name == "raw"
+    # the step the keys name is the step encoded: no digits beyond the spec's
+    assert (
+        get_codec("ecq:0.1234567").quantizer.step_k == 0.123457 and get_codec("ecq:0.18000004").identity == "ecq:0.18"
+    )
     assert get_codec("ecq:0.18").identity == get_codec("ecq+raw").identity != get_codec("ecq:0.2").identity
     assert needs_rotary(get_codec("ecq")) and not get_codec("ecq").lossless
     for bad in ("ecq:0", "ecq:x", "ecq:9", "ecq:0.1/", "ecq:nan"):
@@ -280,3 +300,16 @@ def test_cli_build_sample_and_estimate_with_ecq(tiny_llama_dir, tmp_path, capsys
     assert code == 0 and json.loads(out)["cache_hit_rate"] == 0, err
     code, out, err = run_main(capsys, "build", data, *base, "--codec", "ecq:0")
     assert code != 0 and "ecq step" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("spec", ["ecq", "int4r"])
+def test_a_start_past_any_context_is_corrupt(spec):
+    """The rotation computes angles from positions, which float64 stops counting exactly past 2**53:
+    an entry claiming to end past MAX_POSITION (a trillion tokens) is refused as corrupt, in the
+    header and the payload alike (not a RuntimeError or OverflowError from the angles)."""
+    from kvstore.store.header import MAX_POSITION
+
+    blob = encode_entry(entry(start=MAX_POSITION), spec)
+    with pytest.raises(CorruptEntryError, match="start"):
+        decode_entry(blob)
+    decode_entry(encode_entry(entry(start=MAX_POSITION - 40), spec))  # the last chunk that fits

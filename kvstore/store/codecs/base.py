@@ -153,7 +153,7 @@ class Codec:
     def spec(self) -> str:
         if self.quantizer.name == "none":
             return self.packing.spec
-        if self.packing.name == "raw":
+        if self.packing.name == "raw" and not getattr(self.quantizer, "default_packing", None):
             return self.quantizer.spec
         return f"{self.quantizer.spec}+{self.packing.spec}"
 

@@ -42,8 +42,8 @@ import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import register_quantizer
-from kvstore.store.codecs.prerope import Rotary, rotate
-from kvstore.store.codecs.quant import SINK_TOKENS, _param_dtype, _rec, _scratch, _view
+from kvstore.store.codecs.prerope import Rotary, need_rotary, rotate
+from kvstore.store.codecs.quant import SINK_TOKENS, _param_dtype, _rec, _scratch, _view, checked_sink
 from kvstore.store.codecs.records import TensorRecord
 
 PARTS = (".codes", ".offsets", ".steps", ".sink")
@@ -83,17 +83,13 @@ class EntropyQuantizer:
         return [name + p for p in PARTS]
 
     def bits_per_value(self, head_dim: int, dtype_bits: int) -> float:
-        # a Gaussian channel rounded to steps of S sigma takes about log2(sqrt(2 pi e) / S) bits
+        # a Gaussian channel rounded to steps of S sigma takes about log2(sqrt(2 pi e) / S) bits once
+        # entropy coded (the default packing); int8 codes never take more than 8
         s = math.sqrt(self.step_k * self.step_v)
-        return max(1.0, math.log2(math.sqrt(2 * math.pi * math.e) / s))
+        return min(8.0, max(1.0, math.log2(math.sqrt(2 * math.pi * math.e) / s)))
 
     def _need_rotary(self, error: type[Exception]) -> Rotary:
-        if self.rotary is None:
-            raise error(
-                f"{self.spec} quantizes keys before their rotary embedding and needs the model's rotary parameters "
-                "(entries built by an Adapter carry them; kvstore.store.convert takes rotary=)"
-            )
-        return self.rotary
+        return need_rotary(self.rotary, self.spec, error)
 
     # -- encoding -------------------------------------------------------------------------------
     def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -101,13 +97,14 @@ class EntropyQuantizer:
         heads, n, dim = x.shape
         k = min(SINK_TOKENS, n) if start == 0 else 0
         sink = x[:, :k].contiguous()
+        wdt = torch.float64 if x.dtype == torch.float64 else torch.float32  # as the reader decodes
         if role == "keys":
             rotary = self._need_rotary(CodecError)
             if rotary.dim > dim:
                 raise CodecError(f"{self.spec}: the rotary dimension {rotary.dim} exceeds head_dim {dim}")
-            body = rotate(x[:, k:].double(), rotary, start + k, inverse=True).float()
+            body = rotate(x[:, k:].double(), rotary, start + k, inverse=True).to(wdt)
         else:
-            body = x[:, k:].float()
+            body = x[:, k:].to(wdt)
         m = body.shape[1]
         if m == 0:
             offsets = torch.zeros(heads, 1, dim, dtype=torch.float16)
@@ -115,12 +112,15 @@ class EntropyQuantizer:
             return self._parts(torch.zeros(heads, 0, dim, dtype=torch.int8), offsets, steps, sink)
         centre = body.mean(dim=1, keepdim=True)
         offsets = centre.to(_param_dtype(centre))
-        dev = body - offsets.float()
-        spread = dev.square().mean(dim=(1, 2), keepdim=True).sqrt()
+        dev = body - offsets.to(wdt)
         widest = dev.abs().amax(dim=(1, 2), keepdim=True)
+        spread = dev.square().mean(dim=(1, 2), keepdim=True).sqrt()
+        if not bool(torch.isfinite(spread).all()):  # squares past the float range: scale by the widest first
+            unit = widest.clamp(min=_TINY)
+            spread = (dev / unit).square().mean(dim=(1, 2), keepdim=True).sqrt() * unit
         s = self.step_k if role == "keys" else self.step_v
-        steps = torch.maximum(spread * s, widest / CODE_MAX).clamp(min=_TINY)
-        codes = dev.div_(steps).round_().clamp_(-CODE_MAX, CODE_MAX).to(torch.int8)
+        steps = torch.maximum(spread * s, widest / CODE_MAX).clamp(min=_TINY).float()  # stored as float32
+        codes = dev.div_(steps.to(wdt)).round_().clamp_(-CODE_MAX, CODE_MAX).to(torch.int8)
         return self._parts(codes, offsets, steps, sink)
 
     @staticmethod
@@ -135,11 +135,7 @@ class EntropyQuantizer:
     ) -> _EntropyReader:  # fmt: skip
         heads, n, dim = shape
         codes, offsets, steps, sink = (_rec(records, name + p) for p in PARTS)
-        k = sink.shape[1] if len(sink.shape) == 3 else -1
-        if sink.shape != (heads, k, dim) or sink.dtype != dtype or not 0 <= k <= min(SINK_TOKENS, n):
-            raise CorruptEntryError(
-                f"tensor {sink.name} is {sink.shape} {sink.dtype}, expected [{heads}, <=4, {dim}] {dtype}"
-            )
+        k = checked_sink(sink, shape, dtype)
         if codes.shape != (heads, n - k, dim) or codes.dtype != torch.int8:
             raise CorruptEntryError(f"tensor {codes.name} is {codes.shape} {codes.dtype}, expected int8")
         if offsets.shape != (heads, 1, dim) or offsets.dtype not in (torch.float16, torch.bfloat16):
@@ -200,7 +196,7 @@ def _step_arg(text: str) -> float:
         raise CodecError(f"ecq step must be a number (a fraction of each head's spread), not {text!r}") from None
     if not 0.001 <= s <= 8:
         raise CodecError(f"ecq step must be from 0.001 to 8 times each head's spread, not {text}")
-    return s
+    return float(f"{s:g}")  # the step the spec (and so the keys) names, not more digits of it
 
 
 def _factory(args: str) -> EntropyQuantizer:

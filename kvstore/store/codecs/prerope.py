@@ -83,6 +83,16 @@ class Rotary:
         return cls(tuple(freqs), layout)
 
 
+def need_rotary(rotary: Rotary | None, spec: str, error: type[Exception]) -> Rotary:
+    """``rotary``, or ``error`` saying that codec ``spec`` needs the model's rotary parameters."""
+    if rotary is None:
+        raise error(
+            f"{spec} quantizes keys before their rotary embedding and needs the model's rotary parameters "
+            "(entries built by an Adapter carry them; kvstore.store.convert takes rotary=)"
+        )
+    return rotary
+
+
 @lru_cache(maxsize=64)
 def _angles(inv_freq: tuple[float, ...], start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos`` and ``sin`` ``[n, R/2]`` float64 of positions ``start..start+n-1``. The angles are
@@ -136,12 +146,7 @@ class PreRopeQuantizer(IntQuantizer):
         return out
 
     def _need_rotary(self, error: type[Exception]) -> Rotary:
-        if self.rotary is None:
-            raise error(
-                f"{self.spec} quantizes keys before their rotary embedding and needs the model's rotary parameters "
-                "(entries built by an Adapter carry them; kvstore.store.convert takes rotary=)"
-            )
-        return self.rotary
+        return need_rotary(self.rotary, self.spec, error)
 
     def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
         if role != "keys":
@@ -249,4 +254,4 @@ def _from_params(bits: int, default_k: int, default_v: int):
 register_quantizer("int4r", _factory(4, 32, 32), from_params=_from_params(4, 32, 32), since=3)
 register_quantizer("int8r", _factory(8, 128, 64), from_params=_from_params(8, 128, 64), since=3)
 
-__all__ = ["PreRopeQuantizer", "Rotary", "needs_rotary", "rotate", "with_rotary"]
+__all__ = ["PreRopeQuantizer", "Rotary", "need_rotary", "needs_rotary", "rotate", "with_rotary"]

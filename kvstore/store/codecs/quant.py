@@ -104,6 +104,18 @@ def _finite_params(name: str, scales: torch.Tensor, zeros: torch.Tensor | None) 
         raise CorruptEntryError(f"tensor {name} has zeros that are not finite")
 
 
+def checked_sink(sink: TensorRecord, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The number of sink tokens ``sink`` holds for a tensor of ``shape`` ``[H, n, D]`` and ``dtype``
+    (0 to ``SINK_TOKENS``). Raises CorruptEntryError when it does not fit."""
+    heads, n, dim = shape
+    k = sink.shape[1] if len(sink.shape) == 3 else -1
+    if sink.shape != (heads, k, dim) or sink.dtype != dtype or not 0 <= k <= min(SINK_TOKENS, n):
+        raise CorruptEntryError(
+            f"tensor {sink.name} is {sink.shape} {sink.dtype}, expected [{heads}, <=4, {dim}] {dtype}"
+        )
+    return k
+
+
 class IntQuantizer:
     """``int8`` / ``int4``: asymmetric integer codes on the KIVI axes (see the module docstring)."""
 
@@ -185,12 +197,7 @@ class IntQuantizer:
         Raises CorruptEntryError when they do not fit."""
         heads, n, dim = shape
         codes, scales, zeros, sink = (_rec(records, name + p) for p in PARTS)
-        k = sink.shape[1] if len(sink.shape) == 3 else -1
-        if sink.shape != (heads, k, dim) or sink.dtype != dtype or not 0 <= k <= min(SINK_TOKENS, n):
-            raise CorruptEntryError(
-                f"tensor {sink.name} is {sink.shape} {sink.dtype}, expected [{heads}, <=4, {dim}] {dtype}"
-            )
-        m = n - k
+        m = n - checked_sink(sink, shape, dtype)
         width = dim if self.bits == 8 else dim // 2
         if codes.shape != (heads, m, width) or codes.dtype != torch.uint8 or (self.bits == 4 and dim % 2):
             raise CorruptEntryError(
@@ -384,4 +391,4 @@ register_quantizer("int8", int_factory(IntQuantizer, "int8", 8, 128, 64))
 register_quantizer("int4", int_factory(IntQuantizer, "int4", 4, 32, 64))
 register_quantizer("fp8", _fp8)
 
-__all__ = ["FP8_MAX", "SINK_TOKENS", "Fp8Quantizer", "IntQuantizer"]
+__all__ = ["FP8_MAX", "SINK_TOKENS", "Fp8Quantizer", "IntQuantizer", "checked_sink"]
