@@ -28,7 +28,7 @@ from kvstore.store.codecs import records as records_mod
 from kvstore.store.kvstore import KVStore
 
 CHUNK = 16
-CODECS = ("raw", "zstd:1", "zstd-shuffle:1", "int8", "int4", "int8:32+zstd:1", "fp8")
+CODECS = ("raw", "zstd:1", "zstd-shuffle:1", "int8", "int4", "int8:32+zstd:1", "fp8", "ecq")
 
 
 def _ids(tok, n: int, seed: int) -> list[int]:
@@ -120,7 +120,7 @@ def test_staged_load_fills_the_buffers_as_a_direct_load(llama, forced, spec):
             for (kd, vd), (ks, vs) in zip(direct, staged):
                 assert torch.equal(bits(kd), bits(ks)) and torch.equal(bits(vd), bits(vs))
             chunks = len(plan.keys)
-            if spec.startswith("int"):  # dequantized where the buffers are, record by record
+            if spec.startswith(("int", "ecq")):  # dequantized where the buffers are, record by record
                 assert st.counts == {"regions": 0, "device_decoded": 2 * n_layers * chunks, "records": 0,
                                      "uploads": st.counts["uploads"]}  # fmt: skip
                 assert st.counts["uploads"] >= 3 * 2 * n_layers * chunks  # codes, scales, zeros (+ sink)
@@ -226,7 +226,7 @@ def test_cuda_staged_load_matches_cpu(spec):
     for (kw, vw), (kg, vg) in zip(want, bufs):
         for w, g in ((kw, kg), (vw, vg)):
             w, g = w[0, :, 4 : 4 + len(ctx)], g[0, :, 4 : 4 + len(ctx)].cpu()
-            if spec.startswith("int"):
+            if spec.startswith(("int", "ecq")):
                 torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
             else:
                 assert torch.equal(bits(g), bits(w))

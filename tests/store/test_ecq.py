@@ -136,6 +136,43 @@ def test_decodes_into_a_strided_row_of_the_batch_buffers(role):
     assert bool((buf[0] == 7).all()) and bool((buf[1, :, :20] == 7).all()) and bool((buf[1, :, 170:] == 7).all())
 
 
+@pytest.mark.parametrize("role", ["keys", "values"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("start", [0, 48])
+def test_device_decoding_equals_the_hosts_bit_for_bit(monkeypatch, role, dtype, start):
+    """The device branch (``stage=``, run on CPU through the staging bookkeeping) sends the int8
+    codes, offsets and steps, never float values, and gives the host's result bit for bit."""
+    from helpers.entries import bits
+    from kvstore.model import staging
+
+    monkeypatch.setattr(staging, "FORCE", True)
+    q = quantizer()
+    x = keys_like(n=70, dtype=dtype, start=start)
+    parts = q.encode(role, x, start)
+    reader = q.reader(role, "t", records(parts), tuple(x.shape), dtype, start=start)
+    assert reader.device_decode
+    host = torch.full((2, 3, 90, 16), float("nan"), dtype=dtype)
+    reader.copy_into(host[1, :, 7:77])
+    st = staging.Staging(torch.device("cpu"))
+    uploaded: list[tuple[tuple[int, ...], torch.dtype]] = []
+    real_upload = st.upload
+
+    def upload(source, device):
+        uploaded.append((tuple(source.shape), source.dtype))
+        return real_upload(source, device)
+
+    st.upload = upload  # type: ignore[method-assign]
+    dev = torch.full_like(host, float("nan"))
+    st.copy_into(reader, dev[1, :, 7:77])
+    st.finish()
+    assert torch.equal(bits(dev), bits(host)), "device branch differs from the host's decoding"
+    assert st.counts["device_decoded"] == 1 and st.counts["records"] == 0
+    k = SINK_TOKENS if start == 0 else 0
+    assert (x.shape[0], 70 - k, 16) in [s for s, d in uploaded if d == torch.int8], "codes go up as int8"
+    assert not any(s[1] == 70 - k and s[2] == 16 and d.is_floating_point for s, d in uploaded), "no float values"
+    assert torch.isnan(dev[1, :, :7]).all() and torch.isnan(dev[1, :, 77:]).all() and torch.isnan(dev[0]).all()
+
+
 def test_a_chunk_of_sink_tokens_only():
     q = quantizer()
     x = keys_like(n=3, dtype=torch.float32)

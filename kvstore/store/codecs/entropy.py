@@ -43,7 +43,7 @@ import torch
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import register_quantizer
 from kvstore.store.codecs.prerope import Rotary, need_rotary, rotate
-from kvstore.store.codecs.quant import SINK_TOKENS, _param_dtype, _rec, _scratch, _view, checked_sink
+from kvstore.store.codecs.quant import SINK_TOKENS, Stage, _param_dtype, _rec, _scratch, _view, checked_sink
 from kvstore.store.codecs.records import TensorRecord
 
 PARTS = (".codes", ".offsets", ".steps", ".sink")
@@ -155,29 +155,43 @@ class EntropyQuantizer:
 
 class _EntropyReader:
     """Decodes one ``ecq`` tensor into a destination buffer: codes * step + offset (float32, float64
-    for a float64 model), rotated back for keys, cast once into the destination."""
+    for a float64 model), rotated back for keys, cast once into the destination. ``device_decode``:
+    with a ``stage`` the int8 codes go to the destination's device and the arithmetic runs there."""
+
+    device_decode = True
 
     def __init__(self, name, shape, dtype, codes, offsets, steps, sink, rotary, start):
         self.name, self.shape, self.dtype = name, shape, dtype
         self.codes, self.offsets, self.steps, self.sink = codes, offsets, steps, sink
         self.rotary, self.start = rotary, start
 
-    def copy_into(self, dest: torch.Tensor) -> None:
+    def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
+        """Decode into ``dest``: on the host, or with ``stage`` (``stage(source, device)``, see
+        :meth:`kvstore.model.staging.Staging.upload`) on ``dest``'s device, in fresh tensors there."""
         if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
             raise ValueError(f"{self.name}: destination {tuple(dest.shape)}/{dest.dtype} != {self.shape}/{self.dtype}")
         k = self.sink.shape[1]
-        if k:
+        if k and stage is not None:
+            dest[:, :k].copy_(stage(self.sink, dest.device))
+        elif k:
             self.sink.copy_into(dest[:, :k])
         d = dest[:, k:]
         if d.numel() == 0:
             return
         wdt = torch.float64 if self.dtype == torch.float64 else torch.float32
-        if self.rotary is None and d.dtype == wdt and d.device.type == "cpu":
-            work = d
+        offsets, steps = self.offsets.to(wdt), self.steps.to(wdt)
+        if stage is not None:
+            codes = stage(self.codes, d.device)
+            offsets, steps = stage(offsets, d.device), stage(steps, d.device)
+            work = torch.empty(d.shape, dtype=wdt, device=d.device)
         else:
-            work = _scratch("ecq_f64" if wdt == torch.float64 else "ecq_f32", d.numel(), wdt).view(d.shape)
-        work.copy_(_view(self.codes))
-        torch.addcmul(self.offsets.to(wdt), work, self.steps.to(wdt), out=work)
+            codes = _view(self.codes)
+            if self.rotary is None and d.dtype == wdt and d.device.type == "cpu":
+                work = d
+            else:
+                work = _scratch("ecq_f64" if wdt == torch.float64 else "ecq_f32", d.numel(), wdt).view(d.shape)
+        work.copy_(codes)
+        torch.addcmul(offsets, work, steps, out=work)
         if self.rotary is not None:
             rotate(work, self.rotary, self.start + k, out=work)
         if work is not d:

@@ -111,7 +111,7 @@ def rotate(x: torch.Tensor, rotary: Rotary, start: int, *, inverse: bool = False
     r, h = rotary.dim, rotary.dim // 2
     if r > x.shape[-1]:
         raise CodecError(f"rotary dimension {r} exceeds head_dim {x.shape[-1]}")
-    cos, sin = (t.to(x.dtype) for t in _angles(rotary.inv_freq, start, x.shape[1]))
+    cos, sin = (t.to(device=x.device, dtype=x.dtype) for t in _angles(rotary.inv_freq, start, x.shape[1]))
     if inverse:
         sin = -sin
     a, b = x[..., :h], x[..., h:r]
