@@ -155,7 +155,6 @@ def _window(cfg: Any, kind: str) -> int | None:
     return window
 
 
-@torch.inference_mode()
 def cache_keyword(model: Any) -> str:
     """The keyword ``model.forward`` takes its cache under: ``cache`` from transformers 5.24 (which
     warns on ``past_key_values``, and whose Mamba ignores a cache given under an older name),
@@ -168,6 +167,7 @@ def cache_keyword(model: Any) -> str:
     return "past_key_values"
 
 
+@torch.inference_mode()
 def cache_layout(model: Any, pad_id: int = 0) -> CacheLayout:
     """The :class:`CacheLayout` of a loaded model. Dense models are read from the config alone;
     the others run one one-token forward to read each layer's key/value and state shapes.

@@ -381,3 +381,20 @@ def test_size_counts_the_state_per_example(name, tmp_path, capsys):
     code, out, err = run_main(capsys, "size", tmp_path / name, "--seq-len", "100")
     assert code == 0, err
     assert "state/example" in out and f"{shape.state_bytes('float32'):,}" in out
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mamba"])
+def test_the_layout_probe_runs_without_autograd(name):
+    """A model the user hands over as is (parameters requiring grad) is probed in inference mode:
+    the one-token forward that reads a non-dense cache's shapes builds no autograd graph."""
+    model, _ = make_family_model(name, attn_implementation=None)
+    model.requires_grad_(True)
+    seen: list[bool] = []
+    handle = model.register_forward_pre_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
+    try:
+        from kvstore.model.layout import cache_layout
+
+        cache_layout(model)
+    finally:
+        handle.remove()
+    assert seen == [True]
