@@ -20,7 +20,7 @@ import click
 
 from kvstore import dtypes
 from kvstore.cli.common import progress_bar, quiet_option, store_option, store_options
-from kvstore.cli.summary import corrupt_entries_as_warnings, emit_summary
+from kvstore.cli.summary import check_variants, corrupt_entries_as_warnings, emit_summary
 
 DEFAULT_TEMPLATE = "{context}\nQuestion: {question}\nAnswer:"
 LN2 = math.log(2)
@@ -94,12 +94,10 @@ def score(**kw):
     """
     from kvstore.data.choices import load_choice_rows
     from kvstore.model.adapter import Adapter
-    from kvstore.model.hooks import variants
     from kvstore.store.kvstore import KVStore
 
     mode = kw["mode"] or "choices"
-    specs = list(kw.pop("decode_attention"))
-    variants(specs or ["dense"])  # a bad spec or a name given twice: one-line HookError before the model loads
+    specs = check_variants(kw.pop("decode_attention"), False)  # one-line HookError before the model loads
     if len(specs) > 1 and mode == "rolling":
         raise click.UsageError("--rolling scores under one --decode-attention at a time")
     if kw["template"] is not None:
@@ -186,10 +184,10 @@ def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict
     if len(graded) == 1:
         out, summary = graded[name]
         return out, summary | counts
-    return _sweep_rows(graded, mode), {"options": len(first.rows)} | counts | {"variants": _sweep_table(graded, mode)}
+    return _sweep_rows(graded), {"options": len(first.rows)} | counts | {"variants": _sweep_table(graded, mode)}
 
 
-def _sweep_rows(graded: dict[str, tuple[list[dict], dict]], mode: str) -> list[dict]:
+def _sweep_rows(graded: dict[str, tuple[list[dict], dict]]) -> list[dict]:
     """Every variant's rows, each with its ``variant`` (rows of one variant together, in order)."""
     return [{"variant": name} | item for name, (items, _) in graded.items() for item in items]
 

@@ -51,7 +51,7 @@ def emit_summary(title: str, summary: dict, fmt: str) -> None:
             from kvstore.units import human_bytes
 
             v = f"{v:,} ({human_bytes(v)})"
-        elif isinstance(v, float) and k in ("accuracy", "contains", "exact_match", "f1", "cache_hit_rate"):
+        elif isinstance(v, float) and (k in METRIC_KEYS or k == "cache_hit_rate"):
             v = f"{v:.1%}"
         elif isinstance(v, int):
             v = f"{v:,}"
@@ -65,7 +65,7 @@ def _echo_table(table: list[dict]) -> None:
     """Rows of dicts as one aligned table (fractions as percentages, None as -)."""
 
     def cell(k: str, v):
-        if isinstance(v, float) and (k in ("accuracy", "contains", "exact_match", "f1") or k.startswith("agreement")):
+        if isinstance(v, float) and (k in METRIC_KEYS or k.startswith("agreement")):
             return f"{v:.1%}"
         return v
 
@@ -74,6 +74,18 @@ def _echo_table(table: list[dict]) -> None:
     body = render_table(rows, [k.replace("_", " ") for k in keys], align="r" * len(keys))
     for line in body.splitlines():
         click.echo("  " + line)
+
+
+METRIC_KEYS = ("accuracy", "contains", "exact_match", "f1")
+
+
+def metrics(rows: list[dict]) -> dict:
+    """The task metrics over ``rows`` that have accepted answers (each None when none has)."""
+    from kvstore.data.metrics import score
+
+    mine = [r for r in rows if r["answers"]]
+    s = score([r["prediction"] for r in mine], [r["answers"] for r in mine]) if mine else {}
+    return {k: (round(s[k], 4) if mine else None) for k in METRIC_KEYS}
 
 
 def check_variants(specs: tuple[str, ...], compile_steps: bool) -> list[str]:
@@ -85,16 +97,12 @@ def check_variants(specs: tuple[str, ...], compile_steps: bool) -> list[str]:
     return list(specs)
 
 
-def variant_table(adapter, results, rows: list[dict], n: int) -> list[dict]:
+def variant_table(results, rows: list[dict], n: int) -> list[dict]:
     """Per variant of a sweep: task metrics over its ``n`` rows, tokens/s of its decoding, and
     agreement with the ``dense`` variant (rows with the same tokens; None without a dense one)."""
-    from kvstore.data.metrics import score
-
     dense = next((r for r in results if r.variant == "dense"), None)
     table = []
     for v, res in enumerate(results):
-        mine = [r for r in rows[v * n : (v + 1) * n] if r["answers"]]
-        s = score([r["prediction"] for r in mine], [r["answers"] for r in mine]) if mine else {}
         agree = None
         if dense is not None:
             same = sum(
@@ -105,7 +113,7 @@ def variant_table(adapter, results, rows: list[dict], n: int) -> list[dict]:
         table.append(
             {
                 "variant": res.variant,
-                **{k: (round(s[k], 4) if mine else None) for k in ("accuracy", "contains", "exact_match", "f1")},
+                **metrics(rows[v * n : (v + 1) * n]),
                 "agreement_with_dense": agree,
                 "generated_tokens": generated,
                 "decode_seconds": round(res.decode_seconds, 3),
@@ -115,4 +123,4 @@ def variant_table(adapter, results, rows: list[dict], n: int) -> list[dict]:
     return table
 
 
-__all__ = ["check_variants", "corrupt_entries_as_warnings", "emit_summary", "variant_table"]
+__all__ = ["METRIC_KEYS", "check_variants", "corrupt_entries_as_warnings", "emit_summary", "metrics", "variant_table"]

@@ -16,7 +16,14 @@ import click
 
 from kvstore import dtypes
 from kvstore.cli.common import progress_bar, quiet_option, store_option, store_options
-from kvstore.cli.summary import check_variants, corrupt_entries_as_warnings, emit_summary, variant_table
+from kvstore.cli.summary import (
+    METRIC_KEYS,
+    check_variants,
+    corrupt_entries_as_warnings,
+    emit_summary,
+    metrics,
+    variant_table,
+)
 
 
 def _dataset_options(fn):
@@ -333,7 +340,7 @@ def sample(**kwargs):
     the store (the reference): both give the same predictions. --decode-attention answers under
     decode-time attention variants (see docs/hooks.md).
     """
-    from kvstore.data.metrics import clean_prediction, contains_match, lenient_match, score
+    from kvstore.data.metrics import clean_prediction, contains_match, lenient_match
     from kvstore.model.options import SampleOptions
     from kvstore.store.kvstore import KVStore
 
@@ -403,8 +410,6 @@ def sample(**kwargs):
             for r in rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
     n = len(examples)
-    answered = [r for r in rows[:n] if r["answers"]]
-    scores = score([r["prediction"] for r in answered], [r["answers"] for r in answered]) if answered else {}
     summary = {
         "dataset": dataset,
         "model": adapter.name,
@@ -412,7 +417,7 @@ def sample(**kwargs):
         "compiled": compile_steps,
         "questions": n,
         "bad_rows_skipped": data.skipped,
-        **{k: (round(scores[k], 4) if answered else None) for k in ("accuracy", "contains", "exact_match", "f1")},
+        **(dict.fromkeys(METRIC_KEYS) if variants else metrics(rows[:n])),  # a sweep's metrics are per variant
         "seconds": round(seconds, 3),
         "questions_per_second": round(n / seconds, 3) if seconds else None,
         "cache_hit_rate": round(sum(result.cache_hit) / n, 4) if n else None,
@@ -422,10 +427,8 @@ def sample(**kwargs):
         "prefill_tokens_computed": result.prefill_tokens_computed,
         "output": output,
     }
-    if variants:  # the metrics are per variant
-        for k in ("accuracy", "contains", "exact_match", "f1"):
-            summary[k] = None
-        summary["variants"] = variant_table(adapter, results, rows, n)
+    if variants:
+        summary["variants"] = variant_table(results, rows, n)
     if not output and opts.fmt == "text" and not opts.quiet:
         for r in rows[:5]:
             click.echo(

@@ -19,7 +19,7 @@ import torch
 
 from kvstore.model import hooks
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
-from kvstore.model.forward import Stop, greedy_loop
+from kvstore.model.forward import Stop, greedy_loop, right_padded
 from kvstore.model.hooks import Variant
 from kvstore.model.static import StaticSteps, bucket_slots
 
@@ -89,11 +89,7 @@ def reference_split(adapter: ModelHandle, c_ids, q_ids, N, stop: Stop, return_sc
         raise ValueError("every question needs at least one token")
     dev = adapter.device
     bufs = new_buffers(adapter.kv_shapes(), B, bucket_slots(L + Q + N, stop.steps != "dynamic"), adapter.dtype, dev)
-    input_ids = torch.full((B, L), adapter.pad_id, dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for r, ids in enumerate(c_ids):
-        input_ids[r, : c_len[r]] = torch.as_tensor(ids, dtype=torch.long)
-        mask[r, : c_len[r]] = 1
+    input_ids, mask = right_padded(adapter.pad_id, c_ids)
     adapter.model(
         input_ids=input_ids.to(dev),
         attention_mask=mask.to(dev),

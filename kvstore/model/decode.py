@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.errors import ContextTooLongError, ModelError
+from kvstore.errors import ContextTooLongError
 from kvstore.model import chains, hooks
 from kvstore.model.answers import answer, fixed_steps, reference_split
 from kvstore.model.attention import uses_grouped_kv
 from kvstore.model.cache import Buffers, PreallocatedCache, new_buffers
-from kvstore.model.forward import Stop, batches, greedy_loop, is_out_of_memory, prefill, row_length
+from kvstore.model.forward import Stop, batches, greedy_loop, is_out_of_memory, prefill, right_padded, row_length
 from kvstore.model.hooks import Variant
 from kvstore.model.options import SampleOptions
 from kvstore.model.staging import Staging
@@ -122,11 +122,7 @@ def sample_variants(
     if len(contexts) != len(questions):
         raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
     adapter.check_supported(store if use_cache else None)
-    if split and not adapter.path.supports("hooks"):
-        raise ModelError(
-            f"{adapter.name}: generation contexts, decode attention and variant sweeps are for models whose every "
-            "layer is full attention; this one has sliding-window, chunked or state layers"
-        )
+    hooks.check_model(adapter, split)
     q_ids = [adapter.encode_question(q) for q in questions]
     c_ids = [
         adapter.context_ids(c, special_tokens=special_tokens, truncate=truncate, max_context_tokens=max_context_tokens,
@@ -399,11 +395,7 @@ def decode_reference_dense(adapter: ModelHandle, full_ids, N, stop: Stop, return
         kb.zero_()
         vb.zero_()
     cache = PreallocatedCache(bufs, 0)
-    input_ids = torch.full((B, L), adapter.pad_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.long)
-    for r, ids in enumerate(full_ids):
-        input_ids[r, : lens[r]] = torch.as_tensor(ids, dtype=torch.long)
-        mask[r, : lens[r]] = 1
+    input_ids, mask = right_padded(adapter.pad_id, full_ids, T)
     mask[:, L:] = 1
     mask = mask.to(dev)
     out = adapter.model(

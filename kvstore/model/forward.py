@@ -49,6 +49,18 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
+def right_padded(pad_id: int, seqs: Sequence[Sequence[int]], width: int | None = None):
+    """``(input_ids, mask)`` on the host for token-id lists laid out from slot 0: ids ``[B, L]``
+    (``L`` the longest) padded with ``pad_id``, mask ``[B, width or L]`` set over each row's tokens."""
+    L = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width or L), dtype=torch.long)
+    for r, ids in enumerate(seqs):
+        input_ids[r, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        mask[r, : len(ids)] = 1
+    return input_ids, mask
+
+
 @torch.inference_mode()
 def prefill(adapter: ModelHandle, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
     """Run the model over a batch of token-id lists (right-padded together); per row, the
@@ -60,11 +72,7 @@ def prefill(adapter: ModelHandle, batch: Sequence[Sequence[int]]) -> list[LayerK
     lengths = [len(ids) for ids in batch]
     B, L = len(batch), max(lengths)
     dev = adapter.device
-    input_ids = torch.full((B, L), adapter.pad_id, dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for i, ids in enumerate(batch):
-        input_ids[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-        mask[i, : len(ids)] = 1
+    input_ids, mask = right_padded(adapter.pad_id, batch)
     piece = adapter.prefill_piece
     chunked = bool(piece) and L > piece and adapter.path.supports("chunked_prefill")
     # pieces write into buffers allocated once; one forward keeps the tensors the model returns
@@ -124,6 +132,7 @@ def greedy_loop(
     runs the model on each row's token ``t`` instead and returns the next logits."""
     B = logits.shape[0]
     dev = logits.device
+    cache_kw = {adapter.layout.cache_arg: cache}
     tokens = torch.full((B, N), adapter.pad_id, dtype=torch.long, device=dev)
     scores: list[torch.Tensor] | None = [] if return_scores else None
     done = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -152,7 +161,7 @@ def greedy_loop(
             input_ids=nxt[:, None],
             attention_mask=mask[:, : first_slot + t + 1],
             position_ids=(next_pos + t)[:, None],
-            **{adapter.layout.cache_arg: cache},
+            **cache_kw,
             use_cache=True,
             logits_to_keep=1,
         )

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvstore.errors import HookError, KVStoreError
+from kvstore.errors import HookError, KVStoreError, ModelError
 from kvstore.model import sparse
 from kvstore.model.forward import is_out_of_memory
 
@@ -175,6 +175,18 @@ def check_steps(chosen: Sequence[Variant], steps: str) -> None:
         raise HookError(
             f"generation contexts and decode attention ({', '.join(hooked)}) run eager decode steps; drop compile / "
             "--compile"
+        )
+
+
+def check_model(adapter: Any, needed: bool) -> None:
+    """ModelError (one line) when generation contexts, decode attention or a variant sweep
+    (``needed``) would run on a model with sliding-window, chunked or state layers: they are for
+    models whose every layer is full attention."""
+    if needed and not adapter.path.supports("hooks"):
+        raise ModelError(
+            f"{adapter.name} ({adapter.model.config.model_type}): generation contexts, decode attention and variant "
+            "sweeps need a model whose every layer is full attention; this one has sliding-window, chunked or state "
+            "layers"
         )
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.model.forward import is_out_of_memory
+from kvstore.model.forward import is_out_of_memory, right_padded
 from kvstore.model.scores import ScoredRow
 from kvstore.progress import Progress
 
@@ -112,11 +112,7 @@ def score_reference(
         B = len(batch)
         L = max(sizes[i] for i in batch)
         lo = min(len(ctx[i]) - 1 for i in batch)  # first position whose logits are needed
-        input_ids = torch.full((B, L), adapter.pad_id, dtype=torch.long)
-        mask = torch.zeros((B, L), dtype=torch.long)
-        for r, i in enumerate(batch):
-            input_ids[r, : sizes[i]] = torch.as_tensor(seqs[i], dtype=torch.long)
-            mask[r, : sizes[i]] = 1
+        input_ids, mask = right_padded(adapter.pad_id, [seqs[i] for i in batch])
         out = adapter.model(
             input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
             position_ids=torch.arange(L, device=dev).expand(B, L), use_cache=False, logits_to_keep=L - lo,

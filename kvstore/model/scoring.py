@@ -192,11 +192,7 @@ def _score_many(
         raise ValueError("batch_size must be at least 1")
     adapter.check_supported(store if use_cache else None)
     hooked = [v for v in chosen if not v.dense]
-    if hooked and not adapter.path.supports("hooks"):
-        raise ModelError(
-            f"generation contexts and decode attention need a model whose every layer is full attention; "
-            f"{adapter.name} ({adapter.model.config.model_type}) has sliding-window, chunked or state layers"
-        )
+    hooks.check_model(adapter, bool(hooked))
     if use_cache and not adapter.path.supports("scoring"):
         raise ModelError(
             f"scoring from stored caches supports models whose every layer is full attention; {adapter.name} "
@@ -269,12 +265,13 @@ def _score_cached(
             pos[r] = c - 2 + q  # pads after the row: its last position again (masked, in range)
             pos[r, :q] = torch.arange(c - 1, c - 1 + q)
             input_ids[r, :q] = torch.as_tensor(fed[i], dtype=torch.long)
+        input_ids, mask, pos = input_ids.to(dev), mask.to(dev), pos.to(dev)  # once for every variant
         kept = False
         for j, v in enumerate(chosen):  # each variant writes only the fed slots, from P on: contexts stay
             cache = PreallocatedCache(pre.bufs, P)
             with hooks.running(v, adapter.model):
                 out = adapter.model(
-                    input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                    input_ids=input_ids, attention_mask=mask, position_ids=pos,
                     **{adapter.layout.cache_arg: cache}, use_cache=True, logits_to_keep=0,
                 )  # fmt: skip
             for r, i in enumerate(batch):

@@ -43,7 +43,16 @@ import torch
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import register_quantizer
 from kvstore.store.codecs.prerope import Rotary, need_rotary, rotate
-from kvstore.store.codecs.quant import SINK_TOKENS, Stage, _param_dtype, _rec, _scratch, _view, checked_sink
+from kvstore.store.codecs.quant import (
+    SINK_TOKENS,
+    Stage,
+    _param_dtype,
+    _rec,
+    _scratch,
+    _view,
+    checked_sink,
+    sink_then_rest,
+)
 from kvstore.store.codecs.records import TensorRecord
 
 PARTS = (".codes", ".offsets", ".steps", ".sink")
@@ -88,9 +97,6 @@ class EntropyQuantizer:
         s = math.sqrt(self.step_k * self.step_v)
         return min(8.0, max(1.0, math.log2(math.sqrt(2 * math.pi * math.e) / s)))
 
-    def _need_rotary(self, error: type[Exception]) -> Rotary:
-        return need_rotary(self.rotary, self.spec, error)
-
     # -- encoding -------------------------------------------------------------------------------
     def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
         x = tensor.detach().to("cpu")
@@ -99,9 +105,7 @@ class EntropyQuantizer:
         sink = x[:, :k].contiguous()
         wdt = torch.float64 if x.dtype == torch.float64 else torch.float32  # as the reader decodes
         if role == "keys":
-            rotary = self._need_rotary(CodecError)
-            if rotary.dim > dim:
-                raise CodecError(f"{self.spec}: the rotary dimension {rotary.dim} exceeds head_dim {dim}")
+            rotary = need_rotary(self.rotary, self.spec, CodecError, dim)
             body = rotate(x[:, k:].double(), rotary, start + k, inverse=True).to(wdt)
         else:
             body = x[:, k:].to(wdt)
@@ -147,9 +151,7 @@ class EntropyQuantizer:
             raise CorruptEntryError(f"tensor {name} has offsets or steps that are not finite and positive")
         rotary = None
         if role == "keys":
-            rotary = self._need_rotary(CorruptEntryError)
-            if rotary.dim > dim:
-                raise CorruptEntryError(f"tensor {name}: rotary dimension {rotary.dim} exceeds head_dim {dim}")
+            rotary = need_rotary(self.rotary, self.spec, CorruptEntryError, dim)
         return _EntropyReader(name, tuple(shape), dtype, codes, o, s, sink, rotary, start)
 
 
@@ -168,14 +170,8 @@ class _EntropyReader:
     def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
         """Decode into ``dest``: on the host, or with ``stage`` (``stage(source, device)``, see
         :meth:`kvstore.model.staging.Staging.upload`) on ``dest``'s device, in fresh tensors there."""
-        if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
-            raise ValueError(f"{self.name}: destination {tuple(dest.shape)}/{dest.dtype} != {self.shape}/{self.dtype}")
+        d = sink_then_rest(self, dest, stage)
         k = self.sink.shape[1]
-        if k and stage is not None:
-            dest[:, :k].copy_(stage(self.sink, dest.device))
-        elif k:
-            self.sink.copy_into(dest[:, :k])
-        d = dest[:, k:]
         if d.numel() == 0:
             return
         wdt = torch.float64 if self.dtype == torch.float64 else torch.float32

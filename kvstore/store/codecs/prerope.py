@@ -44,7 +44,7 @@ import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import Codec, register_quantizer
-from kvstore.store.codecs.quant import PARTS, SINK_TOKENS, IntQuantizer, _scratch, _view, int_factory
+from kvstore.store.codecs.quant import PARTS, SINK_TOKENS, IntQuantizer, _scratch, _view, int_factory, sink_then_rest
 from kvstore.store.codecs.records import TensorRecord
 
 LAYOUTS = ("half",)  # channel j pairs with j + R/2 (transformers' rotate_half); the only one handled
@@ -83,13 +83,16 @@ class Rotary:
         return cls(tuple(freqs), layout)
 
 
-def need_rotary(rotary: Rotary | None, spec: str, error: type[Exception]) -> Rotary:
-    """``rotary``, or ``error`` saying that codec ``spec`` needs the model's rotary parameters."""
+def need_rotary(rotary: Rotary | None, spec: str, error: type[Exception], head_dim: int) -> Rotary:
+    """``rotary``, or ``error`` saying that codec ``spec`` needs the model's rotary parameters or
+    that they rotate more channels than a head of ``head_dim`` has."""
     if rotary is None:
         raise error(
             f"{spec} quantizes keys before their rotary embedding and needs the model's rotary parameters "
             "(entries built by an Adapter carry them; kvstore.store.convert takes rotary=)"
         )
+    if rotary.dim > head_dim:
+        raise error(f"{spec}: the rotary dimension {rotary.dim} exceeds head_dim {head_dim}")
     return rotary
 
 
@@ -145,17 +148,12 @@ class PreRopeQuantizer(IntQuantizer):
             out["rotary"] = self.rotary.record()
         return out
 
-    def _need_rotary(self, error: type[Exception]) -> Rotary:
-        return need_rotary(self.rotary, self.spec, error)
-
     def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
         if role != "keys":
             return super().encode(role, tensor, start)
-        rotary = self._need_rotary(CodecError)
         x = tensor.detach().to("cpu")
         heads, n, dim = x.shape
-        if rotary.dim > dim:
-            raise CodecError(f"{self.spec}: the rotary dimension {rotary.dim} exceeds head_dim {dim}")
+        rotary = need_rotary(self.rotary, self.spec, CodecError, dim)
         k = min(SINK_TOKENS, n) if start == 0 else 0
         sink = x[:, :k].contiguous()
         pre = rotate(x[:, k:].double(), rotary, start + k, inverse=True).float()
@@ -170,9 +168,7 @@ class PreRopeQuantizer(IntQuantizer):
     ):  # fmt: skip
         if role != "keys":
             return super().reader(role, name, records, shape, dtype)
-        rotary = self._need_rotary(CorruptEntryError)
-        if rotary.dim > shape[2]:
-            raise CorruptEntryError(f"tensor {name}: rotary dimension {rotary.dim} exceeds head_dim {shape[2]}")
+        rotary = need_rotary(self.rotary, self.spec, CorruptEntryError, shape[2])
         codes, s, z, sink, _ = self.checked_parts(role, name, records, shape, dtype)
         return _PreRopeReader(self, rotary, name, tuple(shape), dtype, codes, s, z, sink, start)
 
@@ -187,12 +183,8 @@ class _PreRopeReader:
         self.codes, self.scales, self.zeros, self.sink, self.start = codes, scales, zeros, sink, start
 
     def copy_into(self, dest: torch.Tensor) -> None:
-        if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
-            raise ValueError(f"{self.name}: destination {tuple(dest.shape)}/{dest.dtype} != {self.shape}/{self.dtype}")
+        d = sink_then_rest(self, dest)
         k = self.sink.shape[1]
-        if k:
-            self.sink.copy_into(dest[:, :k])
-        d = dest[:, k:]
         heads, m, dim = d.shape
         wdt = torch.float64 if self.dtype == torch.float64 else torch.float32
         work = _scratch("pre_f64" if wdt == torch.float64 else "pre_f32", d.numel(), wdt).view(d.shape)

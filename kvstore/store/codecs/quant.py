@@ -116,6 +116,21 @@ def checked_sink(sink: TensorRecord, shape: tuple[int, ...], dtype: torch.dtype)
     return k
 
 
+def sink_then_rest(reader: Any, dest: torch.Tensor, stage: Stage | None = None) -> torch.Tensor:
+    """Check ``dest`` against ``reader``'s shape and dtype (ValueError), copy the reader's sink
+    tokens into its first slots (through ``stage`` when given) and return the view of the rest,
+    which the reader decodes its codes into."""
+    if tuple(dest.shape) != reader.shape or dest.dtype != reader.dtype:
+        got, want = f"{tuple(dest.shape)}/{dest.dtype}", f"{reader.shape}/{reader.dtype}"
+        raise ValueError(f"{reader.name}: destination {got} != {want}")
+    k = reader.sink.shape[1]
+    if k and stage is not None:
+        dest[:, :k].copy_(stage(reader.sink, dest.device))
+    elif k:
+        reader.sink.copy_into(dest[:, :k])
+    return dest[:, k:]
+
+
 class IntQuantizer:
     """``int8`` / ``int4``: asymmetric integer codes on the KIVI axes (see the module docstring)."""
 
@@ -233,14 +248,7 @@ class _IntReader:
         host tensor on ``device``, e.g. :meth:`kvstore.model.staging.Staging.upload`): the codes
         (uint8), scales, zeros and sink go to ``dest``'s device and the same arithmetic runs there,
         in fresh device tensors instead of the host's per-thread scratch."""
-        if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
-            raise ValueError(f"{self.name}: destination {tuple(dest.shape)}/{dest.dtype} != {self.shape}/{self.dtype}")
-        k = self.sink.shape[1]
-        if k and stage is not None:
-            dest[:, :k].copy_(stage(self.sink, dest.device))
-        elif k:
-            self.sink.copy_into(dest[:, :k])
-        d = dest[:, k:]
+        d = sink_then_rest(self, dest, stage)
         scales, zeros = self.scales, self.zeros
         if stage is not None:
             codes, scales, zeros = (stage(t, d.device) for t in (self.codes, scales, zeros))
@@ -391,4 +399,4 @@ register_quantizer("int8", int_factory(IntQuantizer, "int8", 8, 128, 64))
 register_quantizer("int4", int_factory(IntQuantizer, "int4", 4, 32, 64))
 register_quantizer("fp8", _fp8)
 
-__all__ = ["FP8_MAX", "SINK_TOKENS", "Fp8Quantizer", "IntQuantizer", "checked_sink"]
+__all__ = ["FP8_MAX", "SINK_TOKENS", "Fp8Quantizer", "IntQuantizer", "checked_sink", "sink_then_rest"]
