@@ -58,15 +58,11 @@ LONG_SYSTEM = (
 )
 
 
-def demo_rows() -> list[dict]:
-    return [json.loads(line) for line in (bl.HERE / "data" / "demo.jsonl").open(encoding="utf-8")]
-
-
 def fewshot_block(tokenizer, target: int) -> tuple[str, int]:
     """Question/answer examples (a passage's first sentences, a question, its answer) from the demo
     set, added until the block holds at least ``target`` tokens."""
     parts, seen = [], set()
-    for row in demo_rows():
+    for row in bl.demo_rows():
         if row["context"] in seen:
             continue
         seen.add(row["context"])

@@ -37,7 +37,6 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 from pathlib import Path
@@ -49,21 +48,6 @@ import benchlib as bl
 WORK = bl.SCRATCH / "quant"
 CODECS = ("int8", "int8:64", "int4", "int4:64", "fp8", "int8+zstd:1")
 N_NEW = 12
-
-
-def demo_rows() -> list[dict]:
-    return [json.loads(line) for line in (bl.HERE / "data" / "demo.jsonl").open(encoding="utf-8")]
-
-
-def question_sets() -> dict[str, list[dict]]:
-    rows = demo_rows()
-    articles = list(dict.fromkeys(r["context"] for r in rows))
-    long = []
-    for g in range(len(articles) // 4):
-        group = articles[4 * g : 4 * g + 4]
-        joined = "\n\n".join(group)
-        long += [dict(r, context=joined, id=f"long{g}-{r['id']}") for r in rows if r["context"] in group]
-    return {"demo": rows, "long": long}
 
 
 def agreement(ref, got) -> dict:
@@ -196,7 +180,7 @@ def main() -> None:
     bl.setup(args.threads)
     from kvstore.data.prompts import PromptFormat
 
-    sets = question_sets()
+    sets = bl.question_sets()
     if args.quick:
         sets["demo"] = sets["demo"][:16]
     bl.wait_for_quiet(max_wait_s=args.wait)

@@ -34,7 +34,6 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import time
@@ -51,21 +50,6 @@ COST_VARIANTS = ("dense", "topk:64", "sparq:16:64")
 
 def grid() -> list[str]:
     return ["dense"] + [f"topk:{k}" for k in KS] + [f"sparq:{r}:{k}" for r in RS for k in KS]
-
-
-def demo_rows() -> list[dict]:
-    return [json.loads(line) for line in (bl.HERE / "data" / "demo.jsonl").open(encoding="utf-8")]
-
-
-def question_sets() -> dict[str, list[dict]]:
-    rows = demo_rows()
-    articles = list(dict.fromkeys(r["context"] for r in rows))
-    long = []
-    for g in range(len(articles) // 4):
-        group = articles[4 * g : 4 * g + 4]
-        joined = "\n\n".join(group)
-        long += [dict(r, context=joined, id=f"long{g}-{r['id']}") for r in rows if r["context"] in group]
-    return {"demo": rows, "long": long}
 
 
 def kwargs(fmt) -> dict:
@@ -197,7 +181,7 @@ def main() -> None:
     bl.setup(args.threads)
     from kvstore.data.prompts import PromptFormat
 
-    sets = question_sets()
+    sets = bl.question_sets()
     bl.wait_for_quiet(max_wait_s=args.wait)
     meta: dict = {"machine": bl.machine(), "args": vars(args), "new_tokens": N_NEW, "stop_strings": STOPS}
     t0 = time.perf_counter()

@@ -295,3 +295,21 @@ def md_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def demo_rows() -> list[dict]:
+    """The rows of experiments/data/demo.jsonl (22 articles, 78 questions)."""
+    return [json.loads(line) for line in (HERE / "data" / "demo.jsonl").open(encoding="utf-8")]
+
+
+def question_sets() -> dict[str, list[dict]]:
+    """``demo``: the demo rows; ``long``: the demo articles four at a time (5 contexts of ~1.3k
+    tokens), every question about one of the four asked of the joined context."""
+    rows = demo_rows()
+    articles = list(dict.fromkeys(r["context"] for r in rows))
+    long = []
+    for g in range(len(articles) // 4):
+        group = articles[4 * g : 4 * g + 4]
+        joined = "\n\n".join(group)
+        long += [dict(r, context=joined, id=f"long{g}-{r['id']}") for r in rows if r["context"] in group]
+    return {"demo": rows, "long": long}

@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 
 import torch
-from bench_quant import question_sets
 
 import benchlib as bl
+from benchlib import question_sets
 
 SINK = 4
 
