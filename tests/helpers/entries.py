@@ -252,3 +252,27 @@ def encode_v1(layers, codec: str = "zstd-shuffle:1", ids=None, key: str = "k" * 
         facts | {"codec": params, "raw_bytes": raw_bytes}, sort_keys=True, separators=(",", ":")
     ).encode()
     return seal(MAGIC + struct.pack("<I", len(header)) + header + payload)
+
+
+def decode_host_and_staged(reader, dtype: torch.dtype):
+    """Decode ``reader`` (a ``[3, 70, 16]`` tensor) into a strided slice of a NaN-filled batch
+    buffer twice: on the host (``copy_into``) and through the staging bookkeeping on CPU (its
+    device branch, ``staging.FORCE`` set by the caller). Returns ``(host, staged, staging,
+    uploads)``, ``uploads`` the ``(shape, dtype)`` of every tensor the staging uploaded."""
+    from kvstore.model import staging
+
+    host = torch.full((2, 3, 90, 16), float("nan"), dtype=dtype)
+    reader.copy_into(host[1, :, 7:77])  # a strided slice of a batch buffer, as loads use
+    st = staging.Staging(torch.device("cpu"))
+    uploads: list[tuple[tuple[int, ...], torch.dtype]] = []
+    real_upload = st.upload
+
+    def upload(source, device):
+        uploads.append((tuple(source.shape), source.dtype))
+        return real_upload(source, device)
+
+    st.upload = upload  # type: ignore[method-assign]
+    staged = torch.full_like(host, float("nan"))
+    st.copy_into(reader, staged[1, :, 7:77])
+    st.finish()
+    return host, staged, st, uploads

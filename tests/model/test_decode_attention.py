@@ -16,13 +16,13 @@ import types
 import pytest
 import torch
 
+from helpers.hooks import max_diff as _max_diff
+from helpers.hooks import sample as _sample
+from helpers.hooks import tiny_adapter as _adapter
 from kvstore.errors import HookError
 from kvstore.model import sparse
-from kvstore.model.adapter import Adapter
 from kvstore.model.hooks import attention_context
 from kvstore.store.kvstore import KVStore
-
-N_NEW = 6
 
 
 # -- the functions against a reference written from the definitions --------------------------------
@@ -171,27 +171,11 @@ def test_plugin_by_path(monkeypatch):
 
 
 # -- the model under them ----------------------------------------------------------------------------
-def _adapter(kind: str = "llama", dtype=torch.float64) -> Adapter:
-    from helpers.tiny import make_tiny_model
-
-    model, tok = make_tiny_model(kind, dtype=dtype)
-    return Adapter(model, tok)
-
-
 def _rows(seed: int = 0, lengths=(30, 12, 45, 30)):
     g = torch.Generator().manual_seed(seed)
     contexts = [torch.randint(5, 300, (n,), generator=g).tolist() for n in lengths]
     questions = [torch.randint(5, 300, (n,), generator=g).tolist() for n in (3, 5, 1, 4)[: len(lengths)]]
     return contexts, questions
-
-
-def _sample(adapter, contexts, questions, **kw):
-    kw.setdefault("stop_at_eos", False)
-    return adapter.greedy_sample(contexts, questions, N_NEW, return_details=True, return_scores=True, **kw)
-
-
-def _max_diff(a, b) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a.scores, b.scores))
 
 
 @pytest.mark.parametrize("kind", ["llama", "neox"])

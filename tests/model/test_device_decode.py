@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from helpers.entries import bits, split, with_frame
+from helpers.entries import bits, decode_host_and_staged, split, with_frame
 from helpers.tiny import make_tiny_model
 from kvstore.errors import CorruptEntryWarning
 from kvstore.model import chains, staging
@@ -66,20 +66,7 @@ def test_device_dequantization_equals_host_bit_for_bit(forced, spec, role, dtype
     for lazy in (False, True):
         reader, _ = _reader(spec, role, x, start, lazy)
         assert getattr(reader, "device_decode", False)
-        host = torch.full((2, 3, 90, 16), float("nan"), dtype=dtype)
-        reader.copy_into(host[1, :, 7:77])  # a strided slice of a batch buffer, as loads use
-        st = staging.Staging(torch.device("cpu"))
-        uploaded: list[tuple[tuple[int, ...], torch.dtype]] = []
-        real_upload = st.upload
-
-        def upload(source, device, real_upload=real_upload, uploaded=uploaded):
-            uploaded.append((tuple(source.shape), source.dtype))
-            return real_upload(source, device)
-
-        st.upload = upload  # type: ignore[method-assign]
-        dev = torch.full_like(host, float("nan"))
-        st.copy_into(reader, dev[1, :, 7:77])
-        st.finish()
+        host, dev, st, uploaded = decode_host_and_staged(reader, dtype)
         assert torch.equal(bits(dev), bits(host)), "device branch differs from the host's dequantization"
         assert st.counts["device_decoded"] == 1 and st.counts["records"] == 0
         codes = [s for s, d in uploaded if d == torch.uint8]

@@ -15,20 +15,15 @@ import hashlib
 import pytest
 import torch
 
+from helpers.hooks import N_NEW
+from helpers.hooks import max_diff as _max_diff
+from helpers.hooks import sample as _sample
+from helpers.hooks import tiny_adapter as _adapter
 from kvstore.errors import HookError, ModelError
 from kvstore.model import decode, forward
 from kvstore.model.adapter import Adapter
 from kvstore.model.hooks import Variant, attention_context
 from kvstore.store.kvstore import KVStore
-
-N_NEW = 6
-
-
-def _adapter(kind: str = "llama", dtype=torch.float64) -> Adapter:
-    from helpers.tiny import make_tiny_model
-
-    model, tok = make_tiny_model(kind, dtype=dtype)
-    return Adapter(model, tok)
 
 
 def _rows(seed: int = 0):
@@ -102,15 +97,6 @@ class Counting:
                 h.remove()
 
         return ctx()
-
-
-def _sample(adapter, contexts, questions, **kw):
-    kw.setdefault("stop_at_eos", False)
-    return adapter.greedy_sample(contexts, questions, N_NEW, return_details=True, return_scores=True, **kw)
-
-
-def _max_diff(a, b) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(a.scores, b.scores))
 
 
 @pytest.mark.parametrize("kind", ["llama", "neox"])

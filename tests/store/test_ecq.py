@@ -1,18 +1,17 @@
-"""``ecq`` (entropy-coded quantization): every element within the stated bound (half a step before
-the rotation, ``sqrt(2)/2`` of a step after it), keys re-rotated at their chunk's positions (past a
-chunk boundary, after a partial hit), codes that never clip, entropy coding that makes it smaller
-than int4r for the same data, specs, header checks, format 4 (an older reader refuses it) and a
-golden file."""
+"""``ecq`` (entropy-coded quantization): every element within the stated bound (half a step before the
+rotation, ``sqrt(2)/2`` of a step after it), keys re-rotated at their chunk's positions (past a
+chunk boundary, after a partial hit: tests/store/test_prerope.py), codes that never clip, entropy
+coding that makes it smaller than int4r for the same data, specs, header checks, format 4 (an older
+reader refuses it) and a golden file."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
 
 import pytest
 import torch
 from test_prerope import ROTARIES, _context, entry, keys_like, llama64, records  # noqa: F401 (fixture)
+from test_prerope import ecq_bound as bound
 
 from helpers.entries import assemble, check_lossy_golden, lossy_facts, split
 from helpers.paths import GOLDEN
@@ -36,17 +35,6 @@ def quantizer(spec: str = "ecq", rotary: Rotary = ROTARIES["full"]) -> EntropyQu
 def roundtrip(q, role, x, start):
     parts = q.encode(role, x, start)
     return dict(parts), q.reader(role, "t", records(parts), tuple(x.shape), x.dtype, start=start).materialize()
-
-
-def bound(parts, shape, rotary: Rotary | None) -> torch.Tensor:
-    """The stated bound per element past the sink: half the head's step, ``sqrt(2)/2`` of it on
-    rotated channels."""
-    heads, m, dim = shape
-    step = parts[".steps"].double().expand(heads, m, dim)
-    out = step / 2
-    if rotary is not None:
-        out[..., : rotary.dim] = step[..., : rotary.dim] * math.sqrt(2) / 2
-    return out
 
 
 @pytest.mark.parametrize("spec", ["ecq", "ecq:0.05", "ecq:0.5/0.1"])
@@ -142,7 +130,7 @@ def test_decodes_into_a_strided_row_of_the_batch_buffers(role):
 def test_device_decoding_equals_the_hosts_bit_for_bit(monkeypatch, role, dtype, start):
     """The device branch (``stage=``, run on CPU through the staging bookkeeping) sends the int8
     codes, offsets and steps, never float values, and gives the host's result bit for bit."""
-    from helpers.entries import bits
+    from helpers.entries import bits, decode_host_and_staged
     from kvstore.model import staging
 
     monkeypatch.setattr(staging, "FORCE", True)
@@ -151,20 +139,7 @@ def test_device_decoding_equals_the_hosts_bit_for_bit(monkeypatch, role, dtype, 
     parts = q.encode(role, x, start)
     reader = q.reader(role, "t", records(parts), tuple(x.shape), dtype, start=start)
     assert reader.device_decode
-    host = torch.full((2, 3, 90, 16), float("nan"), dtype=dtype)
-    reader.copy_into(host[1, :, 7:77])
-    st = staging.Staging(torch.device("cpu"))
-    uploaded: list[tuple[tuple[int, ...], torch.dtype]] = []
-    real_upload = st.upload
-
-    def upload(source, device):
-        uploaded.append((tuple(source.shape), source.dtype))
-        return real_upload(source, device)
-
-    st.upload = upload  # type: ignore[method-assign]
-    dev = torch.full_like(host, float("nan"))
-    st.copy_into(reader, dev[1, :, 7:77])
-    st.finish()
+    host, dev, st, uploaded = decode_host_and_staged(reader, dtype)
     assert torch.equal(bits(dev), bits(host)), "device branch differs from the host's decoding"
     assert st.counts["device_decoded"] == 1 and st.counts["records"] == 0
     k = SINK_TOKENS if start == 0 else 0
@@ -263,41 +238,8 @@ def test_steps_that_are_not_positive_are_corrupt():
         q.reader("values", "t", records(parts.items()), tuple(x.shape), x.dtype)
 
 
-# -- models: positions past chunk boundaries and after a partial hit ----------------------------------
-def _check_chain(adapter, store, ids):
-    """Every stored chunk's decoded layer-0 keys are within the bound of the model's own keys at
-    the chunk's positions (layer 0's keys depend on token and position only)."""
-    from test_prerope import _layer0_keys
-
-    plan = adapter.plan(ids, store)
-    exact = _layer0_keys(adapter, ids)
-    with store.open_chain(plan.keys) as views:
-        assert len(views) == len(plan.keys)
-        for view in views:
-            h = view.header
-            got = view.layers[0][0].materialize()
-            want = exact[:, h.start : h.end]
-            k = view.records["layers.0.keys.sink"].shape[1]
-            assert k == (SINK_TOKENS if h.start == 0 else 0)
-            steps = view.records["layers.0.keys.steps"].materialize()
-            b = bound({".steps": steps}, got[:, k:].shape, adapter.rotary)
-            assert bool(((got[:, k:] - want[:, k:]).abs() <= b * (1 + 1e-9) + 1e-12).all()), h.start
-            assert torch.allclose(got[:, :k], want[:, :k], rtol=0, atol=1e-12)
-
-
-def test_chunks_past_a_boundary_and_after_a_partial_hit_decode_at_their_positions(llama64, tmp_path):  # noqa: F811
-    short = _context(llama64, 45)
-    longer = short + _context(llama64, 40, seed=1)
-    with KVStore(str(tmp_path / "s"), codec="ecq", chunk_tokens=16) as store:
-        llama64.generate_kv_cache([short], store)
-        _check_chain(llama64, store, short)  # chunks at 0, 16, 32 (a partial last one)
-        got = llama64.greedy_sample([longer], [[5, 6]], 3, store=store, return_details=True)
-        assert 0 < got.cached_tokens[0] < len(longer), "a partial hit: the prefix loaded, the rest computed"
-        _check_chain(llama64, store, longer)
-        again = llama64.greedy_sample([longer], [[5, 6]], 3, store=store, return_details=True)
-    assert again.cache_hit[0] and torch.equal(got.tokens, again.tokens)
-
-
+# -- models ----------------------------------------------------------------------------------------
+# (chunks past a boundary and after a partial hit, and the CLI: tests/store/test_prerope.py, with int4r/int8r)
 def test_a_lossless_request_never_reads_ecq_entries(llama64, tmp_path):  # noqa: F811
     ids = _context(llama64, 40)
     with KVStore(str(tmp_path / "s"), codec="ecq", chunk_tokens=16) as store:
@@ -318,25 +260,6 @@ def test_golden_ecq_entry():
     check_lossy_golden(GOLDEN / "format_v4_ecq.json", GOLDEN / "entry_v4_ecq.kvs", "ecq", golden_entry, REGEN,
                        "ecq layout")  # fmt: skip
     assert lossy_facts(golden_entry("ecq"))["header"]["format"] == 4
-
-
-# -- CLI -------------------------------------------------------------------------------------------
-def test_cli_build_sample_and_estimate_with_ecq(tiny_llama_dir, tmp_path, capsys):
-    from helpers.cli import run_main, write_dataset
-
-    data = write_dataset(tmp_path / "d.jsonl", range(3))
-    store = tmp_path / "store"
-    base = ["--model", tiny_llama_dir, "--store", store, "--quiet", "--format", "json"]
-    code, out, err = run_main(capsys, "build", data, *base, "--codec", "ecq")
-    assert code == 0, err
-    assert json.loads(out)["codec"] == "ecq:0.18+zstd:1" and json.loads(out)["lossy"] is True
-    code, out, err = run_main(capsys, "sample", data, *base, "-n", "3", "--codec", "ecq", "--readonly-store")
-    assert code == 0 and json.loads(out)["cache_hit_rate"] == 1, err
-    # another step is another codec: its keys miss
-    code, out, err = run_main(capsys, "sample", data, *base, "-n", "3", "--codec", "ecq:0.1", "--readonly-store")
-    assert code == 0 and json.loads(out)["cache_hit_rate"] == 0, err
-    code, out, err = run_main(capsys, "build", data, *base, "--codec", "ecq:0")
-    assert code != 0 and "ecq step" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("spec", ["ecq", "int4r"])

@@ -1,8 +1,8 @@
-"""The pre-rotation codecs (``int4r``, ``int8r``): the rotation kvstore undoes is the model's own,
-it is undone and redone exactly (float64), keys decode at their chunk's positions (past a chunk
-boundary, after a partial hit), every element stays within the stated bound, the rotary parameters
-travel in the entry header, models whose rotation kvstore does not undo are refused in one line,
-and the stored layout is pinned by a golden file."""
+"""The pre-rotation codecs (``int4r``, ``int8r``; ``ecq``'s chains and CLI too): the rotation kvstore
+undoes is the model's own, it is undone and redone exactly (float64), keys decode at their chunk's
+positions (past a chunk boundary, after a partial hit), every element stays within the stated
+bound, the rotary parameters travel in the entry header, models whose rotation kvstore does not
+undo are refused in one line, and the stored layout is pinned by a golden file."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from kvstore.errors import CodecError, CorruptEntryError, ModelError
 from kvstore.model.adapter import Adapter
 from kvstore.model.rope import rotary_of, rotary_refusal
 from kvstore.store.codecs import get_codec
+from kvstore.store.codecs.entropy import EntropyQuantizer
 from kvstore.store.codecs.prerope import PreRopeQuantizer, Rotary, rotate
 from kvstore.store.codecs.quant import SINK_TOKENS
 from kvstore.store.convert import convert_contexts
@@ -276,13 +277,24 @@ def _layer0_keys(adapter, ids) -> torch.Tensor:
     return cache.layers[0].keys[0]
 
 
+def ecq_bound(parts, shape, rotary: Rotary | None) -> torch.Tensor:
+    """``ecq``'s stated bound per element past the sink (tests/store/test_ecq.py): half the head's
+    step, ``sqrt(2)/2`` of it on rotated channels."""
+    heads, m, dim = shape
+    step = parts[".steps"].double().expand(heads, m, dim)
+    out = step / 2
+    if rotary is not None:
+        out[..., : rotary.dim] = step[..., : rotary.dim] * math.sqrt(2) / 2
+    return out
+
+
 def _check_chain(adapter, store, ids):
     """Every stored chunk's decoded layer-0 keys are within the bound of the model's own keys at
     the chunk's positions (layer 0's keys depend on token and position only, not on the prefix)."""
     plan = adapter.plan(ids, store)
     exact = _layer0_keys(adapter, ids)
     rotary = adapter.rotary
-    q = quantizer(store.codec.spec, rotary)
+    q = store.codec.quantizer
     with store.open_chain(plan.keys) as views:
         assert len(views) == len(plan.keys)
         for view in views:
@@ -291,13 +303,17 @@ def _check_chain(adapter, store, ids):
             want = exact[:, h.start : h.end]
             k = view.records["layers.0.keys.sink"].shape[1]
             assert k == (SINK_TOKENS if h.start == 0 else 0)
-            scales = view.records["layers.0.keys.scales"].materialize()
-            bound = _key_bound(q, {".scales": scales}, h.n_tokens - k, rotary)
+            if isinstance(q, EntropyQuantizer):
+                steps = view.records["layers.0.keys.steps"].materialize()
+                bound = ecq_bound({".steps": steps}, got[:, k:].shape, rotary)
+            else:
+                scales = view.records["layers.0.keys.scales"].materialize()
+                bound = _key_bound(q, {".scales": scales}, h.n_tokens - k, rotary)
             assert bool(((got[:, k:] - want[:, k:]).abs() <= bound * (1 + 1e-9) + 1e-12).all()), h.start
             assert torch.allclose(got[:, :k], want[:, :k], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("spec", ["int4r", "int8r"])
+@pytest.mark.parametrize("spec", ["int4r", "int8r", "ecq"])
 def test_chunks_past_a_boundary_and_after_a_partial_hit_decode_at_their_positions(llama64, tmp_path, spec):
     short = _context(llama64, 45)
     longer = short + _context(llama64, 40, seed=1)
@@ -385,24 +401,41 @@ def test_golden_prerope_entries(spec):
 
 
 # -- CLI -------------------------------------------------------------------------------------------
-def test_cli_build_and_sample_with_int4r(tiny_llama_dir, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("codec", "label", "other", "bad", "why"),
+    [("int4r", "int4r:32", "int4", "int4r:3", "group size"),
+     ("ecq", "ecq:0.18+zstd:1", "ecq:0.1", "ecq:0", "ecq step")],
+)  # fmt: skip
+def test_cli_build_and_sample_with_a_pre_rope_codec(tiny_llama_dir, tmp_path, capsys, codec, label, other, bad, why):
     from helpers.cli import run_main, write_dataset
 
     data = write_dataset(tmp_path / "d.jsonl", range(3))
     store = tmp_path / "store"
     base = ["--model", tiny_llama_dir, "--store", store, "--quiet", "--format", "json"]
-    code, out, err = run_main(capsys, "build", data, *base, "--codec", "int4r")
+    code, out, err = run_main(capsys, "build", data, *base, "--codec", codec)
     assert code == 0, err
-    assert json.loads(out)["codec"] == "int4r:32" and json.loads(out)["lossy"] is True
-    code, out, err = run_main(capsys, "sample", data, *base, "-n", "3", "--codec", "int4r", "--readonly-store")
+    assert json.loads(out)["codec"] == label and json.loads(out)["lossy"] is True
+    code, out, err = run_main(capsys, "sample", data, *base, "-n", "3", "--codec", codec, "--readonly-store")
     assert code == 0 and json.loads(out)["cache_hit_rate"] == 1, err
-    # int4 entries of the same contexts are other keys: an int4 request misses them all
-    code, out, err = run_main(capsys, "sample", data, *base, "-n", "3", "--codec", "int4", "--readonly-store")
+    # another lossy codec (int4 after RoPE, ecq at another step) has other keys: its request misses them all
+    code, out, err = run_main(capsys, "sample", data, *base, "-n", "3", "--codec", other, "--readonly-store")
     assert code == 0 and json.loads(out)["cache_hit_rate"] == 0, err
+    code, out, err = run_main(capsys, "build", data, *base, "--codec", bad)
+    assert code != 0 and why in err and err.count("\n") == 1
     # converting needs the model's rotation, which sync does not load: one line, nothing written
     code, out, err = run_main(capsys, "sync", store, tmp_path / "other", "--codec", "int8r")
     assert code == 1 and "rotary" in err and err.count("\n") == 1
     assert not (tmp_path / "other").exists() or run_main(capsys, "ls", "--store", tmp_path / "other")[0] == 0
+
+
+def test_a_format_2_int4r_entry_of_the_pre_release_still_reads():
+    """Before entry format 3, int4r entries were written as format 2 (the file kept from then): it
+    still decodes, to the same keys and values as the format-3 file of the same chunk."""
+    old = decode_entry((GOLDEN / "entry_v2_int4r.kvs").read_bytes())
+    new = decode_entry((GOLDEN / "entry_v3_int4r.kvs").read_bytes())
+    assert old.header.format == 2 and new.header.format == 3 and old.header.codec == new.header.codec
+    for a, b in zip(old.layers[0], new.layers[0]):
+        assert torch.equal(a.materialize(), b.materialize())
 
 
 def test_pre_rope_codecs_write_format_3():
