@@ -378,3 +378,21 @@ def test_a_reader_of_format_2_refuses_a_format_3_entry_instead_of_taking_it_for_
     monkeypatch.setattr(header_mod, "FORMAT_VERSION", 2)
     with pytest.raises(FormatVersionError, match="format version 3; this kvstore reads up to 2 - upgrade kvstore"):
         decode_entry(blob)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["chunk_zstd-split-1", "context_bfloat16_zstd-split-1-16", "context_float16_zstd-split-1-16",
+     "context_float32_zstd-split-1-16", "context_float32_zstd-split-1"],
+)  # fmt: skip
+def test_format_2_split_entries_of_the_pre_release_still_read(name):
+    """Before entry format 3, zstd-split entries were written as format 2 (the files kept from
+    then): they still decode, to the same tensors as the format-3 file of the same chunk."""
+    old, new = (
+        decode_entry((GOLDEN / f"entry_v2_{name}.kvs").read_bytes()),
+        decode_entry((GOLDEN / f"entry_v3_{name}.kvs").read_bytes()),
+    )
+    assert old.header.format == 2 and new.header.format == 3 and old.header.codec_spec == new.header.codec_spec
+    assert old.header.key == new.header.key and sorted(old.records) == sorted(new.records)
+    for name, rec in old.records.items():
+        assert torch.equal(bits(rec.materialize()), bits(new.records[name].materialize())), name
