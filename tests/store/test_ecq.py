@@ -101,29 +101,6 @@ def test_huge_values_give_a_finite_step():
     assert bool(((y - x).abs() <= parts[".steps"] / 2 * (1 + 1e-5)).all())
 
 
-def test_bfloat16_keys_are_the_float32_result_rounded_once():
-    q = quantizer()
-    x = keys_like(dtype=torch.bfloat16, start=300)
-    parts = q.encode("keys", x, 300)
-    y16 = q.reader("keys", "t", records(parts), tuple(x.shape), torch.bfloat16, start=300).materialize()
-    parts32 = [(s, t.float() if s == ".sink" else t) for s, t in parts]
-    y32 = q.reader("keys", "t", records(parts32), tuple(x.shape), torch.float32, start=300).materialize()
-    assert torch.equal(y16, y32.to(torch.bfloat16))
-
-
-@pytest.mark.parametrize("role", ["keys", "values"])
-def test_decodes_into_a_strided_row_of_the_batch_buffers(role):
-    q = quantizer()
-    x = keys_like(dtype=torch.float32, start=64)
-    parts = q.encode(role, x, 64)
-    buf = torch.full((2, 3, 200, 16), 7.0)
-    q.reader(role, "t", records(parts), tuple(x.shape), x.dtype, start=64).copy_into(buf[1, :, 20:170])
-    assert torch.equal(
-        buf[1, :, 20:170], q.reader(role, "t", records(parts), tuple(x.shape), x.dtype, start=64).materialize()
-    )
-    assert bool((buf[0] == 7).all()) and bool((buf[1, :, :20] == 7).all()) and bool((buf[1, :, 170:] == 7).all())
-
-
 @pytest.mark.parametrize("role", ["keys", "values"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("start", [0, 48])

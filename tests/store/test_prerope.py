@@ -48,9 +48,9 @@ def keys_like(heads=3, n=150, dim=16, dtype=torch.float64, seed=0, start=0, rota
     return rotate(pre, rotary, start).to(dtype)
 
 
-def quantizer(spec: str, rotary: Rotary) -> PreRopeQuantizer:
+def quantizer(spec: str, rotary: Rotary) -> PreRopeQuantizer | EntropyQuantizer:
     q = get_codec(spec).quantizer
-    assert isinstance(q, PreRopeQuantizer)
+    assert isinstance(q, (PreRopeQuantizer, EntropyQuantizer))
     return q.with_rotary(rotary)
 
 
@@ -160,7 +160,7 @@ def test_values_are_stored_as_int4_and_int8_store_them(spec, dtype):
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(mine, theirs))
 
 
-@pytest.mark.parametrize("spec", ["int4r", "int8r"])
+@pytest.mark.parametrize("spec", ["int4r", "int8r", "ecq"])
 def test_bfloat16_keys_are_the_float32_result_rounded_once(spec):
     q = quantizer(spec, ROTARIES["full"])
     x = keys_like(dtype=torch.bfloat16, start=300)
@@ -172,14 +172,15 @@ def test_bfloat16_keys_are_the_float32_result_rounded_once(spec):
     assert torch.equal(y16, y32.to(torch.bfloat16))
 
 
-def test_decodes_into_a_strided_row_of_the_batch_buffers():
-    q = quantizer("int4r", ROTARIES["full"])
+@pytest.mark.parametrize(("spec", "role"), [("int4r", "keys"), ("ecq", "keys"), ("ecq", "values")])
+def test_decodes_into_a_strided_row_of_the_batch_buffers(spec, role):
+    q = quantizer(spec, ROTARIES["full"])
     x = keys_like(dtype=torch.float32, start=64)
-    parts = q.encode("keys", x, 64)
+    parts = q.encode(role, x, 64)
     buf = torch.full((2, 3, 200, 16), 7.0)
-    q.reader("keys", "t", records(parts), tuple(x.shape), x.dtype, start=64).copy_into(buf[1, :, 20:170])
+    q.reader(role, "t", records(parts), tuple(x.shape), x.dtype, start=64).copy_into(buf[1, :, 20:170])
     assert torch.equal(
-        buf[1, :, 20:170], q.reader("keys", "t", records(parts), tuple(x.shape), x.dtype, start=64).materialize()
+        buf[1, :, 20:170], q.reader(role, "t", records(parts), tuple(x.shape), x.dtype, start=64).materialize()
     )
     assert bool((buf[0] == 7).all()) and bool((buf[1, :, :20] == 7).all()) and bool((buf[1, :, 170:] == 7).all())
 
