@@ -90,7 +90,7 @@ def metrics(rows: list[dict]) -> dict:
 
 def check_variants(specs: tuple[str, ...], compile_steps: bool) -> list[str]:
     """The ``--decode-attention`` values, each checked (HookError: one line); none: a plain run."""
-    from kvstore.model.hooks import check_steps, variants
+    from kvstore.model.variants.hooks import check_steps, variants
 
     if specs:
         check_steps(variants(list(specs)), "compiled" if compile_steps else "dynamic")

@@ -3,7 +3,7 @@
 For each context length (random token ids, the seeds of ``bench_ttft.py``), the bundled
 SmolLM2-135M-Instruct (``--dtype``, default float32) prefills the context once into a store of the
 first codec; every other codec's store gets the same chain re-encoded (as ``kvstore sync --codec``
-does). Then ``kvstore.model.chains.load_prefix`` (open + verify every chunk + decode + copy into the
+does). Then ``kvstore.model.plan.chains.load_prefix`` (open + verify every chunk + decode + copy into the
 Adapter's batch buffers: the ``load`` piece of a stored TTFT) runs on each store in turn,
 ``--repeats`` times, alternating, 2 threads. Reported per codec and length: min / median / max ms,
 stored bytes, and the in-memory floor's question step measured in the same run (``bench_ttft``'s
@@ -42,8 +42,8 @@ def main() -> None:
     bl.setup(args.threads)
     info = bl.machine()
     adapter = bl.load_adapter(args.dtype)
-    from kvstore.model import chains
-    from kvstore.model.cache import new_buffers
+    from kvstore.model.compute.cache import new_buffers
+    from kvstore.model.plan import chains
     from kvstore.store.kvstore import KVStore
 
     q_ids = bl.synthetic_ids(bl.QUESTION_TOKENS, seed=7)

@@ -12,7 +12,7 @@ bundled SmolLM2-135M-Instruct (float32, sdpa) and exactly ``--new-tokens`` greed
 * ``no-cache``: ``Adapter.greedy_sample(use_cache=False)``: kvstore's reference path (prefill of
   context + question, then its decode loop);
 * ``kvstore``: ``greedy_sample`` from a warm store holding the contexts (eager decode steps);
-* ``kvstore+static``: the same with fixed-shape steps, eager (:mod:`kvstore.model.static`);
+* ``kvstore+static``: the same with fixed-shape steps, eager (:mod:`kvstore.model.compute.static`);
 * ``kvstore+compile``: ``greedy_sample(compile=True)`` (``sample --compile``).
 
 Each repeat runs every row once, round-robin, after one untimed warm-up run per row (which pays

@@ -229,7 +229,7 @@ def part_sweep(args, data: Path, store: Path) -> list[dict]:
     sets the answer length (EOS rarely comes first); same contexts, so the store serves them."""
     if not (store / "data.mdb").exists():
         kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
-    from kvstore.model.loading import load_model
+    from kvstore.model.load.loading import load_model
 
     long_data = data.with_name(data.stem + "_long.jsonl")
     with data.open(encoding="utf-8") as f, long_data.open("w", encoding="utf-8") as out:
@@ -311,7 +311,7 @@ def part_overhead(args, data: Path) -> dict:
     """Paired in-process comparison: prefill alone vs prefill + store, same contexts and batches."""
     from kvstore.data.datasets import load_dataset
     from kvstore.data.prompts import PromptFormat
-    from kvstore.model.build import batches as ka_batches
+    from kvstore.model.pipelines.build import batches as ka_batches
     from kvstore.store.kvstore import KVStore
 
     adapter = bl.load_adapter("float32")
@@ -393,7 +393,7 @@ def part_variants(args, data: Path) -> dict:
     ``--batch-size`` and 1) and built with ``generate_kv_cache`` as is (writer budget 1 GiB), with
     the writer budget cut to two chunks (the old queue of 2; patched in), with the raw codec, and
     with batch size 1."""
-    import kvstore.model.build as ka
+    import kvstore.model.pipelines.build as ka
     from kvstore.data.datasets import load_dataset
     from kvstore.data.prompts import PromptFormat
     from kvstore.store.kvstore import KVStore

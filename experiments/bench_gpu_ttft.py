@@ -53,8 +53,8 @@ def main() -> None:
     from transformers import PreTrainedTokenizerFast
 
     from kvstore.model.adapter import Adapter
-    from kvstore.model.attention import grouped_kv
-    from kvstore.model.cache import PreallocatedCache, new_buffers
+    from kvstore.model.compute.attention import grouped_kv
+    from kvstore.model.compute.cache import PreallocatedCache, new_buffers
     from kvstore.store.kvstore import KVStore
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))

@@ -48,7 +48,7 @@ SETTLE_S = 0.3  # untimed pause before every timed run
 
 
 def gguf_path() -> Path:
-    from kvstore.model.loading import bundled_gguf_path
+    from kvstore.model.load.loading import bundled_gguf_path
 
     return bundled_gguf_path()
 

@@ -46,8 +46,8 @@ TOLERANCE = 1e-4
 
 
 def model_dir() -> Path:
-    from kvstore.model.gguf import convert_gguf
-    from kvstore.model.loading import bundled_gguf_path
+    from kvstore.model.load.gguf import convert_gguf
+    from kvstore.model.load.loading import bundled_gguf_path
 
     return convert_gguf(bundled_gguf_path())
 

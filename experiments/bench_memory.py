@@ -41,7 +41,7 @@ def child(tokens: int, piece: int, attn: str, threads: int) -> dict:
     import torch
 
     from kvstore.model.adapter import Adapter
-    from kvstore.model.attention import grouped_kv
+    from kvstore.model.compute.attention import grouped_kv
 
     adapter = Adapter.from_pretrained(None, dtype="float32", attn_implementation=attn)
     text = bl.real_context_ids(adapter.tokenizer, 6000)

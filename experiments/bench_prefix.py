@@ -230,7 +230,7 @@ def main() -> None:
     if args.quick:
         args.docs, args.doc_words, args.prefix_tokens, args.long_docs, args.long_words = 4, 60, 120, 3, 200
     bl.setup()
-    from kvstore.model.loading import load_model
+    from kvstore.model.load.loading import load_model
 
     tokenizer = load_model(None, dtype="float32", device="cpu").tokenizer
     bl.wait_for_quiet(max_wait_s=args.wait)

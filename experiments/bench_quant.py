@@ -78,8 +78,8 @@ def contains(adapter, result, rows) -> int:
 
 
 def timings(adapter, store, plan, context, question, repeats: int, fmt) -> dict:
-    from kvstore.model import chains
-    from kvstore.model.cache import new_buffers
+    from kvstore.model.compute.cache import new_buffers
+    from kvstore.model.plan import chains
 
     bufs = new_buffers(adapter.kv_shapes(), 1, plan.n_tokens + 64, adapter.dtype, adapter.device)
     loaded = chains.load_prefix(adapter, store, plan, bufs, 0, 0)

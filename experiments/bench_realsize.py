@@ -149,8 +149,8 @@ def h2d(nbytes: int, device: torch.device, n: int) -> dict[str, list[float]]:
 
 
 def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scratch: Path) -> list[dict]:
-    from kvstore.model import chains
-    from kvstore.model.cache import new_buffers
+    from kvstore.model.compute.cache import new_buffers
+    from kvstore.model.plan import chains
     from kvstore.store.kvstore import KVStore
 
     dev = adapter.device
@@ -210,7 +210,7 @@ def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scrat
     for codec, (store, plan) in stores.items():
 
         def load_fn(store=store, plan=plan):
-            from kvstore.model.staging import Staging
+            from kvstore.model.compute.staging import Staging
 
             staging = Staging(dev)
             got = chains.load_prefix(adapter, store, plan, bufs, 0, 0, staging=staging)
@@ -262,8 +262,8 @@ def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scrat
 
 
 def _floor(adapter, bufs, n: int, q_ids: list[int], first: dict):
-    from kvstore.model.attention import grouped_kv
-    from kvstore.model.cache import PreallocatedCache
+    from kvstore.model.compute.attention import grouped_kv
+    from kvstore.model.compute.cache import PreallocatedCache
 
     dev = adapter.device
     Q = len(q_ids)

@@ -60,8 +60,8 @@ def main() -> None:
     bl.wait_for_quiet(max_wait_s=args.wait)
     info = bl.machine()
     adapter = bl.load_adapter("float32")
-    from kvstore.model import chains
-    from kvstore.model.cache import new_buffers
+    from kvstore.model.compute.cache import new_buffers
+    from kvstore.model.plan import chains
     from kvstore.store.entry import Entry
     from kvstore.store.keys import cache_key
     from kvstore.store.kvstore import KVStore

@@ -237,8 +237,8 @@ def floor(adapter, layers, q_ids: list[int]):
     """kvstore's question step alone, on a context's cache already in its preallocated buffers (the
     in-memory floor a stored load is compared with): a function returning ``(first token, seconds
     of the model call)``. ``layers``: per layer ``(keys, values)`` ``[kv_heads, n, head_dim]``."""
-    from kvstore.model.attention import grouped_kv
-    from kvstore.model.cache import PreallocatedCache, new_buffers
+    from kvstore.model.compute.attention import grouped_kv
+    from kvstore.model.compute.cache import PreallocatedCache, new_buffers
 
     n, Q = layers[0][0].shape[1], len(q_ids)
     bufs = new_buffers(adapter.kv_shapes(), 1, n + Q + 1, adapter.dtype, adapter.device)

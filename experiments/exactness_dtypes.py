@@ -26,7 +26,7 @@ import torch
 from kvstore.data.datasets import load_dataset
 from kvstore.data.prompts import PromptFormat
 from kvstore.model.adapter import Adapter
-from kvstore.model.loading import load_model
+from kvstore.model.load.loading import load_model
 from kvstore.store.kvstore import KVStore
 
 ROOT = Path(__file__).resolve().parent.parent

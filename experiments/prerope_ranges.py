@@ -30,7 +30,7 @@ SINK = 4
 def main() -> None:
     bl.setup(1)
     from kvstore.data.prompts import PromptFormat
-    from kvstore.model.build import prefill
+    from kvstore.model.pipelines.build import prefill
     from kvstore.store.codecs.prerope import rotate
 
     meta = {"machine": bl.machine()}

@@ -25,9 +25,9 @@ import benchlib as bl
 def main() -> None:
     bl.setup()
     info = bl.machine()
-    from kvstore.model.attention import grouped_kv
-    from kvstore.model.cache import PreallocatedCache
-    from kvstore.model.static import StaticSteps, bucket_slots
+    from kvstore.model.compute.attention import grouped_kv
+    from kvstore.model.compute.cache import PreallocatedCache
+    from kvstore.model.compute.static import StaticSteps, bucket_slots
 
     adapter = bl.load_adapter()
     model = adapter.model

@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Adapter": "kvstore.model.adapter",
     "BuildOptions": "kvstore.model.options",
-    "BuildReport": "kvstore.model.build",
+    "BuildReport": "kvstore.model.pipelines.build",
     "Dataset": "kvstore.data.datasets",
     "Entry": "kvstore.store.entry",
     "EntryInfo": "kvstore.store.scan",
@@ -31,15 +31,15 @@ _LAZY = {
     "KVStore": "kvstore.store.kvstore",
     "PromptFormat": "kvstore.data.prompts",
     "SampleOptions": "kvstore.model.options",
-    "SampleResult": "kvstore.model.decode",
-    "ScoreResult": "kvstore.model.scores",
+    "SampleResult": "kvstore.model.pipelines.sample",
+    "ScoreResult": "kvstore.model.scoring.scores",
     "StoreInfo": "kvstore.store.scan",
     "cache_key": "kvstore.store.keys",
     "estimate_size": "kvstore.size.estimate",
     "get_codec": "kvstore.store.codecs",
     "load_dataset": "kvstore.data.datasets",
-    "load_model": "kvstore.model.loading",
-    "model_fingerprint": "kvstore.model.identity",
+    "load_model": "kvstore.model.load.loading",
+    "model_fingerprint": "kvstore.model.load.identity",
     "score": "kvstore.data.metrics",
     "size_report": "kvstore.size.estimate",
 }
@@ -53,13 +53,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.data.metrics import score as score
     from kvstore.data.prompts import PromptFormat as PromptFormat
     from kvstore.model.adapter import Adapter as Adapter
-    from kvstore.model.build import BuildReport as BuildReport
-    from kvstore.model.decode import SampleResult as SampleResult
-    from kvstore.model.identity import model_fingerprint as model_fingerprint
-    from kvstore.model.loading import load_model as load_model
+    from kvstore.model.load.identity import model_fingerprint as model_fingerprint
+    from kvstore.model.load.loading import load_model as load_model
     from kvstore.model.options import BuildOptions as BuildOptions
     from kvstore.model.options import SampleOptions as SampleOptions
-    from kvstore.model.scores import ScoreResult as ScoreResult
+    from kvstore.model.pipelines.build import BuildReport as BuildReport
+    from kvstore.model.pipelines.sample import SampleResult as SampleResult
+    from kvstore.model.scoring.scores import ScoreResult as ScoreResult
     from kvstore.size.estimate import estimate_size as estimate_size
     from kvstore.size.estimate import size_report as size_report
     from kvstore.store.codecs import get_codec as get_codec

@@ -50,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from kvstore.errors import ModelError, RequestError
 from kvstore.model.adapter import Adapter
-from kvstore.model.decode import SampleResult
+from kvstore.model.pipelines.sample import SampleResult
 from kvstore.store.kvstore import KVStore
 
 _log = logging.getLogger(__name__)

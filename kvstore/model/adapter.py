@@ -2,8 +2,8 @@
 
 ``Adapter(model, tokenizer)`` wraps any loaded Hugging Face causal LM; :meth:`Adapter.from_pretrained`
 loads one by name. Identity, tokenization and plans come from :class:`~kvstore.model.handle.ModelHandle`;
-the work is delegated: building to :mod:`kvstore.model.build`, decoding to :mod:`kvstore.model.decode`,
-scoring to :mod:`kvstore.model.scoring`, decode-time hooks to :mod:`kvstore.model.hooks`.
+the work is delegated: building to :mod:`kvstore.model.pipelines.build`, decoding to :mod:`kvstore.model.pipelines.sample`,
+scoring to :mod:`kvstore.model.pipelines.score`, decode-time hooks to :mod:`kvstore.model.variants.hooks`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.model import build, decode, hooks, scoring, sparse
-from kvstore.model.build import BuildReport
-from kvstore.model.decode import SampleResult
 from kvstore.model.handle import ModelHandle, TextOrIds
 from kvstore.model.options import BuildOptions, SampleOptions, apply_prompt
-from kvstore.model.scoring import RollingResult, RollingResults, ScoreResult
+from kvstore.model.pipelines import build
+from kvstore.model.pipelines import sample as decode
+from kvstore.model.pipelines import score as scoring
+from kvstore.model.pipelines.build import BuildReport
+from kvstore.model.pipelines.sample import SampleResult
+from kvstore.model.pipelines.score import RollingResult, RollingResults, ScoreResult
+from kvstore.model.variants import hooks, sparse
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
@@ -101,7 +104,7 @@ class Adapter(ModelHandle):
 
         ``generation_context`` (``model -> context manager``) and ``decode_attention`` (``topk:K``,
         ``sparq:R:K``, ``module:function`` or an attention function) are entered around each
-        batch's question forward and decode steps only, never a prefill (:mod:`kvstore.model.hooks`);
+        batch's question forward and decode steps only, never a prefill (:mod:`kvstore.model.variants.hooks`);
         an error under them is a one-line HookError. Full-attention models, eager steps only."""
         variant = hooks.hook_variant(generation_context, decode_attention)
         return self._sample([variant], contexts, questions, options, store, prompt, special_tokens, prefix, labels,
@@ -120,7 +123,7 @@ class Adapter(ModelHandle):
     ) -> torch.Tensor | SampleResult:
         """:meth:`sample` as the research code calls it: ``[n_rows, num_new_tokens]`` int64 token ids
         (the :class:`SampleResult` with ``return_details``); ``compile``: fixed-shape decode steps
-        under ``torch.compile`` (:mod:`kvstore.model.static`). Other arguments as for :meth:`sample`."""
+        under ``torch.compile`` (:mod:`kvstore.model.compute.static`). Other arguments as for :meth:`sample`."""
         if compile:
             kwargs["steps"] = "compiled"
         result = self.sample(contexts, questions, num_new_tokens=num_new_tokens, use_cache=use_cache, **kwargs)
@@ -142,19 +145,19 @@ class Adapter(ModelHandle):
         (``use_cache``) or without them, as lm-eval's ``hf`` model computes it: a
         :class:`ScoreResult`. Arguments (``store``, ``use_cache``, ``batch_size``, ``prefix``,
         ``token_logprobs``, ``truncate``, ``generation_context``, ``decode_attention``, ...), rules and
-        errors: :func:`kvstore.model.scoring.score`."""
+        errors: :func:`kvstore.model.pipelines.score.score`."""
         return scoring.score(self, contexts, continuations, **kwargs)
 
     def score_rolling(self, texts: Sequence[TextOrIds], **kwargs) -> RollingResults:
         """Log-likelihood of whole documents in lm-eval's ``loglikelihood_rolling`` windows: one
-        :class:`RollingResult` per document. Arguments: :func:`kvstore.model.scoring.score_rolling`."""
+        :class:`RollingResult` per document. Arguments: :func:`kvstore.model.pipelines.score.score_rolling`."""
         return scoring.score_rolling(self, texts, **kwargs)
 
     def score_sweep(
         self, contexts: Sequence[TextOrIds], continuations: Sequence[TextOrIds], *, variants: Sequence, **kwargs
     ) -> dict[str, ScoreResult]:
         """:meth:`score` under each of ``variants`` from one load of each batch; results by variant
-        name (:func:`kvstore.model.scoring.score_sweep`)."""
+        name (:func:`kvstore.model.pipelines.score.score_sweep`)."""
         return scoring.score_sweep(self, contexts, continuations, variants=variants, **kwargs)
 
     def sweep(
@@ -173,7 +176,7 @@ class Adapter(ModelHandle):
         **fields,
     ) -> dict[str, SampleResult]:
         """:meth:`sample` under each of ``variants`` (decode-attention specs, attention functions or
-        :class:`kvstore.model.hooks.Variant`) from one load of each batch: results by variant name,
+        :class:`kvstore.model.variants.hooks.Variant`) from one load of each batch: results by variant name,
         in order. Other arguments as for :meth:`sample`."""
         chosen = hooks.variants(variants)
         results = self._sample(chosen, contexts, questions, options, store, prompt, special_tokens, prefix, labels,

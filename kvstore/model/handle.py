@@ -18,13 +18,16 @@ from transformers import PreTrainedModel
 
 from kvstore import dtypes
 from kvstore.errors import ContextTooLongError, ModelError
-from kvstore.model import chains, families, forward, hooks
-from kvstore.model.cache import KVShape, LayerKV
-from kvstore.model.chains import ContextPlan
-from kvstore.model.identity import model_fingerprint
-from kvstore.model.layout import CacheLayout, cache_layout
-from kvstore.model.paths import CachePath, path_for
-from kvstore.model.rope import rotary_of, rotary_refusal
+from kvstore.model.compute import forward
+from kvstore.model.compute.cache import KVShape, LayerKV
+from kvstore.model.family import families
+from kvstore.model.family.layout import CacheLayout, cache_layout
+from kvstore.model.family.rope import rotary_of, rotary_refusal
+from kvstore.model.load.identity import model_fingerprint
+from kvstore.model.paths.base import CachePath, path_for
+from kvstore.model.plan import chains
+from kvstore.model.plan.chains import ContextPlan
+from kvstore.model.variants import hooks
 from kvstore.store.codecs.prerope import Rotary, needs_rotary
 from kvstore.store.entry import Entry
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, chain_seed
@@ -97,7 +100,7 @@ class ModelHandle:
         """Load a model by name: ``None`` (bundled SmolLM2-135M-Instruct), a hub id, a local
         directory or a ``.gguf`` file. ``attn_implementation``: default SDPA where the architecture
         has it. Raises ModelNotFoundError / ModelError."""
-        from kvstore.model.loading import load_model
+        from kvstore.model.load.loading import load_model
 
         loaded = load_model(name, dtype=dtype, device=device, attn_implementation=attn_implementation)
         return cls(loaded.model, loaded.tokenizer, name=loaded.name, weight_files=loaded.weight_files)
@@ -124,7 +127,7 @@ class ModelHandle:
 
     @property
     def rotary(self) -> Rotary | None:
-        """The rotary embedding the model applies to its keys (:mod:`kvstore.model.rope`), or None
+        """The rotary embedding the model applies to its keys (:mod:`kvstore.model.family.rope`), or None
         for a model whose rotary layout kvstore does not undo."""
         if self._rotary is None:
             self._rotary = (rotary_of(self.model),)
@@ -211,8 +214,8 @@ class ModelHandle:
 
     def check_supported(self, store: KVStore | None = None) -> None:
         """Raise ModelError (one line naming the family and why) unless kvstore can store and reuse
-        this model's caches exactly (see :mod:`kvstore.model.families` and
-        :mod:`kvstore.model.layout`), and, with ``store``, in that store's codec: lossy codecs
+        this model's caches exactly (see :mod:`kvstore.model.family.families` and
+        :mod:`kvstore.model.family.layout`), and, with ``store``, in that store's codec: lossy codecs
         are measured on models whose every layer is full attention, and refused for the others."""
         reason = families.refusal(self.model.config)
         if reason is not None:
@@ -231,7 +234,7 @@ class ModelHandle:
 
     @property
     def layout(self) -> CacheLayout:
-        """What each layer keeps and how it is handed back (:mod:`kvstore.model.layout`);
+        """What each layer keeps and how it is handed back (:mod:`kvstore.model.family.layout`);
         computed on first use."""
         if self._layout is None:
             self._layout = cache_layout(self.model, self.pad_id)
@@ -239,7 +242,7 @@ class ModelHandle:
 
     @property
     def path(self) -> CachePath:
-        """How this model's cache is stored and reused (:mod:`kvstore.model.paths`): chosen once,
+        """How this model's cache is stored and reused (:mod:`kvstore.model.paths.base`): chosen once,
         from :attr:`layout`."""
         return path_for(self.layout.dense)
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from kvstore import dtypes
 from kvstore.errors import DtypeError, ModelError, ModelNotFoundError
-from kvstore.layer_kinds import FULL_KV_KINDS, LAYER_TYPES, SLIDING, STATE, WINDOWED_KINDS
-from kvstore.model.gguf import read_gguf_metadata
-from kvstore.size.states import STATE_FORMULA_TYPES, model_state, state_dtype
+from kvstore.facts import FULL_KV_KINDS, LAYER_TYPES, SLIDING, STATE, STATE_FORMULA_TYPES, WINDOWED_KINDS
+from kvstore.model.load.gguf import read_gguf_metadata
+from kvstore.size.states import model_state, state_dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,7 +400,7 @@ def _hub_config(repo_id: str) -> tuple[dict, str]:
 
 @functools.lru_cache(maxsize=1)
 def _bundled_shape() -> ModelShape:
-    from kvstore.model.loading import bundled_gguf_path  # light: imports no torch
+    from kvstore.model.load.loading import bundled_gguf_path  # light: imports no torch
 
     return shape_from_gguf(bundled_gguf_path(), name=BUNDLED_NAME)
 

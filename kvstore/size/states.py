@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstore import dtypes
-from kvstore.layer_kinds import LAYER_TYPES, STATE_KINDS
+from kvstore.facts import LAYER_TYPES, STATE_FORMULA_TYPES, STATE_KINDS
 
 
 def _lookup(cfg: Any, *names: str) -> Any:
@@ -72,10 +72,6 @@ def layer_state(cfg: Any, model_type: str) -> list[tuple[int, str]] | None:
     return None
 
 
-# the model types layer_state has a formula for (all of them recurrent: kvstore.layer_kinds)
-STATE_FORMULA_TYPES = frozenset({"mamba", "jamba", "mamba2", "bamba", "falcon_h1", "lfm2", "qwen3_next"})
-
-
 def model_state(cfg: Any, model_type: str, layer_types: Sequence[str] | None) -> tuple[tuple[int, str], ...]:
     """Per example, every state tensor of the model's recurrent layers as ``(elements, dtype
     rule)``; empty for a model without them or without a formula here."""
@@ -85,4 +81,4 @@ def model_state(cfg: Any, model_type: str, layer_types: Sequence[str] | None) ->
     return tuple(t for kind in layer_types if LAYER_TYPES.get(kind) in STATE_KINDS for t in per_layer)
 
 
-__all__ = ["STATE_DTYPES", "STATE_FORMULA_TYPES", "layer_state", "model_state", "state_dtype"]
+__all__ = ["STATE_DTYPES", "layer_state", "model_state", "state_dtype"]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import CodecError, CorruptEntryError
-from kvstore.layer_kinds import ATTN
+from kvstore.facts import ATTN
 from kvstore.progress import Progress
 from kvstore.store.codecs import Codec, get_codec, identity_of
 from kvstore.store.codecs.prerope import Rotary, needs_rotary

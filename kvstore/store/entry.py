@@ -57,7 +57,7 @@ import xxhash
 
 from kvstore import dtypes
 from kvstore.errors import CorruptEntryError
-from kvstore.layer_kinds import ATTN, KV_KINDS, STATE, STATE_KINDS  # the kind sets re-exported: they lived here
+from kvstore.facts import ATTN, KV_KINDS, STATE, STATE_KINDS  # the kind sets re-exported: they lived here
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
 from kvstore.store.codecs.prerope import Rotary, with_rotary
 from kvstore.store.header import (

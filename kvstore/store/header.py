@@ -14,7 +14,7 @@ import xxhash
 
 from kvstore import dtypes
 from kvstore.errors import CorruptEntryError, DtypeError, FormatVersionError
-from kvstore.layer_kinds import ATTN, FULL_KV_KINDS, KINDS, KV_KINDS, STATE_KINDS, WINDOWED_KINDS
+from kvstore.facts import ATTN, FULL_KV_KINDS, KINDS, KV_KINDS, STATE_KINDS, WINDOWED_KINDS
 from kvstore.store.codecs import codec_from_params
 from kvstore.store.keyspace import is_key
 

@@ -4,7 +4,7 @@
 parent's key and its own token ids; the first chunk's parent is the chain *seed*, the sha256 of
 everything that changes the tensors besides the tokens:
 
-* the format version, the model fingerprint (``kvstore.model.identity``) and the dtype;
+* the format version, the model fingerprint (``kvstore.model.load.identity``) and the dtype;
 * the numerics the KV was computed with: device type (``cpu``, ``cuda``...) and attention
   implementation (``sdpa``, ``eager``...): other kernels give other low-order bits, and a cache
   must never stand in for a computation it did not come from;

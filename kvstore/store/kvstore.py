@@ -43,7 +43,7 @@ from kvstore.errors import (
     KVStoreError,
     ReadOnlyStoreError,
 )
-from kvstore.layer_kinds import ATTN
+from kvstore.facts import ATTN
 from kvstore.parallel import run_all
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend

@@ -118,7 +118,8 @@ def test_concurrent_shards_make_exactly_one_build(tiny_llama_dir, tmp_path, s3_u
 def test_server_killed_mid_build_is_one_line_and_a_rerun_completes(
     tiny_llama_dir, tmp_path, private_seaweed, monkeypatch, capsys
 ):
-    from kvstore.model import build, chains
+    from kvstore.model.pipelines import build
+    from kvstore.model.plan import chains
 
     server = private_seaweed
     for name, value in server.env().items():

@@ -86,7 +86,8 @@ def test_build_then_sample_matches_no_cache(tiny_llama_dir, data, tmp_path):
 
 
 def test_build_resumes_after_interrupt(tiny_neox_dir, data, tmp_path, monkeypatch, capsys):
-    from kvstore.model import build, chains
+    from kvstore.model.pipelines import build
+    from kvstore.model.plan import chains
 
     store = str(tmp_path / "store")
     calls = {"n": 0}

@@ -111,7 +111,7 @@ PRELOAD = [
     "kvstore.cli.workflow",
     "kvstore.cli.manage",
     "kvstore.model.adapter",
-    "kvstore.model.loading",
+    "kvstore.model.load.loading",
     "kvstore.data.datasets",
     "kvstore.data.prompts",
     "kvstore.data.metrics",

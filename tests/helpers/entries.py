@@ -259,7 +259,7 @@ def decode_host_and_staged(reader, dtype: torch.dtype):
     buffer twice: on the host (``copy_into``) and through the staging bookkeeping on CPU (its
     device branch, ``staging.FORCE`` set by the caller). Returns ``(host, staged, staging,
     uploads)``, ``uploads`` the ``(shape, dtype)`` of every tensor the staging uploaded."""
-    from kvstore.model import staging
+    from kvstore.model.compute import staging
 
     host = torch.full((2, 3, 90, 16), float("nan"), dtype=dtype)
     reader.copy_into(host[1, :, 7:77])  # a strided slice of a batch buffer, as loads use

@@ -213,7 +213,7 @@ def _llama_cpp_permute(weight, n_head: int):  # numpy in, numpy out
 
 # -- other cache families ------------------------------------------------------------------------
 def _family_configs(vocab: int) -> dict[str, PreTrainedConfig]:
-    """Tiny configs of the families kvstore classifies (kvstore.model.families), by name."""
+    """Tiny configs of the families kvstore classifies (kvstore.model.family.families), by name."""
     import transformers as T
 
     attn = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)

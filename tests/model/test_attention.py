@@ -11,7 +11,7 @@ from transformers.integrations import sdpa_attention
 
 from helpers.tiny import make_tiny_model
 from kvstore.model.adapter import Adapter
-from kvstore.model.attention import grouped_kv
+from kvstore.model.compute.attention import grouped_kv
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from helpers.hooks import max_diff as _max_diff
 from helpers.hooks import sample as _sample
 from helpers.hooks import tiny_adapter as _adapter
 from kvstore.errors import HookError
-from kvstore.model import sparse
-from kvstore.model.hooks import attention_context
+from kvstore.model.variants import sparse
+from kvstore.model.variants.hooks import attention_context
 from kvstore.store.kvstore import KVStore
 
 

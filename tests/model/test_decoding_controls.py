@@ -12,8 +12,8 @@ import torch
 from helpers.cli import read_predictions, run_main, write_dataset
 from helpers.rows import random_rows
 from helpers.tiny import make_tiny_model
-from kvstore.model import decode
 from kvstore.model.adapter import Adapter
+from kvstore.model.pipelines import sample as decode
 from kvstore.store.kvstore import KVStore
 
 N_NEW = 8

@@ -20,9 +20,10 @@ import torch
 from helpers.entries import bits, decode_host_and_staged, split, with_frame
 from helpers.tiny import make_tiny_model
 from kvstore.errors import CorruptEntryWarning
-from kvstore.model import chains, staging
 from kvstore.model.adapter import Adapter
-from kvstore.model.cache import new_buffers
+from kvstore.model.compute import staging
+from kvstore.model.compute.cache import new_buffers
+from kvstore.model.plan import chains
 from kvstore.store.codecs import get_codec
 from kvstore.store.codecs import records as records_mod
 from kvstore.store.kvstore import KVStore

@@ -3,7 +3,7 @@
 Windowed attention (Mistral, Qwen2 and Gemma 2/3 with sliding layers, Llama 4 with attention
 chunks), state-space models (Mamba, Mamba-2) and hybrids (Bamba, Jamba, FalconH1, LFM2, Qwen3-Next)
 are stored per layer as the model needs them and decoded with position masks and restored states
-(``kvstore.model.layout`` / ``slots`` / ``contexts``). Each is compared with Hugging Face
+(``kvstore.model.family.layout`` / ``slots`` / ``contexts``). Each is compared with Hugging Face
 ``generate`` run on one row at a time (which shares no code with kvstore's layouts), cached and
 without a cache, at batch sizes 1, 3 and 8, with contexts shorter and longer than the window
 (8 tokens), 8-token chunks (so contexts are chains), a repeated context and two partial hits (a
@@ -24,8 +24,9 @@ from helpers.cli import run_main, write_dataset
 from helpers.rows import random_tokens
 from helpers.tiny import make_family_model, save_family_model
 from kvstore.errors import ModelError
-from kvstore.model import masks, slots
 from kvstore.model.adapter import Adapter
+from kvstore.model.compute import masks
+from kvstore.model.paths import slots
 from kvstore.store.kvstore import KVStore
 
 N_NEW = 6
@@ -282,7 +283,7 @@ def test_refused_families_name_the_reason(name):
 def test_encoder_decoder_models_are_refused():
     from transformers import BartConfig, T5Config
 
-    from kvstore.model.families import refusal
+    from kvstore.model.family.families import refusal
 
     for config in (T5Config(), BartConfig()):
         assert "encoder-decoder" in refusal(config) and "bidirectionally" in refusal(config)
@@ -392,7 +393,7 @@ def test_the_layout_probe_runs_without_autograd(name):
     seen: list[bool] = []
     handle = model.register_forward_pre_hook(lambda *_: seen.append(torch.is_inference_mode_enabled()))
     try:
-        from kvstore.model.layout import cache_layout
+        from kvstore.model.family.layout import cache_layout
 
         cache_layout(model)
     finally:

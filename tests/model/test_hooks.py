@@ -20,9 +20,10 @@ from helpers.hooks import max_diff as _max_diff
 from helpers.hooks import sample as _sample
 from helpers.hooks import tiny_adapter as _adapter
 from kvstore.errors import HookError, ModelError
-from kvstore.model import decode, forward
 from kvstore.model.adapter import Adapter
-from kvstore.model.hooks import Variant, attention_context
+from kvstore.model.compute import forward
+from kvstore.model.pipelines import sample as decode
+from kvstore.model.variants.hooks import Variant, attention_context
 from kvstore.store.kvstore import KVStore
 
 

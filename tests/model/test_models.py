@@ -1,4 +1,4 @@
-"""kvstore.model.loading: name resolution, dtype/device parsing, loading, GGUF conversion; and the tiny
+"""kvstore.model.load.loading: name resolution, dtype/device parsing, loading, GGUF conversion; and the tiny
 test models and tokenizers themselves (tests/helpers/tiny.py)."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from helpers.tiny import (
     write_tiny_gguf,
 )
 from kvstore.errors import KVStoreError, ModelError, ModelNotFoundError
-from kvstore.model import gguf
-from kvstore.model import loading as models
-from kvstore.model.gguf import CONVERSION_MARKER, convert_gguf, converted_dir
-from kvstore.model.loading import (
+from kvstore.model.load import gguf
+from kvstore.model.load import loading as models
+from kvstore.model.load.gguf import CONVERSION_MARKER, convert_gguf, converted_dir
+from kvstore.model.load.loading import (
     LoadedModel,
     ModelSource,
     bundled_gguf_path,
@@ -84,7 +84,7 @@ def test_missing_bundled_package_says_how_to_install(monkeypatch):
 
 
 def test_import_is_light():
-    code = "import sys, kvstore.model.loading; assert not {'torch', 'transformers', 'click'} & set(sys.modules)"
+    code = "import sys, kvstore.model.load.loading; assert not {'torch', 'transformers', 'click'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 

@@ -90,7 +90,7 @@ def test_load_ahead_is_an_option_not_a_global(adapter, monkeypatch):
     """``load_ahead=False`` loads every batch in turn on the caller's thread; the answers agree."""
     import threading
 
-    from kvstore.model import decode
+    from kvstore.model.pipelines import sample as decode
 
     threads: list[str] = []
     real = decode.load_batch

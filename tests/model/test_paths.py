@@ -8,8 +8,8 @@ import torch
 
 from helpers.tiny import make_family_model, make_tiny_model
 from kvstore.errors import ModelError
-from kvstore.model import paths
 from kvstore.model.adapter import Adapter
+from kvstore.model.paths import base as paths
 from kvstore.store.kvstore import KVStore
 
 

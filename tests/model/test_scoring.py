@@ -17,9 +17,9 @@ import torch
 
 from helpers.tiny import CORPUS, make_family_model, make_tiny_model
 from kvstore.errors import ContextTooLongError, DatasetError, HookError, ModelError
-from kvstore.model import scoring
 from kvstore.model.adapter import Adapter
-from kvstore.model.scoring import encode_pair, prefix_token_id, rolling_windows
+from kvstore.model.pipelines import score as scoring
+from kvstore.model.pipelines.score import encode_pair, prefix_token_id, rolling_windows
 from kvstore.store.kvstore import KVStore
 
 CHUNK = 8
@@ -97,7 +97,7 @@ def test_cached_equals_no_cache_equals_hf_forward(kind, dtype, attn):
 def test_options_of_one_context_compute_it_once(tiny_llama, monkeypatch):
     import time
 
-    from kvstore.model.writer import Writer
+    from kvstore.model.compute.writer import Writer
 
     write = Writer._write
 
@@ -274,7 +274,7 @@ def test_the_scoring_module_stays_below_its_callers():
         tree = ast.parse((root / f"{name}.py").read_text())
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert "scoring" not in names and "kvstore.model.scoring" not in mods, name
+        assert "scoring" not in names and "kvstore.model.pipelines.score" not in mods, name
 
 
 def test_half_precision_log_softmax_runs_in_float32(tiny_llama):

@@ -9,8 +9,8 @@ import random
 import torch
 
 from helpers.tiny import make_tiny_model
-from kvstore.model import staging
 from kvstore.model.adapter import Adapter
+from kvstore.model.compute import staging
 from kvstore.store.kvstore import KVStore
 
 

@@ -11,8 +11,8 @@ import torch
 from helpers.cli import read_predictions, run_main, write_dataset
 from helpers.rows import random_rows
 from helpers.tiny import make_family_model, make_tiny_model
-from kvstore.model import static
 from kvstore.model.adapter import Adapter
+from kvstore.model.compute import static
 from kvstore.store.kvstore import KVStore
 
 N_NEW = 10

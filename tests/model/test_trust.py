@@ -156,8 +156,8 @@ def test_tokenizer_change_that_changes_ids_is_a_miss(model_copy, tmp_path, capsy
 def test_weights_digest_is_memoized_by_file_identity(model_copy, monkeypatch):
     """Unchanged files: the weights are hashed once; touching a file (new ctime) or editing the
     config hashes them again."""
-    from kvstore.model import identity
     from kvstore.model.adapter import Adapter
+    from kvstore.model.load import identity
 
     calls = []
     real = identity.weights_digest

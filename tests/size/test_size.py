@@ -17,8 +17,8 @@ from click.testing import CliRunner
 from helpers.paths import REPO
 from kvstore.cli.main import app, main
 from kvstore.errors import ModelError, ModelNotFoundError
-from kvstore.model.gguf import read_gguf_metadata
-from kvstore.model.loading import bundled_gguf_path
+from kvstore.model.load.gguf import read_gguf_metadata
+from kvstore.model.load.loading import bundled_gguf_path
 from kvstore.size.estimate import (
     estimate_size,
     kv_bytes_per_example,

@@ -21,7 +21,7 @@ import zstandard
 from helpers.entries import assemble, bits, encode, encode_v1, golden_facts, kv_layers, rle_frame, seal, split
 from helpers.paths import GOLDEN
 from kvstore.errors import CorruptEntryError, FormatVersionError
-from kvstore.model.identity import config_digest
+from kvstore.model.load.identity import config_digest
 from kvstore.store.codecs import get_codec
 from kvstore.store.entry import (
     FORMAT_VERSION,

@@ -20,7 +20,7 @@ from helpers.paths import GOLDEN
 from helpers.tiny import make_tiny_model
 from kvstore.errors import CodecError, CorruptEntryError, ModelError
 from kvstore.model.adapter import Adapter
-from kvstore.model.rope import rotary_of, rotary_refusal
+from kvstore.model.family.rope import rotary_of, rotary_refusal
 from kvstore.store.codecs import get_codec
 from kvstore.store.codecs.entropy import EntropyQuantizer
 from kvstore.store.codecs.prerope import PreRopeQuantizer, Rotary, rotate

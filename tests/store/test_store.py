@@ -437,7 +437,7 @@ def test_build_writer_holds_a_byte_budget_of_pending_chunks(monkeypatch):
     the writes; a chunk larger than the whole budget still goes through (alone)."""
     import threading
 
-    from kvstore.model.build import Writer
+    from kvstore.model.pipelines.build import Writer
 
     entries = [make_entry(8, seed=i) for i in range(3)]
     size = entries[0].kv_bytes
