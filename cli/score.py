@@ -11,16 +11,18 @@ text instead (perplexity, bits per character); ``--rolling`` the whole context a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from kvstore import dtypes
 from kvstore.cli.common import progress_bar, quiet_option, store_option, store_options
-from kvstore.cli.summary import check_variants, corrupt_entries_as_warnings, emit_summary
+from kvstore.cli.summary import corrupt_entries_as_warnings, emit_summary, parse_variants, variant_option
 
 DEFAULT_TEMPLATE = "{context}\nQuestion: {question}\nAnswer:"
 LN2 = math.log(2)
@@ -73,118 +75,135 @@ def _prompt(template: str | None, context: str, question: str | None) -> str:
 @click.option("--truncate", is_flag=True, help="Drop a too long context's first tokens (lm-eval's rule).")
 @click.option("--no-cache", is_flag=True, help="Reference path: context + option in one forward, ignore the store.")
 @click.option("--readonly-store", is_flag=True, help="Do not store contexts computed for missing entries.")
-@click.option(
-    "--decode-attention", multiple=True, metavar="SPEC",
-    help="Score the options under this attention (dense, topk:K, sparq:R:K or module:function); contexts stay "
-    "dense and are stored as without it. Repeat it to sweep: each batch is loaded once and scored under every "
-    "variant (rows get a variant field, the summary a row per variant).",
-)  # fmt: skip
+@variant_option
 @click.option(
     "--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per row here."
 )
 @store_option
 @quiet_option
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def score(**kw):
+def score(
+    dataset: str, context_field: str, question_field: str, choices_field: str, label_field: str, answer_field: str,
+    reference_field: str, id_field: str, choices_sep: str, limit: int | None, mode: str | None, template: str | None,
+    delimiter: str, model: str | None, dtype: str, device: str, batch_size: int, max_batch_tokens: int | None,
+    truncate: bool, no_cache: bool, readonly_store: bool, variants: tuple[str, ...], output: str | None, store: str,
+    quiet: bool, fmt: str,
+) -> None:  # fmt: skip
     """Score DATASET's multiple-choice rows (acc, acc_norm) or reference texts from stored contexts.
 
     DATASET is a .jsonl, .csv or .json file of rows with a context, optionally a question, and
     choices with a label index or answer text (or, with --reference, a reference text). Missing
     contexts are computed and stored; --no-cache gives the same scores without the store.
+    --variant (aliases --press, --decode-attention) scores under presses and decode attention.
     """
     from kvstore.data.choices import load_choice_rows
     from kvstore.model.adapter import Adapter
+    from kvstore.model.options import ScoreOptions
     from kvstore.store.kvstore import KVStore
 
-    mode = kw["mode"] or "choices"
-    specs = check_variants(kw.pop("decode_attention"), False)  # one-line HookError before the model loads
-    if len(specs) > 1 and mode == "rolling":
-        raise click.UsageError("--rolling scores under one --decode-attention at a time")
-    if kw["template"] is not None:
+    mode = mode or "choices"
+    chosen = parse_variants(variants, False)  # one-line HookError / PressError before the model loads
+    if len(chosen) > 1 and mode == "rolling":
+        raise click.UsageError("--rolling scores under one --variant at a time")
+    if template is not None:
         try:
-            kw["template"].format(context="", question="")
+            template.format(context="", question="")
         except (KeyError, IndexError, ValueError) as exc:
             raise click.BadParameter(
-                f"{kw['template']!r}: {exc!r}; use {{context}} and {{question}} (and {{{{ }}}} for a literal brace)",
+                f"{template!r}: {exc!r}; use {{context}} and {{question}} (and {{{{ }}}} for a literal brace)",
                 param_hint="--template",
             ) from None
     rows = load_choice_rows(
-        kw["dataset"], context_field=kw["context_field"], question_field=kw["question_field"],
-        choices_field=kw["choices_field"], label_field=kw["label_field"], answer_field=kw["answer_field"],
-        reference_field=kw["reference_field"], id_field=kw["id_field"], reference=mode == "reference",
-        choices_sep=kw["choices_sep"], limit=kw["limit"], need_choices=mode == "choices",
+        dataset, context_field=context_field, question_field=question_field, choices_field=choices_field,
+        label_field=label_field, answer_field=answer_field, reference_field=reference_field, id_field=id_field,
+        reference=mode == "reference", choices_sep=choices_sep, limit=limit, need_choices=mode == "choices",
     )  # fmt: skip
-    if not kw["quiet"]:
-        click.echo(f"kvstore: loading model {kw['model'] or 'SmolLM2-135M-Instruct (bundled)'} ...", err=True)
-    adapter = Adapter.from_pretrained(kw["model"], dtype=kw["dtype"], device=kw["device"])
-    kv = None if kw["no_cache"] else KVStore(kw["store"], readonly=kw["readonly_store"], **store_options())
-    common = dict(store=kv, use_cache=not kw["no_cache"], batch_size=kw["batch_size"],
-                  max_batch_tokens=kw["max_batch_tokens"])  # fmt: skip
-    kw["variants"] = specs
+    if not quiet:
+        click.echo(f"kvstore: loading model {model or 'SmolLM2-135M-Instruct (bundled)'} ...", err=True)
+    adapter = Adapter.from_pretrained(model, dtype=dtype, device=device)
+    kv = None if no_cache else KVStore(store, readonly=readonly_store, **store_options())
+    options = ScoreOptions(use_cache=not no_cache, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
+                           truncate=truncate)  # fmt: skip
+    run = _Run(mode, template, delimiter, quiet, kv)
     t0 = time.perf_counter()
     try:
         if mode == "rolling":
-            out_rows, summary = _rolling(
-                adapter, rows, common | {"decode_attention": (specs or [None])[0]}, kw["quiet"]
-            )
+            out_rows, summary = _rolling(adapter, rows, options, chosen[0] if chosen else None, run)
         else:
-            out_rows, summary = _scored(adapter, rows, mode, common, kw)
+            out_rows, summary = _scored(adapter, rows, options, chosen, run)
     finally:
         if kv is not None:
             kv.close()
     seconds = time.perf_counter() - t0
-    if kw["output"]:
-        with Path(kw["output"]).open("w", encoding="utf-8") as f:
+    if output:
+        with Path(output).open("w", encoding="utf-8") as f:
             for r in out_rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    head = {"dataset": kw["dataset"], "model": adapter.name, "dtype": adapter.dtype_name, "mode": mode,
-            "cache": "off" if kw["no_cache"] else "on", "attention": ", ".join(specs) or "dense",
+    head = {"dataset": dataset, "model": adapter.name, "dtype": adapter.dtype_name, "mode": mode,
+            "cache": "off" if no_cache else "on", "variant": ", ".join(v.name for v in chosen) or "dense",
             "rows": len(rows)}  # fmt: skip
-    emit_summary("score", head | summary | {"seconds": round(seconds, 3), "output": kw["output"]}, kw["fmt"])
+    emit_summary("score", head | summary | {"seconds": round(seconds, 3), "output": output}, fmt)
 
 
-def _scored(adapter, rows, mode: str, common: dict, kw: dict) -> tuple[list[dict], dict]:
-    """Multiple-choice or reference rows through :meth:`Adapter.score`."""
+@dataclass(frozen=True)
+class _Run:
+    """How ``kvstore score`` scores: its mode, prompt template, delimiter, quietness and store."""
+
+    mode: str
+    template: str | None
+    delimiter: str
+    quiet: bool
+    store: object
+
+
+def _scored(adapter, rows, options, chosen: list, run: _Run) -> tuple[list[dict], dict]:
+    """Multiple-choice or reference rows through :meth:`Adapter.score_sweep`."""
     contexts, conts, labels, owner = [], [], [], []
     for n, row in enumerate(rows):
-        prompt = _prompt(kw["template"], row.context, row.question)
-        texts = row.choices if mode == "choices" else (row.reference,)
+        prompt = _prompt(run.template, row.context, row.question)
+        texts = row.choices if run.mode == "choices" else (row.reference,)
         for j, text in enumerate(texts):
             contexts.append(prompt)
-            conts.append(kw["delimiter"] + text)
-            labels.append(f"{row.where}" + (f" choice {j}" if mode == "choices" else ""))
+            conts.append(run.delimiter + text)
+            labels.append(f"{row.where}" + (f" choice {j}" if run.mode == "choices" else ""))
             owner.append(n)
-    documents = _shared_documents(kw["template"], rows, common["store"])
-    head = _head(kw["template"]) or None  # a fixed head (few-shot block): stored once for every prompt
-    if head and common["store"] is not None and not common["store"].readonly:
+    store = run.store if options.use_cache else None
+    documents = _shared_documents(run.template, rows, store)
+    head = _head(run.template) or None  # a fixed head (few-shot block): stored once for every prompt
+    if head and store is not None and not store.readonly:
         documents.insert(0, head)  # stored before any prompt runs, so that every prompt finds it
     built = 0
-    with progress_bar(len(conts), "score", kw["quiet"], unit="opt", rate="tok") as bar:
+    with progress_bar(len(conts), "score", run.quiet, unit="opt", rate="tok") as bar:
         with corrupt_entries_as_warnings(bar):
             if documents:  # the head, and documents that begin several prompts: stored once, loaded by each
-                report = adapter.generate_kv_cache(documents, common["store"], truncate=kw["truncate"], prefix=head)
+                report = adapter.build(documents, store, truncate=options.truncate, prefix=head)
                 built = report.tokens
             results = adapter.score_sweep(
-                contexts, conts, variants=kw["variants"] or ["dense"], labels=labels, progress=bar,
-                truncate=kw["truncate"], prefix=head, **common,
+                contexts, conts, options, variants=chosen or ["dense"], store=store, labels=labels, progress=bar,
+                prefix=head,
             )  # fmt: skip
     first = next(iter(results.values()))
     computed = first.prefill_tokens_computed + built
     no_cache_tokens = first.prefill_tokens_computed + first.prefill_tokens_saved
     counts = {"prefill_tokens_computed": computed, "prefill_tokens_saved": no_cache_tokens - computed}
+    if chosen:
+        counts["window_tokens_computed"] = first.window_tokens_computed
     graded: dict[str, tuple[list[dict], dict]] = {}
     for name, result in results.items():
         per_row: list[list] = [[] for _ in rows]
         for i, scored in enumerate(result.rows):
             per_row[owner[i]].append((conts[i], scored))
-        if mode == "reference":
-            graded[name] = _reference_rows(rows, per_row, kw["delimiter"]), _reference_summary(per_row)
+        if run.mode == "reference":
+            graded[name] = _reference_rows(rows, per_row, run.delimiter), _reference_summary(per_row)
         else:
             graded[name] = _choice_rows(rows, per_row)
+        graded[name][1]["kept_tokens"] = sum(result.kept_tokens)
+        graded[name][1]["cache_bytes"] = result.cache_bytes
     if len(graded) == 1:
         out, summary = graded[name]
         return out, summary | counts
-    return _sweep_rows(graded), {"options": len(first.rows)} | counts | {"variants": _sweep_table(graded, mode)}
+    table = _sweep_table(graded, run.mode)
+    return _sweep_rows(graded), {"options": len(first.rows)} | counts | {"variants": table}
 
 
 def _sweep_rows(graded: dict[str, tuple[list[dict], dict]]) -> list[dict]:
@@ -207,6 +226,7 @@ def _sweep_table(graded: dict[str, tuple[list[dict], dict]], mode: str) -> list[
             if dense is not None and items:
                 same = sum(a["prediction"] == b["prediction"] for a, b in zip(items, dense[0])) / len(items)
             row["agreement_with_dense"] = None if same is None else round(same, 4)
+        row |= {"kept_tokens": summary["kept_tokens"], "cache_bytes": summary["cache_bytes"]}
         table.append(row)
     return table
 
@@ -296,12 +316,14 @@ def _reference_summary(per_row) -> dict:
     }
 
 
-def _rolling(adapter, rows, common: dict, quiet: bool) -> tuple[list[dict], dict]:
+def _rolling(adapter, rows, options, variant, run: _Run) -> tuple[list[dict], dict]:
     """Each row's context as a whole document through :meth:`Adapter.score_rolling`."""
     texts = [row.context for row in rows]
-    with progress_bar(None, "score", quiet, unit="win", rate="tok") as bar:
+    if variant is not None:
+        options = dataclasses.replace(options, press=variant.press, decode_attention=variant.decode_attention)
+    with progress_bar(None, "score", run.quiet, unit="win", rate="tok") as bar:
         with corrupt_entries_as_warnings(bar):
-            docs = adapter.score_rolling(texts, progress=bar, **common)
+            docs = adapter.score_rolling(texts, options, store=run.store if options.use_cache else None, progress=bar)
     out = [
         {"id": row.id, "logprob": d.logprob, "n_tokens": d.n_tokens, "n_chars": d.n_chars, "windows": d.windows,
          "perplexity": d.perplexity, "bits_per_char": d.bits_per_char, "cached_tokens": d.cached_tokens}

@@ -81,20 +81,41 @@ METRIC_KEYS = ("accuracy", "contains", "exact_match", "f1")
 
 def metrics(rows: list[dict]) -> dict:
     """The task metrics over ``rows`` that have accepted answers (each None when none has)."""
-    from kvstore.data.metrics import score
+    from kvstore.data.metrics import answer_metrics
 
     mine = [r for r in rows if r["answers"]]
-    s = score([r["prediction"] for r in mine], [r["answers"] for r in mine]) if mine else {}
+    s = answer_metrics([r["prediction"] for r in mine], [r["answers"] for r in mine]) if mine else {}
     return {k: (round(s[k], 4) if mine else None) for k in METRIC_KEYS}
 
 
-def check_variants(specs: tuple[str, ...], compile_steps: bool) -> list[str]:
-    """The ``--decode-attention`` values, each checked (HookError: one line); none: a plain run."""
-    from kvstore.model.variants.hooks import check_steps, variants
+def variant_option(fn):
+    """``--variant SPEC`` (repeatable), with ``--press`` and ``--decode-attention`` as its aliases:
+    one list, in the order given."""
+    return click.option(
+        "--variant",
+        "--press",
+        "--decode-attention",
+        "variants",
+        multiple=True,
+        metavar="SPEC",
+        help="Answer under this variant: dense, a press NAME:RATIO[:q] (knorm, streaming_llm, random, keydiff, snapkv, "
+        "tova; e.g. snapkv:0.5), a decode attention (topk:K, sparq:R:K, module:function), or PRESS+ATTENTION. "
+        "--press and --decode-attention are the same option. Repeat it to sweep: every batch is loaded once and "
+        "answered under each variant (one output row per question and variant, a summary row per variant).",
+    )(fn)
 
-    if specs:
-        check_steps(variants(list(specs)), "compiled" if compile_steps else "dynamic")
-    return list(specs)
+
+def parse_variants(specs: tuple[str, ...], compile_steps: bool) -> list:
+    """The ``--variant`` values, each parsed once into a :class:`kvstore.model.variants.variant.Variant`
+    (HookError / PressError: one line); none: a plain run."""
+    from kvstore.model.variants.hooks import check_steps
+    from kvstore.model.variants.variant import variants
+
+    if not specs:
+        return []
+    chosen = variants(list(specs))
+    check_steps(chosen, "compiled" if compile_steps else "dynamic")
+    return chosen
 
 
 def variant_table(results, rows: list[dict], n: int) -> list[dict]:
@@ -115,6 +136,8 @@ def variant_table(results, rows: list[dict], n: int) -> list[dict]:
                 "variant": res.variant,
                 **metrics(rows[v * n : (v + 1) * n]),
                 "agreement_with_dense": agree,
+                "kept_tokens": sum(res.kept_tokens),
+                "cache_bytes": res.cache_bytes,
                 "generated_tokens": generated,
                 "decode_seconds": round(res.decode_seconds, 3),
                 "tokens_per_second": round(generated / res.decode_seconds, 1) if res.decode_seconds else None,
@@ -123,4 +146,12 @@ def variant_table(results, rows: list[dict], n: int) -> list[dict]:
     return table
 
 
-__all__ = ["METRIC_KEYS", "check_variants", "corrupt_entries_as_warnings", "emit_summary", "metrics", "variant_table"]
+__all__ = [
+    "METRIC_KEYS",
+    "corrupt_entries_as_warnings",
+    "emit_summary",
+    "metrics",
+    "parse_variants",
+    "variant_option",
+    "variant_table",
+]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -18,10 +18,11 @@ from kvstore import dtypes
 from kvstore.cli.common import progress_bar, quiet_option, store_option, store_options
 from kvstore.cli.summary import (
     METRIC_KEYS,
-    check_variants,
     corrupt_entries_as_warnings,
     emit_summary,
     metrics,
+    parse_variants,
+    variant_option,
     variant_table,
 )
 
@@ -113,7 +114,7 @@ def _model_options(fn):
 @dataclass(frozen=True)
 class RunOptions:
     """The options ``build`` and ``sample`` share: where the data is, which model, which prompt,
-    which store. Built from the command's keyword arguments by :meth:`take`."""
+    which store (the parameters of :func:`_dataset_options` and :func:`_model_options`, in order)."""
 
     dataset: str
     context_field: str
@@ -135,11 +136,6 @@ class RunOptions:
     store: str
     quiet: bool
     fmt: str
-
-    @classmethod
-    def take(cls, kwargs: dict) -> RunOptions:
-        """Remove this object's fields from ``kwargs`` (a command's arguments) and build it."""
-        return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls)})
 
 
 def _load_everything(opts: RunOptions, *, require_question: bool):
@@ -220,7 +216,12 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     default=None,
     help="Chunk size of a new store [default: 512]; an existing store keeps its own.",
 )
-def build(**kwargs):
+def build(
+    dataset: str, context_field: str, question_field: str, answers_field: str, id_field: str, skip_bad_rows: bool,
+    limit: int | None, model: str | None, dtype: str, device: str, batch_size: int | None, prefill_chunk: int | None,
+    chat: bool | None, template: str | None, system: str | None, truncate: bool, max_context_tokens: int | None,
+    store: str, quiet: bool, fmt: str, codec: str | None, shard: tuple[int, int] | None, chunk_tokens: int | None,
+) -> None:  # fmt: skip
     """Prefill every distinct context of DATASET once and store its KV cache.
 
     Contexts already in the store are skipped, so an interrupted build resumes where it stopped.
@@ -230,10 +231,10 @@ def build(**kwargs):
     from kvstore.model.options import BuildOptions
     from kvstore.store.kvstore import KVStore
 
-    opts = RunOptions.take(kwargs)
-    codec = kwargs.pop("codec")
-    shard = kwargs.pop("shard")
-    chunk_tokens = kwargs.pop("chunk_tokens")
+    opts = RunOptions(
+        dataset, context_field, question_field, answers_field, id_field, skip_bad_rows, limit, model, dtype, device,
+        batch_size, prefill_chunk, chat, template, system, truncate, max_context_tokens, store, quiet, fmt,
+    )  # fmt: skip
     _check_codec(codec)
     data, adapter, prompt = _load_everything(opts, require_question=False)
     dataset = opts.dataset
@@ -324,37 +325,33 @@ def build(**kwargs):
     "a lossy one (int8[:G], int4[:G], fp8, int4r, int8r, ecq) uses only entries built with it, and stores missing "
     "contexts with it."
 )
-@click.option(
-    "--decode-attention",
-    "decode_attention",
-    multiple=True,
-    metavar="SPEC",
-    help="Answer with this attention for the question and answer steps (contexts stay dense): dense, topk:K, "
-    "sparq:R:K or a plug-in module:function. Repeat it to sweep: every batch is loaded once and answered under "
-    "each variant (one output row per question and variant, a summary row per variant).",
-)
-def sample(**kwargs):
+@variant_option
+def sample(
+    dataset: str, context_field: str, question_field: str, answers_field: str, id_field: str, skip_bad_rows: bool,
+    limit: int | None, model: str | None, dtype: str, device: str, batch_size: int | None, prefill_chunk: int | None,
+    chat: bool | None, template: str | None, system: str | None, truncate: bool, max_context_tokens: int | None,
+    store: str, quiet: bool, fmt: str, max_new_tokens: int, no_cache: bool, output: str | None, readonly_store: bool,
+    stop_strings: tuple[str, ...], max_batch_tokens: int | None, load_ahead: bool, compile_steps: bool,
+    codec: str | None, variants: tuple[str, ...],
+) -> None:  # fmt: skip
     """Answer every question of DATASET with greedy decoding from stored context caches.
 
     Missing contexts are computed, stored and used. --no-cache runs the same decoding without
-    the store (the reference): both give the same predictions. --decode-attention answers under
-    decode-time attention variants (see docs/hooks.md).
+    the store (the reference): both give the same predictions. --variant (or its aliases --press
+    and --decode-attention) answers under presses and decode-time attention (docs/presses.md,
+    docs/hooks.md); repeated, every batch is loaded once and answered under each.
     """
     from kvstore.data.metrics import clean_prediction, contains_match, lenient_match
     from kvstore.model.options import SampleOptions
     from kvstore.store.kvstore import KVStore
 
-    opts = RunOptions.take(kwargs)
-    max_new_tokens, no_cache, output, readonly_store, codec, stop_strings, max_batch_tokens, compile_steps = (
-        kwargs.pop(k)
-        for k in ("max_new_tokens", "no_cache", "output", "readonly_store", "codec", "stop_strings", "max_batch_tokens",
-                  "compile_steps")
+    opts = RunOptions(
+        dataset, context_field, question_field, answers_field, id_field, skip_bad_rows, limit, model, dtype, device,
+        batch_size, prefill_chunk, chat, template, system, truncate, max_context_tokens, store, quiet, fmt,
     )  # fmt: skip
-    specs = kwargs.pop("decode_attention")
-    load_ahead = kwargs.pop("load_ahead")
     stop_strings = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop_strings)
     _check_codec(codec)
-    variants = check_variants(specs, compile_steps)  # a bad spec fails here, before the model loads
+    chosen = parse_variants(variants, compile_steps)  # a bad spec fails here, before the model loads
     data, adapter, prompt = _load_everything(opts, require_question=True)
     dataset = opts.dataset
     examples = data.examples
@@ -374,8 +371,8 @@ def sample(**kwargs):
     common = dict(store=kv, prompt=prompt, labels=labels, progress=bar)
     try:
         with corrupt_entries_as_warnings(bar):
-            if variants:
-                results = list(adapter.sweep(contexts, questions, options, variants=variants, **common).values())
+            if chosen:
+                results = list(adapter.sweep(contexts, questions, options, variants=chosen, **common).values())
             else:
                 results = [adapter.sample(contexts, questions, options, **common)]
     finally:
@@ -401,8 +398,9 @@ def sample(**kwargs):
                 "codec": res.codecs[i] if not no_cache else None,
                 "raw_output": text,
             }
-            if variants:
+            if chosen:
                 row["variant"] = res.variant
+                row["kept_tokens"] = res.kept_tokens[i]
             rows.append(row)
     if output:
         out = Path(output)
@@ -417,7 +415,7 @@ def sample(**kwargs):
         "compiled": compile_steps,
         "questions": n,
         "bad_rows_skipped": data.skipped,
-        **(dict.fromkeys(METRIC_KEYS) if variants else metrics(rows[:n])),  # a sweep's metrics are per variant
+        **(dict.fromkeys(METRIC_KEYS) if chosen else metrics(rows[:n])),  # a sweep's metrics are per variant
         "seconds": round(seconds, 3),
         "questions_per_second": round(n / seconds, 3) if seconds else None,
         "cache_hit_rate": round(sum(result.cache_hit) / n, 4) if n else None,
@@ -425,9 +423,10 @@ def sample(**kwargs):
         "lossy": lossy,
         "prefill_tokens_saved": result.prefill_tokens_saved,
         "prefill_tokens_computed": result.prefill_tokens_computed,
+        "window_tokens_computed": result.window_tokens_computed if chosen else None,
         "output": output,
     }
-    if variants:
+    if chosen:
         summary["variants"] = variant_table(results, rows, n)
     if not output and opts.fmt == "text" and not opts.quiet:
         for r in rows[:5]:

@@ -3,7 +3,7 @@
 kvpress 0.5.5 pins ``transformers<5.3`` so it lives in its own virtual environment, and this
 script must be run ONLY with that interpreter (it imports nothing from kvstore / this repo):
 
-    HF_HUB_OFFLINE=1 /work/kvpress-venv/bin/python experiments/kvpress_reference.py \\
+    cd /work/main && HF_HUB_OFFLINE=1 /work/kvpress-venv/bin/python experiments/kvpress_reference.py \\
         --rows ROWS.jsonl --presses knorm,streaming_llm,snapkv,keydiff,tova,random \\
         --ratios 0,0.25,0.5,0.75 --new-tokens 12 --out /tmp/kvpress_reference.json
 
@@ -31,7 +31,7 @@ Output JSON (see ``--help``; written to --out):
     meta: versions, model shape, press classes and parameters, options
     rows[]: id, context_ids, question_ids, context_len, question_len, (context_text, question_text),
             dense {answer_ids, answer_text, stopped_at_eos, positions, seconds},
-            runs[] {press, ratio, params, n_kept, cache_len, kept[layer][kv_head] (sorted context
+            runs[] {press, ratio, params, n_kept, cache_len, boundary_ties, kept[layer][kv_head] (sorted context
                     positions), kept_order (optional; cache order = topk order), answer_ids,
                     answer_text, stopped_at_eos, matches_dense, positions, verified, seconds}
 """
@@ -109,8 +109,8 @@ class Capture:
         self.press = press
         self.scores: dict[int, torch.Tensor] = {}
         self.idx: dict[int, torch.Tensor] = {}  # layer -> (kv_heads, n_kept), cache (topk) order
-        self.pre_keys: dict[int, torch.Tensor] = {}
         self.gather_ok: dict[int, bool] = {}
+        self.boundary_ties: list[list[int]] = []  # [layer, kv_head] where score[n_kept-1] == score[n_kept]
         orig_score = press.score
         orig_compress = press.compress
 
@@ -129,6 +129,10 @@ class Capture:
                 s = self.scores.pop(layer)
                 # identical call to ScorerPress.compress (scorer_press.py:96)
                 idx = s.topk(n_kept, dim=-1).indices
+                if n_kept < k_len:
+                    top = s.topk(n_kept + 1, dim=-1).values
+                    tied = (top[0, :, n_kept - 1] == top[0, :, n_kept]).nonzero().flatten().tolist()
+                    self.boundary_ties += [[layer, h] for h in tied]
             else:  # compression_ratio == 0: ScorerPress.compress returns keys, values untouched
                 assert n_kept == k_len
                 idx = torch.arange(k_len, device=keys.device).expand(bsz, n_heads, k_len)
@@ -274,6 +278,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
     presses = [p.strip() for p in args.presses.split(",") if p.strip()]
     for p in presses:
         if p not in PRESS_NAMES:
@@ -366,6 +371,7 @@ def main(argv=None):
                     "params": params,
                     "n_kept": n_kept,
                     "cache_len": cache_len,
+                    "boundary_ties": cap.boundary_ties,
                     "kept": [[sorted(h) for h in cap.idx[layer].tolist()] for layer in range(n_layers)],
                 }
                 if args.store_order:

@@ -20,6 +20,10 @@ __version__ = "0.1.0"
 # tests/test_public_names.py keeps the two the same.
 _LAZY = {
     "Adapter": "kvstore.model.adapter",
+    "Press": "kvstore.model.press.spec",
+    "ScoreOptions": "kvstore.model.options",
+    "Variant": "kvstore.model.variants.variant",
+    "answer_metrics": "kvstore.data.metrics",
     "BuildOptions": "kvstore.model.options",
     "BuildReport": "kvstore.model.pipelines.build",
     "Dataset": "kvstore.data.datasets",
@@ -40,7 +44,6 @@ _LAZY = {
     "load_dataset": "kvstore.data.datasets",
     "load_model": "kvstore.model.load.loading",
     "model_fingerprint": "kvstore.model.load.identity",
-    "score": "kvstore.data.metrics",
     "size_report": "kvstore.size.estimate",
 }
 
@@ -50,16 +53,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.data.datasets import Dataset as Dataset
     from kvstore.data.datasets import Example as Example
     from kvstore.data.datasets import load_dataset as load_dataset
-    from kvstore.data.metrics import score as score
+    from kvstore.data.metrics import answer_metrics as answer_metrics
     from kvstore.data.prompts import PromptFormat as PromptFormat
     from kvstore.model.adapter import Adapter as Adapter
     from kvstore.model.load.identity import model_fingerprint as model_fingerprint
     from kvstore.model.load.loading import load_model as load_model
     from kvstore.model.options import BuildOptions as BuildOptions
     from kvstore.model.options import SampleOptions as SampleOptions
+    from kvstore.model.options import ScoreOptions as ScoreOptions
     from kvstore.model.pipelines.build import BuildReport as BuildReport
     from kvstore.model.pipelines.sample import SampleResult as SampleResult
+    from kvstore.model.press.spec import Press as Press
     from kvstore.model.scoring.scores import ScoreResult as ScoreResult
+    from kvstore.model.variants.variant import Variant as Variant
     from kvstore.size.estimate import estimate_size as estimate_size
     from kvstore.size.estimate import size_report as size_report
     from kvstore.store.codecs import get_codec as get_codec

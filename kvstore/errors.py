@@ -78,6 +78,11 @@ class RequestError(KVStoreError, ValueError):
     """An evaluation request kvstore cannot serve as asked (e.g. sampling from a greedy decoder)."""
 
 
+class PressError(KVStoreError, ValueError):
+    """A press spec is malformed, or a press cannot run as asked (a question-aware press where
+    there is no question, a model whose cache it cannot prune)."""
+
+
 class CorruptEntryWarning(UserWarning):
     """A stored entry failed verification on load and was treated as a miss."""
 

@@ -48,9 +48,10 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         f"kvstore.lm_eval needs lm-evaluation-harness ({exc}); install it with: pip install 'kvstore[eval]'"
     ) from exc
 
-from kvstore.errors import ModelError, RequestError
+from kvstore.errors import ModelError, PressError, RequestError
 from kvstore.model.adapter import Adapter
 from kvstore.model.pipelines.sample import SampleResult
+from kvstore.model.press.spec import Press, parse_press
 from kvstore.store.kvstore import KVStore
 
 _log = logging.getLogger(__name__)
@@ -85,6 +86,23 @@ def _optional_int(value: Any, name: str) -> int | None:
     if out < 1:
         raise ModelError(f"model arg {name}={value!r} must be at least 1")
     return out
+
+
+def _press(spec: str | None) -> Press | None:
+    """The ``press`` model arg, parsed (None: no press); ModelError (one line) for a bad or
+    question-aware one."""
+    if spec is None or not str(spec).strip() or str(spec).strip().lower() in ("none", "dense"):
+        return None
+    try:
+        press = parse_press(str(spec))
+    except PressError as exc:
+        raise ModelError(f"model arg press={spec!r}: {exc}") from None
+    if press.question:
+        raise ModelError(
+            f"model arg press={spec!r}: a question-aware press needs the question apart from its context; in lm-eval "
+            "requests the question is part of the context: use the press without ':q'"
+        )
+    return press
 
 
 def _device(device: str | None) -> str:
@@ -137,7 +155,11 @@ class KVStoreLM(TemplateLM):
     * ``batch_size`` (an integer; ``auto`` means 8, or ``max_batch_size`` if smaller),
       ``max_length`` (default: the model's positions, as ``hf`` resolves it), ``max_gen_toks``
       (default 256);
-    * ``add_bos_token``, ``prefix_token_id``: as for ``hf``.
+    * ``add_bos_token``, ``prefix_token_id``: as for ``hf``;
+    * ``press``: a press spec (``snapkv:0.5``, :mod:`kvstore.model.press`) applied to every
+      request's stored context before it is scored or answered (not question-aware: a request's
+      question is part of its context); the store keeps dense caches, so runs with other presses
+      over the same store compute no context token.
 
     Raises :class:`~kvstore.errors.ModelError` for an unknown model arg or a bad value.
     """
@@ -159,6 +181,7 @@ class KVStoreLM(TemplateLM):
         attn_implementation: str | None = None,
         add_bos_token: bool | str | None = None,
         prefix_token_id: int | str | None = None,
+        press: str | None = None,
         **unknown: Any,
     ) -> None:
         super().__init__()
@@ -167,7 +190,7 @@ class KVStoreLM(TemplateLM):
             raise ModelError(
                 f"unknown model arg(s) for model {MODEL_NAME!r}: {names}; known: pretrained, store, dtype, device, "
                 "batch_size, max_length, max_gen_toks, use_cache, readonly, codec, chunk_tokens, attn_implementation, "
-                "add_bos_token, prefix_token_id"
+                "add_bos_token, prefix_token_id, press"
             )
         # every argument is checked before the (slow) model load
         self.use_cache = _bool(use_cache, "use_cache")
@@ -182,6 +205,7 @@ class KVStoreLM(TemplateLM):
         self._max_gen_toks = _optional_int(max_gen_toks, "max_gen_toks") or DEFAULT_MAX_GEN_TOKS
         self.add_bos_token = None if add_bos_token is None else _bool(add_bos_token, "add_bos_token")
         self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
+        self.press = _press(press)
         name = None if pretrained in (None, "", "default") else str(pretrained)
         self.adapter = Adapter.from_pretrained(
             name, dtype=dtype, device=_device(device), attn_implementation=attn_implementation
@@ -257,6 +281,7 @@ class KVStoreLM(TemplateLM):
             "model_name": self.adapter.name,
             "model_dtype": self.adapter.dtype_name,
             "kvstore_store": self.store.url if self.store is not None else None,
+            "kvstore_press": self.press.name if self.press is not None else None,
         }
 
     def reset_counters(self) -> None:
@@ -316,7 +341,7 @@ class KVStoreLM(TemplateLM):
         head = shared_head(ctx)
         result = self.adapter.score(
             ctx, continuations, store=self.store, use_cache=self.use_cache, batch_size=self.batch_size,
-            prefix=head if len(head) >= MIN_SHARED_HEAD else None,
+            prefix=head if len(head) >= MIN_SHARED_HEAD else None, press=self.press,
         )  # fmt: skip
         self.context_tokens_computed += result.prefill_tokens_computed
         self.context_tokens_loaded += sum(r.cached_tokens for r in result.rows)
@@ -402,23 +427,26 @@ class KVStoreLM(TemplateLM):
     def _generate(self, prompts: list[list[int]], until: list[str], n: int) -> list[str]:
         """Greedy continuations of tokenized prompts, cut at the first stop string."""
         texts: list[str] = [""] * len(prompts)
-        # a one-token prompt has no context to store: it runs without the cache
-        cached = [i for i, p in enumerate(prompts) if len(p) > 1 and self.use_cache]
-        plain = [i for i, p in enumerate(prompts) if i not in set(cached)]
-        for rows, use_cache in ((cached, True), (plain, False)):
+        # a prompt's last token is fed as the question, the rest is the context (stored, or pressed in
+        # memory without the cache); a one-token prompt has no context: it runs whole, without the cache
+        split = [i for i, p in enumerate(prompts) if len(p) > 1 and (self.use_cache or self.press is not None)]
+        plain = [i for i, p in enumerate(prompts) if i not in set(split)]
+        for rows, is_split in ((split, True), (plain, False)):
             if not rows:
                 continue
-            if use_cache:
+            if is_split:
                 contexts = [prompts[i][:-1] for i in rows]
                 questions = [prompts[i][-1:] for i in rows]
             else:
                 contexts = [prompts[i] for i in rows]
                 questions = [[] for _ in rows]
+            use_cache = is_split and self.use_cache
             head = shared_head(contexts) if use_cache else []
             result = self.adapter.greedy_sample(
                 contexts, questions, n, use_cache=use_cache, store=self.store if use_cache else None,
                 batch_size=self.batch_size, max_context_tokens=max(len(c) for c in contexts), return_details=True,
                 stop_strings=until, prefix=head if len(head) >= MIN_SHARED_HEAD else None,
+                press=self.press if is_split else None,
             )  # fmt: skip
             assert isinstance(result, SampleResult)
             self.context_tokens_computed += result.prefill_tokens_computed

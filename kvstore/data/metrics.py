@@ -36,7 +36,7 @@ __all__ = [
     "f1_score",
     "lenient_match",
     "normalize_answer",
-    "score",
+    "answer_metrics",
 ]
 
 _PUNCTUATION = frozenset(string.punctuation)
@@ -91,7 +91,7 @@ def contains_match(prediction: str, answers: str | Sequence[str]) -> bool:
     return any(gold and f" {gold} " in pred for gold in (normalize_answer(a) for a in _accepted(answers)))
 
 
-def score(predictions: Sequence[str], answers_list: Sequence[str | Sequence[str]]) -> dict[str, float]:
+def answer_metrics(predictions: Sequence[str], answers_list: Sequence[str | Sequence[str]]) -> dict[str, float]:
     """Average the metrics over questions: ``accuracy`` (lenient), ``contains``, ``exact_match``,
     ``f1`` and ``count``.
 

@@ -1,27 +1,41 @@
 """The Adapter: the public front of kvstore's model layer.
 
 ``Adapter(model, tokenizer)`` wraps any loaded Hugging Face causal LM; :meth:`Adapter.from_pretrained`
-loads one by name. Identity, tokenization and plans come from :class:`~kvstore.model.handle.ModelHandle`;
-the work is delegated: building to :mod:`kvstore.model.pipelines.build`, decoding to :mod:`kvstore.model.pipelines.sample`,
-scoring to :mod:`kvstore.model.pipelines.score`, decode-time hooks to :mod:`kvstore.model.variants.hooks`.
+loads one by name. It composes a :class:`~kvstore.model.handle.ModelHandle` (model, tokenizer,
+identity, layout, tokenization: what the layer below takes, as :attr:`Adapter.handle`) and turns
+its arguments into the typed values the pipelines take: options objects
+(:mod:`kvstore.model.options`), the prompt format, variants parsed once
+(:mod:`kvstore.model.variants.variant`). Building is :mod:`kvstore.model.pipelines.build`, sampling
+and sweeps :mod:`kvstore.model.pipelines.sample`, scoring :mod:`kvstore.model.pipelines.score`.
+
+Every keyword of ``build``/``sample``/``sweep``/``greedy_sample``/``score``... that names a field of
+its options object overrides that field (left out: the options' value).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.model.handle import ModelHandle, TextOrIds
-from kvstore.model.options import BuildOptions, SampleOptions, apply_prompt
-from kvstore.model.pipelines import build
-from kvstore.model.pipelines import sample as decode
-from kvstore.model.pipelines import score as scoring
+from kvstore.errors import ModelError
+from kvstore.model.compute.cache import LayerKV
+from kvstore.model.compute.forward import prefill
+from kvstore.model.handle import DEFAULT_RESERVE_TOKENS, ModelHandle, TextOrIds
+from kvstore.model.options import BuildOptions, SampleOptions, ScoreOptions, apply_prompt
+from kvstore.model.paths.choice import check_supported, path_of
+from kvstore.model.pipelines import build, sample, score
 from kvstore.model.pipelines.build import BuildReport
 from kvstore.model.pipelines.sample import SampleResult
-from kvstore.model.pipelines.score import RollingResult, RollingResults, ScoreResult
-from kvstore.model.variants import hooks, sparse
+from kvstore.model.plan import chains
+from kvstore.model.plan.chains import ContextPlan, Keying
+from kvstore.model.press.spec import Press
+from kvstore.model.scoring.scores import RollingResult, RollingResults, ScoreResult
+from kvstore.model.variants import sparse
+from kvstore.model.variants.variant import Attention, GenerationContext, Variant
+from kvstore.model.variants.variant import variants as parse_variants
+from kvstore.model.view import ModelView
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
@@ -29,10 +43,100 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.data.prompts import PromptFormat
 
 
-class Adapter(ModelHandle):
-    """Wraps a Hugging Face causal LM and its tokenizer (see :class:`ModelHandle` for the
-    constructor's arguments): builds, samples, scores and sweeps over stored contexts."""
+class _Unset:
+    """The value of an options keyword left out of a call (the options object's value stands)."""
 
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+VariantLike = str | Variant | Press | sparse.AttentionFunction | None
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not UNSET}
+
+
+class Adapter(ModelView):
+    """Wraps a Hugging Face causal LM and its tokenizer: builds, samples, scores and sweeps over
+    stored contexts. The constructor's arguments are :class:`ModelHandle`'s: ``name`` (display),
+    ``weight_files`` (memoize the fingerprint), ``fingerprint``, ``reserve_tokens`` (positions kept
+    for question and answer), ``prefill_chunk_tokens`` (prefill piece; None: automatic),
+    ``force_staging`` (tests: stage loads on CPU as on an accelerator)."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        name: str | None = None,
+        weight_files: Sequence = (),
+        fingerprint: str | None = None,
+        reserve_tokens: int = DEFAULT_RESERVE_TOKENS,
+        prefill_chunk_tokens: int | None = None,
+        force_staging: bool = False,
+    ):
+        self.handle = ModelHandle(
+            model, tokenizer, name=name, weight_files=weight_files, fingerprint=fingerprint,
+            reserve_tokens=reserve_tokens, prefill_chunk_tokens=prefill_chunk_tokens, force_staging=force_staging,
+        )  # fmt: skip
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name: str | None = None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        attn_implementation: str | None = None,
+    ) -> Adapter:
+        """Load a model by name: ``None`` (bundled SmolLM2-135M-Instruct), a hub id, a local
+        directory or a ``.gguf`` file. ``attn_implementation``: default SDPA where the architecture
+        has it. Raises ModelNotFoundError / ModelError."""
+        from kvstore.model.load.loading import load_model
+
+        loaded = load_model(name, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        return cls(loaded.model, loaded.tokenizer, name=loaded.name, weight_files=loaded.weight_files)
+
+    def plan(
+        self, context_ids: Sequence[int], store: KVStore | None = None, *, prefix: TextOrIds | None = None,
+        special_tokens: bool = True,
+    ) -> ContextPlan:  # fmt: skip
+        """A tokenized context as a chain of chunks for ``store``: its keys, and ``plan.key`` the
+        context's (:func:`kvstore.model.plan.chains.plan`)."""
+        return chains.plan(self.handle, context_ids, store, prefix=prefix, special_tokens=special_tokens)
+
+    def key(
+        self, context_ids: Sequence[int], store: KVStore | None = None, *, prefix: TextOrIds | None = None,
+        special_tokens: bool = True,
+    ) -> str:  # fmt: skip
+        """The key of a tokenized context (its chain's last chunk) in ``store`` (see :meth:`plan`)."""
+        return self.plan(context_ids, store, prefix=prefix, special_tokens=special_tokens).key
+
+    def check_supported(self, store: KVStore | None = None) -> None:
+        """ModelError (one line) unless kvstore can store and reuse this model's caches exactly, in
+        ``store``'s codec when given (:func:`kvstore.model.paths.choice.check_supported`)."""
+        check_supported(self.handle, store)
+
+    def prefill(self, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
+        """Run the model over a batch of token-id lists (right-padded together); per row, the
+        per-layer ``(keys, values)`` ``[kv_heads, n_i, head_dim]`` of its own tokens only.
+        Dense (full-attention) models only: raises ModelError for the others."""
+        if not path_of(self.handle).supports("prefill"):
+            raise ModelError(f"{self.name}: prefill gives full-attention keys and values; use generate_kv_cache")
+        return prefill(self.handle, batch)
+
+    def decode(self, tokens: torch.Tensor | Sequence[int]) -> str:
+        """Text of one row of generated ids, up to (not including) its first EOS."""
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        for j, t in enumerate(ids):
+            if t in self.eos_ids:
+                ids = ids[:j]
+                break
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # -- building ------------------------------------------------------------------------------
     def build(
         self,
         contexts: Sequence[TextOrIds],
@@ -44,11 +148,16 @@ class Adapter(ModelHandle):
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
-        **fields,
+        batch_size: int | None = UNSET,
+        max_batch_tokens: int | None = UNSET,
+        truncate: bool = UNSET,
+        max_context_tokens: int | None = UNSET,
+        skip_errors: bool = UNSET,
+        shard: tuple[int, int] | None = UNSET,
     ) -> BuildReport:
         """Store the cache of every distinct context not stored whole and intact in ``store``.
 
-        ``options`` (:class:`BuildOptions`; ``fields`` override any of them by name) say how. The
+        ``options`` (:class:`BuildOptions`; its fields may also be given as keywords) say how. The
         prompt format ``prompt`` (give :meth:`sample` the same one) turns each context text into
         its context part and sets how it is tokenized and its shared head; without one, contexts
         are tokenized with the model's special tokens (``special_tokens=False`` when the text
@@ -63,16 +172,18 @@ class Adapter(ModelHandle):
         it in ``report.failed``, its message in ``report.errors``). ``shard=(i, n)`` builds the
         contexts whose key, read as a number from its first 16 hex digits, is ``i`` modulo ``n``
         (``report.other_shards`` counts the rest); ValueError unless ``0 <= i < n``."""
-        opts = BuildOptions.of(options, **fields)
+        opts = BuildOptions.of(options, **_given(
+            batch_size=batch_size, max_batch_tokens=max_batch_tokens, truncate=truncate,
+            max_context_tokens=max_context_tokens, skip_errors=skip_errors, shard=shard,
+        ))  # fmt: skip
         texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
-        return build.build_caches(
-            self, texts, store, opts, special_tokens=special_tokens, labels=labels, progress=progress, prefix=prefix
-        )
+        return build.build_caches(self.handle, texts, store, opts, Keying(special_tokens, prefix), labels, progress)
 
-    def generate_kv_cache(self, contexts: Sequence[TextOrIds], store: KVStore, **kwargs) -> BuildReport:
+    def generate_kv_cache(self, contexts: Sequence[TextOrIds], store: KVStore, **kwargs: Any) -> BuildReport:
         """:meth:`build` under the research code's name (same arguments)."""
         return self.build(contexts, store, **kwargs)
 
+    # -- sampling ------------------------------------------------------------------------------
     def sample(
         self,
         contexts: Sequence[TextOrIds],
@@ -85,13 +196,24 @@ class Adapter(ModelHandle):
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
-        generation_context: hooks.GenerationContext | None = None,
-        decode_attention: str | sparse.AttentionFunction | None = None,
-        **fields,
+        generation_context: GenerationContext | None = None,
+        num_new_tokens: int = UNSET,
+        use_cache: bool = UNSET,
+        batch_size: int = UNSET,
+        max_batch_tokens: int | None = UNSET,
+        stop_at_eos: bool = UNSET,
+        stop_strings: Sequence[str] = UNSET,
+        truncate: bool = UNSET,
+        max_context_tokens: int | None = UNSET,
+        return_scores: bool = UNSET,
+        steps: str = UNSET,
+        load_ahead: bool = UNSET,
+        press: Press | str | None = UNSET,
+        decode_attention: Attention | str | sparse.AttentionFunction | None = UNSET,
     ) -> SampleResult:
         """Greedy answers to ``questions[i]`` about ``contexts[i]``: a :class:`SampleResult`.
 
-        ``options`` (:class:`SampleOptions`; ``fields`` override any of them by name) say how;
+        ``options`` (:class:`SampleOptions`; its fields may also be given as keywords) say how;
         ``prompt``, ``special_tokens`` and ``prefix`` as for :meth:`build` (the same values, or keys
         will not match). A row that produced EOS, or whose text contains one of ``stop_strings``
         (the token completing it kept), is pads after it. A batch that runs out of memory runs
@@ -102,13 +224,63 @@ class Adapter(ModelHandle):
         memory); else the reference runs context and question through the model together. Both
         give the same tokens (exactly in float64; in float32 up to rounding near ties).
 
-        ``generation_context`` (``model -> context manager``) and ``decode_attention`` (``topk:K``,
-        ``sparq:R:K``, ``module:function`` or an attention function) are entered around each
-        batch's question forward and decode steps only, never a prefill (:mod:`kvstore.model.variants.hooks`);
-        an error under them is a one-line HookError. Full-attention models, eager steps only."""
-        variant = hooks.hook_variant(generation_context, decode_attention)
-        return self._sample([variant], contexts, questions, options, store, prompt, special_tokens, prefix, labels,
-                            progress, fields)[0]  # fmt: skip
+        ``press`` (``snapkv:0.5``, a :class:`~kvstore.model.press.spec.Press`) keeps only some of
+        each loaded context's tokens before the question is answered (:mod:`kvstore.model.press`);
+        ``generation_context`` (``model -> context manager``) and ``decode_attention``
+        (``topk:K``, ``sparq:R:K``, ``module:function`` or an attention function) are entered
+        around each batch's question forward and decode steps only, never a prefill
+        (:mod:`kvstore.model.variants.hooks`); an error under them is a one-line HookError.
+        Full-attention models, eager steps only."""
+        opts = SampleOptions.of(options, **_given(
+            num_new_tokens=num_new_tokens, use_cache=use_cache, batch_size=batch_size,
+            max_batch_tokens=max_batch_tokens, stop_at_eos=stop_at_eos, stop_strings=stop_strings, truncate=truncate,
+            max_context_tokens=max_context_tokens, return_scores=return_scores, steps=steps, load_ahead=load_ahead,
+            press=press, decode_attention=decode_attention,
+        ))  # fmt: skip
+        variant = opts.variant(generation_context)
+        return self._sample([variant], contexts, questions, opts, (store, prompt, special_tokens, prefix, labels),
+                            progress)[0]  # fmt: skip
+
+    def sweep(
+        self,
+        contexts: Sequence[TextOrIds],
+        questions: Sequence[TextOrIds],
+        options: SampleOptions | None = None,
+        *,
+        variants: Sequence[VariantLike],
+        store: KVStore | None = None,
+        prompt: PromptFormat | None = None,
+        special_tokens: bool = True,
+        prefix: TextOrIds | None = None,
+        labels: Sequence[str] | None = None,
+        progress: Progress | None = None,
+        num_new_tokens: int = UNSET,
+        use_cache: bool = UNSET,
+        batch_size: int = UNSET,
+        max_batch_tokens: int | None = UNSET,
+        stop_at_eos: bool = UNSET,
+        stop_strings: Sequence[str] = UNSET,
+        truncate: bool = UNSET,
+        max_context_tokens: int | None = UNSET,
+        return_scores: bool = UNSET,
+        steps: str = UNSET,
+        load_ahead: bool = UNSET,
+    ) -> dict[str, SampleResult]:
+        """:meth:`sample` under each of ``variants`` (specs such as ``dense``, ``knorm:0.5``,
+        ``snapkv:0.5+sparq:16:64``, ``topk:64``, presses, attention functions or
+        :class:`kvstore.model.variants.variant.Variant`) from one load of each batch: results by
+        variant name, in order. Other arguments as for :meth:`sample`."""
+        chosen = parse_variants(variants)
+        opts = SampleOptions.of(options, **_given(
+            num_new_tokens=num_new_tokens, use_cache=use_cache, batch_size=batch_size,
+            max_batch_tokens=max_batch_tokens, stop_at_eos=stop_at_eos, stop_strings=stop_strings, truncate=truncate,
+            max_context_tokens=max_context_tokens, return_scores=return_scores, steps=steps, load_ahead=load_ahead,
+        ))  # fmt: skip
+        if opts.press is not None or opts.decode_attention is not None:
+            raise ValueError("a sweep takes its presses and decode attention from variants=, not from its options")
+        results = self._sample(chosen, contexts, questions, opts, (store, prompt, special_tokens, prefix, labels),
+                               progress)  # fmt: skip
+        return {r.variant: r for r in results}
 
     def greedy_sample(
         self,
@@ -119,81 +291,172 @@ class Adapter(ModelHandle):
         use_cache: bool = True,
         return_details: bool = False,
         compile: bool = False,
-        **kwargs,
-    ) -> torch.Tensor | SampleResult:
-        """:meth:`sample` as the research code calls it: ``[n_rows, num_new_tokens]`` int64 token ids
-        (the :class:`SampleResult` with ``return_details``); ``compile``: fixed-shape decode steps
-        under ``torch.compile`` (:mod:`kvstore.model.compute.static`). Other arguments as for :meth:`sample`."""
-        if compile:
-            kwargs["steps"] = "compiled"
-        result = self.sample(contexts, questions, num_new_tokens=num_new_tokens, use_cache=use_cache, **kwargs)
-        return result if return_details else result.tokens
-
-    def _sample(self, variants, contexts, questions, options, store, prompt, special_tokens, prefix, labels, progress,
-                fields) -> list[SampleResult]:  # fmt: skip
-        opts = SampleOptions.of(options, **fields)
-        contexts, questions, special_tokens, prefix = apply_prompt(
-            prompt, contexts, questions, special_tokens=special_tokens, prefix=prefix
-        )
-        return decode.sample_variants(
-            self, contexts, questions, opts, variants=variants, store=store, special_tokens=special_tokens,
-            prefix=prefix, labels=labels, progress=progress,
-        )  # fmt: skip
-
-    def score(self, contexts: Sequence[TextOrIds], continuations: Sequence[TextOrIds], **kwargs) -> ScoreResult:
-        """Log-likelihood of ``continuations[i]`` given ``contexts[i]`` per row, from stored contexts
-        (``use_cache``) or without them, as lm-eval's ``hf`` model computes it: a
-        :class:`ScoreResult`. Arguments (``store``, ``use_cache``, ``batch_size``, ``prefix``,
-        ``token_logprobs``, ``truncate``, ``generation_context``, ``decode_attention``, ...), rules and
-        errors: :func:`kvstore.model.pipelines.score.score`."""
-        return scoring.score(self, contexts, continuations, **kwargs)
-
-    def score_rolling(self, texts: Sequence[TextOrIds], **kwargs) -> RollingResults:
-        """Log-likelihood of whole documents in lm-eval's ``loglikelihood_rolling`` windows: one
-        :class:`RollingResult` per document. Arguments: :func:`kvstore.model.pipelines.score.score_rolling`."""
-        return scoring.score_rolling(self, texts, **kwargs)
-
-    def score_sweep(
-        self, contexts: Sequence[TextOrIds], continuations: Sequence[TextOrIds], *, variants: Sequence, **kwargs
-    ) -> dict[str, ScoreResult]:
-        """:meth:`score` under each of ``variants`` from one load of each batch; results by variant
-        name (:func:`kvstore.model.pipelines.score.score_sweep`)."""
-        return scoring.score_sweep(self, contexts, continuations, variants=variants, **kwargs)
-
-    def sweep(
-        self,
-        contexts: Sequence[TextOrIds],
-        questions: Sequence[TextOrIds],
-        options: SampleOptions | None = None,
-        *,
-        variants: Sequence[str | hooks.Variant | sparse.AttentionFunction | None],
         store: KVStore | None = None,
         prompt: PromptFormat | None = None,
         special_tokens: bool = True,
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
-        **fields,
-    ) -> dict[str, SampleResult]:
-        """:meth:`sample` under each of ``variants`` (decode-attention specs, attention functions or
-        :class:`kvstore.model.variants.hooks.Variant`) from one load of each batch: results by variant name,
-        in order. Other arguments as for :meth:`sample`."""
-        chosen = hooks.variants(variants)
-        results = self._sample(chosen, contexts, questions, options, store, prompt, special_tokens, prefix, labels,
-                               progress, fields)  # fmt: skip
-        return {r.variant: r for r in results}
+        generation_context: GenerationContext | None = None,
+        decode_attention: Attention | str | sparse.AttentionFunction | None = None,
+        press: Press | str | None = None,
+        batch_size: int = 8,
+        max_batch_tokens: int | None = None,
+        stop_at_eos: bool = True,
+        stop_strings: Sequence[str] = (),
+        truncate: bool = False,
+        max_context_tokens: int | None = None,
+        return_scores: bool = False,
+        load_ahead: bool = True,
+    ) -> torch.Tensor | SampleResult:
+        """:meth:`sample` as the research code calls it: ``[n_rows, num_new_tokens]`` int64 token ids
+        (the :class:`SampleResult` with ``return_details``); ``compile``: fixed-shape decode steps
+        under ``torch.compile`` (:mod:`kvstore.model.compute.static`). Other arguments as for
+        :meth:`sample`."""
+        opts = SampleOptions(
+            num_new_tokens=num_new_tokens, use_cache=use_cache, batch_size=batch_size,
+            max_batch_tokens=max_batch_tokens, stop_at_eos=stop_at_eos, stop_strings=tuple(stop_strings),
+            truncate=truncate, max_context_tokens=max_context_tokens, return_scores=return_scores,
+            steps="compiled" if compile else "dynamic", load_ahead=load_ahead, press=press,
+            decode_attention=decode_attention,
+        )  # fmt: skip
+        result = self.sample(
+            contexts, questions, opts, store=store, prompt=prompt, special_tokens=special_tokens, prefix=prefix,
+            labels=labels, progress=progress, generation_context=generation_context,
+        )  # fmt: skip
+        return result if return_details else result.tokens
 
-    def decode(self, tokens: torch.Tensor | Sequence[int]) -> str:
-        """Text of one row of generated ids, up to (not including) its first EOS."""
-        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-        for j, t in enumerate(ids):
-            if t in self.eos_ids:
-                ids = ids[:j]
-                break
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _sample(
+        self, chosen: Sequence[Variant], contexts: Sequence[TextOrIds], questions: Sequence[TextOrIds],
+        opts: SampleOptions, where: tuple, progress: Progress | None,
+    ) -> list[SampleResult]:  # fmt: skip
+        store, prompt, special_tokens, prefix, labels = where
+        check_supported(self.handle, store if opts.use_cache else None)  # a refused model: before any tokenizing
+        texts, asked, special_tokens, prefix = apply_prompt(
+            prompt, contexts, questions, special_tokens=special_tokens, prefix=prefix
+        )
+        assert asked is not None
+        rows = sample.tokenize_rows(self.handle, texts, asked, opts, store, (special_tokens, prefix, labels))
+        return sample.sample_variants(self.handle, rows, opts, chosen, store, progress)
+
+    # -- scoring -------------------------------------------------------------------------------
+    def score(
+        self,
+        contexts: Sequence[TextOrIds],
+        continuations: Sequence[TextOrIds],
+        options: ScoreOptions | None = None,
+        *,
+        store: KVStore | None = None,
+        special_tokens: bool = True,
+        prefix: TextOrIds | None = None,
+        labels: Sequence[str] | None = None,
+        progress: Progress | None = None,
+        generation_context: GenerationContext | None = None,
+        use_cache: bool = UNSET,
+        batch_size: int = UNSET,
+        max_batch_tokens: int | None = UNSET,
+        token_logprobs: bool = UNSET,
+        truncate: bool = UNSET,
+        press: Press | str | None = UNSET,
+        decode_attention: Attention | str | sparse.AttentionFunction | None = UNSET,
+    ) -> ScoreResult:
+        """Log-likelihood of ``continuations[i]`` given ``contexts[i]`` per row, from stored contexts
+        (``use_cache``) or without them, as lm-eval's ``hf`` model computes it: a
+        :class:`ScoreResult` (per row the sum of the continuation tokens' log-probabilities, whether
+        greedy decoding would produce it, and with ``token_logprobs`` each token's).
+
+        Contexts and continuations are text or token ids, split as lm-eval's ``hf`` model splits
+        them (:func:`kvstore.model.scoring.scores.encode_pair`). ``use_cache=True`` loads each
+        distinct context's longest stored prefix from ``store`` once per batch for every
+        continuation of it, computes and stores the rest (``prefix``, ``special_tokens``: as for
+        :meth:`build`, so the keys match); ``use_cache=False`` is the reference: context +
+        continuation through the model in one forward. Both agree to rounding. ``press`` (not
+        question-aware: the question is part of the scored context) and ``decode_attention`` /
+        ``generation_context`` apply to the continuation forwards only, never a context's prefill.
+
+        Raises DatasetError (naming the row with ``labels``) for an empty continuation,
+        ContextTooLongError when context + continuation exceed the model's positions (unless
+        ``truncate``, which drops the context's first tokens as lm-eval does), ModelError for a
+        model whose cache kvstore cannot reuse exactly (windowed and state models: with
+        ``use_cache=False`` only)."""
+        opts = ScoreOptions.of(options, **_given(
+            use_cache=use_cache, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
+            token_logprobs=token_logprobs, truncate=truncate, press=press, decode_attention=decode_attention,
+        ))  # fmt: skip
+        check_supported(self.handle, store if opts.use_cache else None)  # a refused model: before any tokenizing
+        rows = score.encode_rows(self.handle, contexts, continuations, special_tokens, labels, opts.truncate)
+        keying = Keying(special_tokens, prefix)
+        return score.score_rows(self.handle, rows, opts, [opts.variant(generation_context)], store, keying, progress)[0]
+
+    def score_sweep(
+        self,
+        contexts: Sequence[TextOrIds],
+        continuations: Sequence[TextOrIds],
+        options: ScoreOptions | None = None,
+        *,
+        variants: Sequence[VariantLike],
+        store: KVStore | None = None,
+        special_tokens: bool = True,
+        prefix: TextOrIds | None = None,
+        labels: Sequence[str] | None = None,
+        progress: Progress | None = None,
+        use_cache: bool = UNSET,
+        batch_size: int = UNSET,
+        max_batch_tokens: int | None = UNSET,
+        token_logprobs: bool = UNSET,
+        truncate: bool = UNSET,
+    ) -> dict[str, ScoreResult]:
+        """:meth:`score` under each of ``variants`` (as for :meth:`sweep`) from one load of each
+        batch; results by variant name, in order."""
+        chosen = parse_variants(variants)
+        opts = ScoreOptions.of(options, **_given(
+            use_cache=use_cache, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
+            token_logprobs=token_logprobs, truncate=truncate,
+        ))  # fmt: skip
+        check_supported(self.handle, store if opts.use_cache else None)
+        rows = score.encode_rows(self.handle, contexts, continuations, special_tokens, labels, opts.truncate)
+        results = score.score_rows(self.handle, rows, opts, chosen, store, Keying(special_tokens, prefix), progress)
+        return {v.name: r for v, r in zip(chosen, results)}
+
+    def score_rolling(
+        self,
+        texts: Sequence[TextOrIds],
+        options: ScoreOptions | None = None,
+        *,
+        store: KVStore | None = None,
+        max_length: int | None = None,
+        store_documents: bool = True,
+        progress: Progress | None = None,
+        generation_context: GenerationContext | None = None,
+        use_cache: bool = UNSET,
+        batch_size: int = UNSET,
+        max_batch_tokens: int | None = UNSET,
+        token_logprobs: bool = UNSET,
+        press: Press | str | None = UNSET,
+        decode_attention: Attention | str | sparse.AttentionFunction | None = UNSET,
+    ) -> RollingResults:
+        """Log-likelihood of whole documents, as lm-eval's ``loglikelihood_rolling`` computes it:
+        text encoded without special tokens, the first token scored from the BOS (or EOS) token,
+        documents longer than ``max_length`` (default: the model's positions) in lm-eval's
+        windows. A list of one :class:`RollingResult` per document (perplexity, bits per token
+        and, for text, bits per character) that also carries the run's
+        ``prefill_tokens_computed`` and ``prefill_tokens_saved``.
+
+        With the cache, each window's context (the prefix token; a last short window's overlap) is
+        loaded from or stored in ``store``, so a second run computes no context token; every scored
+        token is computed on every run (its log-probability needs the hidden state at its
+        position, which stored keys and values do not give). With ``store_documents`` the keys and
+        values that forward computed for a document's first window are stored as a chain too, at
+        no extra compute, for later requests whose context starts with it."""
+        opts = ScoreOptions.of(options, **_given(
+            use_cache=use_cache, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
+            token_logprobs=token_logprobs, press=press, decode_attention=decode_attention,
+        ))  # fmt: skip
+        variant = opts.variant(generation_context)
+        return score.score_rolling(self.handle, texts, opts, variant, store, (max_length, store_documents), progress)
 
 
 __all__ = [
-    "Adapter", "BuildOptions", "BuildReport", "RollingResult", "SampleOptions", "SampleResult", "ScoreResult",
-    "TextOrIds",
+    "UNSET", "Adapter", "BuildOptions", "BuildReport", "RollingResult", "RollingResults", "SampleOptions",
+    "SampleResult", "ScoreOptions", "ScoreResult", "TextOrIds",
 ]  # fmt: skip

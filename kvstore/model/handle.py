@@ -1,40 +1,34 @@
 """The model handle: one model and tokenizer, its identity, tokenization and cache layout.
 
-:class:`ModelHandle` is what the model layer's lower code takes (prefill, chains, decoding,
-scoring, the writer): the model and tokenizer, the identity that keys are made of (fingerprint,
-dtype, device, attention implementation), pad and EOS ids, the cache layout, tokenization with
-its context limit, and a context's plan as a chain of chunks. It does no orchestration;
-:class:`kvstore.model.adapter.Adapter` (the public front) adds building, sampling, scoring and
-sweeps on top of it.
+:class:`ModelHandle` is what the model layer's lower code takes (planning, the stages, the cache
+paths, scoring, the writer): the model and tokenizer, the identity that keys are made of
+(fingerprint, dtype, device, attention implementation), pad and EOS ids, the cache layout and the
+key/value shapes, and tokenization with its context limit. It sits at the bottom of the model layer
+(it imports nothing that takes a handle) and does no work; :class:`kvstore.model.adapter.Adapter`,
+the public front, composes one and adds building, sampling, scoring and sweeps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from kvstore import dtypes
-from kvstore.errors import ContextTooLongError, ModelError
-from kvstore.model.compute import forward
+from kvstore.errors import ContextTooLongError
+from kvstore.facts import ATTN
+from kvstore.model.compute import attention
 from kvstore.model.compute.cache import KVShape, LayerKV
-from kvstore.model.family import families
 from kvstore.model.family.layout import CacheLayout, cache_layout
-from kvstore.model.family.rope import rotary_of, rotary_refusal
+from kvstore.model.family.rope import rotary_of
 from kvstore.model.load.identity import model_fingerprint
-from kvstore.model.paths.base import CachePath, path_for
-from kvstore.model.plan import chains
-from kvstore.model.plan.chains import ContextPlan
-from kvstore.model.variants import hooks
-from kvstore.store.codecs.prerope import Rotary, needs_rotary
+from kvstore.store.codecs.prerope import Rotary
 from kvstore.store.entry import Entry
-from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, chain_seed
-from kvstore.store.kvstore import KVStore
+from kvstore.store.keys import chain_seed
 
 TextOrIds = str | Sequence[int]
-H = TypeVar("H", bound="ModelHandle")
 DEFAULT_RESERVE_TOKENS = 256
 # Chunked prefill, automatic: attention that materializes a score matrix per layer (eager) runs
 # in pieces of 512 positions (less memory and, measured on CPU, less time); fused kernels (sdpa,
@@ -42,8 +36,19 @@ DEFAULT_RESERVE_TOKENS = 256
 # forward: experiments/results/memory.json).
 AUTO_PREFILL_PIECE = {"eager": 512}
 AUTO_PREFILL_PIECE_FUSED = 8192
-# Tokens at the end of a prompt head that may merge with the context's first word when tokenized together.
-HEAD_MERGE_TOKENS = 2
+# on the model while a kvstore attention implementation is switched on: the model's own one
+DENSE_ATTN_ATTR = "_kvstore_dense_attn"
+
+
+def dense_attn_implementation(model: torch.nn.Module) -> str | None:
+    """The model's own attention implementation while kvstore has switched another one on (a
+    decode-attention variant, a press's query capture); None otherwise."""
+    return getattr(model, DENSE_ATTN_ATTR, None)
+
+
+def row_label(labels: Sequence[str] | None, i: int) -> str:
+    """How errors name row ``i``: the caller's label (e.g. ``file.jsonl:12``) or ``row i``."""
+    return labels[i] if labels is not None else f"row {i}"
 
 
 class ModelHandle:
@@ -54,7 +59,8 @@ class ModelHandle:
     memoized; ``reserve_tokens``: positions kept free for question and answer when limiting contexts;
     ``prefill_chunk_tokens``: longer prefills run in pieces of this many positions (chunked
     prefill: activation memory bounded by the piece; 0: one forward; None: automatic, see
-    :attr:`prefill_piece`).
+    :attr:`prefill_piece`); ``force_staging``: loads go through the accelerator staging
+    (:class:`kvstore.model.compute.staging.Staging`) on CPU too (tests).
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class ModelHandle:
         fingerprint: str | None = None,
         reserve_tokens: int = DEFAULT_RESERVE_TOKENS,
         prefill_chunk_tokens: int | None = None,
+        force_staging: bool = False,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -74,11 +81,13 @@ class ModelHandle:
         self._weight_files = tuple(weight_files)
         self.reserve_tokens = reserve_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.force_staging = force_staging
         self._fingerprint = fingerprint
         self._shapes: list[KVShape] | None = None
         self._layout: CacheLayout | None = None
         self._rotary: tuple[Rotary | None] | None = None
         self._prefixes: dict[tuple, list[int]] = {}
+        attention.install()  # kvstore's masked forwards attend to grouped KV heads in place (see there)
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -87,23 +96,6 @@ class ModelHandle:
         self.eos_ids: frozenset[int] = frozenset(ids)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad_id: int = pad if pad is not None else (eos if eos is not None else 0)
-
-    @classmethod
-    def from_pretrained(
-        cls: type[H],
-        name: str | None = None,
-        *,
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        attn_implementation: str | None = None,
-    ) -> H:
-        """Load a model by name: ``None`` (bundled SmolLM2-135M-Instruct), a hub id, a local
-        directory or a ``.gguf`` file. ``attn_implementation``: default SDPA where the architecture
-        has it. Raises ModelNotFoundError / ModelError."""
-        from kvstore.model.load.loading import load_model
-
-        loaded = load_model(name, dtype=dtype, device=device, attn_implementation=attn_implementation)
-        return cls(loaded.model, loaded.tokenizer, name=loaded.name, weight_files=loaded.weight_files)
 
     # -- identity -------------------------------------------------------------------------------
     @property
@@ -145,12 +137,12 @@ class ModelHandle:
     def attn_implementation(self) -> str:
         """The model's own attention implementation (also while a decode-attention variant is
         switched on: keys and entries always name the one that computed the stored tensors)."""
-        own = hooks.dense_attn_implementation(self.model)
+        own = dense_attn_implementation(self.model)
         return str(own or getattr(self.model.config, "_attn_implementation", None) or "eager")
 
     @property
     def numerics(self) -> dict[str, str]:
-        """Where this adapter's numbers come from: device type and attention implementation (both
+        """Where this handle's numbers come from: device type and attention implementation (both
         part of every key: other kernels give other low-order bits), torch and transformers
         versions (recorded in every entry, not keyed)."""
         import transformers
@@ -169,68 +161,19 @@ class ModelHandle:
             self.fingerprint, self.dtype, device=self.device.type, attn=self.attn_implementation, lossy=lossy
         )
 
-    def plan(
-        self, context_ids: Sequence[int], store: KVStore | None = None, *, prefix: TextOrIds | None = None,
-        special_tokens: bool = True,
-    ) -> ContextPlan:  # fmt: skip
-        """A tokenized context as a chain of chunks for ``store`` (its chunk size and lossy codec;
-        without a store: 512-token chunks, lossless). ``prefix``: the contexts' shared head (text
-        or ids, e.g. a chat template's system turn or a few-shot block); a chunk ends where the
-        context's ids stop agreeing with the head's, so the head is stored once for every context.
-        (A head ending in a space or newline may merge with the context's first word into one
-        token: the boundary then falls just before that token.)"""
-        boundaries = []
-        if prefix is not None:
-            head = self._prefix_ids(prefix, special_tokens)
-            agree = 0
-            for a, b in zip(head, context_ids):
-                if a != b:
-                    break
-                agree += 1
-            if agree >= max(1, len(head) - HEAD_MERGE_TOKENS) and agree < len(context_ids):
-                boundaries.append(agree)
-        return chains.plan(
-            self, context_ids, chunk_tokens=store.chunk_tokens if store is not None else DEFAULT_CHUNK_TOKENS,
-            lossy=store.codec.identity if store is not None else "", boundaries=boundaries, store=store,
-        )  # fmt: skip
-
-    def _prefix_ids(self, prefix: TextOrIds, special_tokens: bool) -> list[int]:
+    def prefix_ids(self, prefix: TextOrIds, special_tokens: bool) -> list[int]:
+        """A shared head's ids (memoized): text tokenized as a context, ids as given."""
         key = (prefix if isinstance(prefix, str) else tuple(prefix), special_tokens)
         if key not in self._prefixes:
             self._prefixes[key] = self.encode_context(prefix, special_tokens=special_tokens) if prefix else []
         return self._prefixes[key]
 
-    def key(self, context_ids: Sequence[int], store: KVStore | None = None, **kwargs) -> str:
-        """The key of a tokenized context (its chain's last chunk) for this model, in ``store``
-        (see :meth:`plan`)."""
-        return self.plan(context_ids, store, **kwargs).key
-
     def entry(self, key: str, token_ids: Sequence[int], layers: LayerKV, *, parent: str = "", start: int = 0) -> Entry:
         """An :class:`Entry` (a chunk at context position ``start``) of this model holding ``layers``."""
         return Entry(
             key, self.fingerprint, self.name, torch.as_tensor(token_ids, dtype=torch.int64), layers, parent=parent,
-            start=start, kinds=("attn",) * len(layers), numerics=self.numerics, rotary=self.rotary,
+            start=start, kinds=(ATTN,) * len(layers), numerics=self.numerics, rotary=self.rotary,
         )  # fmt: skip
-
-    def check_supported(self, store: KVStore | None = None) -> None:
-        """Raise ModelError (one line naming the family and why) unless kvstore can store and reuse
-        this model's caches exactly (see :mod:`kvstore.model.family.families` and
-        :mod:`kvstore.model.family.layout`), and, with ``store``, in that store's codec: lossy codecs
-        are measured on models whose every layer is full attention, and refused for the others."""
-        reason = families.refusal(self.model.config)
-        if reason is not None:
-            raise ModelError(reason)
-        path = self.path  # a windowed or recurrent model is probed once here (its layout); raises ModelError
-        if store is not None and not store.codec.lossless and not path.supports("lossy"):
-            raise ModelError(
-                f"lossy codec {store.codec.spec} is only for models whose every layer is full attention "
-                f"(this {self.model.config.model_type} model has windowed or recurrent layers); use a lossless codec"
-            )
-        if store is not None and needs_rotary(store.codec) and self.rotary is None:
-            raise ModelError(
-                f"lossy codec {store.codec.spec} quantizes keys before their rotary embedding, and this model cannot "
-                f"have its rotation undone ({rotary_refusal(self.model)}); use int4 or int8"
-            )
 
     @property
     def layout(self) -> CacheLayout:
@@ -240,17 +183,19 @@ class ModelHandle:
             self._layout = cache_layout(self.model, self.pad_id)
         return self._layout
 
-    @property
-    def path(self) -> CachePath:
-        """How this model's cache is stored and reused (:mod:`kvstore.model.paths.base`): chosen once,
-        from :attr:`layout`."""
-        return path_for(self.layout.dense)
-
     def kv_shapes(self) -> list[KVShape]:
         """Per layer (kv_heads, key head_dim, value head_dim), from one tiny forward."""
         if self._shapes is None:
-            layers = forward.prefill(self, [[self.pad_id]])[0]
-            self._shapes = [(k.shape[0], k.shape[-1], v.shape[-1]) for k, v in layers]
+            cache = DynamicCache()
+            with torch.inference_mode():
+                self.model(
+                    input_ids=torch.tensor([[self.pad_id]], device=self.device),
+                    **{self.layout.cache_arg: cache},
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            layers: list[Any] = list(cache.layers)
+            self._shapes = [(k.keys.shape[1], k.keys.shape[-1], k.values.shape[-1]) for k in layers]
         return self._shapes
 
     def kv_bytes_per_token(self) -> int:
@@ -281,11 +226,6 @@ class ModelHandle:
             return max(1, self.max_positions - self.reserve_tokens)
         return None
 
-    @staticmethod
-    def row_label(labels: Sequence[str] | None, i: int) -> str:
-        """How errors name row ``i``: the caller's label (e.g. ``file.jsonl:12``) or ``row i``."""
-        return labels[i] if labels is not None else f"row {i}"
-
     def context_ids(
         self,
         context: TextOrIds,
@@ -311,14 +251,13 @@ class ModelHandle:
             raise ContextTooLongError(f"{label}: context is empty after tokenization")
         return ids
 
-    # -- work -----------------------------------------------------------------------------------
-    def prefill(self, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
-        """Run the model over a batch of token-id lists (right-padded together); per row, the
-        per-layer ``(keys, values)`` ``[kv_heads, n_i, head_dim]`` of its own tokens only.
-        Dense (full-attention) models only: raises ModelError for the others."""
-        if not self.path.supports("prefill"):
-            raise ModelError(f"{self.name}: prefill gives full-attention keys and values; use generate_kv_cache")
-        return forward.prefill(self, batch)
 
-
-__all__ = ["AUTO_PREFILL_PIECE", "DEFAULT_RESERVE_TOKENS", "HEAD_MERGE_TOKENS", "ModelHandle", "TextOrIds"]
+__all__ = [
+    "AUTO_PREFILL_PIECE",
+    "DEFAULT_RESERVE_TOKENS",
+    "DENSE_ATTN_ATTR",
+    "ModelHandle",
+    "TextOrIds",
+    "dense_attn_implementation",
+    "row_label",
+]

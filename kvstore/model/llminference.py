@@ -32,7 +32,7 @@ from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.handle import ModelHandle
+    from kvstore.model.adapter import Adapter
 
 SPOT_CHECK_ATOL = {torch.float64: 1e-8, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 2e-1}
 
@@ -65,7 +65,7 @@ def _load(path: Path) -> torch.Tensor:
 
 
 def import_caches(
-    adapter: ModelHandle,
+    adapter: Adapter,
     cache_dir: str | os.PathLike,
     contexts: Sequence[str],
     store: KVStore,
@@ -122,14 +122,14 @@ def import_caches(
         )
     from kvstore.model.compute.writer import Writer
 
-    writer = Writer(store, None)
+    writer = Writer(store)
     try:
         for ids, t in jobs:
             plan = adapter.plan(ids, store)
             if store.context(plan.key) is not None and store.stored_prefix(plan.keys) == len(plan.keys):
                 report.already_stored += 1
             else:
-                writer.put_chunks(adapter, plan, tuple((layer[0, 0], layer[1, 0]) for layer in t))
+                writer.put_chunks(adapter.handle, plan, tuple((layer[0, 0], layer[1, 0]) for layer in t))
                 report.imported += 1
             if progress:
                 progress(1, len(ids))

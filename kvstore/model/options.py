@@ -1,11 +1,13 @@
-"""Options of the model layer's work, as values: how to build, how to sample, which prompt format.
+"""Options of the model layer's work, as values: how to build, sample and score, which prompt format.
 
-:class:`BuildOptions` and :class:`SampleOptions` are frozen dataclasses shared by the Python API
-(:meth:`kvstore.model.adapter.Adapter.build`, :meth:`~kvstore.model.adapter.Adapter.sample`,
-:meth:`~kvstore.model.adapter.Adapter.sweep`) and the CLI (``kvstore build`` / ``kvstore sample``
-build one from their flags); the functions below the front take them whole instead of
-re-declaring every knob. A field named in a call overrides the options given
-(:meth:`SampleOptions.of`).
+:class:`BuildOptions`, :class:`SampleOptions` and :class:`ScoreOptions` are frozen dataclasses
+shared by the Python API (:meth:`kvstore.model.adapter.Adapter.build`,
+:meth:`~kvstore.model.adapter.Adapter.sample`, :meth:`~kvstore.model.adapter.Adapter.score`, the
+sweeps) and the CLI (``kvstore build`` / ``sample`` / ``score`` build one from their flags); the
+functions below the front take them whole instead of re-declaring every knob. A field named in a
+call overrides the options given (:meth:`SampleOptions.of`). ``press`` and ``decode_attention``
+are parsed here, once, into typed values (:class:`~kvstore.model.press.spec.Press`,
+:class:`~kvstore.model.variants.variant.Attention`) that travel down unchanged.
 
 The prompt format (:class:`kvstore.data.prompts.PromptFormat`: template, head, special tokens) is
 one value given to both ``build`` and ``sample``: :func:`apply_prompt` turns it into the context
@@ -20,11 +22,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvstore.model.compute.forward import Decoding
+from kvstore.model.press.spec import Press, parse_press
+from kvstore.model.variants import sparse
+from kvstore.model.variants.variant import Attention, Variant, make_variant, parse_attention
+
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.data.prompts import PromptFormat
 
 STEPS = ("dynamic", "static", "compiled")
-Opts = TypeVar("Opts", "BuildOptions", "SampleOptions")
+Opts = TypeVar("Opts", "BuildOptions", "SampleOptions", "ScoreOptions")
+PressLike = Press | str | None
+AttentionLike = Attention | str | sparse.AttentionFunction | None
+
+
+def _typed(options: Any) -> None:
+    """Parse a frozen options object's ``press`` and ``decode_attention`` in place (the API edge)."""
+    press = options.press
+    object.__setattr__(options, "press", parse_press(press) if isinstance(press, str) else press)
+    object.__setattr__(options, "decode_attention", parse_attention(options.decode_attention))
 
 
 def _of(cls: type[Opts], options: Opts | None, fields: dict[str, Any]) -> Opts:
@@ -45,7 +61,7 @@ class BuildOptions:
     ``batch_size``: contexts per prefill (None: 1 on CPU, where it measured faster than padded
     batches, 8 on accelerators); ``max_batch_tokens``: padded tokens per batch; ``truncate``: keep
     a too long context's last tokens instead of refusing it; ``max_context_tokens``: the context
-    limit (default: the model's positions less the adapter's reserve); ``skip_errors``: count a
+    limit (default: the model's positions less the handle's reserve); ``skip_errors``: count a
     bad row in the report and build the others; ``shard=(i, n)``: build only the contexts whose
     key is ``i`` modulo ``n``."""
 
@@ -74,7 +90,9 @@ class SampleOptions:
     ``return_scores``: keep each step's logits; ``steps``: ``dynamic`` (eager, the key length
     grows), ``static`` (fixed shapes, eager) or ``compiled`` (fixed shapes under
     ``torch.compile``); ``load_ahead``: load the next batch's stored prefixes on a worker while a
-    batch decodes."""
+    batch decodes; ``press``: a press spec or :class:`~kvstore.model.press.spec.Press` applied to
+    each batch's loaded contexts before answering (``snapkv:0.5``); ``decode_attention``: a
+    decode-attention spec or function the question and answer steps run under (``topk:64``)."""
 
     num_new_tokens: int = 20
     use_cache: bool = True
@@ -87,9 +105,12 @@ class SampleOptions:
     return_scores: bool = False
     steps: str = "dynamic"
     load_ahead: bool = True
+    press: PressLike = None
+    decode_attention: AttentionLike = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        _typed(self)
         if self.steps not in STEPS:
             raise ValueError(f"steps must be one of {', '.join(STEPS)}, not {self.steps!r}")
         if self.num_new_tokens < 1 or self.batch_size < 1:
@@ -100,6 +121,52 @@ class SampleOptions:
         """``options`` (default: the defaults) with ``fields`` replaced; TypeError for a field
         that does not exist."""
         return _of(cls, options, fields)
+
+    def decoding(self) -> Decoding:
+        """How each batch decodes under these options."""
+        return Decoding(self.num_new_tokens, self.stop_at_eos, tuple(s for s in self.stop_strings if s), self.steps,
+                        self.return_scores)  # fmt: skip
+
+    def variant(self, generation_context: Any = None) -> Variant:
+        """The one variant a plain ``sample`` answers under: its press, ``generation_context`` and
+        decode attention (``dense`` without any)."""
+        return make_variant(self.press, self.decode_attention, generation_context)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """How continuations are scored.
+
+    ``use_cache``: load contexts from (and store them in) the store, else the reference (context and
+    continuation in one forward, as lm-eval's ``hf`` model runs it); ``batch_size`` rows and
+    ``max_batch_tokens`` padded tokens per batch (the continuations of one context together);
+    ``token_logprobs``: keep each token's log-probability; ``truncate``: drop a too long row's first
+    context tokens, as lm-eval does, instead of refusing it; ``press`` and ``decode_attention`` as
+    for :class:`SampleOptions` (a question-aware press is refused: the question is part of the
+    scored context)."""
+
+    use_cache: bool = True
+    batch_size: int = 8
+    max_batch_tokens: int | None = None
+    token_logprobs: bool = False
+    truncate: bool = False
+    press: PressLike = None
+    decode_attention: AttentionLike = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        _typed(self)
+
+    @classmethod
+    def of(cls, options: ScoreOptions | None = None, **fields: Any) -> ScoreOptions:
+        """``options`` (default: the defaults) with ``fields`` replaced; TypeError for a field
+        that does not exist."""
+        return _of(cls, options, fields)
+
+    def variant(self, generation_context: Any = None) -> Variant:
+        """The one variant a plain ``score`` runs under (``dense`` without a press or hook)."""
+        return make_variant(self.press, self.decode_attention, generation_context)  # type: ignore[arg-type]
 
 
 def apply_prompt(
@@ -127,4 +194,4 @@ def apply_prompt(
     return [prompt.context_part(c) for c in contexts], out_q, prompt.add_special_tokens, prompt.head or None
 
 
-__all__ = ["STEPS", "BuildOptions", "SampleOptions", "apply_prompt"]
+__all__ = ["STEPS", "BuildOptions", "SampleOptions", "ScoreOptions", "apply_prompt"]

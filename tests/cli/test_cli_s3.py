@@ -118,8 +118,7 @@ def test_concurrent_shards_make_exactly_one_build(tiny_llama_dir, tmp_path, s3_u
 def test_server_killed_mid_build_is_one_line_and_a_rerun_completes(
     tiny_llama_dir, tmp_path, private_seaweed, monkeypatch, capsys
 ):
-    from kvstore.model.pipelines import build
-    from kvstore.model.plan import chains
+    from kvstore.model.paths import dense
 
     server = private_seaweed
     for name, value in server.env().items():
@@ -143,16 +142,16 @@ def test_server_killed_mid_build_is_one_line_and_a_rerun_completes(
         return run
 
     # contexts are computed by a prefill, or on top of a stored prefix (a shared head) by extend
-    real_prefill, real_extend = build.prefill, chains.extend
-    monkeypatch.setattr(build, "prefill", counted(real_prefill))
-    monkeypatch.setattr(chains, "extend", counted(real_extend))
+    real_prefill, real_extend = dense.prefill, dense.extend
+    monkeypatch.setattr(dense, "prefill", counted(real_prefill))
+    monkeypatch.setattr(dense, "extend", counted(real_extend))
     t0 = time.monotonic()
     code, _, err = run_main(capsys, *build_argv(data, tiny_llama_dir, url, *F64, "--batch-size", "1"))
     assert time.monotonic() - t0 < 60
     line = _one_line_error(code, err)
     assert "cannot connect" in line and "is intact: re-run" in line, line
-    monkeypatch.setattr(build, "prefill", real_prefill)
-    monkeypatch.setattr(chains, "extend", real_extend)
+    monkeypatch.setattr(dense, "prefill", real_prefill)
+    monkeypatch.setattr(dense, "extend", real_extend)
     server.start()  # same data, same ports
     with KVStore(url, readonly=True) as kv:
         kept = kv.verify()

@@ -218,7 +218,7 @@ def test_decode_attention_option_scores_under_it_and_a_bad_spec_is_one_line(tiny
                         "ref": ["--decode-attention", "topk:2", "--no-cache"]}.items():  # fmt: skip
         out = tmp_path / f"{name}.jsonl"
         summary = _json(_run(*base, "--store", tmp_path / "store", "-o", out, *extra))
-        assert summary["attention"] == ("dense" if name == "dense" else "topk:2")
+        assert summary["variant"] == ("dense" if name == "dense" else "topk:2")
         runs[name] = [c["logprob"] for line in out.read_text().splitlines() for c in json.loads(line)["choices"]]
     assert max(abs(a - b) for a, b in zip(runs["topk"], runs["ref"])) <= 1e-10
     assert max(abs(a - b) for a, b in zip(runs["topk"], runs["dense"])) > 1e-6

@@ -86,12 +86,11 @@ def test_build_then_sample_matches_no_cache(tiny_llama_dir, data, tmp_path):
 
 
 def test_build_resumes_after_interrupt(tiny_neox_dir, data, tmp_path, monkeypatch, capsys):
-    from kvstore.model.pipelines import build
-    from kvstore.model.plan import chains
+    from kvstore.model.paths import dense
 
     store = str(tmp_path / "store")
     calls = {"n": 0}
-    real_prefill, real_extend = build.prefill, chains.extend
+    real_prefill, real_extend = dense.prefill, dense.extend
 
     def flaky(real):
         def call(adapter, batch, *args):
@@ -102,8 +101,8 @@ def test_build_resumes_after_interrupt(tiny_neox_dir, data, tmp_path, monkeypatc
 
         return call
 
-    monkeypatch.setattr(build, "prefill", flaky(real_prefill))  # whole contexts (the shared chat head)
-    monkeypatch.setattr(chains, "extend", flaky(real_extend))  # contexts on top of a stored head
+    monkeypatch.setattr(dense, "prefill", flaky(real_prefill))  # whole contexts (the shared chat head)
+    monkeypatch.setattr(dense, "extend", flaky(real_extend))  # contexts on top of a stored head
     with pytest.raises(SystemExit) as exit_info:
         main(["build", str(data), "--model", str(tiny_neox_dir), "--store", store, "--batch-size", "1", "--quiet"])
     assert exit_info.value.code == 130
@@ -112,8 +111,8 @@ def test_build_resumes_after_interrupt(tiny_neox_dir, data, tmp_path, monkeypatc
         kept = len(kv.context_keys())
         assert not kv.verify().corrupt
     assert kept >= 1  # contexts of batches finished before the interrupt were committed
-    monkeypatch.setattr(build, "prefill", real_prefill)
-    monkeypatch.setattr(chains, "extend", real_extend)
+    monkeypatch.setattr(dense, "prefill", real_prefill)
+    monkeypatch.setattr(dense, "extend", real_extend)
     again = _json(
         _run(["build", str(data), "--model", str(tiny_neox_dir), "--store", store, "--quiet", "--format", "json"])
     )

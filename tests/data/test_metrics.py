@@ -7,12 +7,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.data.metrics import (
+    answer_metrics,
     clean_prediction,
     exact_match,
     f1_score,
     lenient_match,
     normalize_answer,
-    score,
 )
 
 
@@ -84,7 +84,7 @@ def test_unanswerable_questions_expect_no_answer() -> None:
 def test_score_hand_computed() -> None:
     predictions = ["1874", "Matilda Crane designed it", "Kell harbour", "Port"]
     answers = [["1874"], ["Matilda Crane", "Crane"], ["Port Anselm"], ["Port Anselm"]]
-    result = score(predictions, answers)
+    result = answer_metrics(predictions, answers)
     # lenient: yes, yes, no, yes; contains: yes, yes, no, no; exact: yes, no, no, no;
     # f1: 1, 2/3, 0, 2 * (1 * 1/2) / (3/2) = 2/3.
     assert result == {
@@ -94,9 +94,9 @@ def test_score_hand_computed() -> None:
         "f1": pytest.approx((1 + 2 / 3 + 0 + 2 / 3) / 4),
         "count": 4,
     }
-    assert score([], []) == {"accuracy": 0.0, "contains": 0.0, "exact_match": 0.0, "f1": 0.0, "count": 0}
+    assert answer_metrics([], []) == {"accuracy": 0.0, "contains": 0.0, "exact_match": 0.0, "f1": 0.0, "count": 0}
     with pytest.raises(ValueError, match="2 predictions for 1 questions"):
-        score(["a", "b"], [["a"]])
+        answer_metrics(["a", "b"], [["a"]])
 
 
 text = st.text(alphabet=st.sampled_from("aAbthe ,.-!x19\n\t"), max_size=20)
@@ -117,10 +117,10 @@ def test_metric_properties(prediction: str, answers: list[str]) -> None:
 
 
 def test_contains_match_whole_words():
-    from kvstore.data.metrics import contains_match, score
+    from kvstore.data.metrics import answer_metrics, contains_match
 
     assert contains_match("The Harrow Bridge was completed in 1874.", ["1874"])
     assert contains_match("It crosses the River Leddon", ["the River Leddon"])
     assert not contains_match("It was 18745 years ago", ["1874"])  # word boundaries
     assert not contains_match("", ["1874"]) and not contains_match("anything", [])
-    assert score(["in 1874", "no idea"], [["1874"], ["Crane"]])["contains"] == 0.5
+    assert answer_metrics(["in 1874", "no idea"], [["1874"], ["Crane"]])["contains"] == 0.5

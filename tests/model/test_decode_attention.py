@@ -22,6 +22,7 @@ from helpers.hooks import tiny_adapter as _adapter
 from kvstore.errors import HookError
 from kvstore.model.variants import sparse
 from kvstore.model.variants.hooks import attention_context
+from kvstore.model.variants.variant import parse_attention
 from kvstore.store.kvstore import KVStore
 
 
@@ -143,7 +144,7 @@ def test_a_query_with_nothing_to_see_gets_zeros_not_nan():
 )
 def test_bad_specs_are_one_line(spec):
     with pytest.raises(HookError) as exc:
-        attention_context(spec)
+        parse_attention(spec)
     assert "\n" not in str(exc.value)
 
 
@@ -235,7 +236,7 @@ def test_two_functions_of_one_name_each_run_their_own():
 
     first, second = make(sdpa_attention_forward), make(sparse.topk_attention(1))
     assert first.__qualname__ == second.__qualname__
-    ctx_first, ctx_second = attention_context(first), attention_context(second)  # both made before either runs
+    ctx_first, ctx_second = attention_context(parse_attention(first)), attention_context(parse_attention(second))
     adapter = _adapter()
     contexts, questions = _rows()
     dense = _sample(adapter, contexts, questions, use_cache=False)

@@ -13,7 +13,9 @@ from helpers.cli import read_predictions, run_main, write_dataset
 from helpers.rows import random_rows
 from helpers.tiny import make_tiny_model
 from kvstore.model.adapter import Adapter
-from kvstore.model.pipelines import sample as decode
+from kvstore.model.compute.forward import is_out_of_memory
+from kvstore.model.paths.dense import DensePath
+from kvstore.model.pipelines import sample as sampling
 from kvstore.store.kvstore import KVStore
 
 N_NEW = 8
@@ -54,48 +56,49 @@ def test_out_of_memory_runs_the_batch_again_as_halves(llama, tmp_path, monkeypat
     contexts, questions = random_rows(llama.tokenizer, 8, 1)
     with KVStore(str(tmp_path / "a")) as store:
         want = _sample(llama, contexts, questions, store=store, batch_size=8)
-    real, sizes = decode.decode_cached, []
+    real, sizes = DensePath.prepare, []
 
-    def tight(adapter, plans, *args):
-        sizes.append(len(plans))
-        if len(plans) > 2:
+    def tight(self, handle, plan, work, loaded):
+        sizes.append(len(plan.rows))
+        if len(plan.rows) > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return real(adapter, plans, *args)
+        return real(self, handle, plan, work, loaded)
 
-    monkeypatch.setattr(decode, "decode_cached", tight)
+    monkeypatch.setattr(DensePath, "prepare", tight)
     with KVStore(str(tmp_path / "b")) as store:
         got = _sample(llama, contexts, questions, store=store, batch_size=8)
     assert sizes == [8, 4, 2, 2, 4, 2, 2]  # halved until it fits, every row once
     assert torch.equal(got.tokens, want.tokens) and got.cache_hit == want.cache_hit
 
-    def broken(adapter, plans, *args):
+    def broken(self, handle, plan, work, loaded):
         raise RuntimeError("something else")
 
-    monkeypatch.setattr(decode, "decode_cached", broken)
+    monkeypatch.setattr(DensePath, "prepare", broken)
     with KVStore(str(tmp_path / "c")) as store, pytest.raises(RuntimeError, match="something else"):
         _sample(llama, contexts, questions, store=store)
 
 
 def test_cpu_allocator_failure_counts_as_out_of_memory():
-    assert decode.is_out_of_memory(
+    assert is_out_of_memory(
         RuntimeError(
             "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate "
             "8 bytes."
         )
     )
-    assert not decode.is_out_of_memory(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
 
 
 def test_max_batch_tokens_bounds_each_batch(llama, tmp_path, monkeypatch):
     contexts, questions = random_rows(llama.tokenizer, 8, 2)
     want = _sample(llama, contexts, questions, use_cache=False, batch_size=8)
-    real, batches = decode.decode_reference, []
+    real, batches = DensePath.reference, []
 
-    def spy(adapter, full_ids, N, *args):
-        batches.append(len(full_ids) * (max(map(len, full_ids)) + N))
-        return real(adapter, full_ids, N, *args)
+    def spy(self, handle, plan, work):
+        longest = max(c.n_tokens + len(q) for c, q in zip(plan.contexts, plan.fed))
+        batches.append(len(plan.rows) * (longest + work.decoding.new_tokens))
+        return real(self, handle, plan, work)
 
-    monkeypatch.setattr(decode, "decode_reference", spy)
+    monkeypatch.setattr(DensePath, "reference", spy)
     got = _sample(llama, contexts, questions, use_cache=False, batch_size=8, max_batch_tokens=80)
     assert len(batches) > 1 and max(batches) <= 80
     assert torch.equal(got.tokens, want.tokens)
@@ -123,28 +126,29 @@ def test_cli_stop(tiny_llama_dir, tmp_path, capsys):
 
 
 def test_next_batch_loads_on_a_worker_while_this_one_decodes(llama, tmp_path, monkeypatch):
-    """With a store and several batches, every batch's stored prefixes are loaded by the loader
-    thread (``load_batch``) and handed to ``decode_cached``; the tokens are those of one batch."""
+    """With a store and several batches, the batches after the first are planned once the batch
+    before is complete and loaded by the loader thread, and their loads handed to the path; the
+    tokens are those of one batch."""
     contexts, questions = random_rows(llama.tokenizer, 7, 5)
     with KVStore(str(tmp_path / "s")) as store:
         llama.generate_kv_cache(contexts, store)
         want = _sample(llama, contexts, questions, store=store, batch_size=8)
         loads, handed = [], []
-        real_load, real_decode = decode.load_batch, decode.decode_cached
+        real_load, real_prepare = sampling.load, DensePath.prepare
 
-        def load(adapter, plans, *args):
-            loads.append((threading.current_thread().name, len(plans)))
-            return real_load(adapter, plans, *args)
+        def load(handle, plan, *args):
+            loads.append((threading.current_thread().name, len(plan.rows)))
+            return real_load(handle, plan, *args)
 
-        def dec(adapter, plans, *args):
-            handed.append(args[-1] is not None and len(args[-1].rows_of) <= len(plans))
-            return real_decode(adapter, plans, *args)
+        def prepare(self, handle, plan, work, loaded):
+            handed.append(loaded is not None and len(loaded.bufs[0][0]) == len(plan.rows))
+            return real_prepare(self, handle, plan, work, loaded)
 
-        monkeypatch.setattr(decode, "load_batch", load)
-        monkeypatch.setattr(decode, "decode_cached", dec)
+        monkeypatch.setattr(sampling, "load", load)
+        monkeypatch.setattr(DensePath, "prepare", prepare)
         got = _sample(llama, contexts, questions, store=store, batch_size=3)
-    assert [n for _, n in loads] == [3, 3, 1] and all(name.startswith("kvstore-load") for name, _ in loads)
-    assert handed == [True, True, True]
+    assert [n for _, n in loads] == [3, 1] and all(name.startswith("kvstore-load") for name, _ in loads)
+    assert handed == [False, True, True]  # the first batch loads itself
     assert torch.equal(got.tokens, want.tokens) and all(got.cache_hit)
 
 
@@ -155,15 +159,15 @@ def test_out_of_memory_with_batches_loaded_ahead(llama, tmp_path, monkeypatch):
     with KVStore(str(tmp_path / "s")) as store:
         llama.generate_kv_cache(contexts, store)
         want = _sample(llama, contexts, questions, store=store, batch_size=8)
-        real, calls = decode.decode_cached, []
+        real, calls = DensePath.prepare, []
 
-        def tight(adapter, plans, *args):
-            calls.append((len(plans), args[-1] is not None))
-            if len(plans) > 2:
+        def tight(self, handle, plan, work, loaded):
+            calls.append((len(plan.rows), loaded is not None))
+            if len(plan.rows) > 2:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-            return real(adapter, plans, *args)
+            return real(self, handle, plan, work, loaded)
 
-        monkeypatch.setattr(decode, "decode_cached", tight)
+        monkeypatch.setattr(DensePath, "prepare", tight)
         got = _sample(llama, contexts, questions, store=store, batch_size=4)
-    assert calls == [(4, True), (2, False), (2, False)] * 2
+    assert calls == [(4, False), (2, False), (2, False), (4, True), (2, False), (2, False)]
     assert torch.equal(got.tokens, want.tokens) and all(got.cache_hit)

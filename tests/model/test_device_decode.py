@@ -3,7 +3,7 @@ host's bit for bit, staged loads (one host region and one copy per layer, or dev
 fill the batch buffers exactly as direct loads do, also when a chunk turns out corrupt, and
 decompression on several threads equals decompression on one.
 
-No GPU here: ``staging.FORCE`` runs the staged bookkeeping with ordinary host tensors, and
+No GPU here: ``Staging(cpu, force=True)`` runs the staged bookkeeping with ordinary host tensors, and
 ``stage=`` runs the readers' device branch (fresh tensors on the destination's device instead of
 the host's per-thread scratch) on CPU. ``test_cuda_staged_load_matches_cpu`` runs where CUDA is."""
 
@@ -23,7 +23,7 @@ from kvstore.errors import CorruptEntryWarning
 from kvstore.model.adapter import Adapter
 from kvstore.model.compute import staging
 from kvstore.model.compute.cache import new_buffers
-from kvstore.model.plan import chains
+from kvstore.model.stages.load import load_prefix
 from kvstore.store.codecs import get_codec
 from kvstore.store.codecs import records as records_mod
 from kvstore.store.kvstore import KVStore
@@ -45,8 +45,9 @@ def llama():
 
 
 @pytest.fixture
-def forced(monkeypatch):
-    monkeypatch.setattr(staging, "FORCE", True)
+def forced(llama, monkeypatch):
+    """Loads of the ``llama`` fixture staged on CPU, as on an accelerator."""
+    monkeypatch.setattr(llama.handle, "force_staging", True)
 
 
 def _reader(spec: str, role: str, x: torch.Tensor, start: int, lazy: bool):
@@ -61,7 +62,7 @@ def _reader(spec: str, role: str, x: torch.Tensor, start: int, lazy: bool):
 @pytest.mark.parametrize("role", ["keys", "values"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("start", [0, 48])  # a context's first chunk keeps sink tokens; later ones do not
-def test_device_dequantization_equals_host_bit_for_bit(forced, spec, role, dtype, start):
+def test_device_dequantization_equals_host_bit_for_bit(spec, role, dtype, start):
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(3, 70, 16, generator=g, dtype=torch.float64) * 3 + 0.5).to(dtype)  # 70: a partial key group
     for lazy in (False, True):
@@ -86,7 +87,7 @@ def _load(adapter, store, plan, slots, row, slot0, st=None):
     for kb, vb in bufs:
         kb.fill_(float("nan"))
         vb.fill_(float("nan"))
-    got = chains.load_prefix(adapter, store, plan, bufs, row, slot0, staging=st)
+    got = load_prefix(adapter.handle, store, plan, bufs, row, slot0, staging=st)
     if st is not None:
         st.finish()
     return got, bufs
@@ -102,7 +103,7 @@ def test_staged_load_fills_the_buffers_as_a_direct_load(llama, forced, spec):
         for ctx in contexts:
             plan = adapter.plan(ctx, store)
             direct_n, direct = _load(adapter, store, plan, 80, 1, 80 - len(ctx))
-            st = staging.Staging(torch.device("cpu"))
+            st = staging.Staging(torch.device("cpu"), force=True)
             staged_n, staged = _load(adapter, store, plan, 80, 1, 80 - len(ctx), st)
             assert staged_n == direct_n == len(ctx)
             for (kd, vd), (ks, vs) in zip(direct, staged):
@@ -125,7 +126,7 @@ def test_staged_answers_equal_direct_answers(llama, monkeypatch):
             kw = dict(store=store, stop_at_eos=False, batch_size=2, return_details=True, return_scores=True)
             direct = adapter.greedy_sample(contexts, questions, 5, **kw)
             with monkeypatch.context() as m:
-                m.setattr(staging, "FORCE", True)
+                m.setattr(adapter.handle, "force_staging", True)
                 staged = adapter.greedy_sample(contexts, questions, 5, **kw)
         assert all(staged.cache_hit) and torch.equal(staged.tokens, direct.tokens)
         for a, b in zip(staged.scores, direct.scores):
@@ -151,7 +152,7 @@ def test_a_corrupt_chunk_ends_a_staged_region_load_where_it_ends_a_direct_one(ll
         store.backend.put(b"e/" + key.encode(), with_frame(header, payload, index, garbage[:-4] + bytes(4)))
         with pytest.warns(CorruptEntryWarning):
             direct_n, direct = _load(adapter, store, plan, 64, 0, 2)
-        st = staging.Staging(torch.device("cpu"))
+        st = staging.Staging(torch.device("cpu"), force=True)
         with pytest.warns(CorruptEntryWarning):
             staged_n, staged = _load(adapter, store, plan, 64, 0, 2, st)
     assert staged_n == direct_n == CHUNK
@@ -183,9 +184,8 @@ def test_parallel_decompression_equals_serial(llama, monkeypatch, spec, force):
         store.codec = dataclasses.replace(store.codec, threads=1)
         serial_n, serial = _load(adapter, store, plan, 64, 0, 4)
         monkeypatch.setattr(records_mod.TensorRecord, "copy_into", spy)
-        monkeypatch.setattr(staging, "FORCE", force)
         store.codec = dataclasses.replace(store.codec, threads=4)
-        st = staging.Staging(torch.device("cpu"))
+        st = staging.Staging(torch.device("cpu"), force=force)
         par_n, par = _load(adapter, store, plan, 64, 0, 4, st)
     assert par_n == serial_n == len(ctx)
     assert len({t for t in threads if t.startswith("kvstore-load")}) > 1, "decoding did not spread over threads"
@@ -208,7 +208,7 @@ def test_cuda_staged_load_matches_cpu(spec):
         dev = torch.device("cuda")
         bufs = new_buffers(cpu.kv_shapes(), 2, 64, torch.float32, dev)
         st = staging.Staging(dev)
-        got_n = chains.load_prefix(cpu, store, plan, bufs, 0, 4, staging=st)
+        got_n = load_prefix(cpu.handle, store, plan, bufs, 0, 4, staging=st)
         st.finish()
     assert got_n == want_n == len(ctx)
     for (kw, vw), (kg, vg) in zip(want, bufs):

@@ -21,9 +21,10 @@ from helpers.hooks import sample as _sample
 from helpers.hooks import tiny_adapter as _adapter
 from kvstore.errors import HookError, ModelError
 from kvstore.model.adapter import Adapter
-from kvstore.model.compute import forward
-from kvstore.model.pipelines import sample as decode
-from kvstore.model.variants.hooks import Variant, attention_context
+from kvstore.model.paths import dense
+from kvstore.model.stages import complete as complete_stage
+from kvstore.model.variants.hooks import attention_context
+from kvstore.model.variants.variant import Variant, parse_attention
 from kvstore.store.kvstore import KVStore
 
 
@@ -203,7 +204,7 @@ def test_decode_attention_is_switched_off_after_an_error():
 def test_keys_and_numerics_name_the_dense_attention_under_a_variant():
     adapter = _adapter()
     key = adapter.key([5, 6, 7])
-    with attention_context("topk:4")(adapter.model):
+    with attention_context(parse_attention("topk:4"))(adapter.model):
         assert adapter.model.config._attn_implementation.startswith("kvstore-")
         assert adapter.attn_implementation == "sdpa"
         assert adapter.key([5, 6, 7]) == key
@@ -258,9 +259,9 @@ def test_sweep_loads_once_and_leaves_context_slots_alone(tmp_path, monkeypatch):
     adapter = _adapter()
     contexts, questions = _rows()
     loads, prefills, checked = [], [], []
-    real_load, real_prefill, real_answer = decode.load_batch, forward.prefill, decode.answer
+    real_load, real_prefill, real_answer = dense.load, complete_stage.prefill, dense.answer
 
-    def load_batch(*a, **k):
+    def load(*a, **k):
         loads.append(1)
         return real_load(*a, **k)
 
@@ -268,17 +269,18 @@ def test_sweep_loads_once_and_leaves_context_slots_alone(tmp_path, monkeypatch):
         prefills.append(1)
         return real_prefill(*a, **k)
 
-    def answer(adapter, bufs, spans, P, *rest):
-        before = [(k[:, :, :P].clone(), v[:, :, :P].clone()) for k, v in bufs]
-        out = real_answer(adapter, bufs, spans, P, *rest)
-        for (k, v), (k0, v0) in zip(bufs, before):
+    def answer(handle, cache, *rest):
+        P = cache.first_free
+        before = [(k[:, :, :P].clone(), v[:, :, :P].clone()) for k, v in cache.bufs]
+        out = real_answer(handle, cache, *rest)
+        for (k, v), (k0, v0) in zip(cache.bufs, before):
             assert torch.equal(k[:, :, :P], k0) and torch.equal(v[:, :, :P], v0)
         checked.append(P)
         return out
 
-    monkeypatch.setattr(decode, "load_batch", load_batch)
-    monkeypatch.setattr(decode, "prefill", prefill)
-    monkeypatch.setattr(decode, "answer", answer)
+    monkeypatch.setattr(dense, "load", load)
+    monkeypatch.setattr(complete_stage, "prefill", prefill)
+    monkeypatch.setattr(dense, "answer", answer)
     with KVStore(str(tmp_path / "s")) as store:
         adapter.generate_kv_cache(contexts, store)
         prefills.clear()

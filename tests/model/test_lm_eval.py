@@ -226,17 +226,18 @@ def test_chat_template_prompts_match_hf(tiny_llama_dir, tmp_path, task_manager, 
 
 
 def test_generation_second_run_computes_no_context(tiny_neox_dir, tmp_path, task_manager):
-    """Generation alone: the cold run computes (and stores) every prompt's context, the warm run
-    reads all of them back and computes none."""
+    """Generation alone: the cold run computes (and stores) every prompt's context once (a batch
+    loads what an earlier batch stored, such as the prompts' shared head, even while the writer
+    still holds it), the warm run reads all of them back and computes none."""
     store = tmp_path / "store"
     cold = _kvstore(tiny_neox_dir, store)
     first = _evaluate(cold, task_manager, tasks=["kv_tiny_gen"])
-    assert cold.context_tokens_computed > 0 and cold.context_tokens_loaded == 0
+    assert cold.context_tokens_computed > 0
     cold.close()
     warm = _kvstore(tiny_neox_dir, store)
     second = _evaluate(warm, task_manager, tasks=["kv_tiny_gen"])
     assert warm.context_tokens_computed == 0
-    assert warm.context_tokens_loaded == cold.context_tokens_computed
+    assert warm.context_tokens_loaded == cold.context_tokens_computed + cold.context_tokens_loaded
     assert_same(first, second, ["kv_tiny_gen"])
     warm.close()
 

@@ -71,8 +71,10 @@ def test_options_objects_and_overrides(adapter):
     c = adapter.greedy_sample(contexts, questions, N_NEW, use_cache=False, stop_at_eos=False)  # the research call
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.tokens, c)
     assert SampleOptions.of(opts, batch_size=2).batch_size == 2 and opts.batch_size == 8
-    with pytest.raises(TypeError, match="unknown SampleOptions field"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
         adapter.sample(contexts, questions, opts, batchsize=2)
+    with pytest.raises(TypeError, match="unknown SampleOptions field"):
+        SampleOptions.of(opts, batchsize=2)
     with pytest.raises(TypeError, match="must be a SampleOptions"):
         adapter.sample(contexts, questions, BuildOptions())
     with pytest.raises(ValueError, match="steps must be one of"):
@@ -90,16 +92,18 @@ def test_load_ahead_is_an_option_not_a_global(adapter, monkeypatch):
     """``load_ahead=False`` loads every batch in turn on the caller's thread; the answers agree."""
     import threading
 
-    from kvstore.model.pipelines import sample as decode
+    from kvstore.model.paths import dense
+    from kvstore.model.pipelines import sample as sampling
 
     threads: list[str] = []
-    real = decode.load_batch
+    real = sampling.load
 
     def spy(*args, **kwargs):
         threads.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(decode, "load_batch", spy)
+    monkeypatch.setattr(sampling, "load", spy)  # the next batch's load, submitted ahead
+    monkeypatch.setattr(dense, "load", spy)  # a batch that loads itself
     contexts, questions = _rows()
     with KVStore("memory://", chunk_tokens=8) as store:
         adapter.build(contexts, store)

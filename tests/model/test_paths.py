@@ -9,21 +9,30 @@ import torch
 from helpers.tiny import make_family_model, make_tiny_model
 from kvstore.errors import ModelError
 from kvstore.model.adapter import Adapter
-from kvstore.model.paths import base as paths
+from kvstore.model.paths.base import FEATURES, CachePath
+from kvstore.model.paths.choice import path_of
+from kvstore.model.paths.dense import DENSE
+from kvstore.model.paths.families import FAMILIES
 from kvstore.store.kvstore import KVStore
 
 
 def test_the_path_is_chosen_from_the_layout():
-    assert Adapter(*make_tiny_model("llama")).path is paths.DENSE
+    assert path_of(Adapter(*make_tiny_model("llama")).handle) is DENSE
     for family in ("mistral", "mamba"):
-        assert Adapter(*make_family_model(family, attn_implementation=None)).path is paths.FAMILIES
+        assert path_of(Adapter(*make_family_model(family, attn_implementation=None)).handle) is FAMILIES
 
 
 def test_features_are_data():
-    assert paths.DENSE.features == frozenset(paths.FEATURES)
-    assert not paths.FAMILIES.features
+    assert DENSE.features == frozenset(FEATURES)
+    assert not FAMILIES.features
     with pytest.raises(ValueError, match="unknown cache-path feature"):
-        paths.DENSE.supports("telepathy")
+        DENSE.supports("telepathy")
+
+
+def test_paths_implement_one_interface():
+    assert isinstance(DENSE, CachePath) and isinstance(FAMILIES, CachePath)
+    with pytest.raises(TypeError):
+        type("Partial", (CachePath,), {})()  # every method of the interface must be there
 
 
 def test_a_family_model_is_refused_what_its_path_lacks(tmp_path):

@@ -264,19 +264,6 @@ def test_windowed_models_are_scored_without_the_cache_or_refused_with_it():
         assert abs(r.logprob - _hf_score(model, c, y)[0]) <= 1e-10
 
 
-def test_the_scoring_module_stays_below_its_callers():
-    """Nothing the scoring module builds on imports it back (the adapter is the only caller)."""
-    import ast
-    import pathlib
-
-    root = pathlib.Path(scoring.__file__).parent
-    for name in ("decode", "forward", "chains", "writer", "contexts", "cache", "scores"):
-        tree = ast.parse((root / f"{name}.py").read_text())
-        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-        mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert "scoring" not in names and "kvstore.model.pipelines.score" not in mods, name
-
-
 def test_half_precision_log_softmax_runs_in_float32(tiny_llama):
     """16-bit logits are upcast before log_softmax: per-token log-probs come back as float32 values
     (not bfloat16's 8-bit mantissa), and the cached path stays close to the no-cache one."""

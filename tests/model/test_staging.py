@@ -1,5 +1,6 @@
 """Loads through host staging (pinned buffers and asynchronous copies on CUDA) give the tokens of
-direct loads. No GPU here: ``staging.FORCE`` runs the same bookkeeping with ordinary host tensors;
+direct loads. No GPU here: ``force_staging`` (``Staging(cpu, force=True)``) runs the same bookkeeping
+with ordinary host tensors;
 ``tests/model/test_adapter.py::test_cuda_matches_cpu`` covers the CUDA path where a GPU is."""
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def test_staged_loads_answer_as_direct_loads(monkeypatch):
             staged_records.append(self.staging.active)
             real_region(self, record, start, end)
 
-        monkeypatch.setattr(staging, "FORCE", True)
+        monkeypatch.setattr(adapter.handle, "force_staging", True)
         monkeypatch.setattr(staging.Staging, "copy_into", counting)
         monkeypatch.setattr(staging.Region, "copy_into", counting_region)
         staged = adapter.greedy_sample(contexts, questions, 6, **kw)

@@ -594,7 +594,7 @@ def test_no_pickle_or_code_execution_in_the_library():
         "kvstore/store/kvstore.py",
         "kvstore/store/entry.py",
         "kvstore/store/codecs/zstd.py",
-        "kvstore/model/decode.py",
+        "kvstore/model/pipelines/sample.py",
         "kvstore/store/backends/lmdb.py",
         "cli/manage.py",
         "cli/workflow.py",

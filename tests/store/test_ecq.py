@@ -108,9 +108,7 @@ def test_device_decoding_equals_the_hosts_bit_for_bit(monkeypatch, role, dtype, 
     """The device branch (``stage=``, run on CPU through the staging bookkeeping) sends the int8
     codes, offsets and steps, never float values, and gives the host's result bit for bit."""
     from helpers.entries import bits, decode_host_and_staged
-    from kvstore.model.compute import staging
 
-    monkeypatch.setattr(staging, "FORCE", True)
     q = quantizer()
     x = keys_like(n=70, dtype=dtype, start=start)
     parts = q.encode(role, x, start)

@@ -453,7 +453,7 @@ def test_build_writer_holds_a_byte_budget_of_pending_chunks(monkeypatch):
         # (budget, chunks put without waiting: the first goes even when larger than the budget)
         for budget, free in ((2 * size, 2), (3 * size, 3), (size // 2, 1)):
             gate.clear()
-            writer = Writer(store, None, max_bytes=budget)
+            writer = Writer(store, max_bytes=budget)
             for e in entries[:free]:
                 writer.put(e, overwrite=True)  # the first is taken by the writer, which waits at the gate
             if free < len(entries):

@@ -15,6 +15,9 @@ compiled decode steps of :mod:`kvstore.model.compute.static`; same arithmetic, w
 installed hook wraps transformers' ``use_gqa_in_sdpa``; it changes nothing else for other threads
 or when transformers lacks the function.
 On this machine (torch 2.13 CPU) the logits are bit-identical with and without it.
+
+Nothing is patched at import: :class:`kvstore.model.handle.ModelHandle` calls :func:`install` when
+it is made (the patch is process-wide, as transformers' function is).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def install() -> bool:
 @contextlib.contextmanager
 def grouped_kv(enabled: bool = True) -> Iterator[None]:
     """Within the block, this thread's SDPA forwards on CPU attend to grouped KV heads in place."""
-    if not enabled or not install():
+    if not enabled or not _installed:
         yield
         return
     before = getattr(_state, "on", False)

@@ -8,6 +8,7 @@ writes each step's new keys/values into the next free slots, so a step costs onl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -55,6 +56,35 @@ class PreallocatedCache(DynamicCache):
         Cache.__init__(self, layers=[PreallocatedLayer(k, v, length) for k, v in buffers])
 
 
+@dataclass(frozen=True)
+class BatchCache:
+    """A batch's contexts in its KV buffers, as the transform, answer and score stages read them:
+    row ``r``'s context (token ids ``ids[r]``) sits in slots ``spans[r]`` (all before
+    ``first_free``), holding ``kept[r] = end - start`` of its ``lengths[r]`` context tokens (fewer
+    after a press; each kept token keeps its position, so what follows continues at position
+    ``lengths[r]``). Slots from ``first_free`` on are free for the question and the answer."""
+
+    bufs: Buffers
+    spans: tuple[tuple[int, int], ...]
+    lengths: tuple[int, ...]
+    first_free: int
+    ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.spans)
+
+    @property
+    def slots(self) -> int:
+        return int(self.bufs[0][0].shape[2])
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values the contexts occupy (kept tokens only, pads not counted)."""
+        per_token = sum(k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size()
+                        for k, v in self.bufs)  # fmt: skip
+        return per_token * sum(self.kept)
+
+
 def new_buffers(shapes: Sequence[KVShape], batch: int, slots: int, dtype: torch.dtype, device: torch.device) -> Buffers:
     """Uninitialized per-layer KV buffers ``[batch, kv_heads, slots, head_dim]``."""
     return [
@@ -66,4 +96,4 @@ def new_buffers(shapes: Sequence[KVShape], batch: int, slots: int, dtype: torch.
     ]
 
 
-__all__ = ["Buffers", "KVShape", "LayerKV", "PreallocatedCache", "PreallocatedLayer", "new_buffers"]
+__all__ = ["BatchCache", "Buffers", "KVShape", "LayerKV", "PreallocatedCache", "PreallocatedLayer", "new_buffers"]

@@ -1,14 +1,13 @@
 """The forward pieces every cache path shares: prefill, batching and the greedy loop.
 
-Plain functions over a model handle (an :class:`~kvstore.model.adapter.Adapter`, used only for its
-model, ids and dtype/device); they import nothing from the orchestration modules
-(:mod:`~kvstore.model.pipelines.build`, :mod:`~kvstore.model.pipelines.sample`, :mod:`~kvstore.model.paths.families`),
-which all build on them.
+Plain functions over a :class:`~kvstore.model.handle.ModelHandle` (its model, ids and
+dtype/device): prefill, a context's rest on top of its prefix (:func:`extend`), batching and the
+greedy loop. They import nothing from the stages, paths or pipelines, which all build on them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,23 +22,47 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 @dataclass(frozen=True)
-class Stop:
-    """How a batch decodes: a row stops at its first EOS (``eos``), or once its text contains one
-    of ``strings`` (the token that completes it is kept, as Hugging Face's ``stop_strings`` does);
-    ``steps``: how decode steps run (see :func:`greedy_sample`)."""
+class Decoding:
+    """How a batch decodes: ``new_tokens`` greedy tokens per row; a row stops at its first EOS
+    (``eos``), or once its text contains one of ``strings`` (the token that completes it is kept,
+    as Hugging Face's ``stop_strings`` does); ``steps``: how decode steps run (``dynamic``,
+    ``static``, ``compiled``: :mod:`kvstore.model.compute.static`); ``scores``: keep each step's
+    logits."""
 
+    new_tokens: int = 1
     eos: bool = True
     strings: tuple[str, ...] = ()
-    steps: str = "dynamic"  # one of STEPS (kvstore.model.compute.static for the fixed-shape ones)
+    steps: str = "dynamic"
+    scores: bool = False
 
-    def hit(self, adapter: ModelHandle, ids: Sequence[int]) -> bool:
+    @property
+    def fixed(self) -> bool:
+        """Fixed-shape (static or compiled) steps."""
+        return self.steps != "dynamic"
+
+    def hit(self, handle: ModelHandle, ids: Sequence[int]) -> bool:
         """Whether generated ``ids`` (a row so far) end the row."""
-        if self.eos and ids and ids[-1] in adapter.eos_ids:
+        if self.eos and ids and ids[-1] in handle.eos_ids:
             return True
         if self.strings:
-            text = adapter.tokenizer.decode(list(ids), skip_special_tokens=False)
+            text = handle.tokenizer.decode(list(ids), skip_special_tokens=False)
             return any(s in text for s in self.strings)
         return False
+
+
+@dataclass(frozen=True)
+class DecodeSlots:
+    """Where a batch's generated tokens go: generated token ``t`` of row ``r`` sits in slot
+    ``first_slot + t`` of ``cache`` at position ``next_pos[r] + t``; ``mask`` is the batch's
+    ``[B, slots]`` attention mask (1 on every slot a token may attend to once written). ``step(tokens,
+    t)``, if given, runs the model on each row's token ``t`` instead (fixed-shape steps, or the
+    families' slots) and returns the next logits."""
+
+    cache: Any
+    mask: torch.Tensor | None
+    next_pos: torch.Tensor | None
+    first_slot: int
+    step: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -62,41 +85,76 @@ def right_padded(pad_id: int, seqs: Sequence[Sequence[int]], width: int | None =
 
 
 @torch.inference_mode()
-def prefill(adapter: ModelHandle, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
+def prefill(handle: ModelHandle, batch: Sequence[Sequence[int]]) -> list[LayerKV]:
     """Run the model over a batch of token-id lists (right-padded together); per row, the
     per-layer ``(keys, values)`` ``[kv_heads, n_i, head_dim]`` of its own tokens only (views).
 
-    A batch longer than ``adapter.prefill_piece`` runs in pieces of that many positions on top of a
+    A batch longer than ``handle.prefill_piece`` runs in pieces of that many positions on top of a
     preallocated cache (chunked prefill), so activations and attention scratch grow with the
     piece, not the context; the cache is written in place."""
     lengths = [len(ids) for ids in batch]
     B, L = len(batch), max(lengths)
-    dev = adapter.device
-    input_ids, mask = right_padded(adapter.pad_id, batch)
-    piece = adapter.prefill_piece
-    chunked = bool(piece) and L > piece and adapter.path.supports("chunked_prefill")
+    dev = handle.device
+    input_ids, mask = right_padded(handle.pad_id, batch)
+    piece = handle.prefill_piece
+    chunked = bool(piece) and L > piece and handle.layout.dense  # windowed and recurrent layers: one forward
     # pieces write into buffers allocated once; one forward keeps the tensors the model returns
     cache: Any = DynamicCache()
     if chunked:
-        cache = PreallocatedCache(new_buffers(adapter.kv_shapes(), B, L, adapter.dtype, dev), 0)
+        cache = PreallocatedCache(new_buffers(handle.kv_shapes(), B, L, handle.dtype, dev), 0)
     step = piece if chunked else L
     input_ids, mask = input_ids.to(dev), mask.to(dev)
     for a in range(0, L, step):
         b = min(L, a + step)
-        adapter.model(
+        handle.model(
             input_ids=input_ids[:, a:b],
             attention_mask=mask[:, :b],
             position_ids=torch.arange(a, b, device=dev).expand(B, b - a),
-            **{adapter.layout.cache_arg: cache},
+            **{handle.layout.cache_arg: cache},
             use_cache=True,
             logits_to_keep=1,
         )
     layers: list[Any] = list(cache.layers)
     if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
         raise ModelError(
-            f"{type(adapter.model).__name__} returned no attention cache; kvstore needs an attention KV cache"
+            f"{type(handle.model).__name__} returned no attention cache; kvstore needs an attention KV cache"
         )
     return [tuple((layer.keys[i, :, :n], layer.values[i, :, :n]) for layer in layers) for i, n in enumerate(lengths)]
+
+
+@torch.inference_mode()
+def extend(handle: ModelHandle, prefixes: Sequence[LayerKV], rests: Sequence[Sequence[int]]) -> list[LayerKV]:
+    """Run ``rests[i]`` (token ids) on top of ``prefixes[i]`` (per layer ``(keys, values)``
+    ``[kv_heads, L_i, head_dim]`` of the context's first ``L_i >= 1`` positions), all rows in one
+    forward: prefixes left-padded to the longest, rests left-padded after them, explicit
+    positions. Returns per row the per-layer keys/values of the rest's tokens (views)."""
+    B = len(prefixes)
+    lengths = [prefix[0][0].shape[1] for prefix in prefixes]
+    sizes = [len(r) for r in rests]
+    L, S = max(lengths), max(sizes)
+    dev = handle.device
+    bufs = new_buffers(handle.kv_shapes(), B, L + S, handle.dtype, dev)
+    mask = torch.zeros((B, L + S), dtype=torch.long)
+    pos = torch.empty((B, S), dtype=torch.long)
+    input_ids = torch.full((B, S), handle.pad_id, dtype=torch.long)
+    for i, (prefix, rest) in enumerate(zip(prefixes, rests)):
+        n, s = lengths[i], sizes[i]
+        for (kb, vb), (k, v) in zip(bufs, prefix):
+            kb[i, :, : L - n].zero_()  # masked pads must be finite: 0 * NaN would still poison
+            vb[i, :, : L - n].zero_()
+            kb[i, :, L - n : L].copy_(k)
+            vb[i, :, L - n : L].copy_(v)
+        mask[i, L - n : L] = 1
+        mask[i, L + S - s :] = 1
+        pos[i] = n  # pad slots: any in-range position, they are masked
+        pos[i, S - s :] = torch.arange(n, n + s)
+        input_ids[i, S - s :] = torch.as_tensor(rest, dtype=torch.long)
+    cache = PreallocatedCache(bufs, L)
+    handle.model(
+        input_ids=input_ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+        **{handle.layout.cache_arg: cache}, use_cache=True, logits_to_keep=1,
+    )  # fmt: skip
+    return [tuple((kb[i, :, L + S - s :], vb[i, :, L + S - s :]) for kb, vb in bufs) for i, s in enumerate(sizes)]
 
 
 def batches(
@@ -115,60 +173,72 @@ def batches(
         yield batch
 
 
-def row_length(adapter: ModelHandle, row: torch.Tensor, stop: Stop) -> int:
+def row_length(handle: ModelHandle, row: torch.Tensor, decoding: Decoding) -> int:
     """Tokens of a generated row up to and including the one that stopped it (all of them if none did)."""
     ids = row.tolist()
     for j in range(len(ids)):
-        if stop.hit(adapter, ids[: j + 1]):
+        if decoding.hit(handle, ids[: j + 1]):
             return j + 1
     return len(ids)
 
 
 def greedy_loop(
-    adapter: ModelHandle, cache, mask, logits, next_pos, first_slot, N, stop: Stop, return_scores, step=None
-):
-    """Greedy decoding from the logits of each row's last prompt token. Slot ``first_slot + t``
-    holds generated token ``t`` at position ``next_pos + t``. ``step(tokens, t)``, if given,
-    runs the model on each row's token ``t`` instead and returns the next logits."""
-    B = logits.shape[0]
+    handle: ModelHandle, logits: torch.Tensor, slots: DecodeSlots, decoding: Decoding
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Greedy decoding from the logits of each row's last prompt token, into ``slots``. Returns
+    ``(tokens [B, new_tokens] int64 on the host, per row [steps, vocab] float32 logits or None)``."""
+    B, N = logits.shape[0], decoding.new_tokens
     dev = logits.device
-    cache_kw = {adapter.layout.cache_arg: cache}
-    tokens = torch.full((B, N), adapter.pad_id, dtype=torch.long, device=dev)
-    scores: list[torch.Tensor] | None = [] if return_scores else None
+    cache_kw = {handle.layout.cache_arg: slots.cache}
+    tokens = torch.full((B, N), handle.pad_id, dtype=torch.long, device=dev)
+    scores: list[torch.Tensor] | None = [] if decoding.scores else None
     done = torch.zeros(B, dtype=torch.bool, device=dev)
-    eos = torch.tensor(sorted(adapter.eos_ids), dtype=torch.long, device=dev) if adapter.eos_ids else None
+    eos = torch.tensor(sorted(handle.eos_ids), dtype=torch.long, device=dev) if handle.eos_ids else None
     for t in range(N):
         if scores is not None:
             scores.append(logits.float().cpu())
         nxt = logits.argmax(dim=-1)
-        nxt = torch.where(done, torch.full_like(nxt, adapter.pad_id), nxt)
+        nxt = torch.where(done, torch.full_like(nxt, handle.pad_id), nxt)
         tokens[:, t] = nxt
-        if stop.eos and eos is not None:
+        if decoding.eos and eos is not None:
             done |= torch.isin(nxt, eos)
-        if stop.strings:
+        if decoding.strings:
             rows = tokens[:, : t + 1].tolist()
             for r in range(B):
-                if not bool(done[r]) and stop.hit(adapter, rows[r]):
+                if not bool(done[r]) and decoding.hit(handle, rows[r]):
                     done[r] = True
-        if (stop.eos or stop.strings) and bool(done.all()):
+        if (decoding.eos or decoding.strings) and bool(done.all()):
             break
         if t == N - 1:
             break
-        if step is not None:
-            logits = step(nxt, t)
+        if slots.step is not None:
+            logits = slots.step(nxt, t)
             continue
-        out = adapter.model(
+        assert slots.mask is not None and slots.next_pos is not None
+        out = handle.model(
             input_ids=nxt[:, None],
-            attention_mask=mask[:, : first_slot + t + 1],
-            position_ids=(next_pos + t)[:, None],
+            attention_mask=slots.mask[:, : slots.first_slot + t + 1],
+            position_ids=(slots.next_pos + t)[:, None],
             **cache_kw,
             use_cache=True,
             logits_to_keep=1,
         )
         logits = out.logits[:, -1]
-    tokens = tokens.cpu()
-    per_row = [torch.stack([s[r] for s in scores]) for r in range(B)] if scores is not None else [None] * B
-    return tokens, per_row
+    host = tokens.cpu()
+    per_row: list[torch.Tensor | None] = [None] * B
+    if scores is not None:
+        per_row = [torch.stack([s[r] for s in scores]) for r in range(B)]
+    return host, per_row
 
 
-__all__ = ["Stop", "batches", "greedy_loop", "is_out_of_memory", "prefill", "row_length"]
+__all__ = [
+    "DecodeSlots",
+    "Decoding",
+    "batches",
+    "extend",
+    "greedy_loop",
+    "is_out_of_memory",
+    "prefill",
+    "right_padded",
+    "row_length",
+]

@@ -19,11 +19,12 @@ Stored records decode on the CPU (checksum, zstd, unshuffle). Into a CUDA batch 
 
 :meth:`Staging.finish` makes the compute stream wait for the side stream and keeps every host
 tensor alive until the copies are done. None of this has run on a GPU yet (no GPU was lent when it
-was written): ``FORCE`` (tests) runs the same bookkeeping on CPU, with ordinary host tensors,
-synchronous copies and the device branch of the readers, so it is checked where no GPU is.
+was written): ``Staging(device, force=True)`` (tests) runs the same bookkeeping on CPU, with
+ordinary host tensors, synchronous copies and the device branch of the readers, so it is checked
+where no GPU is.
 
-On a CPU-only machine (``FORCE`` off) there is nothing to stage: records decode straight into the
-destination, as before.
+On a CPU-only machine (``force`` off) there is nothing to stage: records decode straight into the
+destination.
 """
 
 from __future__ import annotations
@@ -34,17 +35,16 @@ from collections.abc import Iterator
 
 import torch
 
-FORCE = False  # stage on CPU too (tests): same bookkeeping, ordinary memory, synchronous copies
-
 
 class Staging:
     """Loads into ``device`` tensors through pinned host memory on a side stream (CUDA), or
-    directly (CPU). Its methods may be called from several threads at once."""
+    directly (CPU); ``force``: stage on CPU too (tests: the same bookkeeping, ordinary memory,
+    synchronous copies). Its methods may be called from several threads at once."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, force: bool = False):
         self.device = device
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
-        self.active = self.cuda or FORCE
+        self.active = self.cuda or force
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.stream is not None:  # buffers allocated or zeroed on the compute stream come first
             self.stream.wait_stream(torch.cuda.current_stream(device))
@@ -154,4 +154,4 @@ class Region:
                 self.staging._send(self.host, self.dest)
 
 
-__all__ = ["FORCE", "Region", "Staging"]
+__all__ = ["Region", "Staging"]

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from kvstore.model.compute import attention, masks
+from kvstore.model.compute import masks
 from kvstore.model.compute.cache import Buffers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -87,22 +87,21 @@ def _step(model: torch.nn.Module, cache_arg: str, input_ids, mask, position_ids,
     return out.logits[:, -1]
 
 
-def step_function(adapter: ModelHandle, compiled: bool) -> Callable[..., torch.Tensor]:
+def step_function(handle: ModelHandle, compiled: bool) -> Callable[..., torch.Tensor]:
     """The model's fixed-shape step; compiled once per model (``torch.compile`` keeps a graph per
     shape underneath)."""
-    cache_arg = adapter.layout.cache_arg
+    cache_arg = handle.layout.cache_arg
     if not compiled:
-        return lambda *args: _step(adapter.model, cache_arg, *args)
-    attention.install()  # compiled CPU steps attend to grouped KV heads without repeating them
+        return lambda *args: _step(handle.model, cache_arg, *args)
     with _lock:
-        fn = _compiled.get(adapter.model)
+        fn = _compiled.get(handle.model)
         if fn is None:
             dynamo = torch._dynamo.config
             if getattr(dynamo, "recompile_limit", RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
                 dynamo.recompile_limit = RECOMPILE_LIMIT
-            model = adapter.model
+            model = handle.model
             fn = torch.compile(lambda *args: _step(model, cache_arg, *args), dynamic=False)
-            _compiled[adapter.model] = fn
+            _compiled[handle.model] = fn
     return fn
 
 
@@ -113,7 +112,7 @@ class StaticSteps:
     the eager loop's ``[B, slots]`` attention mask (1 on real prompt slots); ``next_pos``: each
     row's position of generated token 0."""
 
-    def __init__(self, adapter: ModelHandle, buffers: Buffers, mask: torch.Tensor, first_slot: int,
+    def __init__(self, handle: ModelHandle, buffers: Buffers, mask: torch.Tensor, first_slot: int,
                  next_pos: torch.Tensor, compiled: bool):  # fmt: skip
         slots = buffers[0][0].shape[2]
         for k, v in buffers:  # unwritten slots: finite (0 * NaN would poison the masked sum)
@@ -123,14 +122,14 @@ class StaticSteps:
         B = mask.shape[0]
         attend = torch.zeros((B, 1, 1, slots), dtype=torch.bool, device=mask.device)
         attend[:, 0, 0, :first_slot] = mask[:, :first_slot].bool()
-        attn = adapter.attn_implementation
+        attn = handle.attn_implementation
         if attn not in ("sdpa", "eager"):
             raise ValueError(f"fixed-shape decoding needs sdpa or eager attention, not {attn}")
         self.mask = masks.attention_form(attend, buffers[0][0].dtype, attn)
         self.open = True if attn == "sdpa" else 0.0  # a slot's value once it may be attended to
         self.first_slot = first_slot
         self.next_pos = next_pos
-        self.fn = step_function(adapter, compiled)
+        self.fn = step_function(handle, compiled)
 
     def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
         """Run generated token ``t`` of each row (slot ``first_slot + t``); the next logits."""

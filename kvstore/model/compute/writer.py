@@ -1,8 +1,10 @@
-"""The build writer: encodes and writes chunks and context records on a background thread.
+"""The writer: encodes and writes chunks and context records on a background thread.
 
-:class:`BuildReport` counts what a build did; :class:`Writer` is the store side of building and
-decoding (computed chunks go through it, so compute never waits on compression or the store
-except past its byte budget).
+:class:`Writer` is the store side of building, sampling and scoring: computed chunks go through
+it, so compute never waits on compression or the store except past its byte budget. It knows
+which chunks it holds and has not written yet (:meth:`Writer.pending`), so a batch planned while
+it works sees them (:mod:`kvstore.model.plan.batch`) and waits for them before loading
+(:meth:`Writer.wait_for`) instead of computing them again.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.model.compute.cache import LayerKV
@@ -28,38 +31,15 @@ WRITER_BYTES = 1 << 30
 
 
 @dataclass
-class BuildReport:
-    """What :meth:`Adapter.generate_kv_cache` did. Sizes are bytes; times are seconds."""
+class WriteStats:
+    """What a writer stored: chunks written, their raw and stored bytes, seconds spent encoding and
+    writing (on the writer's thread, overlapping compute) and seconds the caller waited for it."""
 
-    contexts: int = 0  # contexts given (with duplicates)
-    distinct: int = 0  # in this shard
-    other_shards: int = 0  # distinct contexts left to the other shards
-    built: int = 0  # contexts computed (whole or from a stored prefix)
-    skipped: int = 0  # already stored whole and intact
-    failed: int = 0
-    tokens: int = 0  # context tokens run through the model
-    tokens_reused: int = 0  # context tokens found stored (skipped contexts and stored prefixes)
-    migrated: int = 0  # contexts found as format-1 entries and rewritten as chains (nothing recomputed)
     chunks_written: int = 0
     raw_bytes: int = 0
     stored_bytes: int = 0
-    seconds: float = 0.0
-    store_seconds: float = 0.0  # encode + write, on the writer thread (overlaps compute)
-    store_wait_seconds: float = 0.0  # time the compute thread waited for the writer
-    errors: list[str] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)  # key of each given context, in input order
-
-    @property
-    def ratio(self) -> float:
-        return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    def as_dict(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "keys"}
-        return d | {"ratio": round(self.ratio, 4), "tokens_per_second": round(self.tokens_per_second, 1)}
+    store_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -72,15 +52,17 @@ class _Record:
 class Writer:
     """Encodes and writes chunks, then context records, on a background thread (in the order
     given) so that storing overlaps compute. A chunk already in the store is not rewritten unless
-    asked (a corrupt one is). Errors are re-raised on the caller's thread (next ``put`` or
-    ``close``)."""
+    asked (a corrupt one is). Errors are re-raised on the caller's thread (next ``put``, ``flush``
+    or ``close``); :attr:`stats` counts what was written."""
 
-    def __init__(self, store: KVStore, report: BuildReport | None, max_bytes: int | None = None):
-        self.store, self.report = store, report
+    def __init__(self, store: KVStore, max_bytes: int | None = None):
+        self.store = store
+        self.stats = WriteStats()
         self.q: queue.Queue = queue.Queue()
         self.max_bytes = WRITER_BYTES if max_bytes is None else max_bytes
-        self.pending = 0  # bytes queued and not written yet
+        self.queued_bytes = 0  # bytes queued and not written yet
         self.room = threading.Condition()
+        self._queued: dict[str, int] = {}  # chunk key -> puts of it queued and not done (under room)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
         self.thread.start()
@@ -97,7 +79,12 @@ class Writer:
                 self.error = exc
             finally:
                 with self.room:
-                    self.pending -= nbytes
+                    self.queued_bytes -= nbytes
+                    if item is not None and isinstance(item[0], Entry):
+                        key = item[0].key
+                        self._queued[key] -= 1
+                        if not self._queued[key]:
+                            del self._queued[key]
                     self.room.notify_all()
                 self.q.task_done()
 
@@ -111,12 +98,11 @@ class Writer:
         if blob is None:
             blob = self.store.encode(item)
         self.store.put_bytes(item.key, blob)
-        if self.report is not None:
-            r = self.report
-            r.stored_bytes += len(blob)
-            r.raw_bytes += item.kv_bytes + item.state_bytes + 8 * item.n_tokens
-            r.store_seconds += time.perf_counter() - t0
-            r.chunks_written += 1
+        s = self.stats
+        s.stored_bytes += len(blob)
+        s.raw_bytes += item.kv_bytes + item.state_bytes + 8 * item.n_tokens
+        s.store_seconds += time.perf_counter() - t0
+        s.chunks_written += 1
 
     def put(self, entry: Entry, *, overwrite: bool = False) -> None:
         self._enqueue((entry, overwrite))
@@ -130,21 +116,29 @@ class Writer:
         self._enqueue((_Record(plan.key, plan.keys, plan.n_tokens), True))
 
     def put_chunks(
-        self,
-        adapter: ModelHandle,
-        plan: ContextPlan,
-        layers: LayerKV,
-        depth: int = 0,
-        offset: int = 0,
+        self, handle: ModelHandle, plan: ContextPlan, layers: LayerKV, depth: int = 0, offset: int = 0,
         record: bool = True,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """Chunks ``depth..`` of ``plan`` from ``layers`` (positions ``offset..``), then (with
         ``record``) its context record. The chunk at ``depth`` is written even if present: it is
         missing or corrupt (a repair)."""
-        for i, entry in enumerate(chains.chunk_entries(adapter, plan, layers, depth, offset)):
+        for i, entry in enumerate(chains.chunk_entries(handle, plan, layers, depth, offset)):
             self.put(entry, overwrite=i == 0)
         if record:
             self.put_context(plan)
+
+    def pending(self, keys: Iterable[str]) -> frozenset[str]:
+        """Which of ``keys`` are chunks put and not written yet."""
+        with self.room:
+            return frozenset(k for k in keys if k in self._queued)
+
+    def wait_for(self, keys: Iterable[str]) -> None:
+        """Wait until none of ``keys`` is waiting to be written (raises the writer's error, if any)."""
+        wanted = set(keys)
+        with self.room:
+            while wanted & self._queued.keys() and self.error is None:
+                self.room.wait(0.5)
+        self._check()
 
     def flush(self) -> None:
         """Wait until everything put so far is written (raises the writer's error, if any)."""
@@ -157,24 +151,25 @@ class Writer:
         nbytes = entry.kv_bytes + entry.state_bytes if isinstance(entry, Entry) else 0
         t0 = time.perf_counter()
         with self.room:  # wait while the writer holds a full budget (an oversized chunk goes alone)
-            while self.pending and self.pending + nbytes > self.max_bytes and self.error is None:
+            while self.queued_bytes and self.queued_bytes + nbytes > self.max_bytes and self.error is None:
                 self.room.wait(0.5)
-            self.pending += nbytes
+            self.queued_bytes += nbytes
+            if isinstance(entry, Entry):
+                self._queued[entry.key] = self._queued.get(entry.key, 0) + 1
         self.q.put((item, nbytes))
-        if self.report is not None:
-            self.report.store_wait_seconds += time.perf_counter() - t0
+        self.stats.wait_seconds += time.perf_counter() - t0
 
     def _check(self) -> None:
         if self.error is not None:
             raise self.error
 
     def close(self) -> None:
+        """Write what is queued, stop the thread, raise the writer's error (if any)."""
         t0 = time.perf_counter()
         self.q.put((None, 0))
         self.thread.join()
-        if self.report is not None:
-            self.report.store_wait_seconds += time.perf_counter() - t0
+        self.stats.wait_seconds += time.perf_counter() - t0
         self._check()
 
 
-__all__ = ["WRITER_BYTES", "BuildReport", "Writer"]
+__all__ = ["WRITER_BYTES", "WriteStats", "Writer"]

@@ -1,0 +1,1 @@
+"""Cache paths (see :mod:`kvstore.model.paths.base`)."""

@@ -1,35 +1,48 @@
-"""Cache paths: one strategy object per way kvstore stores and reuses a model's cache, chosen
-once per model (:attr:`kvstore.model.handle.ModelHandle.path`, from its cache layout).
+"""Cache paths: the one interface through which a batch's contexts are computed, loaded and answered.
 
-* :data:`DENSE` - every layer full attention: a context's keys and values as a chain of chunks,
-  copied into left-padded batch buffers with a corrected mask and explicit positions
-  (:func:`kvstore.model.pipelines.build.compute_dense`, :func:`kvstore.model.pipelines.sample.decode_cached_dense`,
-  :func:`kvstore.model.pipelines.sample.decode_reference_dense`). Everything kvstore offers runs on it.
-* :data:`FAMILIES` - sliding-window, chunked-attention, state-space and hybrid models: per-layer
-  records (kept windows, recurrent states) and position masks over slots
-  (:mod:`kvstore.model.paths.families`). Build and sample are exact here; the features measured only
-  on dense caches are not offered.
+A model's cache is stored and reused one of two ways, chosen once from its layout
+(:func:`kvstore.model.paths.choice.path_of`):
 
-Orchestration (build, sample, scoring, hooks) calls the chosen path and asks it what it supports
-(:meth:`CachePath.supports`) instead of branching on the model; each refusal names the feature.
+* :class:`kvstore.model.paths.dense.DensePath` - every layer full attention: a context's keys and
+  values as a chain of chunks, loaded into left-padded batch buffers with a corrected mask and
+  explicit positions, by the stages of :mod:`kvstore.model.stages` (load, complete, transform,
+  answer). Everything kvstore offers runs on it.
+* :class:`kvstore.model.paths.families.FamiliesPath` - sliding-window, chunked-attention,
+  state-space and hybrid models: per-layer records (kept windows, recurrent states) and position
+  masks over slots. Build and sample are exact here; the features measured only on dense caches
+  are not offered.
+
+:class:`CachePath` is what the pipelines (:mod:`kvstore.model.pipelines`) call, with a
+:class:`~kvstore.model.plan.batch.BatchPlan`; they ask :meth:`CachePath.supports` for the optional
+features instead of branching on the model.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from kvstore.model.paths import families as contexts
-from kvstore.model.pipelines import build
-from kvstore.model.pipelines import sample as decode
+from kvstore.model.compute.forward import Decoding
+from kvstore.model.plan.batch import BatchPlan
+from kvstore.model.plan.chains import ContextPlan
+from kvstore.model.stages.answer import Answer
+from kvstore.model.stages.load import Loaded
+from kvstore.model.variants.variant import Variant
+from kvstore.store.kvstore import KVStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.model.compute.writer import Writer
+    from kvstore.model.handle import ModelHandle
+    from kvstore.model.options import BuildOptions
+    from kvstore.progress import Progress
 
 # What a path may offer beyond building and sampling exactly.
 FEATURES = (
     "lossy",  # lossy codecs (measured on full-attention caches only)
     "compile",  # fixed-shape and compiled decode steps
-    "hooks",  # generation contexts, decode-time attention and variant sweeps
+    "variants",  # generation contexts, decode-time attention, presses and variant sweeps
     "scoring",  # log-likelihoods from stored contexts
     "load_ahead",  # loading the next batch on a worker while a batch decodes
     "chunked_prefill",  # prefilling a long context in pieces
@@ -38,47 +51,76 @@ FEATURES = (
 
 
 @dataclass(frozen=True)
-class CachePath:
-    """One way of storing and reusing a cache: its name, the :data:`FEATURES` it offers, and the
-    three pieces that differ between paths (computing build jobs, answering a batch from stored
-    caches, and the no-cache reference)."""
+class BuildCounts:
+    """What computing build jobs did: contexts built (whole or from a stored prefix), context
+    tokens run through the model, and context tokens found stored (stored prefixes)."""
 
-    name: str
-    features: frozenset[str]
-    compute: Callable[..., None]
-    decode_cached: Callable[..., Any]
-    decode_reference: Callable[..., Any]
+    built: int = 0
+    tokens: int = 0
+    tokens_reused: int = 0
+
+    def __add__(self, other: BuildCounts) -> BuildCounts:
+        return BuildCounts(
+            self.built + other.built, self.tokens + other.tokens, self.tokens_reused + other.tokens_reused
+        )
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a batch runs with besides its plan: the store (None: the no-cache reference), the
+    writer (None: nothing is stored), how it decodes, and the variants it answers under."""
+
+    store: KVStore | None
+    writer: Writer | None
+    decoding: Decoding
+    variants: tuple[Variant, ...]
+
+
+@dataclass(frozen=True)
+class BatchAnswers:
+    """A batch answered: one :class:`~kvstore.model.stages.answer.Answer` per variant; per row,
+    the context tokens loaded from the store and the codec spec(s) they came from; context tokens
+    computed (prefill); and the observation-window tokens presses ran (not prefill)."""
+
+    answers: tuple[Answer, ...]
+    loaded: tuple[int, ...]
+    computed: int
+    codecs: tuple[str | None, ...]
+    window_tokens: int = 0
+
+
+class CachePath(ABC):
+    """How one family of caches is computed, stored and answered from (see the module docstring)."""
+
+    name: str = ""
+    features: frozenset[str] = frozenset()
 
     def supports(self, feature: str) -> bool:
         if feature not in FEATURES:
             raise ValueError(f"unknown cache-path feature {feature!r}")
         return feature in self.features
 
+    @abstractmethod
+    def compute(
+        self, handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer,
+        options: BuildOptions, progress: Progress | None, count: bool,
+    ) -> BuildCounts:  # fmt: skip
+        """Compute and write ``(plan, stored depth)`` jobs: each plan's chunks from its depth on,
+        then (with ``count``: contexts, not shared prefixes) its record."""
 
-def _families_compute(adapter, store, jobs, writer, report, batch_size, max_batch_tokens, progress, count) -> None:
-    contexts.compute_jobs(
-        adapter, store, jobs, writer, report, batch_size, max_batch_tokens, progress, count, build.account
-    )
+    @abstractmethod
+    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> object:
+        """A batch's contexts from the store, whole: its load (``loaded``, when it was loaded
+        ahead) and what is missing computed and handed to the writer. What it returns is this
+        path's own, for :meth:`answer`."""
 
+    @abstractmethod
+    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchAnswers:
+        """Answer a prepared batch under every variant of ``work``."""
 
-def _families_decode_cached(adapter, plans, q_ids, N, store, writer, stop, return_scores, variants, ahead):
-    # one variant (the model as loaded: hooks are dense-only), nothing loaded ahead
-    t0 = time.perf_counter()
-    tokens, scores, got, computed, labels = contexts.decode_cached(
-        adapter, plans, q_ids, N, store, writer, stop, return_scores
-    )
-    return [(tokens, scores, time.perf_counter() - t0)], got, computed, labels
-
-
-DENSE = CachePath(
-    "dense", frozenset(FEATURES), build.compute_dense, decode.decode_cached_dense, decode.decode_reference_dense
-)
-FAMILIES = CachePath("families", frozenset(), _families_compute, _families_decode_cached, contexts.decode_reference)
-
-
-def path_for(dense: bool) -> CachePath:
-    """The path of a model whose layout is ``dense`` (every layer full attention) or not."""
-    return DENSE if dense else FAMILIES
+    @abstractmethod
+    def reference(self, handle: ModelHandle, plan: BatchPlan, work: Work) -> BatchAnswers:
+        """Answer a batch without a store (the reference)."""
 
 
-__all__ = ["DENSE", "FAMILIES", "FEATURES", "CachePath", "path_for"]
+__all__ = ["FEATURES", "BatchAnswers", "BuildCounts", "CachePath", "Work"]

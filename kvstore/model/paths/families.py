@@ -1,6 +1,6 @@
-"""Windowed, state-space and hybrid models: loading, computing and storing their contexts'
-caches, and decoding from them (dense models keep :mod:`kvstore.model.pipelines.build`'s and
-:mod:`kvstore.model.pipelines.sample`'s own paths; those hand these models over to this module).
+"""The families path: windowed, state-space and hybrid models. Loading, computing and storing
+their contexts' caches, and decoding from them (:class:`FamiliesPath`; dense models take
+:mod:`kvstore.model.paths.dense`).
 
 Every chunk of a context is stored as the model's layers need it (:mod:`kvstore.model.family.layout`):
 keys and values of the tokens later ones can still attend to, and the recurrent states at the
@@ -17,24 +17,29 @@ nothing: it shares the masks, never the stored tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvstore.facts import WINDOWED_KINDS
-from kvstore.model.compute.forward import batches, greedy_loop
+from kvstore.model.compute.forward import DecodeSlots, Decoding, batches, greedy_loop
+from kvstore.model.paths.base import BatchAnswers, BuildCounts, CachePath, Work
 from kvstore.model.paths.slots import KV, RowCache, Slots
-from kvstore.model.plan import chains
-from kvstore.model.plan.chains import ContextPlan
+from kvstore.model.plan.batch import BatchPlan
+from kvstore.model.plan.chains import ContextPlan, fits
+from kvstore.model.stages.answer import Answer
+from kvstore.model.stages.load import Loaded
 from kvstore.store.codecs import spec_of
 from kvstore.store.entry import Entry
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import BuildReport, Writer
+    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.options import BuildOptions
     from kvstore.progress import Progress
 
 
@@ -51,17 +56,17 @@ class Computed:
 
 
 def load(
-    adapter: ModelHandle, store: KVStore, plan: ContextPlan, depth: int | None = None, codecs: list[str] | None = None
+    handle: ModelHandle, store: KVStore, plan: ContextPlan, depth: int | None = None, codecs: list[str] | None = None
 ) -> RowCache | None:
     """The longest verified stored prefix of ``plan`` (at most ``depth`` chunks) as a
     :class:`RowCache` (materialized on the CPU), or None when nothing of it is stored. The codec
     spec of each chunk used is appended to ``codecs``."""
-    layout = adapter.layout
+    layout = handle.layout
     keys = plan.keys if depth is None else plan.keys[:depth]
     with store.open_chain(keys) as views:
         fitting = []
         for j, view in enumerate(views):
-            if not chains.fits(adapter, view, plan, j):
+            if not fits(handle, view, plan, j):
                 break
             fitting.append(view)
         if not fitting:
@@ -75,7 +80,7 @@ def load(
                 kv.append(None)
                 continue
             lo = end - lay.keep(0, end)  # chunk tails from here on cover what a later token sees
-            empty = torch.zeros((lay.kv_heads, 0, lay.head_dim), dtype=adapter.dtype)
+            empty = torch.zeros((lay.kv_heads, 0, lay.head_dim), dtype=handle.dtype)
             ks, vs = [empty], [empty]
             for view in fitting:
                 h, spec = view.header, view.header.layers[i]
@@ -93,10 +98,10 @@ def load(
 
 
 @torch.inference_mode()
-def compute(adapter: ModelHandle, jobs: Sequence[tuple[ContextPlan, RowCache | None]]) -> list[Computed]:
+def compute(handle: ModelHandle, jobs: Sequence[tuple[ContextPlan, RowCache | None]]) -> list[Computed]:
     """Compute the rest of each ``(plan, stored prefix or None)``, all in one batch of slots.
     Models with states run chunk by chunk (rows whose chunks have equal lengths together)."""
-    layout = adapter.layout
+    layout = handle.layout
     segments: list[list[tuple[int, int]]] = []
     for plan, prefix in jobs:
         start = prefix.end if prefix is not None else 0
@@ -106,7 +111,7 @@ def compute(adapter: ModelHandle, jobs: Sequence[tuple[ContextPlan, RowCache | N
         segments.append(list(zip([start] + cuts[:-1], cuts)))
     steps = max(len(s) for s in segments)
     tail = sum(max((e - s for seg in segments if k < len(seg) for s, e in [seg[k]]), default=0) for k in range(steps))
-    slots = Slots(adapter, layout, [prefix for _, prefix in jobs], tail)
+    slots = Slots(handle, layout, [prefix for _, prefix in jobs], tail)
     states: list[dict[int, Any]] = [{} for _ in jobs]
     for k in range(steps):
         rows = [r for r, seg in enumerate(segments) if k < len(seg)]
@@ -136,9 +141,9 @@ def compute(adapter: ModelHandle, jobs: Sequence[tuple[ContextPlan, RowCache | N
     return out
 
 
-def entries(adapter: ModelHandle, plan: ContextPlan, computed: Computed) -> list[Entry]:
+def entries(handle: ModelHandle, plan: ContextPlan, computed: Computed) -> list[Entry]:
     """The entries of ``plan``'s chunks from ``computed.start`` on."""
-    layout = adapter.layout
+    layout = handle.layout
     kinds = tuple(lay.kind for lay in layout.layers)
     windows = tuple(lay.window if lay.kind in WINDOWED_KINDS else None for lay in layout.layers)
     out = []
@@ -158,8 +163,8 @@ def entries(adapter: ModelHandle, plan: ContextPlan, computed: Computed) -> list
         out.append(
             Entry(
                 plan.keys[j],
-                adapter.fingerprint,
-                adapter.name,
+                handle.fingerprint,
+                handle.name,
                 torch.as_tensor(plan.ids[s:e], dtype=torch.int64),
                 tuple(layers),
                 parent=plan.keys[j - 1] if j else "",
@@ -167,91 +172,139 @@ def entries(adapter: ModelHandle, plan: ContextPlan, computed: Computed) -> list
                 states=states,
                 kinds=kinds,
                 windows=windows,
-                numerics=adapter.numerics,
-                kv_dtype=adapter.dtype,
+                numerics=handle.numerics,
+                kv_dtype=handle.dtype,
             )  # fmt: skip
         )
     return out
 
 
-def _write(writer: Writer, adapter: ModelHandle, plan: ContextPlan, computed: Computed, record: bool) -> None:
+def _write(writer: Writer, handle: ModelHandle, plan: ContextPlan, computed: Computed, record: bool) -> None:
     # the first chunk computed is written even if present: it was missing or corrupt (a repair)
-    for i, entry in enumerate(entries(adapter, plan, computed)):
+    for i, entry in enumerate(entries(handle, plan, computed)):
         writer.put(entry, overwrite=i == 0)
     if record:
         writer.put_context(plan)
 
 
 def compute_jobs(
-    adapter: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer, report: BuildReport,
-    batch_size: int, max_batch_tokens: int | None, progress: Progress | None, count: bool,
-    account: Callable[[BuildReport, Sequence[int], bool, Progress | None], None],
-) -> None:  # fmt: skip
-    """:func:`kvstore.model.pipelines.build.compute` for these models: each ``(plan, stored depth)`` job's
-    chunks from its depth on, in batches, then (with ``count``) its record."""
+    handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer,
+    options: BuildOptions, progress: Progress | None, count: bool,
+) -> BuildCounts:  # fmt: skip
+    """:meth:`CachePath.compute` for these models: each ``(plan, stored depth)`` job's chunks from
+    its depth on, in batches, then (with ``count``) its record."""
+    assert options.batch_size is not None
     sizes = [plan.n_tokens for plan, _ in jobs]
-    for batch in batches(sorted(range(len(jobs)), key=lambda i: sizes[i]), sizes, batch_size, max_batch_tokens):
+    done = BuildCounts()
+    order = sorted(range(len(jobs)), key=lambda i: sizes[i])
+    for batch in batches(order, sizes, options.batch_size, options.max_batch_tokens):
         todo = []
         for i in batch:
             plan, depth = jobs[i]
-            prefix = load(adapter, store, plan, depth) if depth else None  # None: it went away meanwhile
+            prefix = load(handle, store, plan, depth) if depth else None  # None: it went away meanwhile
             todo.append((plan, prefix))
-        for (plan, _), done in zip(todo, compute(adapter, todo)):
-            _write(writer, adapter, plan, done, count)
+        for (plan, _), got in zip(todo, compute(handle, todo)):
+            _write(writer, handle, plan, got, count)
         starts = [prefix.end if prefix is not None else 0 for _, prefix in todo]
-        if count:
-            report.tokens_reused += sum(starts)
-        account(report, [plan.n_tokens - s for (plan, _), s in zip(todo, starts)], count, progress)
+        tokens = [plan.n_tokens - s for (plan, _), s in zip(todo, starts)]
+        if count and progress:
+            progress(len(tokens), sum(tokens))
+        done += BuildCounts(len(tokens) if count else 0, sum(tokens), sum(starts) if count else 0)
+    return done
 
 
 @torch.inference_mode()
-def decode_cached(adapter: ModelHandle, plans, q_ids, N, store, writer, stop, return_scores):
-    """:func:`kvstore.model.pipelines.sample.decode_cached` for these models (same arguments and results)."""
-    distinct = list({p.key: p for p in plans}.values())
+def decode_cached(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, writer: Writer | None,
+                  decoding: Decoding) -> BatchAnswers:  # fmt: skip
+    """A batch from stored caches: each distinct context loaded (its longest stored prefix) and
+    completed, then the questions and the answers in the batch's slots."""
+    t0 = time.perf_counter()
+    distinct = [plan.context_of(k) for k in plan.distinct]
     caches: dict[str, RowCache] = {}
     loaded: dict[str, int] = {}
     codecs: dict[str, list[str]] = {p.key: [] for p in distinct}
     todo = []
-    for plan in distinct:
-        found = load(adapter, store, plan, codecs=codecs[plan.key]) if store is not None else None
-        loaded[plan.key] = found.end if found is not None else 0
-        if found is not None and found.end == plan.n_tokens:
-            caches[plan.key] = found
+    for ctx in distinct:
+        found = load(handle, store, ctx, codecs=codecs[ctx.key]) if store is not None else None
+        loaded[ctx.key] = found.end if found is not None else 0
+        if found is not None and found.end == ctx.n_tokens:
+            caches[ctx.key] = found
         else:
-            todo.append((plan, found))
+            todo.append((ctx, found))
     if todo:
-        for (plan, _), done in zip(todo, compute(adapter, todo)):
-            caches[plan.key] = done.cache
+        for (ctx, _), got in zip(todo, compute(handle, todo)):
+            caches[ctx.key] = got.cache
             if writer is not None:
-                _write(writer, adapter, plan, done, True)
+                _write(writer, handle, ctx, got, True)
             if store is not None:
-                codecs[plan.key].append(store.codec.spec)
-    Q = max(len(q) for q in q_ids)
-    if min(len(q) for q in q_ids) == 0:
+                codecs[ctx.key].append(store.codec.spec)
+    if min(len(q) for q in plan.fed) == 0:
         raise ValueError("every question needs at least one token")
-    slots = Slots(adapter, adapter.layout, [caches[p.key] for p in plans], Q + N)
-    tokens, scores = _answer(adapter, slots, q_ids, N, stop, return_scores, greedy_loop)
+    slots = Slots(handle, handle.layout, [caches[p.key] for p in plan.contexts], plan.fed_slots + decoding.new_tokens)
+    tokens, scores = _answer(handle, slots, plan.fed, decoding)
     computed = sum(p.n_tokens - loaded[p.key] for p in distinct)
-    labels = [",".join(dict.fromkeys(codecs[p.key])) or None for p in plans]
-    return tokens, scores, [loaded[p.key] for p in plans], computed, labels
+    labels = tuple(",".join(dict.fromkeys(codecs[p.key])) or None for p in plan.contexts)
+    kept = tuple(p.n_tokens for p in plan.contexts)
+    one = Answer(tokens, scores, time.perf_counter() - t0, kept, 0)
+    return BatchAnswers((one,), tuple(loaded[p.key] for p in plan.contexts), computed, labels)
 
 
 @torch.inference_mode()
-def decode_reference(adapter: ModelHandle, full_ids, N, stop, return_scores):
-    """:func:`kvstore.model.pipelines.sample.decode_reference` for these models: each row's context and
-    question from nothing, in the same slots and masks."""
-    slots = Slots(adapter, adapter.layout, [None] * len(full_ids), max(map(len, full_ids)) + N)
-    return _answer(adapter, slots, full_ids, N, stop, return_scores, greedy_loop)
+def decode_reference(handle: ModelHandle, plan: BatchPlan, decoding: Decoding) -> BatchAnswers:
+    """A batch without a store: each row's context and question from nothing, in the same slots
+    and masks."""
+    t0 = time.perf_counter()
+    full = [list(p.ids) + list(q) for p, q in zip(plan.contexts, plan.fed)]
+    slots = Slots(handle, handle.layout, [None] * len(full), max(map(len, full)) + decoding.new_tokens)
+    tokens, scores = _answer(handle, slots, full, decoding)
+    kept = tuple(p.n_tokens for p in plan.contexts)
+    one = Answer(tokens, scores, time.perf_counter() - t0, kept, 0)
+    computed = sum(kept)
+    return BatchAnswers((one,), (0,) * len(full), computed, (None,) * len(full))
 
 
-def _answer(adapter, slots: Slots, prompts, N, stop, return_scores, greedy_loop):
+def _answer(handle: ModelHandle, slots: Slots, prompts: Sequence[Sequence[int]], decoding: Decoding):
     rows = list(range(len(prompts)))
     logits = slots.run(rows, prompts)
 
     def step(nxt: torch.Tensor, t: int) -> torch.Tensor:
         return slots.run(rows, [[x] for x in nxt.tolist()])
 
-    return greedy_loop(adapter, None, None, logits, None, 0, N, stop, return_scores, step=step)
+    return greedy_loop(handle, logits, DecodeSlots(None, None, None, 0, step), decoding)
 
 
-__all__ = ["Computed", "compute", "compute_jobs", "decode_cached", "decode_reference", "entries", "load"]
+class FamiliesPath(CachePath):
+    """Sliding-window, chunked-attention, state-space and hybrid caches (see the module docstring)."""
+
+    name = "families"
+    features: frozenset[str] = frozenset()
+
+    def compute(
+        self, handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer,
+        options: BuildOptions, progress: Progress | None, count: bool,
+    ) -> BuildCounts:  # fmt: skip
+        return compute_jobs(handle, store, jobs, writer, options, progress, count)
+
+    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> object:
+        return None  # loaded and completed row by row in answer: one variant, nothing ahead
+
+    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchAnswers:
+        return decode_cached(handle, plan, work.store, work.writer, work.decoding)
+
+    def reference(self, handle: ModelHandle, plan: BatchPlan, work: Work) -> BatchAnswers:
+        return decode_reference(handle, plan, work.decoding)
+
+
+FAMILIES = FamiliesPath()
+
+__all__ = [
+    "FAMILIES",
+    "Computed",
+    "FamiliesPath",
+    "compute",
+    "compute_jobs",
+    "decode_cached",
+    "decode_reference",
+    "entries",
+    "load",
+]

@@ -103,10 +103,10 @@ class Slots:
     """``B`` rows of a batch (see the module docstring). ``rows[r]``: row ``r``'s stored cache, or
     None to start from nothing; ``tail``: slots for the tokens :meth:`run` will append."""
 
-    def __init__(self, adapter: Any, layout: CacheLayout, rows: Sequence[RowCache | None], tail: int):
-        self.model, self.layout = adapter.model, layout
-        self.pad_id = adapter.pad_id
-        dev, dtype = adapter.device, adapter.dtype
+    def __init__(self, handle: Any, layout: CacheLayout, rows: Sequence[RowCache | None], tail: int):
+        self.model, self.layout = handle.model, layout
+        self.pad_id = handle.pad_id
+        dev, dtype = handle.device, handle.dtype
         self.dtype = dtype
         B = self.B = len(rows)
         ends = [r.end if r is not None else 0 for r in rows]

@@ -16,17 +16,18 @@ from kvstore.progress import Progress
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.options import ScoreOptions
 
 # float32 logits one scoring forward may hold ([rows, fed tokens, vocab]); a batch takes fewer rows
 # rather than exceed it (one row always runs)
 LOGITS_BYTES = 512 << 20
 
 
-def vocab_size(adapter: ModelHandle) -> int:
-    out = adapter.model.get_output_embeddings()
+def vocab_size(handle: ModelHandle) -> int:
+    out = handle.model.get_output_embeddings()
     if out is not None and getattr(out, "weight", None) is not None:
         return int(out.weight.shape[0])
-    return int(adapter.model.config.get_text_config(decoder=True).vocab_size)
+    return int(handle.model.config.get_text_config(decoder=True).vocab_size)
 
 
 def row_batches(
@@ -68,7 +69,7 @@ def row_batches(
         yield batch
 
 
-def run_halving(run: Callable[[list[int]], None], batch: list[int], adapter: ModelHandle) -> None:
+def run_halving(run: Callable[[list[int]], None], batch: list[int], handle: ModelHandle) -> None:
     """``run(batch)``; on an out-of-memory error, the same rows in two halves (scores do not depend
     on the batch), down to one row."""
     try:
@@ -77,10 +78,10 @@ def run_halving(run: Callable[[list[int]], None], batch: list[int], adapter: Mod
         if not is_out_of_memory(exc) or len(batch) == 1:
             raise
         del exc
-        if adapter.device.type == "cuda":
+        if handle.device.type == "cuda":
             torch.cuda.empty_cache()
-        run_halving(run, batch[: len(batch) // 2], adapter)
-        run_halving(run, batch[len(batch) // 2 :], adapter)
+        run_halving(run, batch[: len(batch) // 2], handle)
+        run_halving(run, batch[len(batch) // 2 :], handle)
 
 
 def gather(logits: torch.Tensor, targets: Sequence[int], per_token: bool) -> tuple[float, bool, tuple | None]:
@@ -96,15 +97,19 @@ def gather(logits: torch.Tensor, targets: Sequence[int], per_token: bool) -> tup
 
 @torch.inference_mode()
 def score_reference(
-    adapter: ModelHandle, ctx, cont, rows: list, batch_size: int, token_logprobs: bool, max_batch_tokens: int | None,
-    progress: Progress | None,
+    handle: ModelHandle, ctx: Sequence[Sequence[int]], cont: Sequence[Sequence[int]], rows: list,
+    options: ScoreOptions, progress: Progress | None,
 ) -> int:  # fmt: skip
+    """The reference without a cache: each row's context + continuation but its last token in one
+    forward (as lm-eval's ``hf`` runs it), its scores written into ``rows``; returns the context
+    tokens computed."""
+    token_logprobs = options.token_logprobs
     n = len(ctx)
-    seqs = [ctx[i] + cont[i][:-1] for i in range(n)]
+    seqs = [list(ctx[i]) + list(cont[i][:-1]) for i in range(n)]
     order = sorted(range(n), key=lambda i: (len(seqs[i]), i))
     sizes = [len(s) for s in seqs]
-    row_logits = vocab_size(adapter) * 4
-    dev = adapter.device
+    row_logits = vocab_size(handle) * 4
+    dev = handle.device
     computed = 0
 
     def run(batch: list[int]) -> None:
@@ -112,8 +117,8 @@ def score_reference(
         B = len(batch)
         L = max(sizes[i] for i in batch)
         lo = min(len(ctx[i]) - 1 for i in batch)  # first position whose logits are needed
-        input_ids, mask = right_padded(adapter.pad_id, [seqs[i] for i in batch])
-        out = adapter.model(
+        input_ids, mask = right_padded(handle.pad_id, [seqs[i] for i in batch])
+        out = handle.model(
             input_ids=input_ids.to(dev), attention_mask=mask.to(dev),
             position_ids=torch.arange(L, device=dev).expand(B, L), use_cache=False, logits_to_keep=L - lo,
         )  # fmt: skip
@@ -126,8 +131,9 @@ def score_reference(
         if progress:
             progress(B, sum(sizes[i] for i in batch))
 
-    for batch in row_batches(order, [str(i) for i in range(n)], sizes, sizes, batch_size, max_batch_tokens, row_logits):
-        run_halving(run, batch, adapter)
+    keys = [str(i) for i in range(n)]
+    for batch in row_batches(order, keys, sizes, sizes, options.batch_size, options.max_batch_tokens, row_logits):
+        run_halving(run, batch, handle)
     return computed
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.errors import ModelError
@@ -35,13 +35,19 @@ class ScoreResult:
     """What :meth:`Adapter.score` returns: ``rows`` in input order; ``prefill_tokens_computed``:
     context tokens run through the model (each distinct context once per batch with the cache;
     every row's context without it); ``prefill_tokens_saved``: context tokens the no-cache path
-    would have computed and this run did not. ``variant``: the attention it was scored under
-    (``dense``, a decode-attention spec or a generation context's name)."""
+    would have computed and this run did not. ``variant``: what it was scored under (``dense``, a
+    press, a decode-attention spec or a generation context's name). ``kept_tokens``: per row, the
+    context tokens its continuation was scored over (fewer under a press); ``cache_bytes``: bytes of
+    their keys and values, summed over rows; ``window_tokens_computed``: context tokens the presses'
+    observation windows ran (shared by every variant of a sweep; not prefill)."""
 
     rows: list[ScoredRow]
     prefill_tokens_computed: int = 0
     prefill_tokens_saved: int = 0
     variant: str = "dense"
+    kept_tokens: list[int] = field(default_factory=list)
+    cache_bytes: int = 0
+    window_tokens_computed: int = 0
 
     @property
     def logprobs(self) -> list[float]:
@@ -93,21 +99,21 @@ class RollingResults(list[RollingResult]):
     prefill_tokens_saved: int = 0
 
 
-def prefix_token_id(adapter: ModelHandle) -> int:
+def prefix_token_id(handle: ModelHandle) -> int:
     """The token an empty context is scored from, as lm-eval's ``hf`` model picks it: the
     tokenizer's BOS, or its EOS when it has no BOS."""
-    tok = adapter.tokenizer
+    tok = handle.tokenizer
     bos = getattr(tok, "bos_token_id", None)
     if bos is not None:
         return int(bos)
     eos = getattr(tok, "eos_token_id", None)
     if eos is None:
-        raise ModelError(f"{adapter.name}: the tokenizer has neither a BOS nor an EOS token to score from")
+        raise ModelError(f"{handle.name}: the tokenizer has neither a BOS nor an EOS token to score from")
     return int(eos)
 
 
 def encode_pair(
-    adapter: ModelHandle, context: TextOrIds, continuation: TextOrIds, *, special_tokens: bool = True
+    handle: ModelHandle, context: TextOrIds, continuation: TextOrIds, *, special_tokens: bool = True
 ) -> tuple[list[int], list[int]]:
     """The ``(context ids, continuation ids)`` a row is scored as, split the way lm-eval's ``hf``
     model splits a request:
@@ -135,18 +141,18 @@ def encode_pair(
         if n_spaces:  # a context of whitespace only becomes empty: scored from the prefix token
             continuation = context[-n_spaces:] + continuation
             context = context[:-n_spaces]
-    ctx = adapter.encode_context(context, special_tokens=special_tokens) if _nonempty(context) else []
+    ctx = handle.encode_context(context, special_tokens=special_tokens) if _nonempty(context) else []
     if not ctx:
-        cont = adapter.encode_question(continuation)
-        head = prefix_token_id(adapter)
+        cont = handle.encode_question(continuation)
+        head = prefix_token_id(handle)
         if cont and cont[0] == head:
             return cont[:1], cont[1:]
         return [head], cont
     if both_text:
         assert isinstance(context, str) and isinstance(continuation, str)
-        whole = adapter.encode_context(context + continuation, special_tokens=special_tokens)
+        whole = handle.encode_context(context + continuation, special_tokens=special_tokens)
         return ctx, whole[len(ctx) :]
-    return ctx, adapter.encode_question(continuation)
+    return ctx, handle.encode_question(continuation)
 
 
 def _nonempty(x: TextOrIds) -> bool:

@@ -1,0 +1,201 @@
+"""The load stage: a batch's stored context prefixes, copied straight into its KV buffers.
+
+:func:`load` allocates the buffers a :class:`~kvstore.model.plan.batch.BatchPlan` asks for and
+copies each distinct context's longest verified stored prefix into its first row, context position
+``p`` at slot ``P - c + p`` (left-padded). Every chunk is checked against the plan
+(:func:`kvstore.model.plan.chains.fits`) and its checksum before any byte reaches the buffers; a
+corrupt or foreign chunk ends the prefix there (a warning; the complete stage computes the rest).
+Chunks the writer still held when the batch was planned are waited for first. ``sample`` runs it
+for the next batch on a worker thread while the current batch decodes.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstore.errors import CorruptEntryError, CorruptEntryWarning
+from kvstore.model.compute.cache import Buffers, LayerKV, new_buffers
+from kvstore.model.compute.staging import Staging
+from kvstore.model.plan.batch import BatchPlan
+from kvstore.model.plan.chains import ContextPlan, fits
+from kvstore.parallel import run_all
+from kvstore.store.codecs import StoredTensor, spec_of
+from kvstore.store.entry import EntryView
+from kvstore.store.kvstore import KVStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.model.compute.writer import Writer
+    from kvstore.model.handle import ModelHandle
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What :func:`load` found: the batch's KV buffers (each distinct context's stored prefix in its
+    first row), context tokens loaded per distinct key, and the codec spec of each chunk loaded."""
+
+    bufs: Buffers
+    loaded: Mapping[str, int]
+    codecs: Mapping[str, tuple[str, ...]]
+
+
+@torch.inference_mode()
+def load(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, writer: Writer | None = None) -> Loaded:
+    """Allocate ``plan``'s buffers and load each distinct context's stored prefix (see the module
+    docstring). Without a store nothing is loaded."""
+    if writer is not None and plan.pending:
+        writer.wait_for(plan.pending)  # chunks computed by an earlier batch: load them, do not recompute
+    dev = handle.device
+    bufs = new_buffers(handle.kv_shapes(), len(plan.rows), plan.slots, handle.dtype, dev)
+    P = plan.context_slots
+    loaded: dict[str, int] = {}
+    codecs: dict[str, tuple[str, ...]] = {}
+    staging = Staging(dev, force=handle.force_staging)  # accelerator buffers: pinned host tensors, side stream
+    for key, rows in plan.distinct.items():
+        ctx = plan.contexts[rows[0]]
+        found: list[str] = []
+        if store is not None:  # the plan's depth is what it expects; the load checks every chunk
+            loaded[key] = load_prefix(handle, store, ctx, bufs, rows[0], P - ctx.n_tokens, found, staging)
+        else:
+            loaded[key] = 0
+        codecs[key] = tuple(found)
+    staging.finish()
+    return Loaded(bufs, loaded, codecs)
+
+
+def load_prefix(
+    handle: ModelHandle, store: KVStore, plan_: ContextPlan, bufs: Buffers, row: int, slot0: int,
+    codecs: list[str] | None = None, staging: Staging | None = None,
+) -> int:  # fmt: skip
+    """Copy the longest verified stored prefix of ``plan_`` into batch row ``row`` of ``bufs``,
+    context position ``p`` at slot ``slot0 + p``. Falls back to a format-1 entry holding exactly
+    this (lossless) context. Returns how many context tokens were loaded (0: nothing); the codec
+    spec of each chunk loaded is appended to ``codecs``. With ``staging`` (accelerator buffers),
+    records go through its pinned host tensors and asynchronous copies: call its ``finish()``
+    before using ``bufs``."""
+    loaded = 0
+    with store.open_chain(plan_.keys, lazy=True) as views:
+        fitting = []
+        for j, view in enumerate(views):
+            try:
+                if not fits(handle, view, plan_, j):
+                    break
+            except CorruptEntryError as exc:  # a lazily decoded record that does not decode
+                _warn_corrupt(plan_.keys[j], exc)
+                break
+            fitting.append(view)
+        # every tensor of every chunk straight into place, decompressed and copied on a few threads
+        tasks = _copy_tasks(fitting, bufs, row, slot0, staging)
+        errors = run_all([fn for _, fn in tasks], store.codec.decode_threads())
+        good = len(fitting)
+        for (j, _), err in zip(tasks, errors):
+            if err is not None:
+                if not isinstance(err, CorruptEntryError):
+                    raise err
+                if j < good:
+                    good = j
+                    _warn_corrupt(plan_.keys[j], err)
+        if good:
+            loaded = fitting[good - 1].header.end
+        if codecs is not None:
+            codecs += [spec_of(view.header.codec) for view in fitting[:good]]
+    if loaded == 0 and not plan_.lossy and store.contains(plan_.v1_key):
+        with store.open_entry(plan_.v1_key) as v1:
+            one_chunk = ContextPlan(plan_.ids, ((0, plan_.n_tokens),), (plan_.v1_key,), plan_.v1_key)
+            if v1 is not None and v1.header.format == 1 and fits(handle, v1, one_chunk, 0):
+                for (kb, vb), (k, v) in zip(bufs, v1.layers):  # type: ignore[misc]
+                    k.copy_into(kb[row, :, slot0 : slot0 + plan_.n_tokens])
+                    v.copy_into(vb[row, :, slot0 : slot0 + plan_.n_tokens])
+                loaded = plan_.n_tokens
+                if codecs is not None:
+                    codecs.append(spec_of(v1.header.codec))
+    return loaded
+
+
+def _copy_tasks(
+    fitting: Sequence[EntryView], bufs: Buffers, row: int, slot0: int, staging: Staging | None
+) -> list[tuple[int, Callable[[], None]]]:
+    """``(chunk index, copy)`` for every stored tensor of the ``fitting`` chunks into row ``row``.
+    With an active ``staging``, one layer's keys (or values) over chunks that tile a span decode
+    into one host region sent with one copy, unless they dequantize on the device."""
+    items: list[tuple[int, int, int, StoredTensor, int, int]] = []  # chunk, layer, role, record, slots
+    for j, view in enumerate(fitting):
+        h = view.header
+        for i, (kv, spec) in enumerate(zip(view.layers, h.layers)):
+            if kv is not None:
+                lo, hi = slot0 + h.end - spec.length, slot0 + h.end
+                items += [(j, i, 0, kv[0], lo, hi), (j, i, 1, kv[1], lo, hi)]
+    if staging is None or not staging.active:  # straight into place, in the order they lie in the store
+        return [(j, functools.partial(_copy_into, rec, bufs[i][r][row, :, lo:hi])) for j, i, r, rec, lo, hi in items]
+    groups: dict[tuple[int, int], list[tuple[int, StoredTensor, int, int]]] = {}
+    for j, i, r, rec, lo, hi in items:
+        groups.setdefault((i, r), []).append((j, rec, lo, hi))
+    tasks: list[tuple[int, Callable[[], None]]] = []
+    for (i, r), ps in groups.items():
+        buf = bufs[i][r]
+        tiled = all(a[3] == b[2] for a, b in zip(ps, ps[1:]))
+        if tiled and not any(getattr(rec, "device_decode", False) for _, rec, _, _ in ps):
+            lo0 = ps[0][2]
+            region = staging.region(buf[row, :, lo0 : ps[-1][3]], len(ps))
+            tasks += [(j, functools.partial(region.copy_into, rec, lo - lo0, hi - lo0)) for j, rec, lo, hi in ps]
+        else:
+            tasks += [(j, functools.partial(staging.copy_into, rec, buf[row, :, lo:hi])) for j, rec, lo, hi in ps]
+    return tasks
+
+
+def _copy_into(record, dest) -> None:
+    record.copy_into(dest)
+
+
+def _warn_corrupt(key: str, exc: Exception) -> None:
+    warnings.warn(
+        f"kvstore: entry {key[:16]} is corrupt ({exc}); treating it as a miss", CorruptEntryWarning, stacklevel=3
+    )
+
+
+def verified_depth(handle: ModelHandle, store: KVStore, plan: ContextPlan) -> int:
+    """How many leading chunks of ``plan`` are stored, intact and this model's (verified)."""
+    with store.open_chain(plan.keys) as views:
+        return sum(1 for _ in _fitting(handle, plan, views))
+
+
+def _fitting(handle: ModelHandle, plan: ContextPlan, views):
+    for j, view in enumerate(views):
+        if not fits(handle, view, plan, j):
+            return
+        yield view
+
+
+def load_prefix_kv(handle: ModelHandle, store: KVStore, plan: ContextPlan, depth: int) -> LayerKV | None:
+    """The keys/values of ``plan``'s first ``depth`` chunks, materialized (None if they are no
+    longer all stored intact)."""
+    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    with store.open_chain(plan.keys[:depth]) as views:
+        for view in _fitting(handle, plan, views):
+            pieces.append([(k.materialize(), v.materialize()) for k, v in filter(None, view.layers)])
+    if len(pieces) < depth:
+        return None
+    return tuple(
+        (torch.cat([p[i][0] for p in pieces], 1), torch.cat([p[i][1] for p in pieces], 1))
+        for i in range(len(pieces[0]))
+    )
+
+
+def load_v1(handle: ModelHandle, store: KVStore, plan: ContextPlan) -> LayerKV | None:
+    """The keys/values of a format-1 entry holding exactly ``plan``'s context, materialized (None
+    when there is none, or it is corrupt or another model's)."""
+    if not store.contains(plan.v1_key):
+        return None
+    whole = ContextPlan(plan.ids, ((0, plan.n_tokens),), (plan.v1_key,), plan.v1_key)
+    with store.open_entry(plan.v1_key) as view:
+        if view is None or view.header.format != 1 or not fits(handle, view, whole, 0):
+            return None
+        return tuple((k.materialize(), v.materialize()) for k, v in filter(None, view.layers))
+
+
+__all__ = ["Loaded", "load", "load_prefix", "load_prefix_kv", "load_v1", "verified_depth"]
