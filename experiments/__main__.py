@@ -54,7 +54,11 @@ def convert(suite: Suite, raw_dir: Path) -> dict[str, dict]:
     """The suite's raw files in ``raw_dir`` -> output stem -> fields."""
     out: dict[str, dict] = {}
     for name, path in raw_outputs(raw_dir, suite.raw_files).items():
-        out |= suite.convert(name.rsplit(".", 1)[0], read_raw(path))
+        raw = read_raw(path)
+        if isinstance(raw, dict) and tuple(raw) == schema.KEYS:  # written by benchlib.write_result
+            out[name.rsplit(".", 1)[0]] = raw
+        else:
+            out |= suite.convert(name.rsplit(".", 1)[0], raw)
     return out
 
 
@@ -63,10 +67,8 @@ def document(suite: Suite, stem: str, fields: dict, command: str, sha: str, mach
     for k in ("load_before", "load_after"):  # the runner's own reading where the script took none
         if m.get(k) is None and machine.get(k) is not None:
             m[k] = machine[k]
-    part = stem[len(suite.name) + 1 :] if len(suite.outputs) > 1 else None
-    return schema.make(
-        suite.name, part, fields.get("command", command), fields["params"], m, fields["rows"], fields["notes"], sha
-    )
+    return schema.make(suite.name, suite.part(stem), fields.get("command", command), fields["params"], m,
+                       fields["rows"], fields["notes"], sha)  # fmt: skip
 
 
 def merge(suite: Suite, doc: dict, old_path: Path) -> dict:
@@ -112,6 +114,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         argv += extra
     command = shlex.join(["python", "-m", "experiments", "run", suite.name, *(["--quick"] if args.quick else []),
                           *args.args])  # fmt: skip
+    env["KVSTORE_BENCH_COMMAND"] = command  # what benchlib.write_result records as the result's command
     sha, machine = schema.git_sha(), schema.machine()
     print(f"running {shlex.join(argv)} (raw output in {raw_dir})", flush=True)
     stdout = (raw_dir / suite.stdout).open("w") if suite.stdout else None
@@ -131,7 +134,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else (QUICK if args.quick else schema.RESULTS)
     for stem, fields in converted.items():
         path = out_dir / f"{stem}.json"
-        doc = merge(suite, document(suite, stem, fields, command, sha, machine), path)
+        doc = fields if tuple(fields) == schema.KEYS else document(suite, stem, fields, command, sha, machine)
+        doc = merge(suite, doc, path)
         schema.write(path, doc)
         print(f"wrote {path}")
     for name, path in raw_outputs(raw_dir, suite.artifacts).items():

@@ -181,6 +181,11 @@ class Suite:
     def script(self) -> str:
         return next((a for a in self.argv if a.endswith(".py")), " ".join(self.argv))
 
+    def part(self, output: str) -> str | None:
+        """Which part of the suite ``output`` is: ``None`` for a suite with one output, else the
+        output's name after the suite's (``s3_load``: ``load``; the output named like the suite: ``""``)."""
+        return output[len(self.name) + 1 :] if len(self.outputs) > 1 else None
+
 
 def _s3_outputs() -> tuple[str, ...]:
     return tuple(f"s3_{p}" for p in ("load", "sample", "shards", "failures", "estimate"))
@@ -288,6 +293,14 @@ def by_name(name: str) -> Suite:
         if s.name == name:
             return s
     raise KeyError(name)
+
+
+def suite_of(output: str) -> tuple[str, str | None]:
+    """``(suite, part)`` of the result named ``output``; ``(output, None)`` when no suite lists it."""
+    for s in SUITES:
+        if output in s.outputs:
+            return s.name, s.part(output)
+    return output, None
 
 
 def read_raw(path: Path) -> Any:
