@@ -40,7 +40,6 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=bl.THREADS)
     args = p.parse_args()
     bl.setup(args.threads)
-    info = bl.machine()
     adapter = bl.load_adapter(args.dtype)
     from kvstore.model import chains
     from kvstore.model.cache import new_buffers
@@ -110,9 +109,7 @@ def main() -> None:
             for store in stores.values():
                 store.close()
             shutil.rmtree(scratch, ignore_errors=True)
-    info["load_after"] = bl.loadavg()
-    stem = "codec_load" + ("" if args.dtype == "float32" else f"_{args.dtype}")
-    bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "args": vars(args), "rows": rows})
+    bl.write_result("codec_load" + ("" if args.dtype == "float32" else f"_{args.dtype}"), params=vars(args), rows=rows)
 
 
 if __name__ == "__main__":

@@ -207,7 +207,6 @@ def main() -> None:
         raise SystemExit("llama-cpp-python is missing: pip install llama-cpp-python (builds from source)") from exc
     lengths = [int(x) for x in args.lengths.split(",")]
     bl.setup(args.threads)
-    info = bl.machine() | {"llama_cpp_python": llama_cpp.__version__, "gguf": gguf_path().name}
     adapter = bl.load_adapter("float32")
     from kvstore.store.kvstore import KVStore
 
@@ -232,11 +231,8 @@ def main() -> None:
         for s in stores.values():
             s.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    info["load_after"] = bl.loadavg()
-    stem = "llamacpp_quick" if args.quick else "llamacpp"
-    bl.write_csv(bl.RESULTS / f"{stem}.csv", [{k: v for k, v in r.items() if k != "runs_s"} for r in rows])
-    bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "repeats": args.repeats, "rows": rows})
-    print(f"wrote {bl.RESULTS / stem}.{{csv,json}}")
+    peer = {"llama_cpp_python": llama_cpp.__version__, "gguf": gguf_path().name}
+    bl.write_result("llamacpp", params=vars(args), rows=rows, machine=peer)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,6 @@ def main() -> None:
         args.tokens, args.repeats = 256, 2
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
-    info = bl.machine()
     adapter = bl.load_adapter("float32")
     from kvstore.model import chains
     from kvstore.model.cache import new_buffers
@@ -193,13 +192,7 @@ def main() -> None:
         for s in [*stores.values(), *chain_stores]:
             s.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    info["load_after"] = bl.loadavg()
-    stem = "throughput_quick" if args.quick else "throughput"
-    bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
-    bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "repeats": args.repeats, "rows": rows})
-    print(
-        f"wrote {bl.RESULTS / stem}.{{csv,json}}; load average before {info['load_before']}, after {info['load_after']}"
-    )
+    bl.write_result("throughput", params=vars(args), rows=rows)
 
 
 if __name__ == "__main__":
