@@ -170,7 +170,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     ap.add_argument("--threads", type=int, default=bl.THREADS)
-    ap.add_argument("--stem", default="quant", help="output file name: STEM.{json,csv}")
+    ap.add_argument("--stem", default="quant", help="results file stem: STEM.json")
     ap.add_argument("--work", default=str(WORK), help="scratch directory of the stores (one per concurrent run)")
     args = ap.parse_args()
     WORK = Path(args.work)
@@ -184,7 +184,6 @@ def main() -> None:
     if args.quick:
         sets["demo"] = sets["demo"][:16]
     bl.wait_for_quiet(max_wait_s=args.wait)
-    meta = {"machine": bl.machine(), "args": vars(args), "new_tokens": N_NEW}
     rows: list[dict] = []
     for dtype in args.dtypes.split(","):
         adapter = bl.load_adapter(dtype)
@@ -192,11 +191,7 @@ def main() -> None:
         for name in args.sets.split(","):
             rows += run_set(adapter, fmt, name, sets[name], dtype, args)
         del adapter
-    meta["machine"]["load_after"] = bl.loadavg()
-    name = "quant_quick" if args.quick else args.stem
-    bl.write_json(bl.RESULTS / f"{name}.json", {"meta": meta, "rows": rows})
-    bl.write_csv(bl.RESULTS / f"{name}.csv", [{k: v for k, v in r.items() if k != "timing"} for r in rows])
-    print(f"wrote {bl.RESULTS / name}.json and .csv")
+    bl.write_result(args.stem, params=vars(args) | {"new_tokens": N_NEW}, rows=rows)
 
 
 if __name__ == "__main__":

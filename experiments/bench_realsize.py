@@ -29,7 +29,7 @@ dtype (float32, bfloat16) and context length, batch 1, one first token:
 The stores are filled from the first recompute run's KV (the same chunk entries
 ``generate_kv_cache`` writes), so a configuration costs its recompute runs and little else. Every timing is a
 median with min and max over its repeats; the load average is recorded before and after each
-configuration (the CPU machine is shared with other jobs). Results are rewritten after every
+configuration (the CPU machine is shared with other jobs). ``realsize.json`` is rewritten after every
 configuration, so an interrupted run keeps what it measured.
 
 Commands (from the repository root; the suite ``realsize``: ``python -m experiments run realsize
@@ -53,7 +53,6 @@ import torch
 
 import benchlib as bl
 
-OUT = bl.RESULTS / "realsize.json"
 CPU_SHAPES = ("pythia-1b", "llama-3.2-1b")
 CODECS = ("zstd-shuffle:1", "raw")
 
@@ -297,7 +296,6 @@ def main() -> None:
         help="stop repeating recompute after 2 runs once they took this long together",
     )
     p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads (CPU)")
-    p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--quick", action="store_true", help="smoke test: 256/512 tokens, 1 repeat")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -313,11 +311,8 @@ def main() -> None:
         skipped.append("llama-3.1-8b: defined, run only where CUDA is available")
     from kvstore.model.adapter import Adapter
 
-    info = bl.machine()
-    if cuda:
-        info["gpu"] = torch.cuda.get_device_name(dev)
-    result = {"machine": info, "shared_machine_note": "CPU runs share the machine with other jobs: see load_*",
-              "args": vars(args) | {"out": str(args.out)}, "skipped": skipped, "rows": []}  # fmt: skip
+    notes = {"shared_machine_note": "CPU runs share the machine with other jobs: see load_*", "skipped": skipped}
+    rows: list[dict] = []
     scratch = bl.SCRATCH / "realsize"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -330,9 +325,8 @@ def main() -> None:
                     model.to(getattr(torch, dname))  # in place: the same random weights, rounded
                     adapter = Adapter(model, tok, name=f"{shape}-random", fingerprint=f"realsize-{shape}-{dname}")
                     adapter.prefill([list(range(100, 164))])  # warm up: the first recompute run is not the first call
-                    result["rows"] += run_config(adapter, shape, params, dname, n, args, scratch)
-                    result["machine"]["load_after"] = bl.loadavg()
-                    bl.write_json(args.out, result)
+                    rows += run_config(adapter, shape, params, dname, n, args, scratch)
+                    bl.write_result("realsize", params=vars(args), rows=rows, notes=notes)  # the GPU named by benchlib
                     shutil.rmtree(scratch, ignore_errors=True)
                     scratch.mkdir(parents=True)
                     del adapter
@@ -342,7 +336,6 @@ def main() -> None:
                     torch.cuda.empty_cache()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"wrote {args.out}", flush=True)
 
 
 if __name__ == "__main__":
