@@ -300,6 +300,18 @@ def floor(adapter, layers, q_ids: list[int]):
     return run
 
 
+# -- profiles -------------------------------------------------------------------------------------
+def profile_rows(prof, limit: int) -> list[dict]:
+    """The first ``limit`` operators of a ``torch.profiler`` run by self CPU time, one row each: name,
+    calls, self and total CPU milliseconds, and the self time's share of every operator's (the
+    ``Self CPU %`` of the profiler's own table)."""
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [{"name": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+             "self_cpu_pct": 100 * e.self_cpu_time_total / total, "cpu_total_ms": e.cpu_time_total / 1e3}
+            for e in events[:limit]]  # fmt: skip
+
+
 # -- peak memory ----------------------------------------------------------------------------------
 def rss_mib() -> float:
     """Peak resident set size of this process so far (MiB)."""
