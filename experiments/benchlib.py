@@ -321,31 +321,6 @@ def rss_mib() -> float:
 
 
 # -- output ---------------------------------------------------------------------------------------
-def machine() -> dict:
-    return _machine() | {"load_after": None}
-
-
-def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
-
-
-def write_csv(path: Path, rows: Sequence[dict]) -> None:
-    import csv
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields: list[str] = []
-    for r in rows:
-        for k in r:
-            if k not in fields:
-                fields.append(k)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
-
-
 def md_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     """A GitHub markdown table."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
