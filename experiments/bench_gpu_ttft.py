@@ -1,4 +1,4 @@
-"""Time to first token on a GPU: recompute vs kvstore (raw and default codec) vs the floor.
+"""Time to first token on a GPU: recompute vs kvstore (``raw``, ``zstd-shuffle:1``) vs the floor.
 
 For machines with CUDA. The model is SmolLM2-135M-shaped (its config: 30 layers, hidden 576, 9
 query / 3 KV heads, vocabulary 49,152) with random weights, built from the config so that nothing

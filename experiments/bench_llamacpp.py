@@ -12,8 +12,9 @@ same fixed seeds as ``bench_ttft.py``) and one fixed 23-token question, batch 1,
   (warm in the page cache) after evaluating the context, then ``eval(question)``.
 * ``llama.cpp seq in memory``: ``llama_state_seq_set_data`` from a copy of the sequence state
   held in memory, then ``eval(question)``.
-* ``kvstore:zstd-shuffle:1`` (the default codec) and ``kvstore:raw``: ``greedy_sample`` of one
-  row, one new token, from a warm LMDB store (load, decode into the batch buffers, question step).
+* ``kvstore:zstd-shuffle:1`` (the default codec before ``zstd-split:1:16``) and ``kvstore:raw``:
+  ``greedy_sample`` of one row, one new token, from a warm LMDB store (load, decode into the batch
+  buffers, question step).
 * ``kvstore floor``: kvstore's question step alone, on a cache already in its buffers.
 
 The KV cache is cleared (untimed) before every timed llama.cpp run, so a restore really restores,

@@ -3,7 +3,7 @@
 The float32 KV of one real 2,048-token context (the demo articles, bundled SmolLM2-135M-Instruct)
 is split per tensor into planes and each plane compressed as one zstd level-1 frame:
 
-* ``bytes`` (``zstd-shuffle:1``, the default): 4 byte planes per float;
+* ``bytes`` (``zstd-shuffle:1``, the default before ``zstd-split:1:16``): 4 byte planes per float;
 * ``halves``: 2 planes of 16-bit halves (low: mantissa bits; high: sign, exponent, top mantissa);
 * ``whole``: the tensor's bytes as they are (``zstd:1``).
 
