@@ -8,10 +8,12 @@ From the repository root::
     .venv/bin/python -m experiments run e2e --parts sweep       # one part: only e2e_sweep.json changes
     .venv/bin/python -m experiments report                      # docs/results.md from every committed result
     .venv/bin/python -m experiments report --check              # exit 1 if docs/results.md is stale
-    .venv/bin/python -m experiments adopt ttft old/ttft.json    # convert a script's own output file
+    .venv/bin/python -m experiments adopt ttft old/ttft.json    # a result from a file in an older layout
 
 Arguments after the suite name go to its script unchanged (see ``python experiments/SCRIPT.py
---help``). A run writes its results only when the script exits 0.
+--help``). The script writes its results in the schema itself (``benchlib.write_result``) into a
+scratch folder; the runner checks them and puts them in place, unchanged, only when the script
+exits 0.
 """
 
 from __future__ import annotations
@@ -43,30 +45,10 @@ def cmd_list(_: argparse.Namespace) -> int:
     return 0
 
 
-def raw_outputs(raw_dir: Path, names: tuple[str, ...]) -> dict[str, Path]:
-    """The files in ``raw_dir`` that are one of ``names``, with ``_quick`` taken out of their names
-    (scripts mark smoke runs so: ``ttft_quick.json``, ``classic_quick_compile.json``)."""
-    found = {f.name.replace("_quick", ""): f for f in sorted(raw_dir.iterdir()) if f.is_file()}
-    return {name: found[name] for name in names if name in found}
-
-
-def convert(suite: Suite, raw_dir: Path) -> dict[str, dict]:
-    """The suite's raw files in ``raw_dir`` -> output stem -> fields."""
-    out: dict[str, dict] = {}
-    for name, path in raw_outputs(raw_dir, suite.raw_files).items():
-        out |= suite.convert(name.rsplit(".", 1)[0], read_raw(path))
-    return out
-
-
-def document(suite: Suite, stem: str, fields: dict, command: str, sha: str, machine: dict) -> dict:
-    m = dict(fields["machine"]) or dict(machine)
-    for k in ("load_before", "load_after"):  # the runner's own reading where the script took none
-        if m.get(k) is None and machine.get(k) is not None:
-            m[k] = machine[k]
-    part = stem[len(suite.name) + 1 :] if len(suite.outputs) > 1 else None
-    return schema.make(
-        suite.name, part, fields.get("command", command), fields["params"], m, fields["rows"], fields["notes"], sha
-    )
+def document(suite: Suite, stem: str, fields: dict, command: str, sha: str) -> dict:
+    """An adopted file's fields as a result of ``suite``."""
+    return schema.make(suite.name, suite.part(stem), fields.get("command", command), fields["params"],
+                       fields["machine"], fields["rows"], fields["notes"], sha)  # fmt: skip
 
 
 def merge(suite: Suite, doc: dict, old_path: Path) -> dict:
@@ -87,6 +69,26 @@ def merge(suite: Suite, doc: dict, old_path: Path) -> dict:
     return doc
 
 
+def check_output(suite: Suite, stem: str, doc: dict, where: str) -> None:
+    """Raise :class:`schema.SchemaError` unless ``doc`` is a result, and the one of ``suite`` named ``stem``."""
+    schema.check(doc, where)
+    if stem not in suite.outputs or (doc["suite"], doc["part"]) != (suite.name, suite.part(stem)):
+        raise schema.SchemaError(f"{where}: {stem} (suite {doc['suite']!r}, part {doc['part']!r}) is not an output "
+                                 f"of the suite {suite.name} ({', '.join(suite.outputs)})")  # fmt: skip
+
+
+def written(suite: Suite, raw_dir: Path) -> dict[str, dict]:
+    """The results the suite's script wrote in ``raw_dir`` (benchlib.write_result), checked: output
+    name -> result. Raises :class:`schema.SchemaError` for one that is not a result of this suite."""
+    out = {}
+    for stem in suite.outputs:
+        path = raw_dir / f"{stem}.json"
+        if path.exists():
+            out[stem] = schema.load(path)
+            check_output(suite, stem, out[stem], str(path))
+    return out
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     suite = by_name(args.suite)
     while args.args and args.args[0] in ("--quick", "--out"):  # runner options given after the suite
@@ -103,58 +105,64 @@ def cmd_run(args: argparse.Namespace) -> int:
     raw_dir = RAW / suite.name
     shutil.rmtree(raw_dir, ignore_errors=True)
     raw_dir.mkdir(parents=True)
-    env = os.environ | {"KVSTORE_BENCH_RAW": str(raw_dir)}
-    env |= {k: v.replace("{raw}", str(raw_dir)) for k, v in suite.env.items()}
-    argv = [a.replace("{raw}", str(raw_dir)) for a in suite.argv]
-    if suite.args_env:
-        env[suite.args_env] = " ".join([env.get(suite.args_env, ""), *map(shlex.quote, extra)]).strip()
-    else:
-        argv += extra
     command = shlex.join(["python", "-m", "experiments", "run", suite.name, *(["--quick"] if args.quick else []),
                           *args.args])  # fmt: skip
-    sha, machine = schema.git_sha(), schema.machine()
-    print(f"running {shlex.join(argv)} (raw output in {raw_dir})", flush=True)
-    stdout = (raw_dir / suite.stdout).open("w") if suite.stdout else None
-    try:
-        rc = subprocess.run([sys.executable, *argv], cwd=schema.ROOT, env=env, stdout=stdout).returncode
-    finally:
-        if stdout:
-            stdout.close()
+    # benchlib.write_result writes into KVSTORE_BENCH_RAW and records KVSTORE_BENCH_COMMAND as the command
+    env = os.environ | {"KVSTORE_BENCH_RAW": str(raw_dir), "KVSTORE_BENCH_COMMAND": command}
+    argv = [*suite.argv, *extra]
+    print(f"running {shlex.join(argv)} (results first in {raw_dir})", flush=True)
+    rc = subprocess.run([sys.executable, *argv], cwd=schema.ROOT, env=env).returncode
     if rc != 0:
         print(f"experiments: {suite.name} exited with {rc}; no result written", file=sys.stderr)
         return rc
-    machine["load_after"] = schema.loadavg()
-    converted = convert(suite, raw_dir)
-    if not converted:
-        print(f"experiments: {suite.name} wrote none of {', '.join(suite.raw_files)} in {raw_dir}", file=sys.stderr)
+    try:
+        results = written(suite, raw_dir)
+    except schema.SchemaError as e:
+        print(f"experiments: {e}; no result written", file=sys.stderr)
+        return 1
+    if not results:
+        names = ", ".join(f"{o}.json" for o in suite.outputs)
+        print(f"experiments: {suite.name} wrote none of {names} in {raw_dir}", file=sys.stderr)
         return 1
     out_dir = Path(args.out) if args.out else (QUICK if args.quick else schema.RESULTS)
-    for stem, fields in converted.items():
+    for stem, doc in results.items():
         path = out_dir / f"{stem}.json"
-        doc = merge(suite, document(suite, stem, fields, command, sha, machine), path)
-        schema.write(path, doc)
+        schema.write(path, merge(suite, doc, path))
         print(f"wrote {path}")
-    for name, path in raw_outputs(raw_dir, suite.artifacts).items():
-        target = out_dir / f"{suite.outputs[0]}.{name.rsplit('.', 1)[1]}"
-        shutil.copyfile(path, target)
-        print(f"wrote {target}")
+    for name in suite.artifacts:
+        if (raw_dir / name).exists():
+            shutil.copyfile(raw_dir / name, out_dir / name)
+            print(f"wrote {out_dir / name}")
     if out_dir == schema.RESULTS:
         print("now run: python -m experiments report")
     return 0
 
 
 def cmd_adopt(args: argparse.Namespace) -> int:
-    """Convert output files a script wrote itself (the old layout) into results."""
+    """Results from files in an older layout (what scripts wrote before they wrote the schema), or
+    from a result a script run by hand wrote (checked and copied as it is)."""
     suite = by_name(args.suite)
     out_dir = Path(args.out) if args.out else schema.RESULTS
     for f in map(Path, args.files):
-        stem = f.stem[: -len("_quick")] if f.stem.endswith("_quick") else f.stem
         raw = read_raw(f)
-        command = raw.get("command") if isinstance(raw, dict) and isinstance(raw.get("command"), str) else None
-        sha = schema.last_commit(f)
-        for out_stem, fields in suite.convert(stem, raw).items():
-            fields["notes"]["converted_from"] = f"{f.as_posix()} at {sha}"
-            doc = document(suite, out_stem, fields, command or f"python {suite.script}", sha, {})
+        if isinstance(raw, dict) and tuple(raw) == schema.KEYS:  # already a result
+            docs = {f.stem: raw}
+        else:
+            # a suite with one output names it; a multi-output suite's old file is named like its output
+            stem = suite.outputs[0] if len(suite.outputs) == 1 else f.stem.removesuffix("_quick")
+            raw_command = raw.get("command") if isinstance(raw, dict) else None
+            command = raw_command if isinstance(raw_command, str) else f"python {suite.script}"
+            sha = schema.last_commit(f)
+            docs = {}
+            for out_stem, fields in suite.adopt(stem, raw).items():
+                fields["notes"]["converted_from"] = f"{f.as_posix()} at {sha}"
+                docs[out_stem] = document(suite, out_stem, fields, command, sha)
+        for out_stem, doc in docs.items():
+            try:
+                check_output(suite, out_stem, doc, str(f))
+            except schema.SchemaError as e:
+                print(f"experiments: {e}", file=sys.stderr)
+                return 1
             schema.write(out_dir / f"{out_stem}.json", doc)
             print(f"wrote {out_dir / out_stem}.json")
     return 0
@@ -178,7 +186,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_check(_: argparse.Namespace) -> int:
     """Every committed result file is in the schema and produced by a suite."""
     produced = {f"{o}.json" for s in SUITES for o in s.outputs}
-    produced |= {f"{s.outputs[0]}.{a.rsplit('.', 1)[1]}" for s in SUITES for a in s.artifacts}
+    produced |= {a for s in SUITES for a in s.artifacts}
     bad = 0
     for path in sorted(schema.RESULTS.iterdir()):
         if path.name not in produced:

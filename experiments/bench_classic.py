@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="only the torch.compile run: dynamic, static and static + torch.compile (results to classic_compile.*)",
+        help="only the torch.compile run: dynamic, static and static + torch.compile (results to classic_compile.json)",
     )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
@@ -59,7 +59,6 @@ def main() -> None:
         args.new_tokens, args.repeats = 20, 1
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
-    info = bl.machine()
     adapter = bl.load_adapter("float32")
     model, tok = adapter.model, adapter.tokenizer
     from kvstore.store.kvstore import KVStore
@@ -169,26 +168,10 @@ def main() -> None:
             }
         )
         print(f"  {m:<42} {N / s['median']:7.1f} tok/s  ({s['min']:.2f}-{s['max']:.2f} s)  same tokens {same}/{N}")
-    info["load_after"] = bl.loadavg()
-    stem = ("classic_quick" if args.quick else "classic") + ("_compile" if args.compile else "")
-    bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
-    bl.write_json(
-        bl.RESULTS / f"{stem}.json",
-        {
-            "machine": info,
-            "prompt": PROMPT,
-            "prompt_tokens": len(prompt_ids),
-            "context_tokens": len(ctx_ids),
-            "question_tokens": len(q_ids),
-            "repeats": args.repeats,
-            "notes": notes,
-            "rows": rows,
-            "text_dynamic": tok.decode(ref),
-        },
-    )
-    print(
-        f"wrote {bl.RESULTS / stem}.{{csv,json}}; load average before {info['load_before']}, after {info['load_after']}"
-    )
+    prompt = {"prompt": PROMPT, "prompt_tokens": len(prompt_ids), "context_tokens": len(ctx_ids),
+              "question_tokens": len(q_ids)}  # fmt: skip
+    bl.write_result("classic_compile" if args.compile else "classic", params=vars(args) | prompt, rows=rows,
+                    notes=notes | {"text_dynamic": tok.decode(ref)})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 For each context length (random token ids, the seeds of ``bench_ttft.py``), the bundled
 SmolLM2-135M-Instruct (``--dtype``, default float32) prefills the context once into a store of the
 first codec; every other codec's store gets the same chain re-encoded (as ``kvstore sync --codec``
-does). Then ``kvstore.model.plan.chains.load_prefix`` (open + verify every chunk + decode + copy into the
+does). Then ``kvstore.model.stages.load.load_prefix`` (open + verify every chunk + decode + copy into the
 Adapter's batch buffers: the ``load`` piece of a stored TTFT) runs on each store in turn,
 ``--repeats`` times, alternating, 2 threads. Reported per codec and length: min / median / max ms,
 stored bytes, and the in-memory floor's question step measured in the same run (``bench_ttft``'s
@@ -40,10 +40,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=bl.THREADS)
     args = p.parse_args()
     bl.setup(args.threads)
-    info = bl.machine()
     adapter = bl.load_adapter(args.dtype)
     from kvstore.model.compute.cache import new_buffers
-    from kvstore.model.plan import chains
+    from kvstore.model.stages.load import load_prefix
     from kvstore.store.kvstore import KVStore
 
     q_ids = bl.synthetic_ids(bl.QUESTION_TOKENS, seed=7)
@@ -58,7 +57,7 @@ def main() -> None:
         try:
             first = stores[codecs[0]]
             adapter.generate_kv_cache([ctx], first, batch_size=1)
-            plan = chains.plan(adapter, ctx, chunk_tokens=first.chunk_tokens)
+            plan = adapter.plan(ctx, first)
             for store in stores.values():
                 if store is not first:
                     for key in plan.keys:
@@ -72,12 +71,12 @@ def main() -> None:
             bufs = new_buffers(adapter.kv_shapes(), 1, n + len(q_ids) + 1, adapter.dtype, adapter.device)
             times: dict[str, list[float]] = {c: [] for c in [*codecs, "floor"]}
             for store in stores.values():  # warm-up: page cache, thread pool
-                chains.load_prefix(adapter, store, plan, bufs, 0, 0)
+                load_prefix(adapter.handle, store, plan, bufs, 0, 0)
             for _ in range(args.repeats):
                 for c, store in stores.items():
                     t0 = time.perf_counter()
                     with torch.inference_mode():
-                        got = chains.load_prefix(adapter, store, plan, bufs, 0, 0)
+                        got = load_prefix(adapter.handle, store, plan, bufs, 0, 0)
                     times[c].append(time.perf_counter() - t0)
                     assert got == n, f"{c}: loaded {got} of {n} tokens"
                     exact = all(
@@ -110,9 +109,7 @@ def main() -> None:
             for store in stores.values():
                 store.close()
             shutil.rmtree(scratch, ignore_errors=True)
-    info["load_after"] = bl.loadavg()
-    stem = "codec_load" + ("" if args.dtype == "float32" else f"_{args.dtype}")
-    bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "args": vars(args), "rows": rows})
+    bl.write_result("codec_load" + ("" if args.dtype == "float32" else f"_{args.dtype}"), params=vars(args), rows=rows)
 
 
 if __name__ == "__main__":

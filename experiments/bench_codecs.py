@@ -47,7 +47,6 @@ def main() -> None:
         args.tokens, args.repeats = 256, 2
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
-    info = bl.machine()
     from kvstore.store.codecs import get_codec
 
     rows = []
@@ -107,18 +106,8 @@ def main() -> None:
                 f"{row['decode_copy_mb_s']:7.0f} MB/s   (load {bl.loadavg()[0]})",
                 flush=True,
             )
-    info["load_after"] = bl.loadavg()
-    stem = "codecs_quick" if args.quick else "codecs"
-    bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
-    bl.write_json(
-        bl.RESULTS / f"{stem}.json",
-        {"machine": info, "repeats": args.repeats, "decode_threads": store_threads, "rows": rows},
-    )
-    plot(rows, bl.RESULTS / f"{stem}.png")
-    print(
-        f"wrote {bl.RESULTS / stem}.{{csv,json,png}}; load average before {info['load_before']}, after "
-        f"{info['load_after']}"
-    )
+    bl.write_result("codecs", params=vars(args) | {"decode_threads": store_threads}, rows=rows)
+    plot(rows, bl.RESULTS / "codecs.png")
 
 
 def plot(rows, path) -> None:

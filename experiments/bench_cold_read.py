@@ -44,7 +44,6 @@ def main() -> None:
     p.add_argument("--entries", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    info = bl.machine()
     data = args.store / "data.mdb"
     rows = []
     for r in range(args.repeats):
@@ -90,8 +89,11 @@ def main() -> None:
                 f"then warm {warm * 1e3:6.1f} ms ({total / warm / 1e6:6.0f} MB/s)",
                 flush=True,
             )
-    info["load_after"] = bl.loadavg()
-    bl.write_json(bl.RESULTS / "cold_read.json", {"machine": info, "store": str(args.store), "rows": rows})
+    summary = {
+        f"readahead={ra}": {k: bl.summarize([r[k] for r in rows if r["readahead"] == ra]) for k in ("cold_s", "warm_s")}
+        for ra in (False, True)
+    }
+    bl.write_result("cold_read", params=vars(args), rows=rows, notes=summary)
 
 
 if __name__ == "__main__":

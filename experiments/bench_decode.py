@@ -52,14 +52,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     p.add_argument("--threads", type=int, default=bl.THREADS)
-    p.add_argument("--out", default="decode")
+    p.add_argument("--out", default="decode", help="results file stem")
     args = p.parse_args()
     if args.quick:
         args.new_tokens, args.repeats, args.context_tokens = 24, 1, 128
-        args.out = args.out + "_quick"
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
-    info = bl.machine()
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
@@ -156,10 +154,7 @@ def main() -> None:
                 "first_s": first[name], "compile_s": max(0.0, first[name] - w["median"]),
                 "identical": same, "n": w["n"], "walls": walls[name],
             })  # fmt: skip
-    info["load_after"] = bl.loadavg()
-    info["rss_mib"] = bl.rss_mib()
-    bl.write_json(bl.RESULTS / f"{args.out}.json", {"machine": info, "args": vars(args), "rows": results})
-    bl.write_csv(bl.RESULTS / f"{args.out}.csv", [{k: v for k, v in r.items() if k != "walls"} for r in results])
+    bl.write_result(args.out, params=vars(args), rows=results, notes={"rss_mib": bl.rss_mib()})
     print(bl.md_table(
         [[r["batch"], r["row"], f"{r['tok_per_s']:.1f} ({r['tok_per_s_min']:.1f}-{r['tok_per_s_max']:.1f})",
           f"{r['step_ms']:.1f}", f"{r['compile_s']:.1f}", f"{r['identical']}/{r['batch']}"] for r in results],

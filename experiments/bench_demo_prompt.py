@@ -15,6 +15,7 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -40,6 +41,7 @@ VARIANTS = {
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     data = bl.HERE / "data" / "demo.jsonl"
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
@@ -62,7 +64,7 @@ def main() -> None:
         rows.append(row)
         print(f"{name:<32} accuracy {row['accuracy']:.1%}  contains {row['contains']:.1%}  EM {row['exact_match']:.1%}"
               f"  F1 {row['f1']:.1%}  {row['mean_words']:.1f} words", flush=True)  # fmt: skip
-    bl.write_json(bl.RESULTS / "demo_prompt.json", {"machine": bl.machine(), "rows": rows})
+    bl.write_result("demo_prompt", params={}, rows=rows)
     shutil.rmtree(WORK, ignore_errors=True)
 
 

@@ -34,6 +34,8 @@ command a subprocess under ``/usr/bin/time`` (peak RSS) with ``--format json``:
     budget cut to two 512-token chunks (about the queue of 2 chunks it had before the 1 GiB budget;
     patched in for this row), with the raw codec, batch 1.
 
+Each part is one result, ``e2e_PART.json`` (``--stem`` names the result of a run of one part).
+
 Command (from the repository root; the suite ``e2e``: ``python -m experiments run e2e [ARGS]``
 writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
@@ -42,7 +44,7 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
     .venv/bin/python experiments/bench_e2e.py --parts cold,overhead
     .venv/bin/python experiments/bench_e2e.py --parts variants
     .venv/bin/python experiments/bench_e2e.py --parts loadahead --contexts 20
-    .venv/bin/python experiments/bench_e2e.py --parts overhead --overhead-contexts 6   # suite e2e_overhead_split
+    .venv/bin/python experiments/bench_e2e.py --parts overhead --stem e2e_overhead_split   # its own suite
     .venv/bin/python experiments/bench_e2e.py --quick                      # smoke test: 4 short contexts
 
 The issue's full size is ``--contexts 225`` (~450 questions): about 10 minutes of build and as long
@@ -164,7 +166,8 @@ def mean_tokens(path: Path, tokenizer, limit: int) -> float:
     return statistics.mean(min(limit, len(tokenizer(t, add_special_tokens=False)["input_ids"]) + 1) for t in outs)
 
 
-def part_main(args, data: Path, store: Path) -> dict:
+def part_main(args, data: Path, store: Path) -> tuple[list[dict], dict]:
+    """One row per command run (the build, then every cached and no-cache sample), and the totals."""
     shutil.rmtree(store, ignore_errors=True)
     b = kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
     cached = []
@@ -206,12 +209,11 @@ def part_main(args, data: Path, store: Path) -> dict:
     c_w = statistics.median(r["wall_seconds"] for r in cached)
     n_w = statistics.median(r["wall_seconds"] for r in nocache)
     q = cached[0]["questions"]
-    return {
-        "build": b,
-        "sample_cached": cached,
-        "sample_nocache": nocache,
+    rows = [{"command": "build"} | b]
+    rows += [{"command": "sample", "run": i + 1} | r for i, r in enumerate(cached)]
+    rows += [{"command": "sample --no-cache", "run": i + 1} | r for i, r in enumerate(nocache)]
+    return rows, {
         "questions": q,
-        "new_tokens": args.new_tokens,
         "cached_qps": q / c_s,
         "nocache_qps": q / n_s,
         "speedup": n_s / c_s,
@@ -352,7 +354,6 @@ def part_overhead(args, data: Path) -> dict:
     return {
         "contexts": len(texts),
         "tokens": sum(len(x) for x in ids),
-        "repeats": args.overhead_repeats,
         "batch_size": args.batch_size,
         "prefill_only_s": plain,
         "prefill_only_batch1_s": plain_b1,
@@ -475,76 +476,41 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     p.add_argument("--threads", type=int, default=bl.THREADS, help="torch threads in this process (overhead part)")
+    p.add_argument("--stem", default="", help="results file stem of a run of one part (default: e2e_PART)")
     args = p.parse_args()
+    parts = args.parts.split(",")
+    if args.stem and len(parts) != 1:
+        p.error("--stem names the result of one part: give --parts one part")
     if args.quick:
         args.contexts, args.words, args.cache_repeats, args.sweep_cache_repeats = 4, 200, 1, 1
         args.sweep_rows, args.sweep_lengths, args.overhead_contexts, args.overhead_repeats = 4, "1,4", 2, 1
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
-    stem = "e2e_quick" if args.quick else "e2e"
-    out_json = bl.RESULTS / f"{stem}.json"
-    results = json.loads(out_json.read_text()) if out_json.exists() else {}
-    info = bl.machine()
     data = WORK / ("trivia_quick.jsonl" if args.quick else f"trivia_{args.contexts}.jsonl")
     store = WORK / ("store_quick" if args.quick else f"store_{args.contexts}")
     shape = make_dataset(data, args.contexts, args.words)
     print(f"dataset {data}: {shape}", flush=True)
-    parts = args.parts.split(",")
+
+    def write(part: str, rows: list[dict], notes: dict) -> None:
+        bl.write_result(args.stem or f"e2e_{part}", params=vars(args), rows=rows, notes=notes)
+
     if "main" in parts:
         t0 = time.perf_counter()
-        results["main"] = {"machine": info, "dataset": shape} | part_main(args, data, store)
-        results["main"]["machine"]["load_after"] = bl.loadavg()
-        results["main"]["bench_seconds"] = round(time.perf_counter() - t0, 1)
-        m = results["main"]
-        bl.write_csv(
-            bl.RESULTS / f"{stem}_main.csv",
-            [
-                {
-                    "command": "build",
-                    "questions": m["questions"],
-                    "seconds": m["build"]["seconds"],
-                    "wall_seconds": m["build"]["wall_seconds"],
-                    "peak_rss_mib": m["build"]["peak_rss_mib"],
-                    "store_seconds": m["build"]["store_seconds"],
-                },
-                *(
-                    {
-                        "command": f"sample (cache) #{i + 1}",
-                        "questions": r["questions"],
-                        "seconds": r["seconds"],
-                        "wall_seconds": r["wall_seconds"],
-                        "peak_rss_mib": r["peak_rss_mib"],
-                        "questions_per_second": r["questions_per_second"],
-                    }
-                    for i, r in enumerate(m["sample_cached"])
-                ),
-                *(
-                    {
-                        "command": f"sample --no-cache #{i + 1}",
-                        "questions": r["questions"],
-                        "seconds": r["seconds"],
-                        "wall_seconds": r["wall_seconds"],
-                        "peak_rss_mib": r["peak_rss_mib"],
-                        "questions_per_second": r["questions_per_second"],
-                    }
-                    for i, r in enumerate(m["sample_nocache"])
-                ),
-            ],
-        )
+        rows, m = part_main(args, data, store)
+        m = {"dataset": shape} | m | {"bench_seconds": round(time.perf_counter() - t0, 1)}
+        write("main", rows, m)
         print(
             f"cached {m['cached_qps']:.2f} q/s vs no-cache {m['nocache_qps']:.2f} q/s -> {m['speedup']:.1f}x; "
             f"store share of build {m['build_store_share']:.1%}; identical predictions {m['identical_predictions']}"
         )
     if "sweep" in parts:
         rows = part_sweep(args, data, store)
-        results["sweep"] = {"machine": info | {"load_after": bl.loadavg()}, "rows": rows}
-        bl.write_csv(bl.RESULTS / f"{stem}_sweep.csv", rows)
+        write("sweep", rows, {})
         for r in rows:
             print(f"  -n {r['max_new_tokens']:>3}: mean answer {r['mean_answer_tokens']} tokens, {r['speedup']:.1f}x")
     if "cold" in parts:
-        results["cold"] = {"machine": info} | part_cold(args, data, store)
-        results["cold"]["machine"]["load_after"] = bl.loadavg()
-        c = results["cold"]
+        c = part_cold(args, data, store)
+        write("cold", [], c)
         print(
             "cold "
             + ", ".join(f"{r['seconds']:.1f} s" for r in c["cold"])
@@ -554,21 +520,17 @@ def main() -> None:
     if "loadahead" in parts:
         if not store.exists():
             kvstore("build", str(data), "--store", str(store), "-b", str(args.batch_size))
-        results["loadahead"] = {"machine": info} | part_loadahead(args, data, store)
-        results["loadahead"]["machine"]["load_after"] = bl.loadavg()
+        write("loadahead", [], part_loadahead(args, data, store))
     if "variants" in parts:
-        results["variants"] = {"machine": info} | part_variants(args, data)
-        results["variants"]["machine"]["load_after"] = bl.loadavg()
+        v = part_variants(args, data)
+        write("variants", v.pop("rows"), v)
     if "overhead" in parts:
-        results["overhead"] = {"machine": info} | part_overhead(args, data)
-        results["overhead"]["machine"]["load_after"] = bl.loadavg()
-        o = results["overhead"]
+        o = part_overhead(args, data)
+        write("overhead", [], o)
         print(
             f"store overhead {o['overhead_share']:.1%} of build wall (writer busy {o['writer_busy_share']:.1%}, "
             f"compute waited {o['waited_share']:.1%})"
         )
-    bl.write_json(out_json, results)
-    print(f"wrote {out_json}")
 
 
 if __name__ == "__main__":

@@ -21,20 +21,15 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Mamba2Config, MistralConfig
 
+import benchlib as bl
 from kvstore.model.adapter import Adapter
 from kvstore.store.kvstore import KVStore
-
-# the runner's scratch folder (python -m experiments run families); by hand: cache/bench/raw/
-RESULTS = Path(os.environ.get("KVSTORE_BENCH_RAW") or Path(__file__).resolve().parent.parent / "cache/bench/raw")
 
 
 class _Tok:  # just enough tokenizer for id inputs
@@ -105,10 +100,7 @@ def main() -> None:
             results[kind]["_answers"] = answers
         print(kind, path, {k: round(v["median"], 3) for k, v in results[kind].items() if isinstance(v, dict)})
     results["mamba2"].pop("_answers", None)
-    doc = {"command": "bench_families.py", "args": vars(args), "torch_threads": 1, "results": results}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / ("families_quick.json" if args.quick else "families.json")).write_text(json.dumps(doc, indent=2) + "\n")
-    print(json.dumps(doc, indent=2))
+    bl.write_result("families", params=vars(args), rows=[{"case": kind} | r for kind, r in results.items()])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Time to first token on a GPU: recompute vs kvstore (raw and default codec) vs the floor.
+"""Time to first token on a GPU: recompute vs kvstore (``raw``, ``zstd-shuffle:1``) vs the floor.
 
 For machines with CUDA. The model is SmolLM2-135M-shaped (its config: 30 layers, hidden 576, 9
 query / 3 KV heads, vocabulary 49,152) with random weights, built from the config so that nothing
@@ -16,9 +16,6 @@ gpu_ttft [ARGS]`` writes experiments/results/; run by hand it writes to cache/be
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -27,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-# the runner's scratch folder (python -m experiments run gpu_ttft); by hand: cache/bench/raw/
-RESULTS = Path(os.environ.get("KVSTORE_BENCH_RAW") or Path(__file__).resolve().parent.parent / "cache/bench/raw")
+import benchlib as bl
 
 
 def smollm2_shaped(dtype: torch.dtype):
@@ -125,15 +121,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
-    import transformers
-
-    info["transformers"] = transformers.__version__
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "gpu_ttft.json").write_text(
-        json.dumps({"machine": info, "repeats": args.repeats, "rows": rows}, indent=1)
-    )
+    bl.write_result("gpu_ttft", params=vars(args), rows=rows)  # the machine's GPU recorded by benchlib
 
 
 if __name__ == "__main__":

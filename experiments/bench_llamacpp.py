@@ -12,8 +12,9 @@ same fixed seeds as ``bench_ttft.py``) and one fixed 23-token question, batch 1,
   (warm in the page cache) after evaluating the context, then ``eval(question)``.
 * ``llama.cpp seq in memory``: ``llama_state_seq_set_data`` from a copy of the sequence state
   held in memory, then ``eval(question)``.
-* ``kvstore:zstd-shuffle:1`` (the default codec) and ``kvstore:raw``: ``greedy_sample`` of one
-  row, one new token, from a warm LMDB store (load, decode into the batch buffers, question step).
+* ``kvstore:zstd-shuffle:1`` (the default codec before ``zstd-split:1:16``) and ``kvstore:raw``:
+  ``greedy_sample`` of one row, one new token, from a warm LMDB store (load, decode into the batch
+  buffers, question step).
 * ``kvstore floor``: kvstore's question step alone, on a cache already in its buffers.
 
 The KV cache is cleared (untimed) before every timed llama.cpp run, so a restore really restores,
@@ -207,7 +208,6 @@ def main() -> None:
         raise SystemExit("llama-cpp-python is missing: pip install llama-cpp-python (builds from source)") from exc
     lengths = [int(x) for x in args.lengths.split(",")]
     bl.setup(args.threads)
-    info = bl.machine() | {"llama_cpp_python": llama_cpp.__version__, "gguf": gguf_path().name}
     adapter = bl.load_adapter("float32")
     from kvstore.store.kvstore import KVStore
 
@@ -232,11 +232,8 @@ def main() -> None:
         for s in stores.values():
             s.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    info["load_after"] = bl.loadavg()
-    stem = "llamacpp_quick" if args.quick else "llamacpp"
-    bl.write_csv(bl.RESULTS / f"{stem}.csv", [{k: v for k, v in r.items() if k != "runs_s"} for r in rows])
-    bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "repeats": args.repeats, "rows": rows})
-    print(f"wrote {bl.RESULTS / stem}.{{csv,json}}")
+    peer = {"llama_cpp_python": llama_cpp.__version__, "gguf": gguf_path().name}
+    bl.write_result("llamacpp", params=vars(args), rows=rows, machine=peer)
 
 
 if __name__ == "__main__":

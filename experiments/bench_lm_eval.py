@@ -38,7 +38,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from benchlib import RESULTS, SCRATCH, loadavg, machine, setup, write_json  # noqa: E402
+from benchlib import SCRATCH, loadavg, setup, write_result  # noqa: E402
 
 TASKS_DIR = Path(__file__).resolve().parent / "data" / "lm_eval"
 TASKS = {"mc": "kv_bench_mc", "gen": "kv_bench_gen"}
@@ -156,16 +156,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--tasks", default="mc,gen", help="comma-separated: mc, gen")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="default lm_eval.json in cache/bench/raw/ (the runner's folder)"
-    )
     parser.add_argument("--documents", type=int, default=None, help="use the first N documents (default all 12)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 2 documents, 1 repeat, *_quick.json")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 2 documents, 1 repeat")
     args = parser.parse_args()
     limit = 2 if args.quick else args.documents
     if args.quick:
         args.repeats = 1
-    out_path = args.out or RESULTS / ("lm_eval_quick.json" if args.quick else "lm_eval.json")
     setup()
     import lm_eval.models.huggingface  # noqa: F401 - registers "hf"
     from lm_eval.models.huggingface import HFLM
@@ -176,16 +172,12 @@ def main() -> None:
     directory = model_dir()
     task_manager = TaskManager(include_path=str(TASKS_DIR))
     hf = HFLM(pretrained=str(directory), dtype="float32", device="cpu", batch_size=args.batch_size)
-    result: dict = {
-        "command": "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 .venv/bin/python experiments/bench_lm_eval.py "
-        + " ".join(sys.argv[1:]),
-        "machine": machine(),
+    params = vars(args) | {"limit": limit}
+    notes: dict = {
         "model": "SmolLM2-135M-Instruct (bundled GGUF converted to a Hugging Face directory), float32, CPU, sdpa",
-        "batch_size": args.batch_size,
-        "limit": limit,
         "document_tokens": document_tokens(hf.tokenizer, limit),
-        "runs": [],
     }
+    runs: list[dict] = []
     wanted = [TASKS[t.strip()] for t in args.tasks.split(",") if t.strip()]
     for rep in range(args.repeats):
         for task in wanted:
@@ -215,17 +207,14 @@ def main() -> None:
             for phase in ("cold", "warm"):
                 run[f"kvstore_{phase}"]["check"] = compare(ref, kv_results[phase], task)
             run["load_after"] = loadavg()
-            result["runs"].append(run)
-            result["summary"] = summary(result["runs"])
-            result["machine"]["load_after"] = loadavg()
-            write_json(out_path, result)
+            runs.append(run)
+            write_result("lm_eval", params=params, rows=runs, notes=notes | {"summary": summary(runs)})
             print(
                 f"  hf {run['hf']['wall_s']:.1f}s  cold {run['kvstore_cold']['wall_s']:.1f}s  "
                 f"warm {run['kvstore_warm']['wall_s']:.1f}s  checks {run['kvstore_cold']['check']} "
                 f"{run['kvstore_warm']['check']}",
                 flush=True,
             )
-    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

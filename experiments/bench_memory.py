@@ -79,11 +79,9 @@ def main() -> None:
         n, c, a = args.child
         print(json.dumps(child(int(n), int(c), a, args.threads)))
         return
-    out = "memory"
     if args.quick:
-        args.tokens, args.chunks, args.attn, out = "1024", "0,256", "sdpa", "memory_quick"
+        args.tokens, args.chunks, args.attn = "1024", "0,256", "sdpa"
     bl.setup(args.threads)
-    info = bl.machine()
     rows = []
     for attn in args.attn.split(","):
         for n in map(int, args.tokens.split(",")):
@@ -97,9 +95,7 @@ def main() -> None:
                     f"(KV {row['kv_mib']:.0f}, working {row['working_mib']:.0f}), {row['seconds']:.1f} s",
                     flush=True,
                 )
-    info["load_after"] = bl.loadavg()
-    bl.write_json(bl.RESULTS / f"{out}.json", {"machine": info, "args": vars(args), "rows": rows})
-    bl.write_csv(bl.RESULTS / f"{out}.csv", rows)
+    bl.write_result("memory", params=vars(args), rows=rows)
     print(bl.md_table(
         [[r["attn"], r["tokens"], r["prefill_chunk"] or "one forward", f"{r['model_mib']:.0f}", f"{r['kv_mib']:.0f}",
           f"{r['growth_mib']:.0f}", f"{r['working_mib']:.0f}", f"{r['seconds']:.1f}"] for r in rows],

@@ -27,7 +27,7 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_prefix.py
     .venv/bin/python experiments/bench_prefix.py --quick    # smoke test: few documents, short texts
-    .venv/bin/python experiments/bench_prefix.py --parts longer   # one part again (the others' rows are kept)
+    .venv/bin/python -m experiments run prefix --parts longer    # one part again: the other parts' committed rows stay
 
 The format-1 code is exported from git history into ``cache/bench/prefix/v1-code`` (needs the
 repository's history; a shallow clone cannot run the ``v1`` rows).
@@ -234,7 +234,6 @@ def main() -> None:
 
     tokenizer = load_model(None, dtype="float32", device="cpu").tokenizer
     bl.wait_for_quiet(max_wait_s=args.wait)
-    meta = {"machine": bl.machine(), "args": vars(args), "v1_commit": V1_COMMIT}
     rows: list[dict] = []
     parts = args.parts.split(",")
     if "fewshot" in parts:
@@ -243,18 +242,7 @@ def main() -> None:
         rows += part_longer(args)
     if "chat" in parts:
         rows += part_chat(args)
-    meta["machine"]["load_after"] = bl.loadavg()
-    name = "prefix_quick" if args.quick else "prefix"
-    old = bl.RESULTS / f"{name}.json"
-    if old.exists():  # keep the other parts' rows (and their machine) from an earlier run
-        prev = json.loads(old.read_text())
-        kept = [r for r in prev["rows"] if r["part"] not in parts]
-        if kept:
-            meta["earlier_parts"] = {"parts": sorted({r["part"] for r in kept}), "meta": prev["meta"]}
-            rows = kept + rows
-    bl.write_json(bl.RESULTS / f"{name}.json", {"meta": meta, "rows": rows})
-    bl.write_csv(bl.RESULTS / f"{name}.csv", rows)
-    print(f"wrote {bl.RESULTS / name}.json and .csv")
+    bl.write_result("prefix", params=vars(args), rows=rows, notes={"v1_commit": V1_COMMIT})
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ lossless cache, the floor agreement is judged against). Reported per codec:
 * ``tokens_before_divergence``: mean tokens until the first that differs (12 when none does);
 * ``max_dlogit``: max |logit difference| at the first answer step, over rows and vocabulary;
 * ``contains``: rows whose answer contains an accepted answer (the task metric, for context);
-* ``load_ms``: one ~1.3k-token context's chain copied into a batch's buffers (``chains.load_prefix``),
+* ``load_ms``: one ~1.3k-token context's chain copied into a batch's buffers (``stages.load.load_prefix``),
   median of ``--repeats`` (min..max in the JSON); ``ttft_ms``: ``greedy_sample`` of one row, one new
   token, from the warm store (same).
 
@@ -79,12 +79,12 @@ def contains(adapter, result, rows) -> int:
 
 def timings(adapter, store, plan, context, question, repeats: int, fmt) -> dict:
     from kvstore.model.compute.cache import new_buffers
-    from kvstore.model.plan import chains
+    from kvstore.model.stages.load import load_prefix
 
     bufs = new_buffers(adapter.kv_shapes(), 1, plan.n_tokens + 64, adapter.dtype, adapter.device)
-    loaded = chains.load_prefix(adapter, store, plan, bufs, 0, 0)
+    loaded = load_prefix(adapter.handle, store, plan, bufs, 0, 0)
     assert loaded == plan.n_tokens, (loaded, plan.n_tokens)
-    load = bl.repeat(lambda: chains.load_prefix(adapter, store, plan, bufs, 0, 0), repeats, warmup=1)
+    load = bl.repeat(lambda: load_prefix(adapter.handle, store, plan, bufs, 0, 0), repeats, warmup=1)
     ttft = bl.repeat(
         lambda: adapter.greedy_sample(
             [context], [question], 1, store=store, stop_at_eos=False, prefix=fmt.head,
@@ -170,7 +170,7 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     ap.add_argument("--threads", type=int, default=bl.THREADS)
-    ap.add_argument("--stem", default="quant", help="output file name: STEM.{json,csv}")
+    ap.add_argument("--stem", default="quant", help="results file stem: STEM.json")
     ap.add_argument("--work", default=str(WORK), help="scratch directory of the stores (one per concurrent run)")
     args = ap.parse_args()
     WORK = Path(args.work)
@@ -184,7 +184,6 @@ def main() -> None:
     if args.quick:
         sets["demo"] = sets["demo"][:16]
     bl.wait_for_quiet(max_wait_s=args.wait)
-    meta = {"machine": bl.machine(), "args": vars(args), "new_tokens": N_NEW}
     rows: list[dict] = []
     for dtype in args.dtypes.split(","):
         adapter = bl.load_adapter(dtype)
@@ -192,11 +191,7 @@ def main() -> None:
         for name in args.sets.split(","):
             rows += run_set(adapter, fmt, name, sets[name], dtype, args)
         del adapter
-    meta["machine"]["load_after"] = bl.loadavg()
-    name = "quant_quick" if args.quick else args.stem
-    bl.write_json(bl.RESULTS / f"{name}.json", {"meta": meta, "rows": rows})
-    bl.write_csv(bl.RESULTS / f"{name}.csv", [{k: v for k, v in r.items() if k != "timing"} for r in rows])
-    print(f"wrote {bl.RESULTS / name}.json and .csv")
+    bl.write_result(args.stem, params=vars(args) | {"new_tokens": N_NEW}, rows=rows)
 
 
 if __name__ == "__main__":

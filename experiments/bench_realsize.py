@@ -20,7 +20,7 @@ dtype (float32, bfloat16) and context length, batch 1, one first token:
 * ``floor``: the question step on the context's KV already in preallocated buffers (no load);
 * ``stored:CODEC``: ``greedy_sample(store=...)`` on a warm LMDB store holding the context's chain
   (512-token chunks) in that codec: plan, load into the batch buffers, question, first token;
-* ``load:CODEC``: ``chains.load_prefix`` alone into batch buffers allocated once (what the stored
+* ``load:CODEC``: ``kvstore.model.stages.load.load_prefix`` alone into batch buffers allocated once (what the stored
   path moves), next to ``memcpy``: the same KV copied from memory into the same buffers
   (one copy per layer and role) and ``memcpy-flat`` (one contiguous copy of as many bytes);
 * CUDA only: ``h2d-pinned`` / ``h2d-pageable``: one host-to-device copy of as many bytes from
@@ -29,7 +29,7 @@ dtype (float32, bfloat16) and context length, batch 1, one first token:
 The stores are filled from the first recompute run's KV (the same chunk entries
 ``generate_kv_cache`` writes), so a configuration costs its recompute runs and little else. Every timing is a
 median with min and max over its repeats; the load average is recorded before and after each
-configuration (the CPU machine is shared with other jobs). Results are rewritten after every
+configuration (the CPU machine is shared with other jobs). ``realsize.json`` is rewritten after every
 configuration, so an interrupted run keeps what it measured.
 
 Commands (from the repository root; the suite ``realsize``: ``python -m experiments run realsize
@@ -53,7 +53,6 @@ import torch
 
 import benchlib as bl
 
-OUT = bl.RESULTS / "realsize.json"
 CPU_SHAPES = ("pythia-1b", "llama-3.2-1b")
 CODECS = ("zstd-shuffle:1", "raw")
 
@@ -151,6 +150,7 @@ def h2d(nbytes: int, device: torch.device, n: int) -> dict[str, list[float]]:
 def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scratch: Path) -> list[dict]:
     from kvstore.model.compute.cache import new_buffers
     from kvstore.model.plan import chains
+    from kvstore.model.stages.load import load_prefix
     from kvstore.store.kvstore import KVStore
 
     dev = adapter.device
@@ -193,7 +193,7 @@ def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scrat
     for codec in args.codecs.split(","):
         store = KVStore(str(scratch / f"{shape}-{dname}-{n}-{codec.replace(':', '')}"), codec=codec, sync=False)
         plan = adapter.plan(ctx, store)
-        for entry in chains.chunk_entries(adapter, plan, layers):
+        for entry in chains.chunk_entries(adapter.handle, plan, layers):
             store.put(entry)
         store.put_context(plan.key, plan.keys, n)
         stores[codec] = (store, plan)
@@ -213,7 +213,7 @@ def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scrat
             from kvstore.model.compute.staging import Staging
 
             staging = Staging(dev)
-            got = chains.load_prefix(adapter, store, plan, bufs, 0, 0, staging=staging)
+            got = load_prefix(adapter.handle, store, plan, bufs, 0, 0, staging=staging)
             staging.finish()
             assert got == n, f"loaded {got} of {n} tokens"
 
@@ -297,7 +297,6 @@ def main() -> None:
         help="stop repeating recompute after 2 runs once they took this long together",
     )
     p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads (CPU)")
-    p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--quick", action="store_true", help="smoke test: 256/512 tokens, 1 repeat")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -313,11 +312,8 @@ def main() -> None:
         skipped.append("llama-3.1-8b: defined, run only where CUDA is available")
     from kvstore.model.adapter import Adapter
 
-    info = bl.machine()
-    if cuda:
-        info["gpu"] = torch.cuda.get_device_name(dev)
-    result = {"machine": info, "shared_machine_note": "CPU runs share the machine with other jobs: see load_*",
-              "args": vars(args) | {"out": str(args.out)}, "skipped": skipped, "rows": []}  # fmt: skip
+    notes = {"shared_machine_note": "CPU runs share the machine with other jobs: see load_*", "skipped": skipped}
+    rows: list[dict] = []
     scratch = bl.SCRATCH / "realsize"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -330,9 +326,8 @@ def main() -> None:
                     model.to(getattr(torch, dname))  # in place: the same random weights, rounded
                     adapter = Adapter(model, tok, name=f"{shape}-random", fingerprint=f"realsize-{shape}-{dname}")
                     adapter.prefill([list(range(100, 164))])  # warm up: the first recompute run is not the first call
-                    result["rows"] += run_config(adapter, shape, params, dname, n, args, scratch)
-                    result["machine"]["load_after"] = bl.loadavg()
-                    bl.write_json(args.out, result)
+                    rows += run_config(adapter, shape, params, dname, n, args, scratch)
+                    bl.write_result("realsize", params=vars(args), rows=rows, notes=notes)  # the GPU named by benchlib
                     shutil.rmtree(scratch, ignore_errors=True)
                     scratch.mkdir(parents=True)
                     del adapter
@@ -342,7 +337,6 @@ def main() -> None:
                     torch.cuda.empty_cache()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"wrote {args.out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -373,11 +373,9 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.sizes_mb, args.repeats, args.sample_repeats, args.new_tokens = "10,50", 2, 1, "1"
-    suffix = "_quick" if args.quick else ""
     parts = args.parts.split(",")
     bl.setup()
     bl.wait_for_quiet(max_wait_s=args.wait)
-    info = bl.machine()
     root = bl.SCRATCH / "s3" / "seaweed"
     shutil.rmtree(root, ignore_errors=True)
     server = SeaweedServer(root)
@@ -386,7 +384,7 @@ def main() -> None:
     try:
         import boto3
 
-        info |= {"boto3": boto3.__version__, "server": "SeaweedFS 4.48 (weed mini) on 127.0.0.1, same machine"}
+        peers = {"boto3": boto3.__version__, "server": "SeaweedFS 4.48 (weed mini) on 127.0.0.1, same machine"}
         for part in parts:
             print(f"{part}:", flush=True)
             if part == "load":
@@ -397,14 +395,14 @@ def main() -> None:
                 rows = part_shards(server, max(1, args.repeats // 2))
             elif part == "failures":
                 rows = part_failures(server)
-            elif part == "estimate":
-                bl.write_json(bl.RESULTS / f"s3_estimate{suffix}.json", part_estimate([1, 2, 8, 32]))
+            elif part == "estimate":  # on paper: its assumptions are its parameters
+                estimate = part_estimate([1, 2, 8, 32])
+                bl.write_result("s3_estimate", params={"assumptions": estimate.pop("assumptions")}, rows=[],
+                                notes=estimate)  # fmt: skip
                 continue
             else:
                 raise SystemExit(f"unknown part {part!r}")
-            bl.write_csv(bl.RESULTS / f"s3_{part}{suffix}.csv", rows)
-            result = {"machine": info | {"load_after": bl.loadavg()}, "args": vars(args), "rows": rows}
-            bl.write_json(bl.RESULTS / f"s3_{part}{suffix}.json", result)
+            bl.write_result(f"s3_{part}", params=vars(args), rows=rows, machine=peers)
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)

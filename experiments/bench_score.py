@@ -23,11 +23,9 @@ import argparse
 import importlib.util
 import shutil
 import statistics
-import sys
 import time
-from pathlib import Path
 
-from benchlib import HERE, RESULTS, SCRATCH, load_adapter, loadavg, machine, setup, write_json
+from benchlib import HERE, SCRATCH, load_adapter, loadavg, setup, write_result
 
 
 def _rows(n: int) -> list[dict]:
@@ -50,7 +48,6 @@ def main() -> None:
     ap.add_argument("--documents", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=RESULTS / "score.json")
     args = ap.parse_args()
     setup()
     from kvstore.store.kvstore import KVStore
@@ -66,15 +63,14 @@ def main() -> None:
     adapter = load_adapter("float32")
     prompt_tokens = [len(adapter.encode_context(r["document"] + "\nQuestion: " + r["question"] + "\nAnswer:"))
                      for r in rows]  # fmt: skip
-    result = {
-        "suite": "score",
-        "command": "python experiments/bench_score.py " + " ".join(sys.argv[1:]),
-        "params": {"documents": len(rows), "options": len(options), "batch_size": args.batch_size,
-                   "model": "SmolLM2-135M-Instruct (bundled)", "dtype": "float32",
-                   "prompt_tokens": {"min": min(prompt_tokens), "max": max(prompt_tokens)}},
-        "machine": machine(),
-        "runs": [],
-    }  # fmt: skip
+    params = vars(args) | {
+        "documents": len(rows),
+        "options": len(options),
+        "model": "SmolLM2-135M-Instruct (bundled)",
+        "dtype": "float32",
+        "prompt_tokens": {"min": min(prompt_tokens), "max": max(prompt_tokens)},
+    }
+    runs: list[dict] = []
     store_dir = SCRATCH / "score-store"
     for rep in range(args.repeats):
         shutil.rmtree(store_dir, ignore_errors=True)
@@ -104,12 +100,10 @@ def main() -> None:
             assert diff <= 1e-4 and same_greedy, (mode, diff)
             assert (run[mode]["acc"], run[mode]["acc_norm"]) == (run["no_cache"]["acc"], run["no_cache"]["acc_norm"])
         assert run["warm"]["prefill_tokens_computed"] == 0
-        result["runs"].append(run)
-        result["summary"] = _summary(result["runs"])
-        result["machine"]["load_after"] = loadavg()
-        write_json(args.out, result)
+        runs.append(run)
+        write_result("score", params=params, rows=runs, notes={"summary": _summary(runs)})
     shutil.rmtree(store_dir, ignore_errors=True)
-    print(result["summary"])
+    print(_summary(runs))
 
 
 def _summary(runs: list[dict]) -> dict:

@@ -183,26 +183,23 @@ def main() -> None:
 
     sets = bl.question_sets()
     bl.wait_for_quiet(max_wait_s=args.wait)
-    meta: dict = {"machine": bl.machine(), "args": vars(args), "new_tokens": N_NEW, "stop_strings": STOPS}
     t0 = time.perf_counter()
     adapter = bl.load_adapter("float32")
-    meta["model_load_s"] = round(time.perf_counter() - t0, 3)
+    notes: dict = {"model_load_s": round(time.perf_counter() - t0, 3), "sets": [], "cost": None}
     fmt = PromptFormat.from_chat_template(adapter.tokenizer)
-    out = {"meta": meta, "sets": [], "cost": None, "rows": []}
-    name = "sparse_quick" if args.quick else args.stem
+    params = vars(args) | {"new_tokens": N_NEW, "stop_strings": STOPS}
+    rows: list[dict] = []
 
     def save():
-        out["meta"]["machine"]["load_after"] = bl.loadavg()
-        bl.write_json(bl.RESULTS / f"{name}.json", out)
-        bl.write_csv(bl.RESULTS / f"{name}.csv", out["rows"])
+        bl.write_result(args.stem, params=params, rows=rows, notes=notes)
 
     for set_name in args.sets.split(","):
         stride = dict((k, int(v)) for k, v in (x.split(":") for x in args.every.split(",") if x)).get(set_name, 1)
-        rows = sets[set_name][::stride]
-        rows = rows[: args.limit] if args.limit else rows
-        got, info = run_set(adapter, fmt, set_name, rows, variants)
-        out["rows"] += got
-        out["sets"].append(info)
+        questions = sets[set_name][::stride]
+        questions = questions[: args.limit] if args.limit else questions
+        got, info = run_set(adapter, fmt, set_name, questions, variants)
+        rows += got
+        notes["sets"].append(info)
         save()
         for r in got:
             print(
@@ -211,9 +208,9 @@ def main() -> None:
                 flush=True,
             )
         if set_name == "demo" and args.cost_rows:
-            out["cost"] = cost(adapter, fmt, sets["demo"][: args.cost_rows], args.repeats)
+            notes["cost"] = cost(adapter, fmt, sets["demo"][: args.cost_rows], args.repeats)
             save()
-            print(f"  cost: {out['cost']}", flush=True)
+            print(f"  cost: {notes['cost']}", flush=True)
     save()
 
 

@@ -16,7 +16,7 @@ KV cast down) in one warm LMDB store per codec. Then, in the same run and round-
   case for a reused decode cache).
 * ``sample-path`` (float32 only: the model's dtype): what ``sample`` does for one row, on the same
   context stored by ``generate_kv_cache`` as a chain of 256-token chunks in a store of that codec:
-  ``chains.load_prefix`` into batch buffers ``[1, kv_heads, n + 40, head_dim]`` allocated once
+  ``kvstore.model.stages.load.load_prefix`` into batch buffers ``[1, kv_heads, n + 40, head_dim]`` allocated once
   (lazy per-tensor decoding on the store's decode threads, straight into the buffers).
 
 The fair baseline for the load paths into preallocated buffers is ``memcpy-prealloc`` (the same
@@ -58,10 +58,9 @@ def main() -> None:
         args.tokens, args.repeats = 256, 2
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
-    info = bl.machine()
     adapter = bl.load_adapter("float32")
     from kvstore.model.compute.cache import new_buffers
-    from kvstore.model.plan import chains
+    from kvstore.model.stages.load import load_prefix
     from kvstore.store.entry import Entry
     from kvstore.store.keys import cache_key
     from kvstore.store.kvstore import KVStore
@@ -134,7 +133,7 @@ def main() -> None:
                     bufs = new_buffers(adapter.kv_shapes(), 1, n + 40, adapter.dtype, adapter.device)
 
                     def sample_path(store=chain_store, plan=plan, bufs=bufs):
-                        assert chains.load_prefix(adapter, store, plan, bufs, 0, 40) == n
+                        assert load_prefix(adapter.handle, store, plan, bufs, 0, 40) == n
 
                     methods[f"{c}|sample-path"] = sample_path
                 methods |= {
@@ -193,13 +192,7 @@ def main() -> None:
         for s in [*stores.values(), *chain_stores]:
             s.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    info["load_after"] = bl.loadavg()
-    stem = "throughput_quick" if args.quick else "throughput"
-    bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
-    bl.write_json(bl.RESULTS / f"{stem}.json", {"machine": info, "repeats": args.repeats, "rows": rows})
-    print(
-        f"wrote {bl.RESULTS / stem}.{{csv,json}}; load average before {info['load_before']}, after {info['load_after']}"
-    )
+    bl.write_result("throughput", params=vars(args), rows=rows)
 
 
 if __name__ == "__main__":

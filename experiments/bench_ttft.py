@@ -315,21 +315,19 @@ def main() -> None:
     p.add_argument("--no-v1", action="store_true", help="skip the format-1 entry rows")
     p.add_argument("--chunk-sweep", action="store_true", help="add stores with other chunk sizes (SWEEP_CHUNKS)")
     p.add_argument("--sweep-lengths", default="2048", help="context lengths that get the chunk-size rows")
-    p.add_argument(
-        "--quick", action="store_true", help="smoke test: 256 and 512 tokens, 2 repeats, results to ttft_quick.*"
-    )
+    p.add_argument("--quick", action="store_true", help="smoke test: 256 and 512 tokens, 2 repeats")
     p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
     p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads")
     p.add_argument("--dtype", default="float32", help="model and KV dtype (not float32: results to ttft_<dtype>.*)")
-    p.add_argument("--out", default="", help="results file stem (default: ttft, ttft_quick or ttft_<dtype>)")
+    p.add_argument("--out", default="", help="results file stem (default: ttft, or ttft_<dtype>)")
     args = p.parse_args()
     if args.quick:
         args.lengths, args.repeats, args.recompute_repeats, args.sweep_lengths = "256,512", 2, 2, "512"
+    args.recompute_repeats = min(args.recompute_repeats, args.repeats)
     sys.path.insert(0, str(bl.ROOT / "tests"))  # helpers.entries.encode_v1 writes the format-1 entries
     lengths = [int(x) for x in args.lengths.split(",")]
     bl.setup(args.threads)
     bl.wait_for_quiet(max_wait_s=args.wait)
-    info = bl.machine()
     adapter = bl.load_adapter(args.dtype)
     from kvstore.store.kvstore import KVStore
 
@@ -361,7 +359,7 @@ def main() -> None:
                 stores | (sweep if n in sweep_lengths else {}),
                 scratch,
                 args.repeats,
-                min(args.recompute_repeats, args.repeats),
+                args.recompute_repeats,
                 v1_stores,
             )
             rows += rs
@@ -378,27 +376,10 @@ def main() -> None:
         for s in (stores | v1_stores | sweep).values():
             s.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    info["load_after"] = bl.loadavg()
-    stem = args.out or ("ttft_quick" if args.quick else "ttft" + ("" if args.dtype == "float32" else f"_{args.dtype}"))
-    bl.write_csv(bl.RESULTS / f"{stem}.csv", rows)
-    bl.write_json(
-        bl.RESULTS / f"{stem}.json",
-        {
-            "machine": info,
-            "dtype": args.dtype,
-            "codecs": codecs,
-            "question_tokens": len(q_ids),
-            "repeats": args.repeats,
-            "chunk_sweep": sorted(sweep_lengths) if sweep else [],
-            "recompute_repeats": min(args.recompute_repeats, args.repeats),
-            "rows": rows,
-        },
-    )
+    stem = args.out or "ttft" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    notes = {"chunk_sweep": sorted(sweep_lengths) if sweep else []}
+    bl.write_result(stem, params=vars(args) | {"question_tokens": len(q_ids)}, rows=rows, notes=notes)
     plot(rows, bl.RESULTS / f"{stem}.png", torch.get_num_threads(), args.dtype)
-    print(
-        f"wrote {bl.RESULTS / stem}.{{csv,json,png}}; load average before {info['load_before']}, after "
-        f"{info['load_after']}"
-    )
 
 
 if __name__ == "__main__":

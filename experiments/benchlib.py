@@ -1,37 +1,49 @@
 """Shared helpers for the benchmark scripts in ``experiments/`` (not part of the library).
 
+Results: every script writes what it measured with :func:`write_result`, one call per output, in
+the runner's result schema (:mod:`experiments.runner.schema`); the machine (CPU, cores, memory,
+GPU, library versions, torch threads, the load average when the run started and when it wrote),
+the command and the commit are recorded here, so no script builds a result of its own shape and
+the runner (``python -m experiments run SUITE``) commits the file as it is.
+
 Timing: :func:`repeat` runs a callable untimed ``warmup`` times, then ``n`` timed times, and
 :func:`summarize` reports the median with min/max and the quartiles (never a mean: the machine is
-shared and noisy). Every script records :func:`machine` (CPU, cores, load average before and after,
-library versions) beside its numbers, so a result file says where and under what load it was taken.
+shared and noisy).
 
 Synthetic inputs use fixed seeds: token ids drawn uniformly from the ordinary vocabulary (no
 special tokens), or word salad from :func:`synthetic_text` when a command needs text. Shapes
 matter for these benchmarks, not content (the codec table uses real text instead, since
 compression does depend on content).
+
+Importing this module does not import torch (writing a result needs none); the helpers that
+compute import it when called.
 """
 
 from __future__ import annotations
 
 import contextlib
-import csv
 import gc
 import json
 import os
-import platform
 import random
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-# Where a script writes its own output: the runner (``python -m experiments run SUITE``) names a
-# scratch folder per suite and converts what lands there into ``experiments/results/``; a script
-# run by hand writes to ``cache/bench/raw/`` and never touches the committed results.
+if str(ROOT) not in sys.path:  # a script runs with experiments/ first on sys.path, not the repository root
+    sys.path.insert(0, str(ROOT))
+
+from experiments.runner import schema, suites  # noqa: E402
+from experiments.runner.schema import loadavg  # noqa: E402, F401 - the scripts' bl.loadavg()
+
+# Where a script writes its results: the runner (``python -m experiments run SUITE``) names a
+# scratch folder per suite and commits what lands there, unchanged, once the script exits 0; a
+# script run by hand writes to ``cache/bench/raw/`` and never touches the committed results.
 RESULTS = Path(os.environ.get("KVSTORE_BENCH_RAW") or ROOT / "cache" / "bench" / "raw")
 SCRATCH = ROOT / "cache" / "bench"  # stores and peer files live here (git-ignored), not in /tmp
 THREADS = 2
@@ -43,6 +55,8 @@ QUESTION_TOKENS = 23
 
 def setup(threads: int = THREADS) -> None:
     """Pin torch's intra-op threads (the machine has 2 cores) and silence progress bars."""
+    import torch
+
     torch.set_num_threads(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,54 +73,72 @@ def load_adapter(dtype: str = "float32"):
     return Adapter.from_pretrained(None, dtype=dtype)
 
 
-# -- machine ------------------------------------------------------------------------------------
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+# -- the run and its results ----------------------------------------------------------------------
+# What a result records of the run's start: the machine as the runner sees it (its load average
+# then) and the commit. Taken when this module is imported, and again when wait_for_quiet returns.
+_start: dict = {}
 
 
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
+def _begin() -> None:
+    _start.update(machine=schema.machine(), git_sha=schema.git_sha())
 
 
-def machine() -> dict:
-    """Where the numbers come from. Call once at the start (``load_before``); add
-    ``load_after`` with :func:`loadavg` at the end."""
-    import transformers
+_begin()
 
-    mem = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return {
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
-        "mem_gib": mem,
-        "gpu": None,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-        "load_before": loadavg(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
+
+def _machine() -> dict:
+    """The run's machine now: its facts at the start, torch's thread count and GPU (when the script
+    uses torch) and the load average now."""
+    m = dict(_start["machine"]) | {"load_after": loadavg()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        m["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            m["gpu"] = torch.cuda.get_device_name()
+    return m
+
+
+def _command() -> str:
+    """The runner's command (``KVSTORE_BENCH_COMMAND``), or this script's command line."""
+    if os.environ.get("KVSTORE_BENCH_COMMAND"):
+        return os.environ["KVSTORE_BENCH_COMMAND"]
+    script = Path(sys.argv[0]).resolve()
+    name = script.relative_to(ROOT).as_posix() if script.is_relative_to(ROOT) else str(script)
+    return shlex.join(["python", name, *sys.argv[1:]])
+
+
+def write_result(
+    stem: str, *, params: dict, rows: list[dict], notes: dict | None = None, machine: dict | None = None
+) -> Path:
+    """Write ``RESULTS/<stem>.json``: one output of this run as a result in the runner's schema.
+
+    ``stem`` names the output (``ttft``, ``quant_prerope_bf16``); the suite listing it and the part it
+    is come from :data:`experiments.runner.suites.SUITES` (a stem no suite lists is a suite of its
+    own). ``params``: the options the numbers depend on (``vars(args)`` and what else fixed them);
+    ``rows``: one JSON object per measurement; ``notes``: everything else the run found (totals,
+    per-trial lists, texts); ``machine``: facts to add to the ones recorded here (a peer's version, a
+    server). Call it again to rewrite the file: scripts that save after every repetition do.
+    Returns the path; raises :class:`experiments.runner.schema.SchemaError` if the result is not
+    in the schema (``rows`` not a list of objects).
+    """
+    suite, part = suites.suite_of(stem)
+    doc = schema.make(suite, part, _command(), params, _machine() | (machine or {}), rows, notes or {},
+                      _start["git_sha"])  # fmt: skip
+    path = RESULTS / f"{stem}.json"
+    schema.write(path, doc)
+    print(f"wrote {path}", flush=True)
+    return path
 
 
 def wait_for_quiet(max_load: float = 1.5, max_wait_s: float = 0.0, poll_s: float = 30.0) -> list[float]:
     """Sleep (up to ``max_wait_s``) until the 1-minute load average drops below ``max_load``;
-    return the load average seen last. The run goes on either way: the load is recorded."""
+    return the load average seen last. The run goes on either way, and starts now: its results
+    record the load average at this point as ``load_before``."""
     deadline = time.monotonic() + max_wait_s
     while True:
         la = loadavg()
         if la[0] < max_load or time.monotonic() >= deadline:
+            _begin()
             return la
         print(f"  load average {la} >= {max_load}; waiting ...", flush=True)
         time.sleep(poll_s)
@@ -147,6 +179,8 @@ def fmt_s(x: float) -> str:
 # -- inputs ---------------------------------------------------------------------------------------
 def synthetic_ids(n: int, seed: int, vocab: int = 49152, low: int = 100) -> list[int]:
     """``n`` token ids drawn uniformly from ``[low, vocab)`` (skipping special tokens), fixed seed."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, vocab, (n,), generator=g).tolist()
 
@@ -198,6 +232,8 @@ def memcpy_bandwidth(nbytes: int, n: int = 7) -> dict:
     """This machine's copy bandwidth for ``nbytes``, measured now: into a preallocated buffer
     (``dst.copy_(src)``) and into a fresh allocation (``torch.empty`` + copy, page faults
     included). Returns ``{"prealloc": summary, "fresh": summary}`` in seconds."""
+    import torch
+
     src = torch.empty(nbytes, dtype=torch.uint8)
     src.fill_(7)
     dst = torch.empty_like(src)
@@ -237,6 +273,8 @@ def floor(adapter, layers, q_ids: list[int]):
     """kvstore's question step alone, on a context's cache already in its preallocated buffers (the
     in-memory floor a stored load is compared with): a function returning ``(first token, seconds
     of the model call)``. ``layers``: per layer ``(keys, values)`` ``[kv_heads, n, head_dim]``."""
+    import torch
+
     from kvstore.model.compute.attention import grouped_kv
     from kvstore.model.compute.cache import PreallocatedCache, new_buffers
 
@@ -262,6 +300,18 @@ def floor(adapter, layers, q_ids: list[int]):
     return run
 
 
+# -- profiles -------------------------------------------------------------------------------------
+def profile_rows(prof, limit: int) -> list[dict]:
+    """The first ``limit`` operators of a ``torch.profiler`` run by self CPU time, one row each: name,
+    calls, self and total CPU milliseconds, and the self time's share of every operator's (the
+    ``Self CPU %`` of the profiler's own table)."""
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [{"name": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+             "self_cpu_pct": 100 * e.self_cpu_time_total / total, "cpu_total_ms": e.cpu_time_total / 1e3}
+            for e in events[:limit]]  # fmt: skip
+
+
 # -- peak memory ----------------------------------------------------------------------------------
 def rss_mib() -> float:
     """Peak resident set size of this process so far (MiB)."""
@@ -271,25 +321,6 @@ def rss_mib() -> float:
 
 
 # -- output ---------------------------------------------------------------------------------------
-def write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
-
-
-def write_csv(path: Path, rows: Sequence[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields: list[str] = []
-    for r in rows:
-        for k in r:
-            if k not in fields:
-                fields.append(k)
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
-
-
 def md_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     """A GitHub markdown table."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]

@@ -3,7 +3,7 @@
 The float32 KV of one real 2,048-token context (the demo articles, bundled SmolLM2-135M-Instruct)
 is split per tensor into planes and each plane compressed as one zstd level-1 frame:
 
-* ``bytes`` (``zstd-shuffle:1``, the default): 4 byte planes per float;
+* ``bytes`` (``zstd-shuffle:1``, the default before ``zstd-split:1:16``): 4 byte planes per float;
 * ``halves``: 2 planes of 16-bit halves (low: mantissa bits; high: sign, exponent, top mantissa);
 * ``whole``: the tensor's bytes as they are (``zstd:1``).
 
@@ -42,7 +42,6 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     bl.setup(1)
-    info = bl.machine()
     adapter = bl.load_adapter()
     ids = bl.real_context_ids(adapter.tokenizer, args.tokens)
     with torch.inference_mode():
@@ -86,17 +85,17 @@ def main() -> None:
             "plane_ratios": plane_ratio, "decompress_ms": [x * 1e3 for x in dec],
             "reassemble_ms": [x * 1e3 for x in put], "copy_ms": [x * 1e3 for x in copy],
         }  # fmt: skip
+        for k in ("decompress_ms", "reassemble_ms", "copy_ms"):
+            s = bl.summarize(row[k])
+            row |= {f"{k}_median": s["median"], f"{k}_min": s["min"], f"{k}_max": s["max"]}
         rows.append(row)
-        med = {k: sorted(row[k])[len(row[k]) // 2] for k in ("decompress_ms", "reassemble_ms", "copy_ms")}
         print(
             f"{name:<7} ratio {row['ratio']:.3f} planes {[round(x, 3) for x in plane_ratio]}  decompress "
-            f"{med['decompress_ms']:.1f} ms, reassemble {med['reassemble_ms']:.1f} ms, "
-            f"plain copy {med['copy_ms']:.1f} ms",
+            f"{row['decompress_ms_median']:.1f} ms, reassemble {row['reassemble_ms_median']:.1f} ms, "
+            f"plain copy {row['copy_ms_median']:.1f} ms",
             flush=True,
         )
-    info["load_after"] = bl.loadavg()
-    out = {"machine": info, "args": vars(args), "raw_bytes": raw, "rows": rows}
-    bl.write_json(bl.RESULTS / "codec_planes.json", out)
+    bl.write_result("codec_planes", params=vars(args), rows=rows, notes={"raw_bytes": raw})
 
 
 if __name__ == "__main__":

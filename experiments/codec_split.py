@@ -84,7 +84,6 @@ def main() -> None:
     args = p.parse_args()
     bl.setup(1)
     warnings.simplefilter("ignore", UserWarning)  # read-only frombuffer views: never written
-    info = bl.machine()
     adapter = bl.load_adapter()
     ids = bl.real_context_ids(adapter.tokenizer, args.tokens)
     with torch.inference_mode():
@@ -128,16 +127,18 @@ def main() -> None:
                     "dtype": str(dtype).removeprefix("torch."), "layout": name, "level": level,
                     "ratio": stored / raw, "compress_ms": comp * 1e3, "load_ms": load, "copy_ms": copy,
                 }  # fmt: skip
+                for k in ("load_ms", "copy_ms"):
+                    s = bl.summarize(row[k])
+                    row |= {f"{k}_median": s["median"], f"{k}_min": s["min"], f"{k}_max": s["max"]}
                 rows.append(row)
-                lm, cm = sorted(load)[len(load) // 2], sorted(copy)[len(copy) // 2]
+                lm, cm = row["load_ms_median"], row["copy_ms_median"]
                 print(
                     f"{row['dtype']:<9} {name:<10} L{level} ratio {row['ratio']:.3f}  compress {comp * 1e3:6.1f} ms  "
                     f"load {lm:6.1f} ms (min {min(load):.1f} max {max(load):.1f})  copy {cm:5.1f} ms  "
                     f"x copy {lm / cm:4.2f}",
                     flush=True,
                 )
-    info["load_after"] = bl.loadavg()
-    bl.write_json(bl.RESULTS / "codec_split.json", {"machine": info, "args": vars(args), "rows": rows})
+    bl.write_result("codec_split", params=vars(args), rows=rows)
 
 
 if __name__ == "__main__":

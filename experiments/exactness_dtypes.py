@@ -15,28 +15,23 @@ writes experiments/results/exactness_dtypes.json (run by hand, the script writes
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
 import torch
 
+import benchlib as bl
 from kvstore.data.datasets import load_dataset
 from kvstore.data.prompts import PromptFormat
 from kvstore.model.adapter import Adapter
 from kvstore.model.load.loading import load_model
 from kvstore.store.kvstore import KVStore
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def measure(dtype: str, n_questions: int, new_tokens: int, batch_size: int) -> dict:
     loaded = load_model(None, dtype=dtype)
     adapter = Adapter(loaded.model, loaded.tokenizer, name=loaded.name, weight_files=loaded.weight_files)
     fmt = PromptFormat.from_chat_template(adapter.tokenizer)
-    rows = load_dataset(ROOT / "experiments/data/demo.jsonl").examples[:n_questions]
+    rows = load_dataset(bl.HERE / "data" / "demo.jsonl").examples[:n_questions]
     contexts = [fmt.context_part(r.context) for r in rows]
     questions = [fmt.question_part(r.question) for r in rows]
     kw = dict(
@@ -84,15 +79,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     results = [measure(d, args.questions, args.new_tokens, args.batch_size) for d in args.dtypes.split(",")]
-    out = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
-        "command": "experiments/exactness_dtypes.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-        "results": results,
-    }
-    path = Path(os.environ.get("KVSTORE_BENCH_RAW") or ROOT / "cache/bench/raw") / "exactness_dtypes.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    bl.write_result("exactness_dtypes", params=vars(args), rows=results)
     print(
         f"{'dtype':<10}{'rows identical':>16}{'first token':>13}"
         f"{'tokens before divergence':>26}{'max |dlogit| step 1':>22}"

@@ -49,11 +49,9 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import kvpress  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
-
-import kvpress  # noqa: E402
 from kvpress import (  # noqa: E402
     ExpectedAttentionPress,
     KeyDiffPress,
@@ -65,6 +63,7 @@ from kvpress import (  # noqa: E402
     StreamingLLMPress,
     TOVAPress,
 )
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 try:
     from importlib.metadata import version as _pkg_version
@@ -156,9 +155,7 @@ class PositionProbe:
     def _hook(self, module, args, kwargs):
         pos = kwargs.get("position_ids")
         cp = kwargs.get("cache_position")
-        self.calls.append(
-            (pos[0].tolist() if pos is not None else None, cp.tolist() if cp is not None else None)
-        )
+        self.calls.append((pos[0].tolist() if pos is not None else None, cp.tolist() if cp is not None else None))
 
     def reset(self):
         self.calls = []
@@ -239,9 +236,7 @@ def run_pipeline(pipe, dec, probe, ctx, q, press, n_new):
     probe.reset()
     dec.last_ids = None
     t0 = time.perf_counter()
-    answers = pipe.forward(
-        {"context_ids": ctx, "questions_ids": [q]}, press=press, max_new_tokens=n_new, cache=cache
-    )
+    answers = pipe.forward({"context_ids": ctx, "questions_ids": [q]}, press=press, max_new_tokens=n_new, cache=cache)
     dt = time.perf_counter() - t0
     ids = dec.last_ids
     eos = pipe.model.generation_config.eos_token_id
@@ -319,9 +314,13 @@ def main(argv=None):
             "question_cache_position": "n_kept + j (LlamaModel default from cache.get_seq_length())",
         },
         "new_tokens": args.new_tokens,
-        "presses": {p: {"class": type(make_press(p, 0.5, args)).__name__,
-                        "params": {k: v for k, v in press_params(make_press(p, 0.5, args)).items()
-                                   if k != "compression_ratio"}} for p in presses},
+        "presses": {
+            p: {
+                "class": type(make_press(p, 0.5, args)).__name__,
+                "params": {k: v for k, v in press_params(make_press(p, 0.5, args)).items() if k != "compression_ratio"},
+            }
+            for p in presses
+        },
         "ratios": ratios,
         "kept_layout": "kept[layer][kv_head] = sorted list of kept context positions (0-based)",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),

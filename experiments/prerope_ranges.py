@@ -17,6 +17,7 @@ prerope_ranges`` writes experiments/results/; run by hand it writes to cache/ben
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
@@ -28,12 +29,12 @@ SINK = 4
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     bl.setup(1)
     from kvstore.data.prompts import PromptFormat
     from kvstore.model.pipelines.build import prefill
     from kvstore.store.codecs.prerope import rotate
 
-    meta = {"machine": bl.machine()}
     adapter = bl.load_adapter("float32")
     fmt = PromptFormat.from_chat_template(adapter.tokenizer)
     rotary = adapter.rotary
@@ -72,8 +73,7 @@ def main() -> None:
             "slow_pre_over_post": part["slow"][1] / part["slow"][0] if part["slow"][0] else None,
         })  # fmt: skip
         print(rows[-1], flush=True)
-    meta["machine"]["load_after"] = bl.loadavg()
-    bl.write_json(bl.RESULTS / "prerope_ranges.json", {"meta": meta, "rows": rows})
+    bl.write_result("prerope_ranges", params={"sink_tokens": SINK}, rows=rows)
 
 
 if __name__ == "__main__":

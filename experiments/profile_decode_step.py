@@ -14,6 +14,7 @@ profile_decode_step`` writes experiments/results/; run by hand it writes to cach
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -23,8 +24,8 @@ import benchlib as bl
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     bl.setup()
-    info = bl.machine()
     from kvstore.model.compute.attention import grouped_kv
     from kvstore.model.compute.cache import PreallocatedCache
     from kvstore.model.compute.static import StaticSteps, bucket_slots
@@ -34,7 +35,8 @@ def main() -> None:
     B, C, steps = 8, 512, 10
     T = bucket_slots(C + 40, True)
     g = torch.Generator().manual_seed(0)
-    lines = [f"# {info}", f"# batch {B}, {C}-token cache, {T} slots for the fixed-shape step, {steps} steps each", ""]
+    rows: list[dict] = []
+    notes: dict = {"ms_per_step": {}}
     with torch.inference_mode(), grouped_kv():
         bufs = [(torch.randn(B, h, T, dk, generator=g), torch.randn(B, h, T, dv, generator=g))
                 for h, dk, dv in adapter.kv_shapes()]  # fmt: skip
@@ -52,7 +54,8 @@ def main() -> None:
         fixed = StaticSteps(adapter, [(k.clone(), v.clone()) for k, v in bufs], mask, C, pos, compiled=True)
         t0 = time.perf_counter()
         fixed(tok, 0)
-        lines.append(f"# first compiled step (compilation included): {time.perf_counter() - t0:.1f} s")
+        notes["first_compiled_step_s"] = time.perf_counter() - t0
+        print(f"first compiled step (compilation included): {notes['first_compiled_step_s']:.1f} s", flush=True)
         runs = (("eager", eager, 0), ("compiled fixed-shape", lambda t: fixed(tok, t), 1))
         for name, step, start in runs:
             for t in range(start, start + 3):
@@ -62,11 +65,12 @@ def main() -> None:
                 for t in range(start + 3, start + 3 + steps):
                     step(t)
                 wall = time.perf_counter() - t0
-            lines += ["", f"## {name}: {wall / steps * 1e3:.1f} ms per step (profiled)", ""]
-            lines.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
-    out = bl.RESULTS / "profile_decode_step.txt"
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            notes["ms_per_step"][name] = wall / steps * 1e3
+            rows += [{"section": name} | r for r in bl.profile_rows(prof, 12)]
+            print(f"\n{name}: {wall / steps * 1e3:.1f} ms per step (profiled)\n", flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+    params = {"batch": B, "cache_tokens": C, "fixed_shape_slots": T, "steps": steps}
+    bl.write_result("profile_decode_step", params=params, rows=rows, notes=notes)
 
 
 if __name__ == "__main__":

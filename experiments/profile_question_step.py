@@ -36,16 +36,16 @@ def main() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(args.repeats):
             times.append(run()[1])
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     s = bl.summarize(times)
-    head = (
-        f"{bl.machine()}\nquestion step at {args.tokens} tokens, {len(q_ids)}-token question, batch 1: "
-        f"median {s['median'] * 1e3:.1f} ms (min {s['min'] * 1e3:.1f}, max {s['max'] * 1e3:.1f}) over "
-        f"{args.repeats} profiled runs (the profiler adds its own overhead)\n\n"
+    print(
+        f"question step at {args.tokens} tokens, {len(q_ids)}-token question, batch 1: median {s['median'] * 1e3:.1f} "
+        f"ms (min {s['min'] * 1e3:.1f}, max {s['max'] * 1e3:.1f}) over {args.repeats} profiled runs (the profiler "
+        "adds its own overhead)"
     )
-    out = bl.RESULTS / "profile_question_step.txt"
-    out.write_text(head + table + "\n")
-    print(head + table)
+    step = {"median_ms": s["median"] * 1e3, "min_ms": s["min"] * 1e3, "max_ms": s["max"] * 1e3, "n": s["n"]}
+    bl.write_result("profile_question_step", params=vars(args) | {"question_tokens": len(q_ids)},
+                    rows=bl.profile_rows(prof, 25), notes={"profiled_step": step})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The benchmark runner (``python -m experiments``): a run, its conversion into the result schema,
-failures, and the converters of the older output shapes. Fast: fake suites, no model."""
+"""The benchmark runner (``python -m experiments``): a script writing its results through
+benchlib, a run committing them as they are, failures, and adopting files in the older layouts.
+Fast: fake suites whose scripts import benchlib (no torch), no model."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ if str(ROOT) not in sys.path:  # `experiments` is a folder of the repository, no
     sys.path.insert(0, str(ROOT))
 
 from experiments import __main__ as runner  # noqa: E402
+from experiments import benchlib  # noqa: E402
 from experiments.runner import schema, suites  # noqa: E402
 
 MACHINE = {"cpu": "test cpu", "cores": 2, "load_before": [0.5, 0.5, 0.5], "load_after": [0.6, 0.6, 0.6]}
@@ -34,20 +36,23 @@ def leaves(x, out: list) -> list:
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    """Register a suite whose script writes ``payload`` (JSON) as its raw output, then exits ``rc``."""
+    """Register a suite whose script writes ``payload`` (``rows`` and ``notes``) with
+    ``benchlib.write_result``, its arguments as params, then exits ``rc``; ``payload=None``: writes
+    nothing; ``own_shape=True``: writes the payload as JSON itself, as scripts did before."""
 
-    def make(name: str, payload: dict | None, rc: int = 0, **kw) -> suites.Suite:
+    def make(name: str, payload: dict | None, rc: int = 0, own_shape: bool = False, **kw) -> suites.Suite:
         script = tmp_path / f"{name}.py"
+        if own_shape:
+            write = f"open(os.environ['KVSTORE_BENCH_RAW'] + '/{name}.json', 'w').write(json.dumps(payload))"
+        else:
+            write = f"bl.write_result('{name}', params={{'argv': sys.argv[1:]}}, **payload)"
         script.write_text(
             "import json, os, sys\n"
-            f"payload = {json.dumps(payload)!r}\n"
-            "args = sys.argv[1:]\n"
-            "if payload != 'null':\n"
-            "    doc = json.loads(payload)\n"
-            "    doc.setdefault('args', {})['argv'] = args\n"
-            f"    stem = {name!r} + ('_quick' if '--quick' in args else '')\n"
-            "    out = os.path.join(os.environ['KVSTORE_BENCH_RAW'], stem + '.json')\n"
-            "    open(out, 'w').write(json.dumps(doc))\n"
+            f"sys.path.insert(0, {str(ROOT / 'experiments')!r})\n"
+            "import benchlib as bl\n"
+            f"payload = json.loads({json.dumps(payload)!r})\n"
+            "if payload is not None:\n"
+            f"    {write}\n"
             f"sys.exit({rc})\n"
         )
         suite = suites.Suite(name, "a fake suite", (str(script),), (name,), **kw)
@@ -60,32 +65,33 @@ def fake(tmp_path, monkeypatch):
     return make
 
 
-def test_run_converts_the_scripts_output_into_the_schema(fake, tmp_path):
+def test_a_run_commits_what_the_script_wrote_through_benchlib(fake, tmp_path):
     rows = [{"n": 1, "seconds": 0.25}, {"n": 2, "seconds": 0.5}]
-    fake("fakebench", {"machine": MACHINE, "rows": rows, "repeats": 3, "total": 7})
+    fake("fakebench", {"rows": rows, "notes": {"total": 7}})
     out = tmp_path / "out"
     assert runner.main(["run", "fakebench", "--out", str(out), "--size", "9"]) == 0
     doc = schema.load(out / "fakebench.json")
+    assert doc == json.loads((tmp_path / "raw" / "fakebench" / "fakebench.json").read_text())  # as written
     assert doc["suite"] == "fakebench" and doc["part"] is None and doc["version"] == schema.VERSION
-    assert doc["rows"] == rows
-    assert doc["params"] == {"argv": ["--size", "9"], "repeats": 3}  # the script's own options
-    assert doc["notes"] == {"total": 7}
-    assert doc["machine"]["cpu"] == "test cpu" and doc["machine"]["load_after"] == [0.6, 0.6, 0.6]
-    assert doc["command"] == "python -m experiments run fakebench --size 9"
-    assert doc["git_sha"] != "" and doc["git_sha"] == schema.git_sha()
+    assert doc["rows"] == rows and doc["params"] == {"argv": ["--size", "9"]} and doc["notes"] == {"total": 7}
+    assert doc["command"] == "python -m experiments run fakebench --size 9"  # the runner's, through benchlib
+    assert doc["git_sha"] == schema.git_sha()
+    machine = doc["machine"]  # recorded by benchlib, not by the script
+    assert machine["cores"] and machine["python"] and len(machine["load_before"]) == len(machine["load_after"]) == 3
+    assert "torch_threads" not in machine  # the script never imported torch
 
 
 def test_quick_runs_write_apart_from_the_results(fake, tmp_path, monkeypatch):
-    fake("fakequick", {"machine": MACHINE, "rows": [{"a": 1}]})
+    fake("fakequick", {"rows": [{"a": 1}]})
     monkeypatch.setattr(runner, "QUICK", tmp_path / "quick")
     assert runner.main(["run", "fakequick", "--quick"]) == 0
-    doc = schema.load(tmp_path / "quick" / "fakequick.json")  # from the script's fakequick_quick.json
+    doc = schema.load(tmp_path / "quick" / "fakequick.json")
     assert doc["params"]["argv"] == ["--quick"]
     assert not (schema.RESULTS / "fakequick.json").exists()
 
 
 def test_a_failed_run_writes_nothing(fake, tmp_path, capsys):
-    fake("fakefail", {"machine": MACHINE, "rows": [{"a": 1}]}, rc=3)
+    fake("fakefail", {"rows": [{"a": 1}]}, rc=3)
     assert runner.main(["run", "fakefail", "--out", str(tmp_path / "out")]) == 3
     assert not (tmp_path / "out").exists()
     assert "exited with 3; no result written" in capsys.readouterr().err
@@ -97,14 +103,21 @@ def test_a_run_without_output_is_an_error(fake, tmp_path, capsys):
     assert "wrote none of fakeempty.json" in capsys.readouterr().err
 
 
+def test_a_script_writing_its_own_shape_is_refused(fake, tmp_path, capsys):
+    fake("fakeown", {"machine": MACHINE, "rows": [{"a": 1}]}, own_shape=True)
+    assert runner.main(["run", "fakeown", "--out", str(tmp_path / "out")]) == 1
+    assert not (tmp_path / "out").exists()
+    assert "keys ['machine', 'rows']" in capsys.readouterr().err
+
+
 def test_a_suite_without_quick_mode_refuses_quick(fake, capsys):
-    fake("fakenoquick", {"machine": MACHINE, "rows": []}, quick=None)
+    fake("fakenoquick", {"rows": []}, quick=None)
     assert runner.main(["run", "fakenoquick", "--quick"]) == 2
     assert "has no quick mode" in capsys.readouterr().err
 
 
 def test_a_run_of_some_parts_keeps_the_other_parts_rows(fake, tmp_path):
-    fake("fakeparts", {"machine": MACHINE, "rows": [{"part": "b", "x": 20}]}, merge_rows_by="part")
+    fake("fakeparts", {"rows": [{"part": "b", "x": 20}]}, merge_rows_by="part")
     out = tmp_path / "out"
     old = schema.make("fakeparts", None, "old", {}, MACHINE, [{"part": "a", "x": 1}, {"part": "b", "x": 2}], {}, "abc")
     schema.write(out / "fakeparts.json", old)
@@ -112,6 +125,75 @@ def test_a_run_of_some_parts_keeps_the_other_parts_rows(fake, tmp_path):
     doc = schema.load(out / "fakeparts.json")
     assert doc["rows"] == [{"part": "a", "x": 1}, {"part": "b", "x": 20}]
     assert doc["notes"]["earlier_parts"]["parts"] == ["a"] and doc["notes"]["earlier_parts"]["git_sha"] == "abc"
+
+
+def test_write_result_names_the_suite_and_part_of_its_output(tmp_path, monkeypatch):
+    monkeypatch.setattr(benchlib, "RESULTS", tmp_path)
+    monkeypatch.setenv("KVSTORE_BENCH_COMMAND", "python -m experiments run quant_ecq --dtypes bfloat16")
+    doc = schema.load(benchlib.write_result("quant_ecq_bf16", params={"dtypes": "bfloat16"}, rows=[{"size": 0.3}]))
+    assert (doc["suite"], doc["part"], doc["command"]) == ("quant_ecq", "bf16", "python -m experiments run "
+                                                           "quant_ecq --dtypes bfloat16")  # fmt: skip
+    assert (doc["params"], doc["rows"], doc["notes"]) == ({"dtypes": "bfloat16"}, [{"size": 0.3}], {})
+    assert schema.load(benchlib.write_result("quant_ecq", params={}, rows=[]))["part"] == ""  # named like the suite
+    assert schema.load(benchlib.write_result("ttft", params={}, rows=[]))["part"] is None  # a suite of one output
+    monkeypatch.delenv("KVSTORE_BENCH_COMMAND")
+    doc = schema.load(benchlib.write_result("mine", params={}, rows=[], machine={"server": "x"}))
+    assert (doc["suite"], doc["part"], doc["machine"]["server"]) == ("mine", None, "x")  # no suite lists it
+    assert doc["command"].startswith("python ")  # this process's command line
+    with pytest.raises(schema.SchemaError, match="rows must be a list of objects"):
+        benchlib.write_result("ttft", params={}, rows=[1])  # type: ignore[list-item]
+
+
+def test_adopt_converts_a_file_in_the_old_layout(tmp_path):
+    old = tmp_path / "throughput_quick.json"
+    rows = [{"codec": "raw", "mb_per_s": 3309.1}]
+    old.write_text(json.dumps({"machine": {**MACHINE, "cpus": 2}, "repeats": 7, "rows": rows}))
+    soak = tmp_path / "results.json"  # the soak's own file name: a suite of one output names the result
+    soak.write_text(json.dumps({"machine": {"loadavg_at_start": [1.0, 1.0, 1.0]}, "seed": 5, "kill": {"lost": 0}}))
+    out = tmp_path / "out"
+    assert runner.main(["adopt", "throughput", str(old), "--out", str(out)]) == 0
+    assert runner.main(["adopt", "reliability", str(soak), "--out", str(out)]) == 0
+    doc = schema.load(out / "throughput.json")
+    assert (doc["suite"], doc["part"], doc["rows"], doc["params"]) == ("throughput", None, rows, {"repeats": 7})
+    assert doc["machine"]["cpu"] == "test cpu" and doc["command"] == "python experiments/bench_throughput.py"
+    assert doc["notes"]["converted_from"].startswith(old.as_posix() + " at ")
+    doc = schema.load(out / "reliability.json")
+    assert doc["params"] == {"seed": 5} and doc["notes"]["kill"] == {"lost": 0}
+    assert doc["machine"]["load_before"] == [1.0, 1.0, 1.0]  # the old machine spelling, renamed
+
+
+def test_adopt_copies_a_result_and_refuses_another_suites(tmp_path, capsys):
+    result = schema.make("ttft", None, "python experiments/bench_ttft.py", {}, MACHINE, [{"a": 1}], {}, "abc")
+    schema.write(tmp_path / "ttft.json", result)
+    assert runner.main(["adopt", "ttft", str(tmp_path / "ttft.json"), "--out", str(tmp_path / "out")]) == 0
+    assert schema.load(tmp_path / "out" / "ttft.json") == result
+    assert runner.main(["adopt", "codecs", str(tmp_path / "ttft.json"), "--out", str(tmp_path / "other")]) == 1
+    assert "not an output of the suite codecs" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
+
+
+def test_every_adopted_result_comes_again_from_its_old_file(tmp_path):
+    """The converters kept for adopting are the ones the committed results need: each result
+    converted from an older file (``notes.converted_from``) is what adopting that file, as git
+    holds it, gives now (its measurements, params, machine and notes; the commit and command are
+    where adoption found them)."""
+    adopted = [(p, schema.load(p)) for p in sorted(schema.RESULTS.glob("*.json"))]
+    adopted = [(p, d) for p, d in adopted if "converted_from" in d["notes"]]
+    assert len(adopted) > 30
+    for path, doc in adopted:
+        source, sha = doc["notes"]["converted_from"].split(" at ")
+        shown = subprocess.run(["git", "show", f"{sha}:{source}"], cwd=ROOT, capture_output=True, text=True)
+        if shown.returncode != 0:
+            pytest.skip(f"commit {sha} is not in this clone (shallow?)")
+        old = tmp_path / "old" / sha / Path(source).name
+        old.parent.mkdir(parents=True, exist_ok=True)
+        old.write_text(shown.stdout)
+        assert runner.main(["adopt", doc["suite"], str(old), "--out", str(tmp_path / "new")]) == 0
+        again = schema.load(tmp_path / "new" / path.name)
+        for d in (doc, again):
+            d["notes"].pop("converted_from")
+        keep = ("suite", "part", "params", "machine", "rows", "notes")
+        assert {k: again[k] for k in keep} == {k: doc[k] for k in keep}, path.name
 
 
 def test_schema_check_names_what_is_wrong():
@@ -129,7 +211,7 @@ def test_schema_check_names_what_is_wrong():
         schema.check({k: v for k, v in good.items() if k != "notes"})
 
 
-def test_e2e_parts_become_one_result_each_and_keep_every_value():
+def test_adopting_the_old_e2e_file_gives_one_result_per_part_and_keeps_every_value():
     raw = {
         "main": {"machine": MACHINE, "build": {"seconds": 78.2}, "sample_cached": [{"seconds": 12.8}],
                  "sample_nocache": [{"seconds": 160.9}, {"seconds": 158.6}], "speedup": 12.55},

@@ -1,15 +1,18 @@
-"""Every benchmark as a suite: the script that measures, and how its output becomes results.
+"""Every benchmark as a suite: the script that measures, the results it writes, how to run it.
 
-A suite wraps one script unchanged (its own argparse, its own ``--quick``): the runner starts it
-with ``KVSTORE_BENCH_RAW`` naming a scratch folder (``cache/bench/raw/<suite>/``), where the script
-writes its own output (``benchlib.RESULTS``), then converts that output into the result schema
-(:mod:`experiments.runner.schema`) under ``experiments/results/``. Adding a suite for a new script that
-writes ``bl.RESULTS / "NAME.json"`` with ``machine``, ``args`` and ``rows`` is one entry::
+A suite runs one script (its own argparse, its own ``--quick``) with ``KVSTORE_BENCH_RAW`` naming a
+scratch folder (``cache/bench/raw/<suite>/``). The script writes each of its outputs there in the
+result schema (:mod:`experiments.runner.schema`) with ``benchlib.write_result("NAME", ...)``, and the
+runner checks them and puts them, unchanged, under ``experiments/results/``. Adding a suite for a new
+script is one entry::
 
     Suite("name", "What it measures", ("experiments/bench_name.py",), ("name",))
 
-The converters here only move values between keys (nothing is recomputed or rounded): a script's
-``args`` become ``params``, its ``rows`` stay ``rows``, and everything else lands in ``notes``.
+The converters here are for **adopting** older files only (``python -m experiments adopt SUITE
+FILE``): the shapes scripts wrote before they wrote the schema themselves, kept so that every
+committed result can be made again from the file it was converted from (``notes.converted_from``).
+They only move values between keys (nothing is recomputed or rounded): an old file's ``args``
+become ``params``, its ``rows`` stay ``rows``, and everything else lands in ``notes``.
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ from __future__ import annotations
 import ast
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 # What a converter returns per output: {"params", "machine", "rows", "notes"} (and "command" when the
-# script recorded its own).
+# old file recorded its own).
 Fields = dict[str, Any]
 Converter = Callable[[str, Any], dict[str, Fields]]
 
@@ -79,7 +82,8 @@ def fields_of(raw: dict) -> Fields:
 
 
 def e2e(stem: str, raw: dict) -> dict[str, Fields]:
-    """``e2e.json`` holds one object per part (each with its own machine): one output per part."""
+    """The old ``e2e.json`` (one object per part, each with its own machine; bench_e2e now writes a
+    result per part): one output per part."""
     out = {}
     for part, body in raw.items():
         body = dict(body)
@@ -93,15 +97,10 @@ def e2e(stem: str, raw: dict) -> dict[str, Fields]:
     return out
 
 
-def e2e_overhead_split(stem: str, raw: dict) -> dict[str, Fields]:
-    """``e2e.json`` of a run of the ``overhead`` part alone -> ``e2e_overhead_split``."""
-    return {"e2e_overhead_split": fields_of(raw["overhead"])}
-
-
 def size_measured(stem: str, raw: dict) -> dict[str, Fields]:
     """``smollm2_measured.json``: ``{"<dtype> <codec>": [row]}`` -> rows with ``config``."""
     rows = [{"config": config} | row for config, rows in raw.items() for row in rows]
-    return {"size_smollm2": {"params": {}, "machine": {}, "rows": rows, "notes": {}}}
+    return {stem: {"params": {}, "machine": {}, "rows": rows, "notes": {}}}
 
 
 def size_estimate(stem: str, raw: dict) -> dict[str, Fields]:
@@ -109,12 +108,13 @@ def size_estimate(stem: str, raw: dict) -> dict[str, Fields]:
     raw = dict(raw)
     rows = raw.pop("estimated")
     params = {k: raw.pop(k) for k in ("seq_len", "examples", "dtypes", "codec") if k in raw}
-    return {"size_pythia": {"params": params, "machine": {}, "rows": rows, "notes": raw}}
+    return {stem: {"params": params, "machine": {}, "rows": rows, "notes": raw}}
 
 
 def profile(stem: str, text: str) -> dict[str, Fields]:
-    """A torch.profiler printout: its tables as rows (cells exactly as printed, with the section
-    they belong to), the machine from its first line, every other line in ``notes.lines``."""
+    """The torch.profiler printout the profile scripts wrote before they wrote rows: its tables as
+    rows (cells exactly as printed, with the section they belong to), the machine from its first
+    line, every other line in ``notes.lines``."""
     lines = text.splitlines()
     first = lines[0].lstrip("# ").strip()
     machine = ast.literal_eval(first) if first.startswith("{") else {}
@@ -150,36 +150,31 @@ def _cells(line: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Suite:
-    """One benchmark. ``argv`` follows the Python executable (``{raw}`` is the scratch folder);
-    ``outputs``: the result files it commits (stems in ``experiments/results/``); ``quick``: the
-    arguments of a smoke run (``None``: the script has none); ``raw``: the files the script writes
-    (default ``<output>.json``); ``stdout``: save the command's standard output as this raw file;
-    ``merge_rows_by``: a run of some parts keeps the committed rows of the others; ``env``: set for
-    the script; ``args_env``: pass quick and extra arguments in this variable instead of on the
-    command line; ``needs``: what it takes beyond the dev install."""
+    """One benchmark. ``argv`` follows the Python executable; ``outputs``: the results it writes
+    (``benchlib.write_result`` stems, committed as ``experiments/results/<output>.json``); ``quick``:
+    the arguments of a smoke run (``None``: the script has none); ``artifacts``: other files it writes
+    beside them (plots), committed too; ``needs``: what it takes beyond the dev install;
+    ``merge_rows_by``: a run of some parts keeps the committed rows of the others; ``adopt``: the
+    converter of the older files ``python -m experiments adopt`` reads (default :func:`generic`)."""
 
     name: str
     title: str
     argv: tuple[str, ...]
     outputs: tuple[str, ...]
     quick: tuple[str, ...] | None = ("--quick",)
-    convert: Converter = generic
+    adopt: Converter = generic
     artifacts: tuple[str, ...] = ()
-    stdout: str | None = None
     needs: str = ""
     merge_rows_by: str | None = None
-    raw: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)
-    args_env: str | None = None
-
-    @property
-    def raw_files(self) -> tuple[str, ...]:
-        """The script's own output files the conversion reads (default: ``<output>.json``)."""
-        return self.raw or tuple(f"{o}.json" for o in self.outputs)
 
     @property
     def script(self) -> str:
         return next((a for a in self.argv if a.endswith(".py")), " ".join(self.argv))
+
+    def part(self, output: str) -> str | None:
+        """Which part of the suite ``output`` is: ``None`` for a suite with one output, else the
+        output's name after the suite's (``s3_load``: ``load``; the output named like the suite: ``""``)."""
+        return output[len(self.name) + 1 :] if len(self.outputs) > 1 else None
 
 
 def _s3_outputs() -> tuple[str, ...]:
@@ -213,11 +208,10 @@ SUITES: tuple[Suite, ...] = (
     Suite("prefix", "Prefix reuse (format 2 against format 1)", ("experiments/bench_prefix.py",), ("prefix",),
           merge_rows_by="part"),
     Suite("e2e", "End to end through the CLI", ("experiments/bench_e2e.py",),
-          tuple(f"e2e_{p}" for p in ("main", "overhead", "sweep", "variants", "loadahead", "cold")), convert=e2e,
-          raw=("e2e.json",)),
+          tuple(f"e2e_{p}" for p in ("main", "overhead", "sweep", "variants", "loadahead", "cold")), adopt=e2e),
     Suite("e2e_overhead_split", "Build overhead with the default codec zstd-split:1:16",
-          ("experiments/bench_e2e.py", "--parts", "overhead", "--overhead-contexts", "16", "--overhead-repeats", "3"),
-          ("e2e_overhead_split",), convert=e2e_overhead_split, raw=("e2e.json",)),
+          ("experiments/bench_e2e.py", "--parts", "overhead", "--overhead-contexts", "16", "--overhead-repeats", "3",
+           "--stem", "e2e_overhead_split"), ("e2e_overhead_split",)),
     Suite("quant", "Lossy codecs: quality gate (float32 model)", ("experiments/bench_quant.py",), ("quant",)),
     Suite("quant_bf16", "Lossy codecs: quality gate (bfloat16 model)",
           ("experiments/bench_quant.py", "--dtypes", "bfloat16", "--stem", "quant_bf16"), ("quant_bf16",), quick=None),
@@ -261,25 +255,20 @@ SUITES: tuple[Suite, ...] = (
           ("exactness_dtypes",), quick=("--questions", "4", "--new-tokens", "4", "--dtypes", "float32")),
     Suite("profile_question_step", "Where the question step's time goes (torch.profiler)",
           ("experiments/profile_question_step.py",), ("profile_question_step",), quick=("--repeats", "1"),
-          convert=profile, raw=("profile_question_step.txt",)),
+          adopt=profile),
     Suite("profile_decode_step", "Where a decode step's time goes, eager and compiled (torch.profiler)",
-          ("experiments/profile_decode_step.py",), ("profile_decode_step",), quick=None, convert=profile,
-          raw=("profile_decode_step.txt",)),
+          ("experiments/profile_decode_step.py",), ("profile_decode_step",), quick=None, adopt=profile),
     Suite("cold_read", "Reading a store from a cold page cache", ("experiments/bench_cold_read.py",),
           ("cold_read",), quick=None, needs="a store to read (its STORE argument, e.g. cache/bench/e2e/store_40)"),
     Suite("size_pythia", "KV bytes of the Pythia suite (estimate, kvstore size)",
-          ("-m", "kvstore.cli.main", "size", "--dtype", "all", "--format", "json", "--plot",
-           "{raw}/pythia_kv_size.png"), ("size_pythia",), quick=(), convert=size_estimate,
-          artifacts=("pythia_kv_size.png",), raw=("pythia_kv_size.json",), stdout="pythia_kv_size.json"),
+          ("experiments/size/estimate_pythia.py",), ("size_pythia",), quick=(), adopt=size_estimate,
+          artifacts=("size_pythia.png",)),
     Suite("size_smollm2", "KV bytes of the bundled model: estimated beside stored",
-          ("experiments/size/measure_smollm2.py",), ("size_smollm2",), quick=None, convert=size_measured,
-          raw=("smollm2_measured.json",)),
+          ("experiments/size/measure_smollm2.py",), ("size_smollm2",), quick=None, adopt=size_measured),
     Suite("reliability", "Reliability soak: kills, interrupts, corruption, concurrency, fuzz",
-          ("-m", "pytest", "-q", "-s", "tests/reliability/test_soak.py"), ("reliability",),
+          ("experiments/reliability_soak.py",), ("reliability",),
           quick=("--kill-trials", "8", "--corruptions", "100", "--fuzz-cases", "500", "--concurrency-runs", "1",
-                 "--sigint-trials", "2", "--real-trials", "1"),
-          convert=lambda stem, raw: {"reliability": fields_of(raw)}, raw=("results.json",),
-          env={"KVSTORE_SOAK": "1", "KVSTORE_SOAK_ARGS": "--out {raw}"}, args_env="KVSTORE_SOAK_ARGS"),
+                 "--sigint-trials", "2", "--real-trials", "1")),
 )  # fmt: skip
 
 
@@ -288,6 +277,14 @@ def by_name(name: str) -> Suite:
         if s.name == name:
             return s
     raise KeyError(name)
+
+
+def suite_of(output: str) -> tuple[str, str | None]:
+    """``(suite, part)`` of the result named ``output``; ``(output, None)`` when no suite lists it."""
+    for s in SUITES:
+        if output in s.outputs:
+            return s.name, s.part(output)
+    return output, None
 
 
 def read_raw(path: Path) -> Any:

@@ -11,29 +11,30 @@ Deterministic: the same contexts and weights give the same stored bytes on every
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from kvstore.model.adapter import Adapter
-from kvstore.store.kvstore import KVStore
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # experiments/, for benchlib
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
-OUT = Path(os.environ.get("KVSTORE_BENCH_RAW") or ROOT / "cache" / "bench" / "raw")
+import benchlib as bl  # noqa: E402
+from kvstore.model.adapter import Adapter  # noqa: E402
+from kvstore.store.kvstore import KVStore  # noqa: E402
+
 CODECS = ("raw", "zstd:1", "zstd-shuffle:1")
+DTYPES = ("float32", "bfloat16")
+SEQ_LEN = 2048  # the estimate's context length (the stored bytes are per token)
 
 
 def main() -> None:
-    contexts = list(
-        dict.fromkeys(json.loads(line)["context"] for line in (ROOT / "experiments/data/demo.jsonl").open())
-    )
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    contexts = list(dict.fromkeys(json.loads(line)["context"] for line in (bl.HERE / "data" / "demo.jsonl").open()))
     with tempfile.TemporaryDirectory() as tmp:
         stores = []
-        for dtype in ("float32", "bfloat16"):
+        for dtype in DTYPES:
             adapter = Adapter.from_pretrained(None, dtype=dtype)
             built = None
             for codec in CODECS:
@@ -51,7 +52,7 @@ def main() -> None:
                                 assert record is not None
                                 store.put_context(key, record.chunks, record.n_tokens)
                 stores.append((dtype, codec, path))
-        table, docs = [], {}
+        table, rows = [], []
         for dtype, codec, path in stores:
             cmd = [
                 sys.executable,
@@ -62,23 +63,21 @@ def main() -> None:
                 "--dtype",
                 dtype,
                 "--seq-len",
-                "2048",
+                str(SEQ_LEN),
                 "--store",
                 str(path),
             ]
-            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(cmd, cwd=bl.ROOT, capture_output=True, text=True, check=True).stdout
             measured = out[out.index("Measured in store") :].split("\n", 1)[1].strip("\n")
             table.append(f"# {dtype}, codec {codec}\n{measured}\n")
-            docs[f"{dtype} {codec}"] = json.loads(
-                subprocess.run(cmd + ["--format", "json"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-            )["measured"]
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "smollm2_measured.txt").write_text(
+            doc = subprocess.run(cmd + ["--format", "json"], cwd=bl.ROOT, capture_output=True, text=True, check=True)
+            rows += [{"config": f"{dtype} {codec}"} | row for row in json.loads(doc.stdout)["measured"]]
+    print(
         f"SmolLM2-135M-Instruct, {len(contexts)} demo contexts (experiments/data/demo.jsonl); "
         "stored bytes include entry headers, token ids and checksums.\n\n" + "\n".join(table)
     )
-    (OUT / "smollm2_measured.json").write_text(json.dumps(docs, indent=2) + "\n")
-    print((OUT / "smollm2_measured.txt").read_text())
+    params = {"codecs": CODECS, "dtypes": DTYPES, "seq_len": SEQ_LEN, "contexts": len(contexts)}
+    bl.write_result("size_smollm2", params=params, rows=rows)
 
 
 if __name__ == "__main__":
