@@ -83,3 +83,32 @@ def test_bad_spec_and_compile_are_one_line(tiny_neox_dir, tmp_path, capsys):
         lines = [x for x in err.splitlines() if x.strip()]
         assert len(lines) == 1 and lines[0].startswith("kvstore: error: ") and message in lines[0], (extra, err)
     assert not store.exists()  # refused before anything was stored (or even loaded, for the specs)
+
+
+def test_press_variant_and_decode_attention_are_one_option_in_the_order_given(tiny_llama_dir, tmp_path, capsys):
+    data = write_dataset(tmp_path / "qa.jsonl", range(3), questions=1)
+    common = ["--model", tiny_llama_dir, "--store", tmp_path / "store", "--quiet", "--format", "json", "--no-chat",
+              "-n", "4"]  # fmt: skip
+    out = tmp_path / "o.jsonl"
+    swept = _json(["sample", data, *common, "-o", out, "--press", "knorm:.50", "--variant", "dense",
+                   "--decode-attention", "topk:3", "--press", "snapkv:0.5+topk:3"])  # fmt: skip
+    order = ["knorm:0.5", "dense", "topk:3", "snapkv:0.5+topk:3"]  # canonical names, as given
+    assert [t["variant"] for t in swept["variants"]] == order
+    rows = _rows(out)
+    assert [r["variant"] for r in rows] == [v for v in order for _ in range(3)]
+    dense = swept["variants"][1]
+    pressed = swept["variants"][0]
+    assert pressed["kept_tokens"] < dense["kept_tokens"] and pressed["cache_bytes"] < dense["cache_bytes"]
+    assert swept["window_tokens_computed"] > 0  # snapkv's observation windows, not prefill
+    for bad, text in (("--press", "knorm:1.5"), ("--press", "nope:0.5"), ("--variant", "topk:2+knorm:0.5")):
+        code, _, err = run_main(capsys, "sample", data, *common, bad, text)
+        assert code == 1 and len(err.strip().splitlines()) == 1, err
+
+
+def test_score_refuses_a_question_aware_press_in_one_line(tiny_llama_dir, tmp_path, capsys):
+    data = tmp_path / "mc.jsonl"
+    data.write_text(json.dumps({"context": "The fox runs.", "question": "Who?", "choices": ["fox", "dog"],
+                                "label": 0}) + "\n")  # fmt: skip
+    code, _, err = run_main(capsys, "score", data, "--model", tiny_llama_dir, "--store", tmp_path / "s",
+                            "--press", "snapkv:0.5:q", "-q")  # fmt: skip
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "question-aware" in err, err

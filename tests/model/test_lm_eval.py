@@ -252,3 +252,34 @@ def test_bad_model_arg_is_refused_before_loading(tmp_path):
     with pytest.raises(ModelError, match="use_cache='maybe' is not a boolean"):
         KVStoreLM(pretrained=str(tmp_path / "no-model"), use_cache="maybe")
     assert not (tmp_path / "store").exists()
+
+
+def test_a_press_from_the_store_equals_the_press_without_it_and_reuses_the_dense_store(
+    tiny_llama_dir, tmp_path, task_manager
+):
+    """``press=SPEC``: scores and generations under the press from stored dense caches equal the
+    press applied without a store; a run under another press over the same store computes no
+    context token (the store keeps dense caches only)."""
+    store = tmp_path / "store"
+    tasks = ["kv_tiny_mc", "kv_tiny_gen"]
+    cold = _kvstore(tiny_llama_dir, store, press="snapkv:0.5")
+    first = _evaluate(cold, task_manager, tasks=tasks)
+    assert cold.context_tokens_computed > 0
+    cold.close()
+    ref = _kvstore(tiny_llama_dir, None, press="snapkv:0.5")
+    assert_same(_evaluate(ref, task_manager, tasks=tasks), first, tasks)
+    other = _kvstore(tiny_llama_dir, store, press="knorm:0.75")
+    _evaluate(other, task_manager, tasks=tasks)
+    assert other.context_tokens_computed == 0 and other.context_tokens_loaded > 0
+    assert other.get_model_info()["kvstore_press"] == "knorm:0.75"
+    other.close()
+
+
+def test_a_question_aware_or_bad_press_is_refused_before_loading(tmp_path):
+    from kvstore.errors import ModelError
+    from kvstore.lm_eval import KVStoreLM
+
+    for spec, message in (("snapkv:0.5:q", "question-aware"), ("snapkv:2", "not in")):
+        with pytest.raises(ModelError, match=message):
+            KVStoreLM(pretrained=str(tmp_path / "no-model"), store=str(tmp_path / "store"), press=spec)
+    assert not (tmp_path / "store").exists()
