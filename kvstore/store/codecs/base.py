@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -100,18 +100,39 @@ class Packing(Protocol):
         ...
 
 
-_QUANTIZERS: dict[str, Callable[[str], Quantizer]] = {}
-_PACKINGS: dict[str, Callable[[str], Packing]] = {}
-# header codec "name" -> the packing described by a header's codec params (it decodes them)
-_FROM_PARAMS: dict[str, Callable[[Mapping], Packing]] = {}
-# quantizer name -> the quantizer described by a header's quant params (when args are not enough)
-_QUANT_FROM_PARAMS: dict[str, Callable[[Mapping], Quantizer]] = {}
 # The entry format that chains of chunks started with (2), and the format each later quantizer or
 # packing came with: an entry is written in the newest format among its codec's parts, so that a
 # kvstore that does not know a part refuses the entry ("upgrade kvstore") instead of taking it for
 # corrupt (which would make it recompute and overwrite the entry, or let gc remove it).
 BASE_FORMAT = 2
-_SINCE: dict[tuple[str, str], int] = {}
+QUANTIZER, PACKING = "quantizer", "packing"
+
+
+@dataclass(frozen=True)
+class Registered:
+    """One codec part kvstore knows: its ``kind`` (quantizer or packing) and spec ``name``; the
+    ``factory`` that builds it from a spec's arguments (CodecError for bad ones); ``from_params``,
+    which builds it from an entry header's params when they hold more than the arguments
+    (CorruptEntryError); and ``since``, the entry format it came with (:data:`BASE_FORMAT`)."""
+
+    kind: str
+    name: str
+    factory: Callable[[str], Any]
+    from_params: Callable[[Mapping], Any] | None = None
+    since: int = BASE_FORMAT
+
+
+# the one registry: (kind, name) -> the part
+_REGISTRY: dict[tuple[str, str], Registered] = {}
+
+
+def registered(kind: str, name: str) -> Registered | None:
+    """The registered part ``name`` of ``kind`` (QUANTIZER or PACKING), or None."""
+    return _REGISTRY.get((kind, name))
+
+
+def _names(kind: str) -> list[str]:
+    return [name for k, name in _REGISTRY if k == kind]
 
 
 def register_quantizer(
@@ -122,10 +143,7 @@ def register_quantizer(
     and raises CodecError for bad arguments. ``from_params`` builds it from an entry header's quant
     params (its ``params()``) when they hold more than ``args``; it raises CorruptEntryError.
     ``since``: the entry format it came with (see :data:`BASE_FORMAT`)."""
-    _QUANTIZERS[name] = factory
-    _SINCE["quant", name] = since
-    if from_params is not None:
-        _QUANT_FROM_PARAMS[name] = from_params
+    _REGISTRY[QUANTIZER, name] = Registered(QUANTIZER, name, factory, from_params, since)
 
 
 def register_packing(
@@ -135,10 +153,20 @@ def register_packing(
     """Make ``name[:ARGS]`` a packing spec (``factory(ARGS)`` builds it). ``from_params`` builds the
     packing an entry header's codec params describe, for entries whose params ``name`` is ``name``.
     ``since``: the entry format it came with (see :data:`BASE_FORMAT`)."""
-    _PACKINGS[name] = factory
-    _SINCE["packing", name] = since
-    if from_params is not None:
-        _FROM_PARAMS[name] = from_params
+    _REGISTRY[PACKING, name] = Registered(PACKING, name, factory, from_params, since)
+
+
+def _quantizer(name: str, args: str = "") -> Quantizer:
+    return _REGISTRY[QUANTIZER, name].factory(args)
+
+
+def _packing(name: str, args: str = "") -> Packing:
+    return _REGISTRY[PACKING, name].factory(args)
+
+
+def _since(kind: str, name: str) -> int:
+    part = _REGISTRY.get((kind, name))
+    return part.since if part is not None else BASE_FORMAT
 
 
 @dataclass(frozen=True)
@@ -169,8 +197,7 @@ class Codec:
     @property
     def entry_format(self) -> int:
         """The format an entry encoded with this codec is written in: the newest its parts came with."""
-        return max(_SINCE.get(("quant", self.quantizer.name), BASE_FORMAT),
-                   _SINCE.get(("packing", self.packing.name), BASE_FORMAT))  # fmt: skip
+        return max(_since(QUANTIZER, self.quantizer.name), _since(PACKING, self.packing.name))
 
     def decode_threads(self) -> int:
         return self.threads if self.threads > 0 else max(1, min(8, os.cpu_count() or 1))
@@ -201,19 +228,25 @@ class Codec:
 def codec_from_params(params: Mapping) -> Codec:
     """The codec an entry header's codec record describes. Raises CorruptEntryError."""
     name = params.get("name") if isinstance(params, Mapping) else None
-    if not isinstance(name, str) or name not in _FROM_PARAMS:
+    part = registered(PACKING, name) if isinstance(name, str) else None
+    if part is None or part.from_params is None:
         raise CorruptEntryError(f"unknown codec {name!r} in entry header")
-    packing = _FROM_PARAMS[name](params)
+    packing = part.from_params(params)
     quant = params.get("quant")
     if quant is None:
-        return Codec(_QUANTIZERS["none"](""), packing)
-    if not isinstance(quant, Mapping) or not isinstance(quant.get("name"), str) or quant["name"] not in _QUANTIZERS:
+        return Codec(_quantizer("none"), packing)
+    qpart = (
+        registered(QUANTIZER, quant["name"])
+        if isinstance(quant, Mapping) and isinstance(quant.get("name"), str)
+        else None
+    )
+    if qpart is None:
         raise CorruptEntryError("entry header names an unknown quantizer")
     try:
-        if quant["name"] in _QUANT_FROM_PARAMS:
-            quantizer = _QUANT_FROM_PARAMS[quant["name"]](quant)
+        if qpart.from_params is not None:
+            quantizer = qpart.from_params(quant)
         else:
-            quantizer = _QUANTIZERS[quant["name"]](str(quant.get("args", "")))
+            quantizer = qpart.factory(str(quant.get("args", "")))
     except CodecError as exc:
         raise CorruptEntryError(f"entry header has invalid quantizer parameters ({exc})") from None
     return Codec(quantizer, packing)
@@ -254,12 +287,12 @@ def get_codec(spec: str | Codec | None = None, *, threads: int = 0) -> Codec:
     for i, part in enumerate(parts):
         base, args = _split(part)
         try:
-            if i == 0 and base in _QUANTIZERS and base != "none":
-                quantizer = _QUANTIZERS[base](args)
-            elif base in _PACKINGS and i == len(parts) - 1:
-                packing = _PACKINGS[base](args)
+            if i == 0 and registered(QUANTIZER, base) and base != "none":
+                quantizer = _quantizer(base, args)
+            elif registered(PACKING, base) and i == len(parts) - 1:
+                packing = _packing(base, args)
             else:
-                known = base in _QUANTIZERS or base in _PACKINGS
+                known = registered(QUANTIZER, base) or registered(PACKING, base)
                 raise CodecError(f"{base!r} cannot go there" if known else "")
         except CodecError as exc:
             if not str(exc):
@@ -268,13 +301,13 @@ def get_codec(spec: str | Codec | None = None, *, threads: int = 0) -> Codec:
     default_packing = getattr(quantizer, "default_packing", None)
     if packing is None and default_packing:
         packing = get_codec(default_packing).packing  # e.g. ecq's codes need an entropy coder
-    return Codec(quantizer or _QUANTIZERS["none"](""), packing or _PACKINGS["raw"](""), threads)
+    return Codec(quantizer or _quantizer("none"), packing or _packing("raw"), threads)
 
 
 def choices() -> str:
     """The codec specs this kvstore accepts, for messages and ``--help``."""
-    quant = [q for q in _QUANTIZERS if q != "none"]
-    packings = ", ".join(f"{p}[:LEVEL]" if p != "raw" else p for p in _PACKINGS)
+    quant = [q for q in _names(QUANTIZER) if q != "none"]
+    packings = ", ".join(f"{p}[:LEVEL]" if p != "raw" else p for p in _names(PACKING))
     return packings + (f", or a quantizer ({', '.join(quant)}) optionally followed by +PACKING" if quant else "")
 
 
@@ -286,6 +319,7 @@ __all__ = [
     "DecodedPayload",
     "Packing",
     "Quantizer",
+    "Registered",
     "StoredTensor",
     "TensorRecord",
     "choices",
@@ -294,5 +328,6 @@ __all__ = [
     "identity_of",
     "register_packing",
     "register_quantizer",
+    "registered",
     "spec_of",
 ]
