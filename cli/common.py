@@ -303,7 +303,7 @@ def echo_json(obj: Any, file: IO[str] | None = None) -> None:
 
 
 # -- progress ---------------------------------------------------------------------------------
-class Progress:
+class ProgressBar:
     """A tqdm bar on stderr that is also the library's progress callback (``kvstore.progress``):
     ``bar(items, amount)`` advances by ``items`` and, with ``rate`` (e.g. ``"tok"``), shows the
     amount per second beside the bar. ``bar.update(n)`` advances too. Use as a context manager, or
@@ -352,7 +352,7 @@ class Progress:
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> ProgressBar:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -361,11 +361,11 @@ class Progress:
 
 def progress_bar(
     total: int | None, desc: str, quiet: bool = False, unit: str = "it", *, leave: bool = False, rate: str | None = None
-) -> Progress:
-    """A :class:`Progress` bar (tqdm on stderr, imported only when shown); hidden with ``quiet``.
+) -> ProgressBar:
+    """A :class:`ProgressBar` (tqdm on stderr, imported only when shown); hidden with ``quiet``.
     ``total`` may be None (unknown); ``leave`` keeps the finished bar on screen; ``rate`` names
     the amount shown per second (``tok`` shows tokens/s)."""
-    return Progress(total, desc, quiet, unit, leave, rate)
+    return ProgressBar(total, desc, quiet, unit, leave, rate)
 
 
 def short(text: str | None, n: int = 12) -> str:
@@ -376,7 +376,7 @@ def short(text: str | None, n: int = 12) -> str:
 __all__ = [
     "CLIError",
     "DURATION",
-    "Progress",
+    "ProgressBar",
     "SIZE",
     "STORE_DEFAULT_HELP",
     "confirm",
@@ -389,7 +389,6 @@ __all__ = [
     "parse_size",
     "progress_bar",
     "quiet_option",
-    "render_table",
     "short",
     "stdin_is_tty",
     "store_option",

@@ -31,7 +31,7 @@ _LAZY = {
     "EntryInfo": "kvstore.store.scan",
     "EntryView": "kvstore.store.entry",
     "Example": "kvstore.data.datasets",
-    "FORMAT_VERSION": "kvstore.store.entry",
+    "FORMAT_VERSION": "kvstore.store.header",
     "KVStore": "kvstore.store.kvstore",
     "PromptFormat": "kvstore.data.prompts",
     "SampleOptions": "kvstore.model.options",
@@ -69,9 +69,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.size.estimate import estimate_size as estimate_size
     from kvstore.size.estimate import size_report as size_report
     from kvstore.store.codecs import get_codec as get_codec
-    from kvstore.store.entry import FORMAT_VERSION as FORMAT_VERSION
     from kvstore.store.entry import Entry as Entry
     from kvstore.store.entry import EntryView as EntryView
+    from kvstore.store.header import FORMAT_VERSION as FORMAT_VERSION
     from kvstore.store.keys import cache_key as cache_key
     from kvstore.store.kvstore import KVStore as KVStore
     from kvstore.store.scan import EntryInfo as EntryInfo

@@ -127,6 +127,30 @@ def test_a_run_of_some_parts_keeps_the_other_parts_rows(fake, tmp_path):
     assert doc["notes"]["earlier_parts"]["parts"] == ["a"] and doc["notes"]["earlier_parts"]["git_sha"] == "abc"
 
 
+def test_a_full_run_puts_the_suites_images_in_docs_img(tmp_path, monkeypatch):
+    """Plots the docs show (``Suite.images``): a full run copies them to docs/img/, a smoke run
+    leaves them beside its results."""
+    script = tmp_path / "fakeimg.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'experiments')!r})\n"
+        "import benchlib as bl\n"
+        "bl.write_result('fakeimg', params={}, rows=[{'a': 1}])\n"
+        "open(os.path.join(os.environ['KVSTORE_BENCH_RAW'], 'fakeimg.png'), 'wb').write(b'png')\n"
+    )
+    suite = suites.Suite("fakeimg", "a fake suite", (str(script),), ("fakeimg",), quick=(), images=("fakeimg.png",))
+    monkeypatch.setattr(runner, "SUITES", (*suites.SUITES, suite))
+    monkeypatch.setattr(suites, "SUITES", (*suites.SUITES, suite))
+    for name, where in (("RAW", "raw"), ("QUICK", "quick"), ("IMAGES", "img")):
+        monkeypatch.setattr(runner, name, tmp_path / where)
+    monkeypatch.setattr(schema, "RESULTS", tmp_path / "results")
+    assert runner.main(["run", "fakeimg", "--quick"]) == 0
+    assert (tmp_path / "quick" / "fakeimg.png").read_bytes() == b"png" and not (tmp_path / "img").exists()
+    assert runner.main(["run", "fakeimg"]) == 0
+    assert (tmp_path / "img" / "fakeimg.png").read_bytes() == b"png"
+    assert (tmp_path / "results" / "fakeimg.json").exists() and not (tmp_path / "results" / "fakeimg.png").exists()
+
+
 def test_write_result_names_the_suite_and_part_of_its_output(tmp_path, monkeypatch):
     monkeypatch.setattr(benchlib, "RESULTS", tmp_path)
     monkeypatch.setenv("KVSTORE_BENCH_COMMAND", "python -m experiments run quant_ecq --dtypes bfloat16")

@@ -1,13 +1,13 @@
 """The library's shape: no import cycle in ``kvstore/`` or ``cli/``, no module over 500 lines, no
-function over 8 parameters.
+function over 8 parameters, one home per public name, layer kinds spelled in one table.
 
 The import graph is read from the source with :mod:`ast` (nothing is imported): every ``import``
 and ``from ... import`` counts, at module level, inside functions and under ``if TYPE_CHECKING:``
-(an annotation-only import is still a dependency a reader follows). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module,
-else to ``pkg``. Importing ``a.b.c`` also runs ``a/__init__`` and ``a/b/__init__``, but those
-implicit edges are left out: a package whose ``__init__`` re-exports a child would otherwise be in
-a "cycle" with every child that imports a sibling, which is not the knot this check is for.
-The ``cli/`` folder installs as ``kvstore.cli``.
+(an annotation-only import is still a dependency a reader follows). ``from pkg import name`` is an
+edge to ``pkg.name`` when that is a module, else to ``pkg``. Importing ``a.b.c`` also runs
+``a/__init__`` and ``a/b/__init__``, but those implicit edges are left out: a package whose
+``__init__`` re-exports a child would otherwise be in a "cycle" with every child that imports a
+sibling, which is not the knot this check is for. The ``cli/`` folder installs as ``kvstore.cli``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,15 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 
 # Modules allowed over MAX_LINES (none).
 KNOWN_LONG: set[str] = set()
+
+
+# Functions allowed more than MAX_PARAMS parameters: constructors, and the public Adapter methods,
+# whose keywords mirror the options objects.
+MAX_PARAMS = 8
+# package facades whose __all__ re-exports what their modules define
+FACADES = {"kvstore", "kvstore.store.codecs"}
+# the layer kinds as written on disk: spelled only in kvstore/facts.py
+KIND_NAMES = {"sliding", "chunked", "hybrid"}
 
 
 def module_files() -> dict[str, Path]:
@@ -184,3 +193,88 @@ def test_module_size(name: str) -> None:
     if name in KNOWN_LONG:
         return
     assert lines <= MAX_LINES, f"{name} has {lines} lines (at most {MAX_LINES}): split it into cohesive modules"
+
+
+def _functions(tree: ast.AST):
+    """``(class name or None, function node)`` for every function of a module."""
+    owner: dict[int, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                owner[id(item)] = node.name
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield owner.get(id(node)), node
+
+
+def test_no_function_takes_more_than_eight_parameters() -> None:
+    """Functions with many knobs take an options object (constructors and the public Adapter
+    methods, whose keywords mirror the options objects, aside)."""
+    long = []
+    for name, path in module_files().items():
+        if not name.startswith("kvstore.") or name.startswith("kvstore.cli"):
+            continue
+        for cls, fn in _functions(ast.parse(path.read_text())):
+            a = fn.args
+            params = [x for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+            n = len(params) + bool(a.vararg) + bool(a.kwarg)
+            allowed = fn.name == "__init__" or (cls == "Adapter" and not fn.name.startswith("_"))
+            if n > MAX_PARAMS and not allowed:
+                long.append(f"{name}:{fn.lineno} {fn.name} ({n})")
+    assert not long, "functions over 8 parameters (take an options object):\n" + "\n".join(long)
+
+
+def test_every_public_name_is_exported_by_one_module() -> None:
+    """A name in two modules' ``__all__`` would have two homes (package facades aside)."""
+    homes: dict[str, list[str]] = {}
+    for name, path in module_files().items():
+        if name in FACADES:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+                for exported in ast.literal_eval(node.value):
+                    homes.setdefault(exported, []).append(name)
+    twice = {n: ms for n, ms in homes.items() if len(ms) > 1}
+    assert not twice, f"names exported by more than one module: {twice}"
+
+
+def test_layer_kind_names_are_spelled_only_in_the_facts_table() -> None:
+    found = []
+    for name, path in module_files().items():
+        if name == "kvstore.facts":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in KIND_NAMES:
+                found.append(f"{name}:{node.lineno} {node.value!r}")
+            if isinstance(node, ast.Compare):  # kind == "attn" / "state"
+                sides = [node.left, *node.comparators]
+                kinds = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "kind"]
+                words = [s for s in sides if isinstance(s, ast.Constant) and s.value in ("attn", "state")]
+                if kinds and words:
+                    found.append(f"{name}:{node.lineno} kind compared with {words[0].value!r}")
+    assert not found, "layer kinds spelled outside kvstore/facts.py:\n" + "\n".join(found)
+
+
+def test_documented_keywords_are_visible_in_the_signatures() -> None:
+    """``greedy_sample`` and the Adapter methods declare their keywords (no ``**kwargs``): readers,
+    ``inspect.signature`` and tools see every input; the options' fields are keywords there."""
+    import dataclasses
+    import inspect
+
+    from kvstore.model.adapter import Adapter
+    from kvstore.model.options import BuildOptions, SampleOptions, ScoreOptions
+
+    def keywords(fn) -> set[str]:
+        params = inspect.signature(fn).parameters.values()
+        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params), fn.__name__
+        return {p.name for p in params}
+
+    fields = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
+    assert fields(SampleOptions) <= keywords(Adapter.sample)
+    assert fields(SampleOptions) - {"press", "decode_attention"} <= keywords(Adapter.sweep)
+    assert fields(SampleOptions) - {"steps"} <= keywords(Adapter.greedy_sample)  # compile= sets steps
+    assert fields(BuildOptions) <= keywords(Adapter.build)
+    assert fields(ScoreOptions) <= keywords(Adapter.score)
+    assert {"store", "prompt", "prefix", "press", "decode_attention", "generation_context"} <= keywords(
+        Adapter.greedy_sample
+    )

@@ -31,7 +31,7 @@ from kvstore.model.pipelines.sample import SampleResult
 from kvstore.model.plan import chains
 from kvstore.model.plan.chains import ContextPlan, Keying
 from kvstore.model.press.spec import Press
-from kvstore.model.scoring.scores import RollingResult, RollingResults, ScoreResult
+from kvstore.model.scoring.scores import RollingResults, ScoreResult
 from kvstore.model.variants import sparse
 from kvstore.model.variants.variant import Attention, GenerationContext, Variant
 from kvstore.model.variants.variant import variants as parse_variants
@@ -456,7 +456,4 @@ class Adapter(ModelView):
         return score.score_rolling(self.handle, texts, opts, variant, store, (max_length, store_documents), progress)
 
 
-__all__ = [
-    "UNSET", "Adapter", "BuildOptions", "BuildReport", "RollingResult", "RollingResults", "SampleOptions",
-    "SampleResult", "ScoreOptions", "ScoreResult", "TextOrIds",
-]  # fmt: skip
+__all__ = ["UNSET", "Adapter"]

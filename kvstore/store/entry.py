@@ -57,15 +57,12 @@ import xxhash
 
 from kvstore import dtypes
 from kvstore.errors import CorruptEntryError
-from kvstore.facts import ATTN, KV_KINDS, STATE, STATE_KINDS  # the kind sets re-exported: they lived here
+from kvstore.facts import ATTN, KV_KINDS, STATE
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
 from kvstore.store.codecs.prerope import Rotary, with_rotary
 from kvstore.store.header import (
-    FORMAT_VERSION,
     MAGIC,
-    MAX_ENTRY_HEADER,
     STATE_NAME,
-    STORE_FORMAT,
     TRAILER_BYTES,
     EntryHeader,
     LayerSpec,
@@ -323,20 +320,4 @@ def decode_entry(
     return EntryView(header, records, tuple(layers), tuple(states))
 
 
-__all__ = [
-    "FORMAT_VERSION",
-    "STORE_FORMAT",
-    "KV_KINDS",
-    "MAGIC",
-    "MAX_COMPRESSION_RATIO",
-    "MAX_ENTRY_HEADER",
-    "STATE_KINDS",
-    "Entry",
-    "EntryHeader",
-    "EntryView",
-    "LayerSpec",
-    "decode_entry",
-    "encode_entry",
-    "read_header",
-    "verify_checksum",
-]
+__all__ = ["MAX_COMPRESSION_RATIO", "Entry", "EntryView", "decode_entry", "encode_entry"]

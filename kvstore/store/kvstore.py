@@ -48,14 +48,11 @@ from kvstore.parallel import run_all
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import DEFAULT_CODEC, LEGACY_CODEC, Codec, get_codec, identity_of
-from kvstore.store.entry import (
+from kvstore.store.entry import Entry, EntryView, decode_entry, encode_entry
+from kvstore.store.header import (
     MAX_ENTRY_HEADER,
     STORE_FORMAT,
-    Entry,
     EntryHeader,
-    EntryView,
-    decode_entry,
-    encode_entry,
     read_header,
     verify_checksum,
 )

@@ -23,7 +23,7 @@ from kvstore.store.summary import GroupStats, summarize  # re-exported: it lived
 from kvstore.units import human_bytes, human_time
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.store.entry import EntryHeader
+    from kvstore.store.header import EntryHeader
     from kvstore.store.kvstore import KVStore
 
 

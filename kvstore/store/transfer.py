@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from kvstore.errors import CorruptEntryError, FormatVersionError, KVStoreError, StoreNotFoundError
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
-from kvstore.store.entry import STORE_FORMAT, decode_entry
+from kvstore.store.entry import decode_entry
+from kvstore.store.header import STORE_FORMAT
 from kvstore.store.keyspace import ENTRY, META, key_of
 
 

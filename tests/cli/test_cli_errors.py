@@ -203,7 +203,7 @@ def test_store_path_is_a_file(command, tiny_llama_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("command", ["build", "sample"])
 def test_store_from_a_newer_format(command, tiny_llama_dir, tmp_path, capsys):
-    from kvstore.store.entry import STORE_FORMAT
+    from kvstore.store.header import STORE_FORMAT
     from kvstore.store.kvstore import KVStore
 
     dataset = write_rows(tmp_path / "data.jsonl", [GOOD])

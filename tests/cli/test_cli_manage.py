@@ -21,7 +21,8 @@ from kvstore.cli.common import emit, parse_duration, parse_size, progress_bar, r
 from kvstore.cli.main import app, main
 from kvstore.store.backends import open_backend
 from kvstore.store.codecs import DEFAULT_CODEC, get_codec
-from kvstore.store.entry import STORE_FORMAT, Entry
+from kvstore.store.entry import Entry
+from kvstore.store.header import STORE_FORMAT
 from kvstore.store.kvstore import KVStore
 
 FP_OTHER = "2" * 64

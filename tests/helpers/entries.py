@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvstore.store.entry import MAGIC, Entry, EntryView, decode_entry, encode_entry, read_header
+from kvstore.store.entry import Entry, EntryView, decode_entry, encode_entry
+from kvstore.store.header import MAGIC, read_header
 from kvstore.store.keys import chain_keys, chain_seed
 from kvstore.store.kvstore import KVStore
 

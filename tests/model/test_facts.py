@@ -8,7 +8,7 @@ import pytest
 from kvstore import facts as lk
 from kvstore.model.family import families
 from kvstore.size.shapes import shape_from_config
-from kvstore.store.entry import LayerSpec
+from kvstore.store.header import LayerSpec
 
 
 def test_table_is_consistent():

@@ -11,26 +11,26 @@ from kvstore.errors import ModelError
 from kvstore.model.adapter import Adapter
 from kvstore.model.paths.base import FEATURES, CachePath
 from kvstore.model.paths.choice import path_of
-from kvstore.model.paths.dense import DENSE
-from kvstore.model.paths.families import FAMILIES
+from kvstore.model.paths.dense import DENSE_PATH
+from kvstore.model.paths.families import FAMILIES_PATH
 from kvstore.store.kvstore import KVStore
 
 
 def test_the_path_is_chosen_from_the_layout():
-    assert path_of(Adapter(*make_tiny_model("llama")).handle) is DENSE
+    assert path_of(Adapter(*make_tiny_model("llama")).handle) is DENSE_PATH
     for family in ("mistral", "mamba"):
-        assert path_of(Adapter(*make_family_model(family, attn_implementation=None)).handle) is FAMILIES
+        assert path_of(Adapter(*make_family_model(family, attn_implementation=None)).handle) is FAMILIES_PATH
 
 
 def test_features_are_data():
-    assert DENSE.features == frozenset(FEATURES)
-    assert not FAMILIES.features
+    assert DENSE_PATH.features == frozenset(FEATURES)
+    assert not FAMILIES_PATH.features
     with pytest.raises(ValueError, match="unknown cache-path feature"):
-        DENSE.supports("telepathy")
+        DENSE_PATH.supports("telepathy")
 
 
 def test_paths_implement_one_interface():
-    assert isinstance(DENSE, CachePath) and isinstance(FAMILIES, CachePath)
+    assert isinstance(DENSE_PATH, CachePath) and isinstance(FAMILIES_PATH, CachePath)
     with pytest.raises(TypeError):
         type("Partial", (CachePath,), {})()  # every method of the interface must be there
 

@@ -18,7 +18,6 @@ import torch
 from helpers.tiny import CORPUS, make_family_model, make_tiny_model
 from kvstore.errors import ContextTooLongError, DatasetError, HookError, ModelError
 from kvstore.model.adapter import Adapter
-from kvstore.model.pipelines import score as scoring
 from kvstore.model.pipelines.score import encode_pair, prefix_token_id, rolling_windows
 from kvstore.store.kvstore import KVStore
 

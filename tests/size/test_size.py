@@ -27,7 +27,7 @@ from kvstore.size.estimate import (
 )
 from kvstore.size.shapes import PYTHIA, ModelShape, resolve_shape, shape_from_config, shape_from_gguf
 from kvstore.store.codecs import get_codec
-from kvstore.store.entry import EntryHeader
+from kvstore.store.header import EntryHeader
 from kvstore.store.scan import EntryInfo
 from kvstore.store.summary import summarize
 
@@ -356,7 +356,7 @@ def test_plot_writes_a_png(tmp_path):
 
 # -- measured in a store ----------------------------------------------------------------------
 def test_summarize_groups_by_model_and_dtype():
-    from kvstore.store.entry import LayerSpec
+    from kvstore.store.header import LayerSpec
     from kvstore.store.scan import StoreInfo, _context
 
     def info(key, dtype, codec, n_tokens, raw_bytes, stored_bytes):

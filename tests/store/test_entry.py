@@ -23,15 +23,8 @@ from helpers.paths import GOLDEN
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.model.load.identity import config_digest
 from kvstore.store.codecs import get_codec
-from kvstore.store.entry import (
-    FORMAT_VERSION,
-    MAGIC,
-    Entry,
-    decode_entry,
-    encode_entry,
-    read_header,
-    verify_checksum,
-)
+from kvstore.store.entry import Entry, decode_entry, encode_entry
+from kvstore.store.header import FORMAT_VERSION, MAGIC, read_header, verify_checksum
 from kvstore.store.keys import cache_key, chain_keys, chain_seed, chunk_spans
 
 REGEN = os.environ.get("KVSTORE_REGEN_GOLDEN") == "1"  # rewrite the golden files (after a format bump)
@@ -128,7 +121,7 @@ def test_store_level_facts_in_header():
 # -- golden: the format is pinned ------------------------------------------------------------------
 # A failure here means the bytes an entry is stored as (or a key is computed from) changed. Stores
 # written before would then be misread or silently miss. If the change is deliberate, bump
-# kvstore.store.entry.FORMAT_VERSION (keys change only with kvstore.store.keys.CHAIN_FORMAT), teach the
+# kvstore.store.header.FORMAT_VERSION (keys change only with kvstore.store.keys.CHAIN_FORMAT), teach the
 # decoder to read the old version or refuse it, and regenerate with KVSTORE_REGEN_GOLDEN=1.
 GOLDEN_FP = hashlib.sha256(b"kvstore golden model").hexdigest()
 

@@ -23,8 +23,9 @@ from kvstore.errors import (
 )
 from kvstore.store import scan
 from kvstore.store.codecs import DEFAULT_CODEC
-from kvstore.store.entry import STORE_FORMAT, Entry, EntryHeader, LayerSpec
+from kvstore.store.entry import Entry
 from kvstore.store.gc import execute_plan, plan_gc
+from kvstore.store.header import STORE_FORMAT, EntryHeader, LayerSpec
 from kvstore.store.keys import cache_key, chain_keys, chain_seed
 from kvstore.store.kvstore import KVStore
 from kvstore.store.scan import CorruptInfo, EntryInfo, StoreInfo

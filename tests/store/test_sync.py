@@ -16,7 +16,7 @@ from helpers.entries import encode, kv_layers
 from kvstore.cli.main import app
 from kvstore.errors import FormatVersionError
 from kvstore.store.backends import open_backend
-from kvstore.store.entry import STORE_FORMAT
+from kvstore.store.header import STORE_FORMAT
 from kvstore.store.kvstore import KVStore
 from kvstore.store.transfer import execute_sync, plan_sync, sync
 

@@ -46,7 +46,7 @@ from kvstore.facts import (
     WINDOWED_KINDS,
 )
 from kvstore.model.family import families
-from kvstore.store.entry import LayerSpec
+from kvstore.store.header import LayerSpec
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from kvstore.errors import ModelError
 from kvstore.model.family import families
 from kvstore.model.family.rope import rotary_refusal
 from kvstore.model.paths.base import CachePath
-from kvstore.model.paths.dense import DENSE
-from kvstore.model.paths.families import FAMILIES
+from kvstore.model.paths.dense import DENSE_PATH
+from kvstore.model.paths.families import FAMILIES_PATH
 from kvstore.model.variants.variant import Variant
 from kvstore.store.codecs.prerope import needs_rotary
 from kvstore.store.kvstore import KVStore
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def path_of(handle: ModelHandle) -> CachePath:
     """The cache path of the handle's model: dense when every layer is full attention."""
-    return DENSE if handle.layout.dense else FAMILIES
+    return DENSE_PATH if handle.layout.dense else FAMILIES_PATH
 
 
 def check_supported(handle: ModelHandle, store: KVStore | None = None) -> CachePath:

@@ -164,6 +164,6 @@ def _reference_together(
     return Answer(tokens, scores, time.perf_counter() - t0, kept, sum(kept) * handle.kv_bytes_per_token())
 
 
-DENSE = DensePath()
+DENSE_PATH = DensePath()
 
-__all__ = ["DENSE", "DensePath"]
+__all__ = ["DENSE_PATH", "DensePath"]

@@ -9,7 +9,7 @@ computed chunk by chunk (one :meth:`Slots.run` per chunk, states read after each
 models in one pass, their chunks cut from it.
 
 A context's cache in memory is a :class:`RowCache`: loaded from its longest stored prefix
-(:func:`load`), extended by what is missing (:func:`compute`), then placed in the batch's slots for
+(:func:`load_cache`), extended by what is missing (:func:`compute`), then placed in the batch's slots for
 the question and the answer (:func:`decode_cached`). The reference without a cache
 (:func:`decode_reference`) runs each row's context and question through the same slots from
 nothing: it shares the masks, never the stored tensors.
@@ -55,7 +55,7 @@ class Computed:
     cache: RowCache
 
 
-def load(
+def load_cache(
     handle: ModelHandle, store: KVStore, plan: ContextPlan, depth: int | None = None, codecs: list[str] | None = None
 ) -> RowCache | None:
     """The longest verified stored prefix of ``plan`` (at most ``depth`` chunks) as a
@@ -201,7 +201,7 @@ def compute_jobs(
         todo = []
         for i in batch:
             plan, depth = jobs[i]
-            prefix = load(handle, store, plan, depth) if depth else None  # None: it went away meanwhile
+            prefix = load_cache(handle, store, plan, depth) if depth else None  # None: it went away meanwhile
             todo.append((plan, prefix))
         for (plan, _), got in zip(todo, compute(handle, todo)):
             _write(writer, handle, plan, got, count)
@@ -225,7 +225,7 @@ def decode_cached(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, w
     codecs: dict[str, list[str]] = {p.key: [] for p in distinct}
     todo = []
     for ctx in distinct:
-        found = load(handle, store, ctx, codecs=codecs[ctx.key]) if store is not None else None
+        found = load_cache(handle, store, ctx, codecs=codecs[ctx.key]) if store is not None else None
         loaded[ctx.key] = found.end if found is not None else 0
         if found is not None and found.end == ctx.n_tokens:
             caches[ctx.key] = found
@@ -295,10 +295,10 @@ class FamiliesPath(CachePath):
         return decode_reference(handle, plan, work.decoding)
 
 
-FAMILIES = FamiliesPath()
+FAMILIES_PATH = FamiliesPath()
 
 __all__ = [
-    "FAMILIES",
+    "FAMILIES_PATH",
     "Computed",
     "FamiliesPath",
     "compute",
@@ -306,5 +306,5 @@ __all__ = [
     "decode_cached",
     "decode_reference",
     "entries",
-    "load",
+    "load_cache",
 ]

@@ -96,10 +96,10 @@ def press_cache(
         picks.append([kept(s, n) for s in row_scores(handle, cache, press, r, memo, observe)])
     if all(p is None for p in picks):
         return cache
-    return gather(cache, picks)
+    return gather_kept(cache, picks)
 
 
-def gather(cache: BatchCache, picks: Sequence[Sequence[torch.Tensor] | None]) -> BatchCache:
+def gather_kept(cache: BatchCache, picks: Sequence[Sequence[torch.Tensor] | None]) -> BatchCache:
     """New buffers holding, per row, the positions ``picks[r][layer]`` (``[kv_heads, n]``, relative
     to the row's span; None: all of them) left-padded to the longest; the free slots after the
     contexts as many as ``cache`` had."""
@@ -127,4 +127,4 @@ def gather(cache: BatchCache, picks: Sequence[Sequence[torch.Tensor] | None]) ->
     return BatchCache(bufs, spans, cache.lengths, P, cache.ids)
 
 
-__all__ = ["Observations", "PressMemo", "gather", "press_cache", "row_scores"]
+__all__ = ["Observations", "PressMemo", "gather_kept", "press_cache", "row_scores"]

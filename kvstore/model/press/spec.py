@@ -7,7 +7,7 @@ them, at least one (sink and window tokens count in that budget); 0 keeps everyt
 a :class:`Press`, whose :attr:`Press.name` is the one printed form of it (``snapkv:.5`` and
 ``snapkv:0.50`` are both ``snapkv:0.5``; parameters at their defaults are left out).
 
-The methods and their fixed parameters (defaults: kvpress 0.5.5's) are :data:`METHODS`; how each
+The methods and their fixed parameters (defaults: kvpress 0.5.5's) are :data:`PRESS_METHODS`; how each
 scores tokens is :mod:`kvstore.model.press.scorers`. Plain data, no torch: options and variants
 import it at no cost.
 """
@@ -41,7 +41,7 @@ def _method(name: str, params: dict[str, int], queries: bool, keeps: str) -> Met
 # kvpress 0.5.5's defaults: KnormPress, StreamingLLMPress(n_sink=4), RandomPress (seed: kvpress draws
 # unseeded by default; kvstore's is seeded so that runs repeat), KeyDiffPress,
 # SnapKVPress(window_size=64, kernel_size=5), TOVAPress (a window of the last token)
-METHODS: Mapping[str, Method] = MappingProxyType(
+PRESS_METHODS: Mapping[str, Method] = MappingProxyType(
     {
         "knorm": _method("knorm", {}, False, "nothing: the tokens with the smallest key norms"),
         "streaming_llm": _method("streaming_llm", {"n_sink": 4}, False, "the first n_sink tokens and the most recent"),
@@ -61,7 +61,7 @@ def ratio_text(ratio: float) -> str:
 
 @dataclass(frozen=True)
 class Press:
-    """A press: ``method`` (a key of :data:`METHODS`), ``ratio`` in ``[0, 1)``, ``question``
+    """A press: ``method`` (a key of :data:`PRESS_METHODS`), ``ratio`` in ``[0, 1)``, ``question``
     (``:q``: score with the question's queries instead of an observation window), and every
     fixed parameter of the method as ``(name, value)`` pairs in name order."""
 
@@ -71,9 +71,9 @@ class Press:
     params: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        m = METHODS.get(self.method)
+        m = PRESS_METHODS.get(self.method)
         if m is None:
-            raise PressError(f"unknown press {self.method!r} (presses: {', '.join(METHODS)})")
+            raise PressError(f"unknown press {self.method!r} (presses: {', '.join(PRESS_METHODS)})")
         if not (isinstance(self.ratio, (int, float)) and math.isfinite(self.ratio) and 0 <= self.ratio < 1):
             raise PressError(f"press {self.method}: ratio {self.ratio!r} is not in [0, 1)")
         object.__setattr__(self, "ratio", float(self.ratio))
@@ -90,13 +90,13 @@ class Press:
         if self.question and not m.queries:
             raise PressError(
                 f"press {self.method} scores tokens from keys alone; ':q' (question-aware) is for presses that read "
-                f"queries ({', '.join(n for n, x in METHODS.items() if x.queries)})"
+                f"queries ({', '.join(n for n, x in PRESS_METHODS.items() if x.queries)})"
             )
 
     @property
     def name(self) -> str:
         """The canonical spec (result keys, variant names): ``method:ratio[:q][:k=v...]``."""
-        defaults = METHODS[self.method].params
+        defaults = PRESS_METHODS[self.method].params
         extra = [f"{k}={v}" for k, v in self.params if defaults.get(k) != v]
         return ":".join([self.method, ratio_text(self.ratio)] + (["q"] if self.question else []) + extra)
 
@@ -106,7 +106,7 @@ class Press:
     @property
     def needs_queries(self) -> bool:
         """Whether it scores tokens with queries (an observation window, or the question)."""
-        return METHODS[self.method].queries
+        return PRESS_METHODS[self.method].queries
 
     @property
     def window(self) -> int:
@@ -130,7 +130,7 @@ def parse_press(spec: str) -> Press:
     text = spec.strip()
     parts = text.split(":")
     if len(parts) < 2 or not parts[1]:
-        raise PressError(f"press {text!r}: expected NAME:RATIO (e.g. snapkv:0.5), presses: {', '.join(METHODS)}")
+        raise PressError(f"press {text!r}: expected NAME:RATIO (e.g. snapkv:0.5), presses: {', '.join(PRESS_METHODS)}")
     name, ratio_s, rest = parts[0], parts[1], parts[2:]
     try:
         ratio = float(ratio_s)
@@ -151,7 +151,7 @@ def parse_press(spec: str) -> Press:
 
 def is_press_spec(spec: str) -> bool:
     """Whether ``spec`` names a press (its first field is a press method)."""
-    return spec.strip().split(":", 1)[0] in METHODS
+    return spec.strip().split(":", 1)[0] in PRESS_METHODS
 
 
-__all__ = ["METHODS", "Method", "Press", "is_press_spec", "parse_press", "ratio_text"]
+__all__ = ["PRESS_METHODS", "Method", "Press", "is_press_spec", "parse_press", "ratio_text"]

@@ -84,7 +84,7 @@ def run_halving(run: Callable[[list[int]], None], batch: list[int], handle: Mode
         run_halving(run, batch[len(batch) // 2 :], handle)
 
 
-def gather(logits: torch.Tensor, targets: Sequence[int], per_token: bool) -> tuple[float, bool, tuple | None]:
+def gather_logprobs(logits: torch.Tensor, targets: Sequence[int], per_token: bool) -> tuple[float, bool, tuple | None]:
     """``(sum of log-probs, greedy, per-token log-probs)`` of ``targets`` from ``logits`` ``[n, V]``."""
     ftype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
     lp = torch.log_softmax(logits.to(ftype), dim=-1)
@@ -124,7 +124,7 @@ def score_reference(
         )  # fmt: skip
         for r, i in enumerate(batch):
             a = len(ctx[i]) - 1 - lo
-            total, greedy, per_token = gather(out.logits[r, a : a + len(cont[i])], cont[i], token_logprobs)
+            total, greedy, per_token = gather_logprobs(out.logits[r, a : a + len(cont[i])], cont[i], token_logprobs)
             rows[i] = ScoredRow(total, greedy, len(cont[i]), per_token, 0)
         computed += sum(len(ctx[i]) for i in batch)
         del out
@@ -137,4 +137,4 @@ def score_reference(
     return computed
 
 
-__all__ = ["LOGITS_BYTES", "gather", "row_batches", "run_halving", "score_reference", "vocab_size"]
+__all__ = ["LOGITS_BYTES", "gather_logprobs", "row_batches", "run_halving", "score_reference", "vocab_size"]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.model.compute.cache import BatchCache, PreallocatedCache
-from kvstore.model.scoring.rows import gather
+from kvstore.model.scoring.rows import gather_logprobs
 from kvstore.model.variants import hooks
 from kvstore.model.variants.variant import Variant
 
@@ -69,7 +69,7 @@ def score_fed(
             input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
             **{handle.layout.cache_arg: PreallocatedCache(cache.bufs, P)}, use_cache=True, logits_to_keep=0,
         )  # fmt: skip
-    return [gather(out.logits[r, : len(targets[r])], targets[r], token_logprobs) for r in range(B)]
+    return [gather_logprobs(out.logits[r, : len(targets[r])], targets[r], token_logprobs) for r in range(B)]
 
 
 __all__ = ["RowScore", "score_fed", "scored_contexts"]

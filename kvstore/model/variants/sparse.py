@@ -45,7 +45,7 @@ import torch
 from kvstore.errors import HookError
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, Any]]
-DENSE = "dense"
+DENSE_NAME = "dense"
 
 # kwargs the built-ins cannot honour: they change the scores in ways a plain softmax over q.k misses
 _UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "position_bias")
@@ -169,16 +169,16 @@ def sparq_attention(r: int, k: int) -> AttentionFunction:
 
 
 # name -> factory taking the spec's integer arguments
-METHODS: dict[str, Callable[..., AttentionFunction]] = {"topk": topk_attention, "sparq": sparq_attention}
+ATTENTION_METHODS: dict[str, Callable[..., AttentionFunction]] = {"topk": topk_attention, "sparq": sparq_attention}
 _ARITY = {"topk": 1, "sparq": 2}
 _PATH = re.compile(r"^[A-Za-z_][\w.]*([:.])[A-Za-z_]\w*$")
 
 
 def register_method(name: str, factory: Callable[..., AttentionFunction], arity: int) -> None:
     """Make ``name:A:B...`` a spec: ``factory(*ints)`` gives its attention function."""
-    if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name == DENSE:
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name == DENSE_NAME:
         raise HookError(f"{name!r} is not a usable method name (lower-case letters, digits, _; not 'dense')")
-    METHODS[name] = factory
+    ATTENTION_METHODS[name] = factory
     _ARITY[name] = arity
 
 
@@ -206,26 +206,26 @@ def parse(spec: str) -> AttentionFunction | None:
     ``sparq:R:K``, a method added with :func:`register_method`, or a plug-in path. HookError
     (one line) for anything else."""
     spec = spec.strip()
-    if spec == DENSE:
+    if spec == DENSE_NAME:
         return None
     head, _, rest = spec.partition(":")
-    if head in METHODS:
+    if head in ATTENTION_METHODS:
         parts = rest.split(":") if rest else []
         if len(parts) != _ARITY[head] or not all(p.isdigit() for p in parts):
             shape = ":".join(["N"] * _ARITY[head])
             raise HookError(f"decode attention {spec!r}: expected {head}:{shape} with positive integers")
-        return METHODS[head](*(int(p) for p in parts))
+        return ATTENTION_METHODS[head](*(int(p) for p in parts))
     if _PATH.match(spec):
         return load_function(spec)
     raise HookError(
         f"decode attention {spec!r} is not dense, topk:K, sparq:R:K or a module:function path "
-        f"(methods: {', '.join(sorted(METHODS))})"
+        f"(methods: {', '.join(sorted(ATTENTION_METHODS))})"
     )
 
 
 __all__ = [
-    "DENSE",
-    "METHODS",
+    "DENSE_NAME",
+    "ATTENTION_METHODS",
     "AttentionFunction",
     "allowed_keys",
     "load_function",

@@ -29,7 +29,7 @@ from kvstore.model.press.spec import Press, is_press_spec, parse_press
 from kvstore.model.variants import sparse
 
 GenerationContext = Callable[[torch.nn.Module], AbstractContextManager[Any]]
-DENSE_NAME = sparse.DENSE
+DENSE_NAME = sparse.DENSE_NAME
 
 
 @dataclass(frozen=True)

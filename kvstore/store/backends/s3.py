@@ -458,4 +458,4 @@ class S3Backend(BackendBase):
             self.client.close()
 
 
-__all__ = ["CONNECT_TIMEOUT", "MAX_ATTEMPTS", "READ_TIMEOUT", "S3Backend", "backend_key", "object_name", "parse_url"]
+__all__ = ["CONNECT_TIMEOUT", "MAX_ATTEMPTS", "READ_TIMEOUT", "S3Backend"]
