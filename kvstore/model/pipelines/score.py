@@ -128,12 +128,10 @@ def score_rows(
             f"({handle.model.config.model_type}) has sliding-window, chunked or state layers: score it without the "
             "cache (use_cache=False / --no-cache)"
         )
-    n = len(rows.contexts)
     if options.use_cache or not plain:  # a variant's reference: the cached layout, nothing loaded or stored
         return _score_cached(handle, rows, options, variants, store if options.use_cache else None, keys, progress)
-    scored: list[ScoredRow | None] = [None] * n
-    computed = score_reference(handle, rows.contexts, rows.continuations, scored, options, progress)
-    done = [r for r in scored if r is not None]
+    done = score_reference(handle, rows.contexts, rows.continuations, options, progress)
+    computed = sum(len(c) for c in rows.contexts)
     kept = [len(c) - 1 for c in rows.contexts]
     nbytes = sum(kept) * handle.kv_bytes_per_token()
     saved = sum(len(c) for c in rows.contexts) - computed

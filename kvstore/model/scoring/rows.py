@@ -97,23 +97,21 @@ def gather_logprobs(logits: torch.Tensor, targets: Sequence[int], per_token: boo
 
 @torch.inference_mode()
 def score_reference(
-    handle: ModelHandle, ctx: Sequence[Sequence[int]], cont: Sequence[Sequence[int]], rows: list,
-    options: ScoreOptions, progress: Progress | None,
-) -> int:  # fmt: skip
+    handle: ModelHandle, ctx: Sequence[Sequence[int]], cont: Sequence[Sequence[int]], options: ScoreOptions,
+    progress: Progress | None,
+) -> list[ScoredRow]:  # fmt: skip
     """The reference without a cache: each row's context + continuation but its last token in one
-    forward (as lm-eval's ``hf`` runs it), its scores written into ``rows``; returns the context
-    tokens computed."""
+    forward (as lm-eval's ``hf`` runs it). Returns each row's score, in order."""
     token_logprobs = options.token_logprobs
     n = len(ctx)
+    rows: list[ScoredRow | None] = [None] * n
     seqs = [list(ctx[i]) + list(cont[i][:-1]) for i in range(n)]
     order = sorted(range(n), key=lambda i: (len(seqs[i]), i))
     sizes = [len(s) for s in seqs]
     row_logits = vocab_size(handle) * 4
     dev = handle.device
-    computed = 0
 
     def run(batch: list[int]) -> None:
-        nonlocal computed
         B = len(batch)
         L = max(sizes[i] for i in batch)
         lo = min(len(ctx[i]) - 1 for i in batch)  # first position whose logits are needed
@@ -126,7 +124,6 @@ def score_reference(
             a = len(ctx[i]) - 1 - lo
             total, greedy, per_token = gather_logprobs(out.logits[r, a : a + len(cont[i])], cont[i], token_logprobs)
             rows[i] = ScoredRow(total, greedy, len(cont[i]), per_token, 0)
-        computed += sum(len(ctx[i]) for i in batch)
         del out
         if progress:
             progress(B, sum(sizes[i] for i in batch))
@@ -134,7 +131,7 @@ def score_reference(
     keys = [str(i) for i in range(n)]
     for batch in row_batches(order, keys, sizes, sizes, options.batch_size, options.max_batch_tokens, row_logits):
         run_halving(run, batch, handle)
-    return computed
+    return [r for r in rows if r is not None]
 
 
 __all__ = ["LOGITS_BYTES", "gather_logprobs", "row_batches", "run_halving", "score_reference", "vocab_size"]
