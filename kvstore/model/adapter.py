@@ -238,8 +238,8 @@ class Adapter(ModelView):
             press=press, decode_attention=decode_attention,
         ))  # fmt: skip
         variant = opts.variant(generation_context)
-        return self._sample([variant], contexts, questions, opts, (store, prompt, special_tokens, prefix, labels),
-                            progress)[0]  # fmt: skip
+        texts, asked, keying = self._prompted(prompt, contexts, questions, special_tokens, prefix)
+        return self._sample([variant], texts, asked, opts, store, keying, labels, progress)[0]
 
     def sweep(
         self,
@@ -278,8 +278,8 @@ class Adapter(ModelView):
         ))  # fmt: skip
         if opts.press is not None or opts.decode_attention is not None:
             raise ValueError("a sweep takes its presses and decode attention from variants=, not from its options")
-        results = self._sample(chosen, contexts, questions, opts, (store, prompt, special_tokens, prefix, labels),
-                               progress)  # fmt: skip
+        texts, asked, keying = self._prompted(prompt, contexts, questions, special_tokens, prefix)
+        results = self._sample(chosen, texts, asked, opts, store, keying, labels, progress)
         return {r.variant: r for r in results}
 
     def greedy_sample(
@@ -326,17 +326,25 @@ class Adapter(ModelView):
         )  # fmt: skip
         return result if return_details else result.tokens
 
-    def _sample(
-        self, chosen: Sequence[Variant], contexts: Sequence[TextOrIds], questions: Sequence[TextOrIds],
-        opts: SampleOptions, where: tuple, progress: Progress | None,
-    ) -> list[SampleResult]:  # fmt: skip
-        store, prompt, special_tokens, prefix, labels = where
-        check_supported(self.handle, store if opts.use_cache else None)  # a refused model: before any tokenizing
+    @staticmethod
+    def _prompted(
+        prompt: PromptFormat | None, contexts: Sequence[TextOrIds], questions: Sequence[TextOrIds],
+        special_tokens: bool, prefix: TextOrIds | None,
+    ) -> tuple[list, list, Keying]:  # fmt: skip
+        """The context and question texts under ``prompt``, and how contexts are keyed."""
         texts, asked, special_tokens, prefix = apply_prompt(
             prompt, contexts, questions, special_tokens=special_tokens, prefix=prefix
         )
         assert asked is not None
-        rows = sample.tokenize_rows(self.handle, texts, asked, opts, store, (special_tokens, prefix, labels))
+        return texts, asked, Keying(special_tokens, prefix)
+
+    def _sample(
+        self, chosen: Sequence[Variant], contexts: Sequence[TextOrIds], questions: Sequence[TextOrIds],
+        opts: SampleOptions, store: KVStore | None, keying: Keying, labels: Sequence[str] | None,
+        progress: Progress | None,
+    ) -> list[SampleResult]:  # fmt: skip
+        check_supported(self.handle, store if opts.use_cache else None)  # a refused model: before any tokenizing
+        rows = sample.tokenize_rows(self.handle, contexts, questions, opts, store, keying, labels)
         return sample.sample_variants(self.handle, rows, opts, chosen, store, progress)
 
     # -- scoring -------------------------------------------------------------------------------

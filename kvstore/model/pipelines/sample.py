@@ -35,6 +35,7 @@ from kvstore.model.paths.base import BatchAnswers, CachePath, Work
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.plan import chains
 from kvstore.model.plan.batch import BatchPlan, plan_batch
+from kvstore.model.plan.chains import Keying
 from kvstore.model.stages.load import Loaded, load
 from kvstore.model.variants import hooks
 from kvstore.model.variants.variant import DENSE, Variant
@@ -92,11 +93,11 @@ class Rows:
 
 def tokenize_rows(
     handle: ModelHandle, contexts: Sequence[TextOrIds], questions: Sequence[TextOrIds], options: SampleOptions,
-    store: KVStore | None, how: tuple[bool, TextOrIds | None, Sequence[str] | None],
+    store: KVStore | None, keying: Keying, labels: Sequence[str] | None,
 ) -> Rows:  # fmt: skip
-    """Token ids and chains of every row; ``how`` = ``(special_tokens, prefix, labels)``.
-    ContextTooLongError naming a row whose context, question and answer exceed the positions."""
-    special_tokens, prefix, labels = how
+    """Token ids and chains of every row (``labels`` name rows in errors). ContextTooLongError
+    naming a row whose context, question and answer exceed the positions."""
+    special_tokens, prefix = keying.special_tokens, keying.prefix
     if len(contexts) != len(questions):
         raise ValueError(f"{len(contexts)} contexts but {len(questions)} questions")
     q_ids = [tuple(handle.encode_question(q)) for q in questions]
