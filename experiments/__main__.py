@@ -32,6 +32,7 @@ from .runner.suites import SUITES, Suite, by_name, read_raw
 
 RAW = schema.ROOT / "cache" / "bench" / "raw"
 QUICK = schema.ROOT / "cache" / "bench" / "quick"
+IMAGES = schema.ROOT / "docs" / "img"  # where a full run puts the plots the docs show (Suite.images)
 
 
 def cmd_list(_: argparse.Namespace) -> int:
@@ -133,6 +134,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if (raw_dir / name).exists():
             shutil.copyfile(raw_dir / name, out_dir / name)
             print(f"wrote {out_dir / name}")
+    img_dir = IMAGES if out_dir == schema.RESULTS else out_dir  # a smoke run's plots stay beside its results
+    for name in suite.images:
+        if (raw_dir / name).exists():
+            img_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(raw_dir / name, img_dir / name)
+            print(f"wrote {img_dir / name}")
     if out_dir == schema.RESULTS:
         print("now run: python -m experiments report")
     return 0

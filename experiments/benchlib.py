@@ -328,6 +328,32 @@ def md_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def ratio_plot(path: Path, panels: Sequence[tuple[str, dict, float | None]], title: str) -> None:
+    """A PNG of side-by-side panels of a metric against the compression ratio: each panel is
+    ``(ylabel, lines, reference)``, ``lines`` mapping a label to ``(ratios, values)`` (labels ending in
+    ``:q`` dashed) and ``reference`` (the dense value) a dotted horizontal line (None: none)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    for ax, (ylabel, lines, reference) in zip(axes[0], panels):
+        for i, (label, (xs, ys)) in enumerate(lines.items()):
+            ax.plot(xs, ys, marker="o", markersize=4, linestyle="--" if label.endswith(":q") else "-",
+                    color=f"C{i % 10}", label=label)  # fmt: skip
+        if reference is not None:
+            ax.axhline(reference, color="k", linestyle=":", label="dense")
+        ax.set_xlabel("compression ratio (fraction of context tokens dropped)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def demo_rows() -> list[dict]:
     """The rows of experiments/data/demo.jsonl (22 articles, 78 questions)."""
     return [json.loads(line) for line in (HERE / "data" / "demo.jsonl").open(encoding="utf-8")]

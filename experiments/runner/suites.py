@@ -153,9 +153,11 @@ class Suite:
     """One benchmark. ``argv`` follows the Python executable; ``outputs``: the results it writes
     (``benchlib.write_result`` stems, committed as ``experiments/results/<output>.json``); ``quick``:
     the arguments of a smoke run (``None``: the script has none); ``artifacts``: other files it writes
-    beside them (plots), committed too; ``needs``: what it takes beyond the dev install;
-    ``merge_rows_by``: a run of some parts keeps the committed rows of the others; ``adopt``: the
-    converter of the older files ``python -m experiments adopt`` reads (default :func:`generic`)."""
+    beside them (plots), committed too; ``images``: plots it writes beside them that the docs show,
+    which a full run puts in ``docs/img/`` (a ``--quick`` or ``--out`` run beside its results);
+    ``needs``: what it takes beyond the dev install; ``merge_rows_by``: a run of some parts keeps the
+    committed rows of the others; ``adopt``: the converter of the older files ``python -m experiments
+    adopt`` reads (default :func:`generic`)."""
 
     name: str
     title: str
@@ -164,6 +166,7 @@ class Suite:
     quick: tuple[str, ...] | None = ("--quick",)
     adopt: Converter = generic
     artifacts: tuple[str, ...] = ()
+    images: tuple[str, ...] = ()
     needs: str = ""
     merge_rows_by: str | None = None
 
@@ -243,6 +246,16 @@ SUITES: tuple[Suite, ...] = (
     # the long set alone: --sets long --cost-rows 0 --stem sparse_long
     Suite("sparse", "Sparse decode attention (top-k, SparQ) against dense, swept from one load",
           ("experiments/bench_sparse.py",), ("sparse", "sparse_long")),
+    Suite("press", "Presses on long-context QA: accuracy against the compression ratio, one sweep over one store",
+          ("experiments/bench_press.py",), ("press",), images=("press_accuracy.png",)),
+    Suite("press_sweep", "An 8-variant press sweep from one store against re-prefilling per press (the kvpress way)",
+          ("experiments/bench_press_sweep.py",), ("press_sweep",)),
+    Suite("press_kvpress", "Presses against kvpress 0.5.5 on the same ids: kept tokens and answers",
+          ("experiments/bench_press_kvpress.py",), ("press_kvpress",),
+          needs="the kvpress side venv (/work/kvpress-venv, see experiments/kvpress_reference.py); never run in CI"),
+    Suite("press_ruler", "Presses on RULER at 4k through lm-eval, every press over one store",
+          ("experiments/bench_press_ruler.py",), ("press_ruler",), images=("press_ruler.png",),
+          needs="lm-eval, wonderwords and nltk (the eval extra)"),
     Suite("score", "Multiple-choice scoring: no cache, a cold store, a warm store", ("experiments/bench_score.py",),
           ("score",), quick=("--documents", "1", "--repeats", "1")),
     Suite("lm_eval", "lm-evaluation-harness: --model kvstore against --model hf", ("experiments/bench_lm_eval.py",),

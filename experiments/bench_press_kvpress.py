@@ -1,0 +1,289 @@
+"""kvstore's presses against NVIDIA kvpress 0.5.5 on the same token ids: kept tokens and answers.
+
+kvpress pins ``transformers<5.3``, so it runs in its own virtual environment (``--kvpress-python``,
+default /work/kvpress-venv/bin/python; see ``experiments/kvpress_reference.py`` for how it is built):
+without that interpreter this script prints why and exits without a result (this suite never runs in
+CI). Steps:
+
+1. **kvpress**: ``experiments/kvpress_reference.py --rows`` with that interpreter on the long set's
+   rows (``benchlib.question_sets()["long"]``, the first ``--per-context`` questions of each of its 5
+   contexts of ~1.3k tokens), tokenized the kvpress pipeline's way (``preprocess``: the chat template
+   around the context, the question followed by the template's suffix; the question is given as
+   ``"\\nQuestion: Q\\nAnswer:"``, the text kvstore's benchmarks ask, so the ids are kvstore's own
+   prompt format's: checked, ``ids_equal_kvstore_prompt``), for knorm, streaming_llm, snapkv, keydiff,
+   tova and random (seed 0) at the ratios 0.25, 0.5 and 0.75, 12 new tokens, stopping at EOS. It
+   reports, per row and press, the positions every (layer, KV head) kept (captured from the scores
+   kvpress itself ranked, and verified against its cache), the layers and heads whose cut fell on a
+   tie (``boundary_ties``) and its answer ids.
+2. **kept tokens**: kvstore's press on the same context ids: a dense in-memory prefill
+   (``kvstore.model.stages.answer.prefill_contexts``, under kvstore's grouped-KV attention, as its
+   sweeps run), each press's scores (``kvstore.model.press.prune.row_scores``: the observation window
+   re-run for snapkv and tova) and kept positions (``kvstore.model.press.scorers.kept``). Per press and
+   ratio over every (context, layer, KV head) set: ``sets_identical``, ``jaccard_mean`` / ``_min``,
+   and the differing sets explained by ties (``differ_at_ties``: every position in the symmetric
+   difference scores exactly kvstore's boundary score, so the order of equal scores decided it) or by
+   near-ties (``differ_near_ties``: within ``--near`` of the boundary, relative; rounding of keys
+   computed by another transformers version), with the largest relative gap seen.
+3. **answers**: the contexts built into a store, then one :meth:`Adapter.sweep` of ``dense`` and
+   every press/ratio over the same context and question ids: rows whose tokens equal kvpress's
+   (``answers_identical``), and the fraction of kvpress's answer tokens matched step by step.
+
+Command (from the repository root; the suite ``press_kvpress``: ``python -m experiments run
+press_kvpress [ARGS]`` writes ``press_kvpress.json`` into experiments/results/; run by hand it writes to
+cache/bench/raw/)::
+
+    .venv/bin/python experiments/bench_press_kvpress.py
+    .venv/bin/python experiments/bench_press_kvpress.py --reference cache/bench/press_kvpress/kvpress.json  # reuse
+    .venv/bin/python experiments/bench_press_kvpress.py --quick   # 1 row, knorm and snapkv at 0.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import benchlib as bl
+
+WORK = bl.SCRATCH / "press_kvpress"
+KVPRESS_PYTHON = "/work/kvpress-venv/bin/python"
+PRESSES = ("knorm", "streaming_llm", "snapkv", "keydiff", "tova", "random")
+RATIOS = (0.25, 0.5, 0.75)
+N_NEW = 12
+
+
+def rows_file(questions: list[dict], path: Path) -> None:
+    with path.open("w") as f:
+        for q in questions:
+            f.write(json.dumps({"id": q["id"], "context": q["context"],
+                                "question": f"\nQuestion: {q['question']}\nAnswer:"}) + "\n")  # fmt: skip
+
+
+def run_kvpress(args, rows_path: Path, out: Path, model_dir: str) -> float:
+    cmd = [args.kvpress_python, str(bl.HERE / "kvpress_reference.py"), "--model", model_dir, "--rows", str(rows_path),
+           "--presses", args.presses, "--ratios", args.ratios, "--new-tokens", str(N_NEW), "--out", str(out),
+           "--threads", str(args.threads)]  # fmt: skip
+    print("running", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    return time.perf_counter() - t0
+
+
+def kvstore_kept(adapter, ctx_ids: list[int], specs: list[str]) -> dict:
+    """Per spec: ``(kept [layer][head] sets, scores [layer] [kv_heads, c], n_kept)`` of kvstore's press
+    over the dense in-memory prefill of ``ctx_ids``."""
+    from kvstore.model.compute.attention import grouped_kv
+    from kvstore.model.press.prune import PressMemo, row_scores
+    from kvstore.model.press.scorers import kept
+    from kvstore.model.press.spec import parse_press
+    from kvstore.model.stages.answer import prefill_contexts
+
+    with grouped_kv():
+        cache = prefill_contexts(adapter.handle, [ctx_ids], 0, False)
+        memo = PressMemo()
+        out = {}
+        for spec in specs:
+            press = parse_press(spec)
+            scores = row_scores(adapter.handle, cache, press, 0, memo, None)
+            n = press.kept(len(ctx_ids))
+            sets = [[set(h) for h in kept(s, n).tolist()] for s in scores]
+            out[spec] = (sets, [s.float() for s in scores], n)
+    return out
+
+
+def boundary_gap(a: set, b: set, scores, n: int) -> float:
+    """How far from kvstore's cut the positions that differ between kvstore's set ``a`` and kvpress's
+    ``b`` of one head score, under kvstore's ``scores`` ``[c]``: the largest |score - the n-th best
+    score|, relative to the spread of the head's scores (0: every one of them ties with the cut, so
+    only the order of equal scores decided it)."""
+    import torch
+
+    boundary = torch.sort(scores, descending=True).values[n - 1]
+    gap = float((scores[torch.tensor(sorted(a ^ b))] - boundary).abs().max())
+    return gap / (float(scores.max() - scores.min()) or 1.0)
+
+
+def compare_kept(reference: dict, mine: dict, near: float) -> list[dict]:
+    """One row per press and ratio: the kept sets of every distinct context compared."""
+    from kvstore.model.press.spec import parse_press
+
+    by_spec: dict[str, dict] = {}
+    seen: set = set()
+    for row in reference["rows"]:
+        key = tuple(row["context_ids"])
+        if key in seen:  # kept sets depend on the context alone (no press here reads the question)
+            continue
+        seen.add(key)
+        for run in row["runs"]:
+            spec = parse_press(f"{run['press']}:{run['ratio']}").name
+            sets, scores, n = mine[key][spec]
+            assert n == run["n_kept"], (spec, n, run["n_kept"])
+            acc = by_spec.setdefault(spec, {"sets": 0, "identical": 0, "jaccard": [], "tie": 0, "near": 0, "far": 0,
+                                            "max_gap": 0.0, "kvpress_boundary_ties": 0, "verified": True})  # fmt: skip
+            acc["kvpress_boundary_ties"] += len(run["boundary_ties"])
+            acc["verified"] &= all(run["verified"].values())
+            for layer, heads in enumerate(run["kept"]):
+                for h, theirs in enumerate(heads):
+                    a, b = sets[layer][h], set(theirs)
+                    acc["sets"] += 1
+                    acc["jaccard"].append(len(a & b) / len(a | b))
+                    if a == b:
+                        acc["identical"] += 1
+                        continue
+                    gap = boundary_gap(a, b, scores[layer][h], n)
+                    acc["tie" if gap == 0 else "near" if gap <= near else "far"] += 1
+                    acc["max_gap"] = max(acc["max_gap"], gap)
+    out = []
+    for spec, acc in by_spec.items():
+        press = parse_press(spec)
+        out.append({
+            "press": press.method, "ratio": press.ratio, "contexts": len(seen), "sets": acc["sets"],
+            "sets_identical": acc["identical"], "sets_identical_frac": acc["identical"] / acc["sets"],
+            "jaccard_mean": statistics.mean(acc["jaccard"]), "jaccard_min": min(acc["jaccard"]),
+            "differ_at_ties": acc["tie"], "differ_near_ties": acc["near"], "differ_otherwise": acc["far"],
+            "max_relative_gap": acc["max_gap"], "kvpress_boundary_ties": acc["kvpress_boundary_ties"],
+            "kvpress_verified": acc["verified"],
+        })  # fmt: skip
+    return out
+
+
+def compare_answers(reference: dict, results: dict) -> dict[str, dict]:
+    """Per variant (``dense`` and every press:ratio): kvstore's answers against kvpress's."""
+    from kvstore.model.press.spec import parse_press
+
+    out: dict[str, dict] = {}
+    for i, row in enumerate(reference["rows"]):
+        runs = [("dense", row["dense"])] + [(parse_press(f"{r['press']}:{r['ratio']}").name, r) for r in row["runs"]]
+        for spec, run in runs:
+            res = results[spec]
+            mine = res.tokens[i, : res.lengths[i]].tolist()
+            theirs = run["answer_ids"]
+            acc = out.setdefault(spec, {"rows": 0, "answers_identical": 0, "tokens": 0, "tokens_agree": 0,
+                                        "kvpress_matches_its_dense": 0, "differing_rows": []})  # fmt: skip
+            acc["rows"] += 1
+            acc["answers_identical"] += mine == theirs
+            acc["tokens"] += len(theirs)
+            acc["tokens_agree"] += sum(x == y for x, y in zip(mine, theirs))
+            acc["kvpress_matches_its_dense"] += run.get("matches_dense", True)
+            if mine != theirs:
+                acc["differing_rows"].append(row["id"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kvpress-python", default=KVPRESS_PYTHON)
+    ap.add_argument("--per-context", type=int, default=2, help="questions per long-set context")
+    ap.add_argument("--presses", default=",".join(PRESSES))
+    ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
+    ap.add_argument("--near", type=float, default=1e-4, help="a relative score gap below this is a near-tie")
+    ap.add_argument("--reference", help="an earlier kvpress_reference.py output on the same rows (not run again)")
+    ap.add_argument("--threads", type=int, default=bl.THREADS)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.per_context, args.presses, args.ratios = 1, "knorm,snapkv", "0.5"
+    if not args.reference and not Path(args.kvpress_python).exists():
+        print(
+            f"skipped: no kvpress interpreter at {args.kvpress_python} (build the side venv as "
+            "experiments/kvpress_reference.py says, or pass --kvpress-python); nothing written",
+            flush=True,
+        )
+        sys.exit(0)
+    bl.setup(args.threads)
+    from kvstore.data.prompts import PromptFormat
+    from kvstore.model.load.gguf import convert_gguf
+    from kvstore.model.load.loading import bundled_gguf_path
+    from kvstore.model.press.spec import parse_press
+    from kvstore.store.kvstore import KVStore
+
+    long = bl.question_sets()["long"]
+    questions = [q for c in dict.fromkeys(q["context"] for q in long)
+                 for q in [q for q in long if q["context"] == c][: args.per_context]]  # fmt: skip
+    if args.quick:
+        questions = questions[:1]
+    WORK.mkdir(parents=True, exist_ok=True)
+    rows_path = WORK / ("rows_quick.jsonl" if args.quick else "rows.jsonl")
+    rows_file(questions, rows_path)
+    model_dir = str(convert_gguf(bundled_gguf_path()))
+    ref_name = "kvpress_quick.json" if args.quick else "kvpress.json"
+    ref_path = Path(args.reference) if args.reference else WORK / ref_name
+    kvpress_s = None if args.reference else run_kvpress(args, rows_path, ref_path, model_dir)
+    reference = json.loads(ref_path.read_text())
+    assert [r["id"] for r in reference["rows"]] == [q["id"] for q in questions], "the reference is of other rows"
+
+    adapter = bl.load_adapter("float32")
+    fmt = PromptFormat.from_chat_template(adapter.tokenizer)
+    same_ids = all(
+        r["context_ids"] == adapter.encode_context(fmt.context_part(q["context"]), special_tokens=False)
+        and r["question_ids"] == adapter.encode_question(fmt.question_part(q["question"]))
+        for r, q in zip(reference["rows"], questions)
+    )  # the chat format: its text holds the special tokens
+    specs = [parse_press(f"{p}:{r}").name for p in args.presses.split(",") for r in args.ratios.split(",")]
+    contexts = [r["context_ids"] for r in reference["rows"]]
+    asked = [r["question_ids"] for r in reference["rows"]]
+    distinct = list(dict.fromkeys(map(tuple, contexts)))
+    t0 = time.perf_counter()
+    mine = {key: kvstore_kept(adapter, list(key), specs) for key in distinct}
+    kept_s = time.perf_counter() - t0
+    kept_rows = compare_kept(reference, mine, args.near)
+
+    shutil.rmtree(WORK / "store", ignore_errors=True)
+    with KVStore(str(WORK / "store")) as store:
+        adapter.build([list(c) for c in distinct], store)
+        results = adapter.sweep(contexts, asked, variants=["dense", *specs], store=store, num_new_tokens=N_NEW,
+                                stop_at_eos=True, batch_size=8)  # fmt: skip
+    answers = compare_answers(reference, results)
+    rows = []
+    for r in kept_rows:
+        spec = parse_press(f"{r['press']}:{r['ratio']}").name
+        a = answers[spec]
+        rows.append(r | {"rows": a["rows"], "answers_identical": a["answers_identical"],
+                         "answer_tokens_agree": a["tokens_agree"] / a["tokens"],
+                         "kvpress_answers_equal_its_dense": a["kvpress_matches_its_dense"],
+                         "differing_rows": a["differing_rows"]})  # fmt: skip
+        print(f"  {spec:>20}: sets {r['sets_identical']}/{r['sets']} (ties {r['differ_at_ties']}, near "
+              f"{r['differ_near_ties']}, other {r['differ_otherwise']}), jaccard {r['jaccard_mean']:.5f}, answers "
+              f"{a['answers_identical']}/{a['rows']}", flush=True)  # fmt: skip
+    d = answers["dense"]
+    print(f"  dense answers identical {d['answers_identical']}/{d['rows']}", flush=True)
+    meta = reference["meta"]
+    notes = {
+        "model": "SmolLM2-135M-Instruct (bundled GGUF converted to a Hugging Face directory), float32, CPU, sdpa",
+        "kvpress_meta": {k: meta[k] for k in ("kvpress_version", "transformers_version", "torch_version",
+                                              "attn_implementation", "presses", "pipeline")},  # fmt: skip
+        "reference_file": str(ref_path),
+        "kvpress_s": kvpress_s,
+        "kvstore_kept_s": kept_s,
+        "ids_equal_kvstore_prompt": same_ids,
+        "context_tokens": [len(c) for c in distinct],
+        "question_ids": [q["id"] for q in questions],
+        "dense": {"rows": d["rows"], "answers_identical": d["answers_identical"],
+                  "answer_tokens_agree": d["tokens_agree"] / d["tokens"], "differing_rows": d["differing_rows"]},
+        "answers": {"kvpress": {"dense": [r["dense"]["answer_text"] for r in reference["rows"]]},
+                    "kvstore": {"dense": [adapter.decode(results["dense"].tokens[i]) for i in range(len(contexts))]}},
+    }  # fmt: skip
+    for spec in specs:
+        press = parse_press(spec)
+        theirs = [next(x for x in r["runs"] if parse_press(f"{x['press']}:{x['ratio']}") == press)["answer_text"]
+                  for r in reference["rows"]]  # fmt: skip
+        notes["answers"]["kvpress"][spec] = theirs
+        notes["answers"]["kvstore"][spec] = [adapter.decode(results[spec].tokens[i]) for i in range(len(contexts))]
+    params = vars(args) | {"new_tokens": N_NEW, "stop_at_eos": True, "set": "long"}
+    bl.write_result(
+        "press_kvpress",
+        params=params,
+        rows=rows,
+        notes=notes,
+        machine={"kvpress": meta["kvpress_version"], "kvpress_transformers": meta["transformers_version"]},
+    )
+
+
+if __name__ == "__main__":
+    main()
