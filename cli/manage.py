@@ -239,13 +239,15 @@ def verify(store: str, quiet: bool) -> None:
     there is any; `kvstore gc --corrupt` removes corrupt entries (a broken context is rebuilt
     from where it breaks by the next build or sample). Changes nothing.
     """
+    from kvstore.store.scan import chain_problem
+
     with open_store(store, readonly=True) as s:
         with progress_bar(len(s), "verify", quiet, unit="entry") as bar:
             info = s.verify(progress=bar)
     entries = {e.key: e for e in info.entries}
     broken = []
     for c in info.contexts:
-        reason = _chain_problem(c.chunks, entries)
+        reason = chain_problem(c.chunks, entries)
         if reason:
             broken.append((c.key, reason))
     for c in info.corrupt:
@@ -258,20 +260,6 @@ def verify(store: str, quiet: bool) -> None:
         parts += [f"{len(broken)} of {_count(len(info.contexts), 'context')} broken"] if broken else []
         raise CLIError("; ".join(parts) + "; `kvstore gc --corrupt` removes corrupt entries")
     click.echo(f"{_count(total, 'entry')} and {_count(len(info.contexts), 'context')} verified, all intact.")
-
-
-def _chain_problem(chunks: tuple[str, ...], entries: dict[str, Any]) -> str:
-    parent, start = "", 0
-    for i, key in enumerate(chunks):
-        e = entries.get(key)
-        if e is None:
-            return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) is missing or corrupt"
-        h = e.header
-        if len(chunks) > 1 or h.format >= 2:
-            if h.parent != parent or h.start != start:
-                return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) does not continue the chain"
-        parent, start = key, h.end
-    return ""
 
 
 # -- rm / gc ------------------------------------------------------------------------------------
@@ -325,11 +313,16 @@ def _run_plan(
         question = f"Remove {_count(len(plan.contexts), 'context')} and {_count(len(plan.remove), 'entry')}?"
         if not confirm(question, yes=yes, hint="or --dry-run to see the plan"):
             return
-        removed = execute_plan(s, plan)
+        report = execute_plan(s, plan)  # removes only what is still as planned
     click.echo(
-        f"Removed {_count(len(plan.contexts), 'context')} and {_count(removed, 'entry')}, freed "
-        f"{human_bytes(plan.freed_bytes)} ({_LMDB_NOTE})."
+        f"Removed {_count(len(report.contexts), 'context')} and {_count(len(report.entries), 'entry')}, freed "
+        f"{human_bytes(report.freed_bytes)} ({_LMDB_NOTE})."
     )
+    if report.kept:
+        click.echo(
+            f"Kept {len(report.kept)} of the planned: used, recorded or repaired since the plan (by a build or "
+            "sample running meanwhile)."
+        )
 
 
 @click.command()
@@ -381,7 +374,8 @@ def rm(
     metavar="DURATION",
     default="1h",
     show_default=True,
-    help="Chunks no context uses go once unused this long (a running build writes chunks before its context).",
+    help="Chunks no context uses go once unused this long (a running build writes chunks before its context); "
+    "below 10m it warns.",
 )
 @dry_run_option
 @yes_option
@@ -396,8 +390,16 @@ def gc(store: str, corrupt: bool, older_than: float | None, max_size: int | None
     --max-size then removes the least recently used contexts until the remaining chunks fit (with
     --model: that model's). A removed context's chunks go unless another context uses them.
     Prints the plan and asks before removing anything (--yes skips the question). The store's file
-    keeps its size: LMDB reuses the freed space for new entries.
+    keeps its size: LMDB reuses the freed space for new entries. Only what is still as planned
+    goes: anything used, recorded or repaired since the plan (while the question waited) stays.
     """
+    from kvstore.store.gc import SAFE_GRACE_SECONDS
+
+    if grace < SAFE_GRACE_SECONDS:
+        warn(
+            f"--grace {grace:g}s is under {SAFE_GRACE_SECONDS / 60:g} minutes: chunks a running build has written "
+            "but not recorded yet may go (the build then computes them again)"
+        )
     _run_plan(
         store,
         {"corrupt": corrupt, "older_than": older_than, "max_bytes": max_size, "model": model, "orphans": True,

@@ -198,13 +198,14 @@ def build_caches(
     report.distinct = len(distinct)
     pending: list[tuple[ContextPlan, int]] = []
     legacy: list[tuple[ContextPlan, LayerKV]] = []
+    unrecorded: list[ContextPlan] = []
     for plan in distinct:
         depth = stored_depth(adapter, store, plan)  # verified: corrupt chunks are rebuilt
         if depth == len(plan.keys):
             report.skipped += 1
             report.tokens_reused += plan.n_tokens
             if store.context(plan.key) is None and not store.readonly:
-                store.put_context(plan.key, plan.keys, plan.n_tokens)
+                unrecorded.append(plan)  # recorded through the writer, which checks its chunks are still there
         elif depth == 0 and (old := load_v1(adapter, store, plan)) is not None:
             legacy.append((plan, old))
         else:
@@ -213,6 +214,8 @@ def build_caches(
         progress(report.skipped + report.other_shards, 0)  # nothing to do for these here
     writer = Writer(store, report)
     try:
+        for plan in unrecorded:
+            writer.put_context(plan)
         for plan, layers in legacy:  # a format-1 entry of exactly this context: rewritten as a chain
             writer.put_chunks(adapter, plan, layers)
             report.migrated += 1
@@ -226,6 +229,11 @@ def build_caches(
             writer.flush()
             pending = [(plan, max(depth, _depth_in(plan, shared))) for plan, depth in pending]
         compute(adapter, store, pending, writer, report, batch_size, max_batch_tokens, progress)
+        for _ in range(3):  # a concurrent gc removed chunks of contexts just recorded: compute them again
+            writer.flush()
+            lost, writer.lost = set(writer.lost), []
+            redo = [(p, d) for p in distinct if p.key in lost and (d := stored_depth(adapter, store, p)) < len(p.keys)]
+            compute(adapter, store, redo, writer, report, batch_size, max_batch_tokens, None)
     finally:
         try:
             writer.close()

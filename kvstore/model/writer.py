@@ -82,6 +82,7 @@ class Writer:
         self.pending = 0  # bytes queued and not written yet
         self.room = threading.Condition()
         self.error: BaseException | None = None
+        self.lost: list[str] = []  # contexts recorded while a concurrent gc removed chunks of theirs
         self.thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
         self.thread.start()
 
@@ -103,7 +104,8 @@ class Writer:
 
     def _write(self, item: Entry | _Record, overwrite: bool, blob: bytes | None = None) -> None:
         if isinstance(item, _Record):
-            self.store.put_context(item.key, item.chunks, item.n_tokens)
+            if self.store.put_context(item.key, item.chunks, item.n_tokens):  # names the chunks gone meanwhile
+                self.lost.append(item.key)
             return
         if not overwrite and self.store.contains(item.key):
             return

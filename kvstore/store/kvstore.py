@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import struct
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 from kvstore.errors import (
-    CodecError,
     CorruptEntryError,
     CorruptEntryWarning,
     EntryNotFoundError,
@@ -47,10 +44,9 @@ from kvstore.layer_kinds import ATTN
 from kvstore.parallel import run_all
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
-from kvstore.store.codecs import DEFAULT_CODEC, LEGACY_CODEC, Codec, get_codec, identity_of
+from kvstore.store.codecs import Codec, get_codec, identity_of
 from kvstore.store.entry import (
     MAX_ENTRY_HEADER,
-    STORE_FORMAT,
     Entry,
     EntryHeader,
     EntryView,
@@ -59,26 +55,11 @@ from kvstore.store.entry import (
     read_header,
     verify_checksum,
 )
-from kvstore.store.keys import DEFAULT_CHUNK_TOKENS
-from kvstore.store.keyspace import ACCESS, ENTRY, META, RECORD, access_key, entry_key, key_of, record_key
+from kvstore.store.keyspace import ACCESS, ENTRY, RECORD, access_key, entry_key, key_of, record_key
+from kvstore.store.meta import MAX_CHUNK_TOKENS, load_meta
 from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
 
-MAX_CHUNK_TOKENS = 1 << 20
 _PEEK = 64 << 10  # first read of an entry's header; a longer header is read again in full
-
-
-@dataclass(frozen=True)
-class _Meta:
-    format: int
-    codec: str
-    chunk_tokens: int
-    created: float
-
-    def record(self) -> bytes:
-        return json.dumps(
-            {"format": self.format, "codec": self.codec, "chunk_tokens": self.chunk_tokens, "created": self.created},
-            sort_keys=True,
-        ).encode()
 
 
 def _same_entry(stored: memoryview, blob: bytes, key: str) -> bool:
@@ -132,49 +113,16 @@ class KVStore:
         self.backend: Backend = open_backend(self.url, readonly=readonly, **backend_options)
         self.readonly = readonly
         self._touched: dict[str, float] = {}
+        self._written: set[str] = set()  # entries this handle wrote and no record of its named yet
         try:
             chosen = get_codec(codec) if codec is not None else None
-            self.meta = self._load_meta(chosen, chunk_tokens)
+            self.meta = load_meta(self.backend, self.url, chosen, chunk_tokens, readonly=readonly)
             self.codec: Codec = chosen or get_codec(self.meta.codec)
         except BaseException:
             self.backend.close()
             raise
 
     # -- description --------------------------------------------------------------------------
-    def _load_meta(self, codec: Codec | None, chunk_tokens: int | None) -> _Meta:
-        raw = self.backend.get(META)
-        default = codec.spec if codec is not None and codec.lossless else DEFAULT_CODEC
-        if raw is None:
-            # a new store records its (lossless) codec and chunk size, so a reopen uses them again
-            meta = _Meta(STORE_FORMAT, default, chunk_tokens or DEFAULT_CHUNK_TOKENS, time.time())
-            if self.readonly or self.backend.put_if_absent(META, meta.record()):
-                return meta
-            raw = self.backend.get(META)  # another process created the store meanwhile: use its description
-            if raw is None:
-                raise KVStoreError(f"store {self.url} lost its description record while opening; open it again")
-        try:
-            d = json.loads(raw)
-            fmt = int(d["format"])
-            meta = _Meta(fmt, str(d.get("codec", LEGACY_CODEC)), int(d.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)),
-                         float(d.get("created", 0.0)))  # fmt: skip
-            get_codec(meta.codec)
-            if not 1 <= meta.chunk_tokens <= MAX_CHUNK_TOKENS:
-                raise ValueError
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError, CodecError):
-            raise KVStoreError(
-                f"store {self.url} has an unreadable description record; is it a kvstore store?"
-            ) from None
-        if fmt > STORE_FORMAT:
-            raise FormatVersionError(
-                f"store {self.url} was written by format version {fmt}; this kvstore reads up to "
-                f"{STORE_FORMAT} - upgrade kvstore"
-            )
-        if fmt < STORE_FORMAT and not self.readonly:
-            # a format-1 store: its entries stay as they are (and readable); new ones are chunks
-            meta = _Meta(STORE_FORMAT, meta.codec, DEFAULT_CHUNK_TOKENS, meta.created)
-            self.backend.put(META, meta.record())
-        return meta
-
     @property
     def format(self) -> int:
         return self.meta.format
@@ -220,11 +168,13 @@ class KVStore:
         already holds an intact entry of the same model, dtype, shape and tokens (another writer's
         copy, kept); a corrupt or different one is replaced."""
         if self.backend.put_if_absent(entry_key(key), blob):
+            self._written.add(key)
             return
         with self.backend.view(entry_key(key)) as buf:
             keep = buf is not None and _same_entry(buf, blob, key)
         if not keep:
             self.backend.put(entry_key(key), blob)
+            self._written.add(key)
 
     def contains(self, key: str) -> bool:
         return self.backend.contains(entry_key(key))
@@ -232,19 +182,22 @@ class KVStore:
     __contains__ = contains
 
     def delete(self, key: str) -> bool:
-        """Remove an entry (and a context record of the same key); True if either existed."""
+        """Remove an entry (and a context record of the same key, first); True if either existed.
+        Unconditional: :func:`kvstore.store.gc.execute_plan` is what removes only what is unused."""
         self._writable()
-        found = self.backend.delete_many([entry_key(key), record_key(key)])
+        found = self.backend.delete(record_key(key))
+        found = bool(self.backend.delete(entry_key(key))) or found
         self.backend.delete(access_key(key))
-        return bool(found)
+        return found
 
     def delete_many(self, keys: Iterable[str], *, contexts: Iterable[str] = ()) -> int:
-        """Remove entries ``keys`` and context records ``contexts`` in one batch; returns how many
-        entries existed."""
+        """Remove context records ``contexts``, then entries ``keys`` (records before the chunks
+        they name: an interruption leaves unused chunks, never a record without its chunks);
+        returns how many entries existed. Unconditional, like :meth:`delete`."""
         self._writable()
         keys = list(keys)
-        n = self.backend.delete_many([entry_key(k) for k in keys])
         self.backend.delete_many([record_key(k) for k in contexts])
+        n = self.backend.delete_many([entry_key(k) for k in keys])
         self.backend.delete_many([access_key(k) for k in keys])
         return n
 
@@ -386,11 +339,22 @@ class KVStore:
             yield views
 
     # -- contexts -------------------------------------------------------------------------------
-    def put_context(self, key: str, chunks: Sequence[str], n_tokens: int) -> None:
-        """Record that the context ``key`` (its last chunk's key) is the chain ``chunks``."""
+    def put_context(self, key: str, chunks: Sequence[str], n_tokens: int) -> tuple[str, ...]:
+        """Record that the context ``key`` (its last chunk's key) is the chain ``chunks``.
+
+        The record is written together with a mark of use now on each chunk this handle did not
+        write itself (the ones it reuses; one transaction on LMDB), then every chunk is checked
+        to be still there. A concurrent gc or rm removes only what nobody marked or recorded since
+        its plan, and puts back what it removed while a record appeared, so either the chunks stay
+        or their loss shows in this check. Returns the chunks that are missing: compute and put
+        them again, then record the context again (a build does)."""
         self._writable()
+        now = struct.pack("<d", time.time())
+        marks = [(access_key(k), now) for k in dict.fromkeys(chunks) if k not in self._written]
+        self._written.difference_update(chunks)
         record = ContextRecord(key, tuple(chunks), n_tokens, time.time())
-        self.backend.put(record_key(key), record.to_bytes())
+        self.backend.put_many([*marks, (record_key(key), record.to_bytes())])
+        return tuple(k for k in dict.fromkeys(chunks) if not self.backend.contains(entry_key(k)))
 
     def context(self, key: str) -> ContextRecord | None:
         """The context record ``key``, or None when there is none (or it is unreadable)."""
@@ -428,14 +392,19 @@ class KVStore:
         return [key_of(k, RECORD) for k in self.backend.keys(RECORD)]
 
     # -- scanning -------------------------------------------------------------------------------
-    def last_access(self) -> dict[str, float]:
-        """Last-use times by entry key (what was recorded, plus this handle's unsaved ones)."""
+    def recorded_access(self, keys: Iterable[str] | None = None) -> dict[str, float]:
+        """Last-use times as recorded in the store (``a/`` records), of ``keys`` or of every entry."""
+        names = list(self.backend.keys(ACCESS)) if keys is None else [access_key(k) for k in keys]
         out = {}
-        names = list(self.backend.keys(ACCESS))
         for k, raw in zip(names, self.backend.get_many(names)):
             if raw is not None and len(raw) == 8:
                 out[key_of(k, ACCESS)] = struct.unpack("<d", raw)[0]
-        return out | self._touched
+        return out
+
+    def last_access(self, recorded: dict[str, float] | None = None) -> dict[str, float]:
+        """Last-use times by entry key: what was recorded (``recorded``, read now if None), plus
+        this handle's unsaved ones."""
+        return (self.recorded_access() if recorded is None else recorded) | self._touched
 
     def scan(self, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:
         """Describe every entry from its header and every context from its record; with ``verify``

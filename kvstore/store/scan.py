@@ -241,6 +241,9 @@ class StoreInfo:
     contexts: tuple[ContextInfo, ...] = ()
     chunk_tokens: int = 0
     refs: dict[str, int] = field(default_factory=dict, compare=False)  # chunk key -> contexts using it
+    # last-use records as stored when scanned (not this handle's unsaved uses): what a removal
+    # plan compares with before it removes anything
+    recorded_access: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def n_entries(self) -> int:
@@ -285,7 +288,8 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
     """See :meth:`KVStore.scan`."""
     from kvstore.store.entry import decode_entry
 
-    access = store.last_access()
+    recorded = store.recorded_access()
+    access = store.last_access(recorded)
     entries: dict[str, EntryInfo] = {}
     corrupt: list[CorruptInfo] = []
     for key in store.keys():
@@ -332,7 +336,24 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
         contexts=tuple(contexts),
         chunk_tokens=store.chunk_tokens,
         refs=refs,
+        recorded_access=recorded,
     )
+
+
+def chain_problem(chunks: tuple[str, ...], entries: dict[str, EntryInfo]) -> str:
+    """What is wrong with a context's chain given the intact entries of a scan (``""``: nothing):
+    a chunk missing or corrupt, or one that does not continue the chunk before it."""
+    parent, start = "", 0
+    for i, key in enumerate(chunks):
+        e = entries.get(key)
+        if e is None:
+            return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) is missing or corrupt"
+        h = e.header
+        if len(chunks) > 1 or h.format >= 2:
+            if h.parent != parent or h.start != start:
+                return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) does not continue the chain"
+        parent, start = key, h.end
+    return ""
 
 
 def _context(key, chunks, n_tokens, created, entries: dict[str, EntryInfo], access) -> ContextInfo:
@@ -362,6 +383,7 @@ __all__ = [
     "GcPlan",
     "GroupStats",
     "StoreInfo",
+    "chain_problem",
     "execute_plan",
     "plan_gc",
     "scan_store",

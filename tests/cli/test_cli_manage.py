@@ -291,6 +291,20 @@ def test_gc_corrupt(store):
     assert again.exit_code == 0 and "Nothing to remove." in again.stdout
 
 
+def test_gc_corrupt_removes_a_context_whose_chunk_is_missing(store):
+    """What a kill between an older rm's two deletes left (it deleted chunks before records): verify
+    reported the context broken, and gc --corrupt said "Nothing to remove" (issue 31, item 3)."""
+    path, entries = store
+    with KVStore(path) as s:
+        s.backend.delete(b"e/" + entries[1].key.encode())
+    assert invoke("verify", "--store", path, "-q").exit_code == 1
+    r = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")
+    assert r.exit_code == 0 and f"chunk 1 of 1 ({entries[1].key[:12]}) is missing" in r.stdout
+    assert "Removed 1 context and 0 entries" in r.stdout
+    v = invoke("verify", "--store", path, "-q")
+    assert v.exit_code == 0 and "3 entries and 3 contexts verified, all intact." in v.stdout
+
+
 def test_gc_max_size_least_recently_used_first(store):
     path, entries = store
     with KVStore(path, readonly=True) as s:
