@@ -29,6 +29,7 @@ from kvstore.cli.common import (
     quiet_option,
     short,
     store_option,
+    store_options,
     warn,
     yes_option,
 )
@@ -250,8 +251,13 @@ def verify(store: str, quiet: bool) -> None:
         reason = chain_problem(c.chunks, entries)
         if reason:
             broken.append((c.key, reason))
+    tiered = "cache_dir" in store_options()  # through a local tier the remote's copies are what count
+    remote_bad = {c.key for c in info.corrupt}
     for c in info.corrupt:
-        click.echo(f"corrupt  {c.key}  {c.reason}")
+        click.echo(f"corrupt  {c.key}  {c.reason}" + (" (the remote's copy)" if tiered else ""))
+    for c in info.local_corrupt:
+        other = "corrupt too" if c.key in remote_bad else "intact"
+        click.echo(f"corrupt  {c.key}  {c.reason} (the local tier's copy; the remote's is {other})")
     for key, reason in broken:
         click.echo(f"broken   {key}  {reason}")
     total = info.n_entries + len(info.corrupt)
@@ -259,6 +265,13 @@ def verify(store: str, quiet: bool) -> None:
         parts = [f"{len(info.corrupt)} of {_count(total, 'entry')} corrupt"] if info.corrupt else []
         parts += [f"{len(broken)} of {_count(len(info.contexts), 'context')} broken"] if broken else []
         raise CLIError("; ".join(parts) + "; `kvstore gc --corrupt` removes corrupt entries")
+    if info.local_corrupt:
+        click.echo(
+            f"{_count(total, 'entry')} and {_count(len(info.contexts), 'context')} verified, all intact in the remote "
+            f"store; {len(info.local_corrupt)} bad in the local tier (a read drops such a copy and reads the "
+            "remote's; `kvstore gc --corrupt` with this --cache-dir drops them all)."
+        )
+        return
     click.echo(f"{_count(total, 'entry')} and {_count(len(info.contexts), 'context')} verified, all intact.")
 
 
@@ -273,6 +286,10 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
         {"what": "entry", "key": k, "model_name": names.get(k, "?"), "stored_bytes": b, "reason": why}
         for k, why, b in plan.remove
     ]
+    rows += [
+        {"what": "tier copy", "key": k, "model_name": names.get(k, "?"), "stored_bytes": b, "reason": why}
+        for k, why, b in plan.local
+    ]
     shown = rows if limit is None else rows[:limit]
     emit(
         shown,
@@ -286,6 +303,7 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
     click.echo(
         f"\n{_count(len(plan.contexts), 'context')} and {_count(len(plan.remove), 'entry')} to remove, "
         f"{human_bytes(plan.freed_bytes)} freed; {human_bytes(plan.keep_bytes)} of entries stay."
+        + (f" {len(plan.local)} bad copies to drop from the local tier (the remote's stay)." if plan.local else "")
     )
 
 
@@ -303,7 +321,7 @@ def _run_plan(
         else:
             info = s.scan()
         plan = plan_gc(info, now=time.time(), **plan_args)
-        if not plan.remove and not plan.contexts:
+        if not plan.remove and not plan.contexts and not plan.local:
             click.echo("Nothing to remove.")
             return
         _show_plan(plan, info, limit=None if dry_run else 20)
@@ -318,6 +336,8 @@ def _run_plan(
         f"Removed {_count(len(report.contexts), 'context')} and {_count(len(report.entries), 'entry')}, freed "
         f"{human_bytes(report.freed_bytes)} ({_LMDB_NOTE})."
     )
+    if report.dropped_local:
+        click.echo(f"Dropped {report.dropped_local} bad copies from the local tier; the remote's copies are intact.")
     if report.kept:
         click.echo(
             f"Kept {len(report.kept)} of the planned: used, recorded or repaired since the plan (by a build or "

@@ -42,6 +42,8 @@ class GcPlan:
     kept_contexts: frozenset[str] = field(default=frozenset(), compare=False)  # contexts the plan keeps
     corrupt: frozenset[str] = field(default=frozenset(), compare=False)  # entries planned as corrupt
     broken: frozenset[str] = field(default=frozenset(), compare=False)  # contexts planned as broken
+    # bad copies in a local tier, to drop from the tier only (the remote's copies are intact)
+    local: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def n(self) -> int:
@@ -81,7 +83,9 @@ def plan_gc(
     removes least-recently-used contexts until the scope's chunks fit in that many stored bytes.
     With a scope but none of ``older_than``/``max_bytes``/``corrupt``, the whole scope goes
     (``kvstore rm``). A removed context's chunks go when no kept context uses them. ``corrupt``
-    removes the entries that failed the scan; ``orphans`` removes chunks no context uses whose last
+    removes the entries that failed the scan (through a local tier: whose remote copy failed; a
+    bad tier copy of an intact entry is listed in ``local``, to drop from the tier only) and the
+    contexts that use one or miss a chunk; ``orphans`` removes chunks no context uses whose last
     use is older than ``grace`` seconds. With nothing at all, nothing is removed.
 
     Raises EntryNotFoundError when a key prefix matches nothing.
@@ -153,6 +157,11 @@ def plan_gc(
             if e.matches_model(model) and in_keys(e.key) and now - e.last_used > grace:
                 remove.setdefault(e.key, (e.key, f"no context uses it (unused for {_age_str(now - e.last_used)})",
                                           e.stored_bytes))  # fmt: skip
+    local = tuple(
+        (c.key, f"local tier copy corrupt: {c.reason}", c.stored_bytes)
+        for c in info.local_corrupt
+        if corrupt and in_keys(c.key) and c.key not in remove
+    )
     keep_bytes = sum(e.stored_bytes for e in info.entries if e.key not in remove)
     context_rows = tuple((k, why, contexts[k].stored_bytes) for k, why in drop.items())
     chains = {k: contexts[k].chunks for k in drop}
@@ -163,6 +172,7 @@ def plan_gc(
         kept_contexts=frozenset(contexts) - set(drop),
         corrupt=frozenset(k for k, why, _ in remove.values() if why.startswith("corrupt: ")),
         broken=frozenset(broken),
+        local=local,
     )  # fmt: skip
 
 

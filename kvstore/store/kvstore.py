@@ -170,7 +170,7 @@ class KVStore:
         if self.backend.put_if_absent(entry_key(key), blob):
             self._written.add(key)
             return
-        with self.backend.view(entry_key(key)) as buf:
+        with self.backend.origin().view(entry_key(key)) as buf:  # not a local tier's copy
             keep = buf is not None and _same_entry(buf, blob, key)
         if not keep:
             self.backend.put(entry_key(key), blob)
@@ -205,18 +205,31 @@ class KVStore:
     def open_entry(self, key: str) -> Iterator[EntryView | None]:
         """Verified zero-copy access to one entry; yields None when it is missing or corrupt
         (a corrupt entry also emits a :class:`CorruptEntryWarning`: treat it as a miss)."""
-        with self.backend.view(entry_key(key)) as buf:
-            view = None if buf is None else self._decode(key, buf)
-            yield view
+        with contextlib.ExitStack() as stack:
+            buf = stack.enter_context(self.backend.view(entry_key(key)))
+            yield None if buf is None else self._decode(key, buf, stack=stack)
 
-    def _decode(self, key: str, buf, lazy: bool = False, checked: BaseException | bool = False) -> EntryView | None:
+    def _decode(
+        self, key: str, buf, lazy: bool = False, checked: BaseException | bool = False,
+        stack: contextlib.ExitStack | None = None,
+    ) -> EntryView | None:  # fmt: skip
         """``checked``: True when ``buf``'s checksum was verified already, or the exception
-        verifying it raised."""
+        verifying it raised. A corrupt copy in a local tier is dropped and the remote's read
+        instead (its view kept open on ``stack``): a tier's fault stays local."""
         try:
             if isinstance(checked, BaseException):
                 raise checked
             view = decode_entry(buf, key=key, threads=self.codec.decode_threads(), lazy=lazy, checked=bool(checked))
         except CorruptEntryError as exc:
+            if stack is not None and self.backend.drop_local([entry_key(key)]):
+                warnings.warn(
+                    f"kvstore: the local tier's copy of entry {key[:16]} is corrupt ({exc}); dropped it, reading the "
+                    "remote's",
+                    CorruptEntryWarning,
+                    stacklevel=4,
+                )
+                fresh = stack.enter_context(self.backend.view(entry_key(key)))
+                return None if fresh is None else self._decode(key, fresh, lazy)
             warnings.warn(
                 f"kvstore: entry {key[:16]} is corrupt ({exc}); treating it as a miss",
                 CorruptEntryWarning,
@@ -238,10 +251,19 @@ class KVStore:
             return default if view is None else view.materialize()
 
     def __getitem__(self, key: str) -> Entry:
-        with self.backend.view(entry_key(key)) as buf:
+        with contextlib.ExitStack() as stack:
+            buf = stack.enter_context(self.backend.view(entry_key(key)))
             if buf is None:
                 raise EntryNotFoundError(f"no entry {key} in {self.url}")
-            view = decode_entry(buf, key=key)
+            try:
+                view = decode_entry(buf, key=key)
+            except CorruptEntryError:
+                if not self.backend.drop_local([entry_key(key)]):
+                    raise
+                buf = stack.enter_context(self.backend.view(entry_key(key)))  # the remote's copy
+                if buf is None:
+                    raise EntryNotFoundError(f"no entry {key} in {self.url}") from None
+                view = decode_entry(buf, key=key)
             self._touched[key] = time.time()
             return view.materialize()
 
@@ -251,9 +273,11 @@ class KVStore:
         got = self.peek_header(key)
         return None if got is None else got[0]
 
-    def peek_header(self, key: str) -> tuple[EntryHeader, int] | None:
-        """(header, stored size) from the first bytes of an entry, or None when it is missing."""
-        got = self.backend.peek(entry_key(key), _PEEK)
+    def peek_header(self, key: str, *, origin: bool = False) -> tuple[EntryHeader, int] | None:
+        """(header, stored size) from the first bytes of an entry, or None when it is missing.
+        ``origin``: read the remote's copy even where a local tier holds one."""
+        backend = self.backend.origin() if origin else self.backend
+        got = backend.peek(entry_key(key), _PEEK)
         if got is None:
             return None
         head, size = got
@@ -263,7 +287,7 @@ class KVStore:
             if size <= len(head):
                 raise
         # a header longer than the first read (or a truncated entry): read as much as one can hold
-        got = self.backend.peek(entry_key(key), MAX_ENTRY_HEADER + 64)
+        got = backend.peek(entry_key(key), MAX_ENTRY_HEADER + 64)
         return None if got is None else (read_header(got[0])[0], got[1])
 
     def keys(self) -> list[str]:
@@ -323,7 +347,7 @@ class KVStore:
             for key, buf, check in zip(keys, bufs, checks):
                 if isinstance(check, BaseException) and not isinstance(check, CorruptEntryError):
                     raise check
-                view = self._decode(key, buf, lazy, check)
+                view = self._decode(key, buf, lazy, check, stack)
                 if view is None:
                     break
                 h = view.header

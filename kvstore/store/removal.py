@@ -52,6 +52,7 @@ class GcReport:
     entries: tuple[str, ...] = ()
     freed_bytes: int = 0
     kept: tuple[tuple[str, str], ...] = ()
+    dropped_local: int = 0  # bad copies dropped from a local tier (the remote's untouched)
 
 
 def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
@@ -74,7 +75,8 @@ def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
     contexts += [k for k in unrecorded if k in set(entries)]
     now = store.recorded_access(entries)  # the last uses of what went, unless someone used it since
     store.backend.delete_many([access_key(k) for k in entries if k in now and now[k] == plan.seen.get(k)])
-    return GcReport(tuple(contexts), tuple(entries), sum(sizes[k] for k in entries), tuple(kept.items()))
+    dropped = store.backend.drop_local([entry_key(k) for k, _, _ in plan.local])  # a tier's fault stays local
+    return GcReport(tuple(contexts), tuple(entries), sum(sizes[k] for k in entries), tuple(kept.items()), dropped)
 
 
 def _remove(
@@ -85,7 +87,7 @@ def _remove(
     again, put back what became busy meanwhile (when ``restore(key)``). Returns (removed, held)."""
     if not keys:
         return [], {}
-    values = store.backend.get_many([name(k) for k in keys])
+    values = store.backend.origin().get_many([name(k) for k in keys])  # not a local tier's copies
     saved = {k: bytes(v) for k, v in zip(keys, values) if v is not None}
     held = busy(list(saved), saved)
     doomed = [k for k in saved if k not in held]

@@ -244,6 +244,8 @@ class StoreInfo:
     # last-use records as stored when scanned (not this handle's unsaved uses): what a removal
     # plan compares with before it removes anything
     recorded_access: dict[str, float] = field(default_factory=dict, compare=False)
+    # through a local tier: its copies that failed (the remote's copies are what ``corrupt`` lists)
+    local_corrupt: tuple[CorruptInfo, ...] = ()
 
     @property
     def n_entries(self) -> int:
@@ -285,25 +287,20 @@ class StoreInfo:
 
 
 def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:
-    """See :meth:`KVStore.scan`."""
-    from kvstore.store.entry import decode_entry
-
+    """See :meth:`KVStore.scan`. Through a local tier the remote's copy of an entry is what counts:
+    a bad copy in the tier is listed in ``local_corrupt``, not in ``corrupt``."""
     recorded = store.recorded_access()
     access = store.last_access(recorded)
     entries: dict[str, EntryInfo] = {}
     corrupt: list[CorruptInfo] = []
+    local_corrupt: list[CorruptInfo] = []
+    tiered = store.backend.origin() is not store.backend
     for key in store.keys():
         size = 0
         try:
-            if verify:
-                with store.backend.view(entry_key(key)) as buf:
-                    got = None if buf is None else (decode_entry(buf, key=key).header, len(buf))
-            else:  # the header only: a remote store's listing does not download the entries
-                got = store.peek_header(key)
-                if got is not None and got[0].key != key:
-                    raise CorruptEntryError("entry header names another key")
+            got = _read_entry(store, key, verify, local_corrupt if tiered else None)
         except (CorruptEntryError, FormatVersionError) as exc:
-            peeked = store.backend.peek(entry_key(key), 1)
+            peeked = store.backend.origin().peek(entry_key(key), 1)
             size = 0 if peeked is None else peeked[1]
             corrupt.append(CorruptInfo(key, str(exc), size))
         else:
@@ -337,7 +334,41 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
         chunk_tokens=store.chunk_tokens,
         refs=refs,
         recorded_access=recorded,
+        local_corrupt=tuple(local_corrupt),
     )
+
+
+def _read_entry(
+    store: KVStore, key: str, verify: bool, local_bad: list[CorruptInfo] | None
+) -> tuple[EntryHeader, int] | None:
+    """(header, stored size) of an entry, or None when it is gone; raises CorruptEntryError or
+    FormatVersionError for the copy that counts. ``verify``: every byte of the origin's copy
+    (and, with ``local_bad``, the local tier's copy too); else its header only (a remote
+    listing downloads no entry), from the tier's copy when it has one and that reads."""
+    from kvstore.store.entry import decode_entry
+
+    if verify:
+        if local_bad is not None:
+            with store.backend.local_copy(entry_key(key)) as copy:
+                if copy is not None:
+                    try:
+                        decode_entry(copy, key=key)
+                    except (CorruptEntryError, FormatVersionError) as exc:
+                        local_bad.append(CorruptInfo(key, str(exc), len(copy)))
+        with store.backend.origin().view(entry_key(key)) as buf:
+            return None if buf is None else (decode_entry(buf, key=key).header, len(buf))
+    try:
+        got = store.peek_header(key)
+        if got is not None and got[0].key != key:
+            raise CorruptEntryError("entry header names another key")
+    except CorruptEntryError as exc:
+        if local_bad is None:
+            raise
+        got = store.peek_header(key, origin=True)  # the tier's copy is bad; the remote's decides
+        if got is not None and got[0].key != key:
+            raise CorruptEntryError("entry header names another key") from None
+        local_bad.append(CorruptInfo(key, str(exc), got[1] if got else 0))
+    return got
 
 
 def chain_problem(chunks: tuple[str, ...], entries: dict[str, EntryInfo]) -> str:
