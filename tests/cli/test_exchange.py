@@ -100,3 +100,54 @@ def test_import_refuses_caches_of_another_computation(problem, tiny_neox_dir, tm
     assert ("do not match this model" in err) if problem == "wrong-values" else ("matches a context" in err)
     with KVStore(str(tmp_path / "store"), readonly=True) as s:
         assert len(s) == 0  # nothing stored
+
+
+class _Hostile:
+    """Unpickling this would run a shell command (weights_only refuses it before anything runs)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_import_rejects_each_bad_file_in_one_line_and_imports_the_rest(tiny_neox_dir, tmp_path, capsys):
+    """A .pt that is a pickle but not a tensor archive (a hostile one), a truncated archive and one
+    of the wrong shape: one rejection line each, the good files imported, exit 0 (issue 31, item 4).
+    Before, the first such file stopped the import with a multi-line internal error."""
+    import pickle
+
+    adapter = Adapter.from_pretrained(str(tiny_neox_dir), dtype="float64")
+    dataset = write_dataset(tmp_path / "data.jsonl", range(5), questions=1)
+    contexts = list(dict.fromkeys(json.loads(x)["context"] for x in dataset.read_text().splitlines()))
+    config = adapter.model.config.to_json_string(use_diff=False)
+    cache = tmp_path / "cache"
+    _write_llminference_cache(adapter, cache, contexts, 256, config)
+    path = {i: cache / f"{cache_name(config, contexts[i], 256)}.pt" for i in range(5)}
+    marker = tmp_path / "pwned"
+    path[2].write_bytes(pickle.dumps(_Hostile(marker)))
+    path[3].write_bytes(path[3].read_bytes()[:200])  # truncated
+    torch.save(torch.zeros(2, 2, 1, 2, 3, 16, dtype=torch.float64), path[4])  # wrong shape
+    args = ["import-llminference", cache, dataset, "--model", tiny_neox_dir, "--dtype", "float64",
+            "--max-context-length", "256", "--quiet"]  # fmt: skip
+    code, out, err = run_main(capsys, *args, "--store", tmp_path / "store")
+    assert code == 0, err
+    assert not marker.exists()  # nothing ran
+    rejected = [line for line in out.splitlines() if line.startswith("rejected")]
+    assert {line.split()[1].rstrip(":") for line in rejected} == {path[i].name for i in (2, 3, 4)}
+    assert "is not a readable tensor file (UnpicklingError: " in out and "is (2, 2, 1, 2, 3, 16)" in out
+    assert out.startswith("Imported 2 context(s)") and err == ""
+    with KVStore(str(tmp_path / "store"), readonly=True) as s:
+        assert len(s.context_keys()) == 2 and not s.verify().corrupt
+    # nothing importable at all: exit 1, still one line per file
+    for i in (0, 1):
+        path[i].write_bytes(b"not a tensor")
+    code, out, err = run_main(capsys, *args, "--store", tmp_path / "other")
+    assert code == 1 and len([line for line in out.splitlines() if line.startswith("rejected")]) == 5
+    assert err == (
+        f"kvstore: error: none of the 5 llminference cache(s) in {cache} that match a context of {dataset} could be "
+        "imported (each is listed above with why)\n"
+    )
