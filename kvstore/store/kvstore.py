@@ -55,6 +55,7 @@ from kvstore.store.entry import (
     read_header,
     verify_checksum,
 )
+from kvstore.store.header import TRAILER_BYTES, check_sizes
 from kvstore.store.keyspace import ACCESS, ENTRY, RECORD, access_key, entry_key, key_of, record_key
 from kvstore.store.meta import MAX_CHUNK_TOKENS, load_meta
 from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
@@ -282,13 +283,17 @@ class KVStore:
             return None
         head, size = got
         try:
-            return read_header(head)[0], size
+            header, offset = read_header(head)
         except CorruptEntryError:
             if size <= len(head):
                 raise
-        # a header longer than the first read (or a truncated entry): read as much as one can hold
-        got = backend.peek(entry_key(key), MAX_ENTRY_HEADER + 64)
-        return None if got is None else (read_header(got[0])[0], got[1])
+            # a header longer than the first read (or a truncated entry): read as much as one can hold
+            got = backend.peek(entry_key(key), MAX_ENTRY_HEADER + 64)
+            if got is None:
+                return None
+            (header, offset), size = read_header(got[0]), got[1]
+        check_sizes(header, size - offset - TRAILER_BYTES)  # what a listing shows is consistent
+        return header, size
 
     def keys(self) -> list[str]:
         """Keys of every entry (chunks and format-1 contexts)."""

@@ -145,6 +145,24 @@ def test_ls_skips_unreadable_entries_with_a_warning(store):
     assert keys_in(path) == {e.key for e in entries}  # listing never removes anything
 
 
+def test_ls_and_stats_check_sizes_against_the_header(store):
+    """A forged header (a valid checksum around it) claiming 4096 PiB uncompressed: ls and stats
+    showed that size; now the header's sizes are checked against its shapes and the stored bytes
+    first, and the entry is listed as unreadable instead (issue 31, also seen)."""
+    from helpers.entries import assemble, split
+
+    path, entries = store
+    with KVStore(path) as s:
+        header, payload = split(bytes(s.backend.get(b"e/" + entries[0].key.encode())))
+        s.backend.put(b"e/" + entries[0].key.encode(), assemble(dict(header, raw_bytes=1 << 62), payload))
+    for cmd in (["ls"], ["ls", "--chunks"], ["stats"]):
+        r = invoke(*cmd, "--store", path)
+        assert r.exit_code == 0 and "PiB" not in r.stdout and "EiB" not in r.stdout, (cmd, r.stdout)
+        assert f"skipped entry {entries[0].key[:12]}: entry declares a size that does not match its shape" in r.stderr
+    doc = json.loads(invoke("stats", "--store", path, "--format", "json").stdout)
+    assert doc["totals"]["corrupt"] == 1 and doc["totals"]["raw_bytes"] < 1 << 20
+
+
 # -- stats ----------------------------------------------------------------------------------------
 def test_stats(store):
     path, entries = store
