@@ -51,15 +51,18 @@ _LMDB_NOTE = "LMDB files never shrink: space freed by rm/gc is reused by new ent
 
 
 def _count(n: int, word: str) -> str:
-    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks"}[word]
+    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks", "context record": "context records"}[word]
     return f"{n} {word if n == 1 else plural}"
 
 
 def _warn_corrupt(info: Any) -> None:
     for c in info.corrupt:
         warn(f"skipped entry {c.key[:12]}: {c.reason}")
-    if info.corrupt:
-        warn(f"{_count(len(info.corrupt), 'entry')} unreadable, skipped; `kvstore gc --corrupt` removes them")
+    for c in info.malformed:
+        warn(f"skipped context {c.key[:12]}: {c.reason}")
+    if info.corrupt or info.malformed:
+        n = _count(len(info.corrupt), "entry") if info.corrupt else _count(len(info.malformed), "context record")
+        warn(f"{n} unreadable, skipped; `kvstore gc --corrupt` removes them")
 
 
 def _time(ts: float | None) -> str:
@@ -260,10 +263,14 @@ def verify(store: str, quiet: bool) -> None:
         click.echo(f"corrupt  {c.key}  {c.reason} (the local tier's copy; the remote's is {other})")
     for key, reason in broken:
         click.echo(f"broken   {key}  {reason}")
+    for c in info.malformed:
+        click.echo(f"malformed  {c.key}  {c.reason}")
     total = info.n_entries + len(info.corrupt)
-    if info.corrupt or broken:
+    if info.corrupt or broken or info.malformed:
         parts = [f"{len(info.corrupt)} of {_count(total, 'entry')} corrupt"] if info.corrupt else []
         parts += [f"{len(broken)} of {_count(len(info.contexts), 'context')} broken"] if broken else []
+        n_records = len(info.contexts) - sum(c.format == 1 for c in info.contexts) + len(info.malformed)
+        parts += [f"{len(info.malformed)} of {_count(n_records, 'context record')} malformed"] if info.malformed else []
         raise CLIError("; ".join(parts) + "; `kvstore gc --corrupt` removes corrupt entries")
     if info.local_corrupt:
         click.echo(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.errors import EntryNotFoundError
+from kvstore.store.keyspace import is_key
 from kvstore.store.removal import GcReport, execute_plan  # re-exported: execute_plan lived here
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,9 +85,10 @@ def plan_gc(
     With a scope but none of ``older_than``/``max_bytes``/``corrupt``, the whole scope goes
     (``kvstore rm``). A removed context's chunks go when no kept context uses them. ``corrupt``
     removes the entries that failed the scan (through a local tier: whose remote copy failed; a
-    bad tier copy of an intact entry is listed in ``local``, to drop from the tier only) and the
-    contexts that use one or miss a chunk; ``orphans`` removes chunks no context uses whose last
-    use is older than ``grace`` seconds. With nothing at all, nothing is removed.
+    bad tier copy of an intact entry is listed in ``local``, to drop from the tier only), the
+    contexts that use one or miss a chunk, and malformed context records; ``orphans`` removes
+    chunks no context uses whose last use is older than ``grace`` seconds. With nothing at all,
+    nothing is removed.
 
     Raises EntryNotFoundError when a key prefix matches nothing.
     """
@@ -164,6 +166,8 @@ def plan_gc(
     )
     keep_bytes = sum(e.stored_bytes for e in info.entries if e.key not in remove)
     context_rows = tuple((k, why, contexts[k].stored_bytes) for k, why in drop.items())
+    # context records that do not read (under a name a record can have): nothing can use them
+    context_rows += tuple((b.key, b.reason, 0) for b in info.malformed if corrupt and is_key(b.key) and in_keys(b.key))
     chains = {k: contexts[k].chunks for k in drop}
     named = {*remove, *(k for chunks in chains.values() for k in chunks)}
     return GcPlan(

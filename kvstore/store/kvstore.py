@@ -56,7 +56,7 @@ from kvstore.store.entry import (
     verify_checksum,
 )
 from kvstore.store.header import TRAILER_BYTES, check_sizes
-from kvstore.store.keyspace import ACCESS, ENTRY, RECORD, access_key, entry_key, key_of, record_key
+from kvstore.store.keyspace import ACCESS, ENTRY, RECORD, access_key, entry_key, is_key, key_of, record_key
 from kvstore.store.meta import MAX_CHUNK_TOKENS, load_meta
 from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
 
@@ -418,7 +418,8 @@ class KVStore:
                      first.created, numerics=first.numerics)  # fmt: skip
 
     def context_keys(self) -> list[str]:
-        return [key_of(k, RECORD) for k in self.backend.keys(RECORD)]
+        """Keys of the context records (under well-formed names: ``scan`` reports the others)."""
+        return [k for k in (key_of(n, RECORD, errors="replace") for n in self.backend.keys(RECORD)) if is_key(k)]
 
     # -- scanning -------------------------------------------------------------------------------
     def recorded_access(self, keys: Iterable[str] | None = None) -> dict[str, float]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.progress import Progress
 from kvstore.store.gc import DEFAULT_GRACE_SECONDS, GcPlan, execute_plan, plan_gc  # re-exported: they lived here
-from kvstore.store.keyspace import entry_key, is_key
+from kvstore.store.keyspace import RECORD, entry_key, is_key, key_of
 from kvstore.store.summary import GroupStats, summarize  # re-exported: it lived here
 from kvstore.units import human_bytes, human_time
 
@@ -42,15 +42,31 @@ class ContextRecord:
 
     @classmethod
     def parse(cls, key: str, raw: bytes | memoryview) -> ContextRecord | None:
-        """The record, or None when it is unreadable or inconsistent (its last chunk must be its key)."""
+        """The record, or None when it is unreadable or inconsistent (see :meth:`read`)."""
+        try:
+            return cls.read(key, raw)
+        except ValueError:
+            return None
+
+    @classmethod
+    def read(cls, key: str, raw: bytes | memoryview) -> ContextRecord:
+        """The record stored under ``r/<key>``; raises ValueError saying what is wrong when it is
+        unreadable or inconsistent (its name a key, its last chunk that key, at least one token)."""
+        if not is_key(key):
+            raise ValueError("its name is not a key")
         try:
             d = json.loads(bytes(raw))
             chunks = tuple(d["chunks"])
             n, created = int(d["n_tokens"]), float(d["created"])
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            return None
-        if not chunks or chunks[-1] != key or n < 1 or not all(is_key(c) for c in chunks):
-            return None
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+            what = f"field {exc}" if isinstance(exc, KeyError) else "not a JSON object with chunks, n_tokens, created"
+            raise ValueError(f"unreadable: {what}") from None
+        if not chunks or not all(is_key(c) for c in chunks):
+            raise ValueError("its chunks are not a list of keys")
+        if chunks[-1] != key:
+            raise ValueError("its last chunk is not its own key")
+        if n < 1:
+            raise ValueError("it counts no tokens")
         return cls(key, chunks, n, created)
 
 
@@ -246,6 +262,7 @@ class StoreInfo:
     recorded_access: dict[str, float] = field(default_factory=dict, compare=False)
     # through a local tier: its copies that failed (the remote's copies are what ``corrupt`` lists)
     local_corrupt: tuple[CorruptInfo, ...] = ()
+    malformed: tuple[CorruptInfo, ...] = ()  # context records that do not read (r/ keys)
 
     @property
     def n_entries(self) -> int:
@@ -311,7 +328,7 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
         if progress is not None:
             progress(1, size)
     contexts = []
-    records = [r for r in (store.context(k) for k in store.context_keys()) if r is not None]
+    records, malformed = _records(store)
     for r in records:
         contexts.append(_context(r.key, r.chunks, r.n_tokens, r.created, entries, access))
     for e in entries.values():
@@ -335,7 +352,23 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
         refs=refs,
         recorded_access=recorded,
         local_corrupt=tuple(local_corrupt),
+        malformed=malformed,
     )
+
+
+def _records(store: KVStore) -> tuple[list[ContextRecord], tuple[CorruptInfo, ...]]:
+    """Every context record that reads, and the malformed ones (``key``, what is wrong, size)."""
+    records, malformed = [], []
+    names = list(store.backend.keys(RECORD))
+    for name, raw in zip(names, store.backend.get_many(names)):
+        if raw is None:  # removed while we listed
+            continue
+        key = key_of(name, RECORD, errors="replace")
+        try:
+            records.append(ContextRecord.read(key, raw))
+        except ValueError as exc:
+            malformed.append(CorruptInfo(key, f"malformed context record: {exc}", len(raw)))
+    return records, tuple(malformed)
 
 
 def _read_entry(

@@ -221,6 +221,28 @@ def test_verify_corrupt(store):
     assert keys_in(path) == {e.key for e in entries}  # verify changes nothing
 
 
+def test_verify_reports_malformed_context_records_and_gc_corrupt_removes_them(store):
+    """A context record that does not read was skipped in silence: verify said all was intact
+    (issue 31, also seen). Now it names each one, exits 1, and gc --corrupt removes them."""
+    path, entries = store
+    bad = {"0" * 64: b"not json", "1" * 64: json.dumps({"chunks": ["2" * 64], "n_tokens": 3, "created": 0}).encode()}
+    with KVStore(path) as s:
+        s.backend.put_many([(b"r/" + k.encode(), v) for k, v in bad.items()])
+    r = invoke("verify", "--store", path, "-q")
+    assert r.exit_code == 1
+    assert r.stdout.splitlines() == [
+        f"malformed  {'0' * 64}  malformed context record: unreadable: not a JSON object with chunks, n_tokens, "
+        "created",
+        f"malformed  {'1' * 64}  malformed context record: its last chunk is not its own key",
+    ]
+    assert "2 of 6 context records malformed" in r.stderr
+    assert "skipped context 000000000000: malformed context record" in invoke("ls", "--store", path).stderr
+    r = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")
+    assert r.exit_code == 0 and "Removed 2 contexts and 0 entries" in r.stdout
+    v = invoke("verify", "--store", path, "-q")
+    assert v.exit_code == 0 and "4 entries and 4 contexts verified, all intact." in v.stdout
+
+
 # -- rm -------------------------------------------------------------------------------------------
 def test_rm_by_key_prefix(store):
     path, entries = store
