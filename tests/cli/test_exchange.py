@@ -43,6 +43,34 @@ def test_export_writes_plain_safetensors_per_context(tiny_llama_dir, tmp_path, c
     assert again[0] == 0 and "0 context(s)" in again[1] and "3 already there" in again[1]
 
 
+def test_export_into_an_unwritable_place_is_one_line(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """Before: a generic "OSError: [Errno 13] ..." line (issue 31, also seen)."""
+    import tempfile
+
+    dataset = write_dataset(tmp_path / "data.jsonl", range(2), questions=1)
+    store = tmp_path / "store"
+    assert run_main(capsys, "build", dataset, "--model", tiny_llama_dir, "--store", store, "--quiet")[0] == 0
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, out, err = run_main(capsys, "export", "--store", store, str(blocker / "out"), "--quiet")
+    assert code == 1 and out == ""
+    assert err == (
+        f"kvstore: error: cannot export into {blocker / 'out'}: Not a directory; give a directory you can write to "
+        "(the store is unchanged, and files already exported there are kept)\n"
+    )
+
+    def refused(*args, **kwargs):  # a read-only directory (root writes anywhere, so it is simulated)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    code, out, err = run_main(capsys, "export", "--store", store, str(tmp_path / "ro"), "--quiet")
+    assert code == 1 and err == (
+        f"kvstore: error: cannot export into {tmp_path / 'ro'}: Permission denied; give a directory you can write "
+        "to (the store is unchanged, and files already exported there are kept)\n"
+    )
+    assert list((tmp_path / "ro").iterdir()) == []
+
+
 def _write_llminference_cache(adapter: Adapter, directory, contexts, limit: int, config_json: str) -> None:
     """What the research code wrote: per context, torch.save of (layers, 2, 1, heads, tokens, dim)."""
     directory.mkdir()
