@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from helpers.cli import build_argv, read_predictions, run_main, write_dataset
 from helpers.s3 import BUCKET
 from kvstore.store.backends.lmdb import LMDBBackend
@@ -48,21 +46,6 @@ def tier_copy_intact(cache_dir, key: str) -> bool | None:
     return True
 
 
-@pytest.fixture
-def tiered(tiny_llama_dir, tmp_path, s3_url, capsys):
-    """A 3-context S3 store built through a tier (every entry cached), its last context's last
-    chunk damaged in the tier only; returns (url, tier option, that key, dataset)."""
-    cache = tmp_path / "tier"
-    data = write_dataset(tmp_path / "qa.jsonl", range(3), questions=1)
-    code, _, err = run_main(capsys, *build_argv(data, tiny_llama_dir, s3_url, *F64), "--cache-dir", str(cache))
-    assert code == 0, err
-    with KVStore(s3_url, readonly=True) as s:
-        key = sorted(s.context_keys())[0]
-    assert tier_copy_intact(cache, key) is True
-    damage_tier_copy(cache, key)
-    return s3_url, ("--cache-dir", str(cache)), key, data, cache
-
-
 def s3_name(url: str, key: str) -> str:
     """The S3 object name of entry ``key`` in the store ``url``."""
     return f"{url[len(f's3://{BUCKET}/') :]}/{object_name(b'e/' + key.encode())}"
@@ -72,45 +55,57 @@ def s3_object(seaweed, url: str, key: str) -> bytes:
     return seaweed.client().get_object(Bucket=BUCKET, Key=s3_name(url, key))["Body"].read()
 
 
-def test_verify_names_the_tier_copy_and_exits_0(tiered, capsys, seaweed):
-    url, tier, key, _, _ = tiered
+def test_a_tier_fault_stays_local(tiny_llama_dir, tmp_path, s3_url, capsys, seaweed):
+    """One S3 store built through a tier (every entry cached there); then, in turn: verify, sample
+    and gc --corrupt with a bad tier copy, and verify with a bad remote copy."""
+    url, cache = s3_url, tmp_path / "tier"
+    tier = ("--cache-dir", str(cache))
+    data = write_dataset(tmp_path / "qa.jsonl", range(3), questions=1)
+    code, _, err = run_main(capsys, *build_argv(data, tiny_llama_dir, url, *F64), *tier)
+    assert code == 0, err
+    with KVStore(url, readonly=True) as s:
+        key = sorted(s.context_keys())[0]
+    assert tier_copy_intact(cache, key) is True
+    flipped = "entry checksum mismatch (flipped or truncated bytes)"
+
+    # verify names the tier's copy as the bad one, and exits 0: the store (the remote) is intact
+    damage_tier_copy(cache, key)
     code, out, err = run_main(capsys, "verify", "--store", url, *tier, "-q")
     assert code == 0, err
-    assert f"corrupt  {key}  entry checksum mismatch (flipped or truncated bytes) (the local tier's copy; the " \
-           "remote's is intact)" in out  # fmt: skip
+    assert f"corrupt  {key}  {flipped} (the local tier's copy; the remote's is intact)" in out
     assert "all intact in the remote store; 1 bad in the local tier" in out
-    # a bad remote copy is still the store's fault: exit 1, named as the remote's
-    seaweed.client().put_object(Bucket=BUCKET, Key=s3_name(url, key), Body=_flip(s3_object(seaweed, url, key)))
-    code, out, err = run_main(capsys, "verify", "--store", url, *tier, "-q")
-    assert code == 1 and "1 of" in err and "corrupt" in err
-    assert f"corrupt  {key}  entry checksum mismatch (flipped or truncated bytes) (the remote's copy)" in out
-    assert "(the local tier's copy; the remote's is corrupt too)" in out
 
+    # sample reads the remote's copy (a hit, not a recompute) and refills the tier
+    args = ["sample", data, "--model", tiny_llama_dir, *F64, "-n", "4", "--quiet", "--format", "json"]
+    code, out, err = run_main(capsys, *args, "--store", url, *tier, "-o", tmp_path / "tier.jsonl")
+    assert code == 0, err
+    assert json.loads(out)["cache_hit_rate"] == 1.0
+    assert err == f"kvstore: warning: the local tier's copy of entry {key[:16]} is corrupt ({flipped}); dropped it, " \
+                  "reading the remote's\n"  # fmt: skip
+    assert tier_copy_intact(cache, key) is True
+    assert run_main(capsys, *args, "--no-cache", "-o", tmp_path / "ref.jsonl")[0] == 0
+    got, ref = read_predictions(tmp_path / "tier.jsonl"), read_predictions(tmp_path / "ref.jsonl")
+    assert {k: r["raw_output"] for k, r in got.items()} == {k: r["raw_output"] for k, r in ref.items()}
 
-def test_gc_corrupt_drops_only_the_tier_copy(tiered, capsys, seaweed):
-    url, tier, key, _, cache = tiered
+    # gc --corrupt drops the tier's copy, never the intact S3 object or its context record
+    damage_tier_copy(cache, key)
     remote_before = s3_object(seaweed, url, key)
     code, out, err = run_main(capsys, "gc", "--corrupt", "--store", url, *tier, "-y", "-q")
     assert code == 0, err
     assert "0 contexts and 0 entries to remove" in out and "1 bad copies to drop from the local tier" in out
     assert "Dropped 1 bad copies from the local tier" in out
-    assert s3_object(seaweed, url, key) == remote_before  # the intact S3 object stays
+    assert s3_object(seaweed, url, key) == remote_before
     with KVStore(url, readonly=True) as s:
         assert key in s.context_keys() and len(s.context_keys()) == 3
-    assert tier_copy_intact(cache, key) is None  # dropped from the tier
+    assert tier_copy_intact(cache, key) is None
     code, out, _ = run_main(capsys, "verify", "--store", url, *tier, "-q")
     assert code == 0 and out.strip().endswith("verified, all intact.")
 
-
-def test_sample_reads_the_remote_copy_and_refills_the_tier(tiered, tiny_llama_dir, tmp_path, capsys):
-    url, tier, key, data, cache = tiered
-    args = ["sample", data, "--model", tiny_llama_dir, *F64, "-n", "4", "--quiet", "--format", "json"]
-    code, out, err = run_main(capsys, *args, "--store", url, *tier, "-o", tmp_path / "tier.jsonl")
-    assert code == 0, err
-    assert json.loads(out)["cache_hit_rate"] == 1.0  # no recompute: the remote's copy was read
-    assert err == f"kvstore: warning: the local tier's copy of entry {key[:16]} is corrupt (entry checksum mismatch " \
-                  "(flipped or truncated bytes)); dropped it, reading the remote's\n"  # fmt: skip
-    assert tier_copy_intact(cache, key) is True  # refilled from the remote
-    assert run_main(capsys, *args, "--no-cache", "-o", tmp_path / "ref.jsonl")[0] == 0
-    got, ref = read_predictions(tmp_path / "tier.jsonl"), read_predictions(tmp_path / "ref.jsonl")
-    assert {k: r["raw_output"] for k, r in got.items()} == {k: r["raw_output"] for k, r in ref.items()}
+    # a bad remote copy is the store's fault: exit 1, named as the remote's
+    run_main(capsys, "sample", data, "--model", tiny_llama_dir, *F64, "-n", "1", "--store", url, *tier, "-q")
+    damage_tier_copy(cache, key)
+    seaweed.client().put_object(Bucket=BUCKET, Key=s3_name(url, key), Body=_flip(remote_before))
+    code, out, err = run_main(capsys, "verify", "--store", url, *tier, "-q")
+    assert code == 1 and "1 of" in err and "corrupt" in err
+    assert f"corrupt  {key}  {flipped} (the remote's copy)" in out
+    assert f"corrupt  {key}  {flipped} (the local tier's copy; the remote's is corrupt too)" in out
