@@ -107,14 +107,21 @@ def test_import_llminference_then_sample_equals_no_cache(tiny_neox_dir, tmp_path
     assert sum(r["cache_hit"] for r in cached.values()) == 6  # 3 imported contexts x 2 questions
 
 
-@pytest.mark.parametrize("problem", ["wrong-values", "wrong-limit"])
-def test_import_refuses_caches_of_another_computation(problem, tiny_neox_dir, tmp_path, capsys):
-    adapter = Adapter.from_pretrained(str(tiny_neox_dir), dtype="float64")
-    dataset = write_dataset(tmp_path / "data.jsonl", range(2), questions=1)
+def _cache_of(model_dir, tmp_path, n: int, limit: int):
+    """A dataset of ``n`` contexts and llminference's caches of all of them: (dataset, contexts,
+    config JSON, cache directory)."""
+    adapter = Adapter.from_pretrained(str(model_dir), dtype="float64")
+    dataset = write_dataset(tmp_path / "data.jsonl", range(n), questions=1)
     contexts = list(dict.fromkeys(json.loads(x)["context"] for x in dataset.read_text().splitlines()))
     config = adapter.model.config.to_json_string(use_diff=False)
     cache = tmp_path / "cache"
-    _write_llminference_cache(adapter, cache, contexts, 64, config)
+    _write_llminference_cache(adapter, cache, contexts, limit, config)
+    return dataset, contexts, config, cache
+
+
+@pytest.mark.parametrize("problem", ["wrong-values", "wrong-limit"])
+def test_import_refuses_caches_of_another_computation(problem, tiny_neox_dir, tmp_path, capsys):
+    dataset, _, _, cache = _cache_of(tiny_neox_dir, tmp_path, 2, 64)
     if problem == "wrong-values":  # e.g. computed by other weights of the same shape
         for path in cache.glob("*.pt"):
             t = torch.load(path, weights_only=True)
@@ -148,12 +155,7 @@ def test_import_rejects_each_bad_file_in_one_line_and_imports_the_rest(tiny_neox
     Before, the first such file stopped the import with a multi-line internal error."""
     import pickle
 
-    adapter = Adapter.from_pretrained(str(tiny_neox_dir), dtype="float64")
-    dataset = write_dataset(tmp_path / "data.jsonl", range(5), questions=1)
-    contexts = list(dict.fromkeys(json.loads(x)["context"] for x in dataset.read_text().splitlines()))
-    config = adapter.model.config.to_json_string(use_diff=False)
-    cache = tmp_path / "cache"
-    _write_llminference_cache(adapter, cache, contexts, 256, config)
+    dataset, contexts, config, cache = _cache_of(tiny_neox_dir, tmp_path, 5, 256)
     path = {i: cache / f"{cache_name(config, contexts[i], 256)}.pt" for i in range(5)}
     marker = tmp_path / "pwned"
     path[2].write_bytes(pickle.dumps(_Hostile(marker)))

@@ -92,21 +92,30 @@ def test_a_plan_that_waited_while_a_build_recorded_on_its_orphans_removes_none(u
     assert_intact(url, a, b)
 
 
-def test_a_build_recording_between_the_check_and_the_delete_gets_its_chunks_back(url):
-    """The narrowest window: the build marks, records and checks (all there) after execution's
-    first check and before its delete. The second check sees the record and puts the chunks back."""
+def record_during_delete(url: str, when: str):
+    """Orphans of two contexts planned for removal; a build records context ``a`` right
+    ``when`` ("before" or "after") the first delete of an entry. Returns (what the build's
+    record check reported, the execution's report, a's chunks, b's chunks)."""
     a, b = orphans_only(url)
-    seen = []
+    checked = []
     with KVStore(url) as gc, KVStore(url) as build:
         plan = plan_orphans(gc)
 
-        def hook(op, names, when):
-            if when == "before" and not seen and any(n.startswith(b"e/") for n in names) and op.startswith("delete"):
-                seen.append(record(build, a))
+        def hook(op, names, at):
+            if at == when and not checked and op.startswith("delete") and any(n.startswith(b"e/") for n in names):
+                checked.append(record(build, a))
 
         gc.backend = Hooked(gc.backend, hook, per_object=s3(url))
         report = execute_plan(gc, plan)
-    assert seen == [()]  # the build found every chunk of its context...
+    assert len(checked) == 1
+    return checked[0], report, a, b
+
+
+def test_a_build_recording_between_the_check_and_the_delete_gets_its_chunks_back(url):
+    """The narrowest window: the build marks, records and checks (all there) after execution's
+    first check and before its delete. The second check sees the record and puts the chunks back."""
+    missing, report, a, b = record_during_delete(url, "before")
+    assert missing == ()  # the build found every chunk of its context...
     assert set(keys(a)) <= {k for k, _ in report.kept}  # ...and they were put back
     assert set(report.entries) == set(keys(b)) - set(keys(a))  # what nothing uses still goes
     assert_intact(url, a)
@@ -115,18 +124,8 @@ def test_a_build_recording_between_the_check_and_the_delete_gets_its_chunks_back
 def test_a_build_recording_right_after_the_delete_sees_the_loss(url):
     """The build records after the delete: its own check reports the missing chunks (a build then
     computes them again), and execution puts back what it removed under the new record."""
-    a, _ = orphans_only(url)
-    missing = []
-    with KVStore(url) as gc, KVStore(url) as build:
-        plan = plan_orphans(gc)
-
-        def hook(op, names, when):
-            if when == "after" and not missing and any(n.startswith(b"e/") for n in names) and op.startswith("delete"):
-                missing.append(record(build, a))
-
-        gc.backend = Hooked(gc.backend, hook, per_object=s3(url))
-        execute_plan(gc, plan)
-    assert missing and missing[0]  # the build saw at least one of its chunks gone
+    missing, _, a, _ = record_during_delete(url, "after")
+    assert missing  # the build saw at least one of its chunks gone
     assert_intact(url, a)  # and none is missing now
 
 
