@@ -51,7 +51,8 @@ _LMDB_NOTE = "LMDB files never shrink: space freed by rm/gc is reused by new ent
 
 
 def _count(n: int, word: str) -> str:
-    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks", "context record": "context records"}[word]
+    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks", "context record": "context records",
+              "bad tier copy": "bad tier copies"}[word]  # fmt: skip
     return f"{n} {word if n == 1 else plural}"
 
 
@@ -61,8 +62,9 @@ def _warn_corrupt(info: Any) -> None:
     for c in info.malformed:
         warn(f"skipped context {c.key[:12]}: {c.reason}")
     if info.corrupt or info.malformed:
-        n = _count(len(info.corrupt), "entry") if info.corrupt else _count(len(info.malformed), "context record")
-        warn(f"{n} unreadable, skipped; `kvstore gc --corrupt` removes them")
+        parts = [_count(len(info.corrupt), "entry")] if info.corrupt else []
+        parts += [_count(len(info.malformed), "context record")] if info.malformed else []
+        warn(f"{' and '.join(parts)} unreadable, skipped; `kvstore gc --corrupt` removes them")
 
 
 def _time(ts: float | None) -> str:
@@ -307,10 +309,11 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
     )
     if len(shown) < len(rows):
         click.echo(f"... and {len(rows) - len(shown)} more (--dry-run lists them all)")
+    local = f" {_count(len(plan.local), 'bad tier copy')} to drop from the local tier (the remote's stay)."
     click.echo(
         f"\n{_count(len(plan.contexts), 'context')} and {_count(len(plan.remove), 'entry')} to remove, "
         f"{human_bytes(plan.freed_bytes)} freed; {human_bytes(plan.keep_bytes)} of entries stay."
-        + (f" {len(plan.local)} bad copies to drop from the local tier (the remote's stay)." if plan.local else "")
+        + (local if plan.local else "")
     )
 
 
@@ -344,7 +347,7 @@ def _run_plan(
         f"{human_bytes(report.freed_bytes)} ({_LMDB_NOTE})."
     )
     if report.dropped_local:
-        click.echo(f"Dropped {report.dropped_local} bad copies from the local tier; the remote's copies are intact.")
+        click.echo(f"Dropped {_count(report.dropped_local, 'bad tier copy')}; the remote's copies are intact.")
     if report.kept:
         click.echo(
             f"Kept {len(report.kept)} of the planned: used, recorded or repaired since the plan (by a build or "

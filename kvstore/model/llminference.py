@@ -67,9 +67,13 @@ def _load(path: Path) -> torch.Tensor:
             warnings.simplefilter("ignore")
             value = torch.load(path, map_location="cpu", weights_only=True)  # the one pickle reader in kvstore
     except Exception as exc:  # noqa: BLE001 - any failure to read one file rejects that file only
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reason = lines[0] if lines else "no reason given"
-        raise ValueError(f"is not a readable tensor file ({type(exc).__name__}: {reason[:200]})") from None
+        text = str(exc)
+        refused = text.partition("WeightsUnpickler error:")[2]  # torch's own reason, after its advice
+        lines = [line.strip() for line in (refused or text).splitlines() if line.strip()]
+        reason = (lines[0] if lines else "no reason given")[:160]
+        if refused:
+            raise ValueError(f"holds a pickle that is not only tensors (refused, nothing ran: {reason})") from None
+        raise ValueError(f"is not a readable tensor file ({type(exc).__name__}: {reason})") from None
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"holds a {type(value).__name__}, not a tensor")
     return value

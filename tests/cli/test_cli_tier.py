@@ -92,8 +92,8 @@ def test_a_tier_fault_stays_local(tiny_llama_dir, tmp_path, s3_url, capsys, seaw
     remote_before = s3_object(seaweed, url, key)
     code, out, err = run_main(capsys, "gc", "--corrupt", "--store", url, *tier, "-y", "-q")
     assert code == 0, err
-    assert "0 contexts and 0 entries to remove" in out and "1 bad copies to drop from the local tier" in out
-    assert "Dropped 1 bad copies from the local tier" in out
+    assert "0 contexts and 0 entries to remove" in out and "1 bad tier copy to drop from the local tier" in out
+    assert "Dropped 1 bad tier copy; the remote's copies are intact." in out
     assert s3_object(seaweed, url, key) == remote_before
     with KVStore(url, readonly=True) as s:
         assert key in s.context_keys() and len(s.context_keys()) == 3
