@@ -66,7 +66,10 @@ def import_llminference(source: str, dataset: str, model: str | None, max_contex
     context text and the context limit), loaded as tensors only (torch.load weights_only: the one
     pickle reader in kvstore), checked against this model's shapes and dtype, spot-checked by
     recomputing --check contexts, and stored as a plain (template-free) context: sample it with
-    --no-chat. Files that match no context of DATASET are reported.
+    --no-chat. Files that match no context of DATASET are reported; a file that cannot be read
+    (not a tensor archive, truncated, hostile, the wrong shape) is rejected with one line and the
+    others are imported. Exits 0 when every good file was imported and the spot check passed, 1
+    when nothing could be imported or the spot check failed.
     """
     from pathlib import Path
 
@@ -95,7 +98,12 @@ def import_llminference(source: str, dataset: str, model: str | None, max_contex
                    f"{report.max_abs_diff:.3g}.")  # fmt: skip
         for name in report.unmatched[:10]:
             click.echo(f"unmatched  {name}  (no context of {dataset} has this name)")
-        for line in report.rejected[:10]:
+        for line in report.rejected:  # every file that failed, one line each
             click.echo(f"rejected   {line}")
     if not report.imported and not report.already_stored:
+        if report.rejected:
+            raise CLIError(
+                f"none of the {len(report.rejected)} llminference cache(s) in {source} that match a context of "
+                f"{dataset} could be imported (each is listed above with why)"
+            )
         raise CLIError(f"no llminference cache in {source} matches a context of {dataset}")

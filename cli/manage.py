@@ -29,6 +29,7 @@ from kvstore.cli.common import (
     quiet_option,
     short,
     store_option,
+    store_options,
     warn,
     yes_option,
 )
@@ -50,15 +51,20 @@ _LMDB_NOTE = "LMDB files never shrink: space freed by rm/gc is reused by new ent
 
 
 def _count(n: int, word: str) -> str:
-    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks"}[word]
+    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks", "context record": "context records",
+              "bad tier copy": "bad tier copies"}[word]  # fmt: skip
     return f"{n} {word if n == 1 else plural}"
 
 
 def _warn_corrupt(info: Any) -> None:
     for c in info.corrupt:
         warn(f"skipped entry {c.key[:12]}: {c.reason}")
-    if info.corrupt:
-        warn(f"{_count(len(info.corrupt), 'entry')} unreadable, skipped; `kvstore gc --corrupt` removes them")
+    for c in info.malformed:
+        warn(f"skipped context {c.key[:12]}: {c.reason}")
+    if info.corrupt or info.malformed:
+        parts = [_count(len(info.corrupt), "entry")] if info.corrupt else []
+        parts += [_count(len(info.malformed), "context record")] if info.malformed else []
+        warn(f"{' and '.join(parts)} unreadable, skipped; `kvstore gc --corrupt` removes them")
 
 
 def _time(ts: float | None) -> str:
@@ -239,39 +245,43 @@ def verify(store: str, quiet: bool) -> None:
     there is any; `kvstore gc --corrupt` removes corrupt entries (a broken context is rebuilt
     from where it breaks by the next build or sample). Changes nothing.
     """
+    from kvstore.store.scan import chain_problem
+
     with open_store(store, readonly=True) as s:
         with progress_bar(len(s), "verify", quiet, unit="entry") as bar:
             info = s.verify(progress=bar)
     entries = {e.key: e for e in info.entries}
     broken = []
     for c in info.contexts:
-        reason = _chain_problem(c.chunks, entries)
+        reason = chain_problem(c.chunks, entries)
         if reason:
             broken.append((c.key, reason))
+    tiered = "cache_dir" in store_options()  # through a local tier the remote's copies are what count
+    remote_bad = {c.key for c in info.corrupt}
     for c in info.corrupt:
-        click.echo(f"corrupt  {c.key}  {c.reason}")
+        click.echo(f"corrupt  {c.key}  {c.reason}" + (" (the remote's copy)" if tiered else ""))
+    for c in info.local_corrupt:
+        other = "corrupt too" if c.key in remote_bad else "intact"
+        click.echo(f"corrupt  {c.key}  {c.reason} (the local tier's copy; the remote's is {other})")
     for key, reason in broken:
         click.echo(f"broken   {key}  {reason}")
+    for c in info.malformed:
+        click.echo(f"malformed  {c.key}  {c.reason}")
     total = info.n_entries + len(info.corrupt)
-    if info.corrupt or broken:
+    if info.corrupt or broken or info.malformed:
         parts = [f"{len(info.corrupt)} of {_count(total, 'entry')} corrupt"] if info.corrupt else []
         parts += [f"{len(broken)} of {_count(len(info.contexts), 'context')} broken"] if broken else []
+        n_records = len(info.contexts) - sum(c.format == 1 for c in info.contexts) + len(info.malformed)
+        parts += [f"{len(info.malformed)} of {_count(n_records, 'context record')} malformed"] if info.malformed else []
         raise CLIError("; ".join(parts) + "; `kvstore gc --corrupt` removes corrupt entries")
+    if info.local_corrupt:
+        click.echo(
+            f"{_count(total, 'entry')} and {_count(len(info.contexts), 'context')} verified, all intact in the remote "
+            f"store; {len(info.local_corrupt)} bad in the local tier (a read drops such a copy and reads the "
+            "remote's; `kvstore gc --corrupt` with this --cache-dir drops them all)."
+        )
+        return
     click.echo(f"{_count(total, 'entry')} and {_count(len(info.contexts), 'context')} verified, all intact.")
-
-
-def _chain_problem(chunks: tuple[str, ...], entries: dict[str, Any]) -> str:
-    parent, start = "", 0
-    for i, key in enumerate(chunks):
-        e = entries.get(key)
-        if e is None:
-            return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) is missing or corrupt"
-        h = e.header
-        if len(chunks) > 1 or h.format >= 2:
-            if h.parent != parent or h.start != start:
-                return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) does not continue the chain"
-        parent, start = key, h.end
-    return ""
 
 
 # -- rm / gc ------------------------------------------------------------------------------------
@@ -285,6 +295,10 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
         {"what": "entry", "key": k, "model_name": names.get(k, "?"), "stored_bytes": b, "reason": why}
         for k, why, b in plan.remove
     ]
+    rows += [
+        {"what": "tier copy", "key": k, "model_name": names.get(k, "?"), "stored_bytes": b, "reason": why}
+        for k, why, b in plan.local
+    ]
     shown = rows if limit is None else rows[:limit]
     emit(
         shown,
@@ -295,9 +309,11 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
     )
     if len(shown) < len(rows):
         click.echo(f"... and {len(rows) - len(shown)} more (--dry-run lists them all)")
+    local = f" {_count(len(plan.local), 'bad tier copy')} to drop from the local tier (the remote's stay)."
     click.echo(
         f"\n{_count(len(plan.contexts), 'context')} and {_count(len(plan.remove), 'entry')} to remove, "
         f"{human_bytes(plan.freed_bytes)} freed; {human_bytes(plan.keep_bytes)} of entries stay."
+        + (local if plan.local else "")
     )
 
 
@@ -315,7 +331,7 @@ def _run_plan(
         else:
             info = s.scan()
         plan = plan_gc(info, now=time.time(), **plan_args)
-        if not plan.remove and not plan.contexts:
+        if not plan.remove and not plan.contexts and not plan.local:
             click.echo("Nothing to remove.")
             return
         _show_plan(plan, info, limit=None if dry_run else 20)
@@ -325,11 +341,18 @@ def _run_plan(
         question = f"Remove {_count(len(plan.contexts), 'context')} and {_count(len(plan.remove), 'entry')}?"
         if not confirm(question, yes=yes, hint="or --dry-run to see the plan"):
             return
-        removed = execute_plan(s, plan)
+        report = execute_plan(s, plan)  # removes only what is still as planned
     click.echo(
-        f"Removed {_count(len(plan.contexts), 'context')} and {_count(removed, 'entry')}, freed "
-        f"{human_bytes(plan.freed_bytes)} ({_LMDB_NOTE})."
+        f"Removed {_count(len(report.contexts), 'context')} and {_count(len(report.entries), 'entry')}, freed "
+        f"{human_bytes(report.freed_bytes)} ({_LMDB_NOTE})."
     )
+    if report.dropped_local:
+        click.echo(f"Dropped {_count(report.dropped_local, 'bad tier copy')}; the remote's copies are intact.")
+    if report.kept:
+        click.echo(
+            f"Kept {len(report.kept)} of the planned: used, recorded or repaired since the plan (by a build or "
+            "sample running meanwhile)."
+        )
 
 
 @click.command()
@@ -381,7 +404,8 @@ def rm(
     metavar="DURATION",
     default="1h",
     show_default=True,
-    help="Chunks no context uses go once unused this long (a running build writes chunks before its context).",
+    help="Chunks no context uses go once unused this long (a running build writes chunks before its context); "
+    "below 10m it warns.",
 )
 @dry_run_option
 @yes_option
@@ -396,8 +420,16 @@ def gc(store: str, corrupt: bool, older_than: float | None, max_size: int | None
     --max-size then removes the least recently used contexts until the remaining chunks fit (with
     --model: that model's). A removed context's chunks go unless another context uses them.
     Prints the plan and asks before removing anything (--yes skips the question). The store's file
-    keeps its size: LMDB reuses the freed space for new entries.
+    keeps its size: LMDB reuses the freed space for new entries. Only what is still as planned
+    goes: anything used, recorded or repaired since the plan (while the question waited) stays.
     """
+    from kvstore.store.gc import SAFE_GRACE_SECONDS
+
+    if grace < SAFE_GRACE_SECONDS:
+        warn(
+            f"--grace {grace:g}s is under {SAFE_GRACE_SECONDS / 60:g} minutes: chunks a running build has written "
+            "but not recorded yet may go (the build then computes them again)"
+        )
     _run_plan(
         store,
         {"corrupt": corrupt, "older_than": older_than, "max_bytes": max_size, "model": model, "orphans": True,

@@ -5,7 +5,8 @@ objects), other fields:
 
 ``choices``
     The options: a JSON list of strings. In a CSV cell, a JSON list (``["Paris", "Rome"]``) or
-    the options joined by ``choices_sep`` (default ``|``: ``Paris|Rome|Berlin``).
+    the options joined by ``choices_sep`` (default ``|``: ``Paris|Rome|Berlin``); in JSON Lines and
+    JSON files a string is an error, never split.
 ``label``
     The right option's index (0-based; an integer, or a string of digits in CSV), or else
 ``answer``
@@ -79,6 +80,7 @@ def load_choice_rows(
         raise DatasetError(f"{name}: unknown file type {file.suffix or '(no extension)'!r}; use .jsonl, .csv or .json")
     # the CSV reader turns a cell holding a JSON list in the "answers" column into a list: ours is choices
     fields = Fields(context_field, question_field, "\0" if reference else choices_field, id_field)
+    sep = choices_sep if reader is csv_rows else None  # options joined by a separator: a CSV cell's form only
     out: list[ChoiceRow] = []
     seen: dict[str, str] = {}
     rows = reader(file, name, fields, False)
@@ -88,7 +90,7 @@ def load_choice_rows(
                 if isinstance(record, BadRow):
                     raise record
                 row = _row(record, where, default_id, fields, reference_field if reference else None,
-                           choices_field if need_choices else None, label_field, answer_field, choices_sep)  # fmt: skip
+                           choices_field if need_choices else None, label_field, answer_field, sep)  # fmt: skip
                 if row.id in seen:
                     raise BadRow(f"duplicate id {row.id!r} (first at {seen[row.id]})", "give each row its own id")
             except BadRow as bad:
@@ -119,7 +121,7 @@ def _text(record: dict, field: str, option: str, *, required: bool) -> str | Non
 
 def _row(
     record: dict, where: str, default_id: str, fields: Fields, reference: str | None, choices_field: str | None,
-    label_field: str, answer_field: str, sep: str,
+    label_field: str, answer_field: str, sep: str | None,
 ) -> ChoiceRow:  # fmt: skip
     context = _text(record, fields.context, "--context-field", required=True)
     assert context is not None
@@ -142,12 +144,19 @@ def _row(
     return ChoiceRow(row_id, context, question, choices, label, None, where)
 
 
-def _choices(record: dict, field: str, sep: str) -> tuple[str, ...]:
+def _choices(record: dict, field: str, sep: str | None) -> tuple[str, ...]:
+    """The options of a row. ``sep``: a CSV cell's separator (None for JSON, where a string is no
+    list of options: splitting it would guess)."""
     value = record.get(field)
     if value is None:
         raise missing_field(record, field, "--choices-field")
-    if isinstance(value, str):  # a CSV cell that is not a JSON list
+    if isinstance(value, str) and sep is not None:  # a CSV cell that is not a JSON list
         value = value.split(sep) if value.strip() else []
+    if isinstance(value, str):
+        raise BadRow(
+            f"field {field!r} must be a list of strings, got a string",
+            'give a JSON list such as ["Paris", "Rome"] (options joined by a separator only in a CSV cell)',
+        )
     if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
         raise BadRow(f"field {field!r} must be a list of strings, got {type_name(value)}")
     if not value:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,21 @@ def cache_name(config_json: str, context: str, limit: int) -> str:
 
 
 def _load(path: Path) -> torch.Tensor:
-    value = torch.load(path, map_location="cpu", weights_only=True)  # the one pickle reader in kvstore
+    """The one tensor in ``path``. Raises ValueError with a one-line reason for any file that is not
+    one: not a tensor archive, truncated, a pickle of something else (a hostile one is refused by
+    ``weights_only`` before anything runs)."""
+    try:
+        with warnings.catch_warnings():  # torch's remarks on a foreign pickle: the rejection line says enough
+            warnings.simplefilter("ignore")
+            value = torch.load(path, map_location="cpu", weights_only=True)  # the one pickle reader in kvstore
+    except Exception as exc:  # noqa: BLE001 - any failure to read one file rejects that file only
+        text = str(exc)
+        refused = text.partition("WeightsUnpickler error:")[2]  # torch's own reason, after its advice
+        lines = [line.strip() for line in (refused or text).splitlines() if line.strip()]
+        reason = (lines[0] if lines else "no reason given")[:160]
+        if refused:
+            raise ValueError(f"holds a pickle that is not only tensors (refused, nothing ran: {reason})") from None
+        raise ValueError(f"is not a readable tensor file ({type(exc).__name__}: {reason})") from None
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"holds a {type(value).__name__}, not a tensor")
     return value
@@ -104,7 +119,7 @@ def import_caches(
                 raise ValueError(f"is {tuple(t.shape)}, this model's context would be {want}")
             if t.dtype != adapter.dtype:
                 raise ValueError(f"holds {t.dtype}, the model runs in {adapter.dtype}; import with --dtype to match")
-        except (OSError, RuntimeError, ValueError, EOFError) as exc:  # torch.load's errors on a bad file
+        except (OSError, ValueError) as exc:  # this file only: the others are still imported
             report.rejected.append(f"{path.name}: {exc}")
             continue
         jobs.append((ids, t))
@@ -124,15 +139,22 @@ def import_caches(
 
     writer = Writer(store)
     try:
+        written = {}
         for ids, t in jobs:
             plan = adapter.plan(ids, store)
             if store.context(plan.key) is not None and store.stored_prefix(plan.keys) == len(plan.keys):
                 report.already_stored += 1
             else:
-                writer.put_chunks(adapter.handle, plan, tuple((layer[0, 0], layer[1, 0]) for layer in t))
+                written[plan.key] = (plan, tuple((layer[0, 0], layer[1, 0]) for layer in t))
+                writer.put_chunks(adapter.handle, plan, written[plan.key][1])
                 report.imported += 1
             if progress:
                 progress(1, len(ids))
+        for _ in range(3):  # chunks a concurrent gc took while their records were written: put them again
+            writer.flush()
+            lost, writer.lost = writer.lost, []
+            for key in dict.fromkeys(lost):
+                writer.put_chunks(adapter.handle, *written[key])
     finally:
         writer.close()
     return report

@@ -67,11 +67,10 @@ from kvstore.store.header import (
     EntryHeader,
     LayerSpec,
     check_layer,
+    check_sizes,
     read_header,
     verify_checksum,
 )
-
-MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
 
 
 @dataclass(frozen=True)
@@ -273,11 +272,7 @@ def decode_entry(
         raise CorruptEntryError(f"entry stored under {key[:12]} says it is {header.key[:12]}")
     payload = memoryview(buf)[offset : len(buf) - TRAILER_BYTES]
     codec = codec_from_params(header.codec)
-    data_bytes = header.kv_bytes + header.state_bytes + 8 * header.n_tokens
-    if header.raw_bytes > data_bytes + (16 << 20) or (codec.lossless and header.raw_bytes < data_bytes):
-        raise CorruptEntryError("entry declares a size that does not match its shape")
-    if header.raw_bytes > MAX_COMPRESSION_RATIO * len(payload) + (1 << 20):
-        raise CorruptEntryError("entry declares an implausible compression ratio")
+    check_sizes(header, len(payload))  # before allocating anything
     decoded = codec.packing.unpack(payload, header.codec, header.raw_bytes, threads, lazy)
     records = decoded.tensors
     want = ["token_ids"]
@@ -320,4 +315,4 @@ def decode_entry(
     return EntryView(header, records, tuple(layers), tuple(states))
 
 
-__all__ = ["MAX_COMPRESSION_RATIO", "Entry", "EntryView", "decode_entry", "encode_entry"]
+__all__ = ["Entry", "EntryView", "decode_entry", "encode_entry"]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvstore.errors import KVStoreError
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
@@ -83,24 +84,40 @@ def _write(views, chunks: tuple[str, ...], path: Path) -> int:
     }
     from safetensors.torch import save_file
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)  # whole or absent
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        os.close(fd)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+            os.replace(tmp, path)  # whole or absent
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        raise _cannot_write(path.parent, exc) from None
     return path.stat().st_size
+
+
+def _cannot_write(directory: Path, exc: OSError) -> KVStoreError:
+    """One line for a directory an export cannot write into (the store is only read)."""
+    why = exc.strerror or str(exc)
+    return KVStoreError(
+        f"cannot export into {directory}: {why}; give a directory you can write to (the store is unchanged, and "
+        "files already exported there are kept)"
+    )
 
 
 def export_store(
     store: KVStore, directory: str | os.PathLike, *, model: str | None = None, progress: Progress | None = None
 ) -> ExportReport:
     """Export every complete context of ``store`` (of ``model``: a name or fingerprint prefix)
-    into ``directory`` (created if absent). See the module docstring."""
+    into ``directory`` (created if absent). See the module docstring. Raises KVStoreError (one
+    line) when ``directory`` cannot be created or written."""
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cannot_write(out, exc) from None
     report = ExportReport()
     for c in store.scan().contexts:
         if not c.matches_model(model):

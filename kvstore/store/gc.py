@@ -1,25 +1,31 @@
 """Removing from a store, plan then execute: :func:`plan_gc` chooses contexts and chunks from a
-scan, :func:`execute_plan` removes them.
+scan, :func:`kvstore.store.removal.execute_plan` removes them.
 
 A chunk goes only when no remaining context uses it; a chunk no context uses (an *orphan*) goes
-once its last use is older than a grace period, so that a build running meanwhile, which writes its
-chunks first and its context record last, and marks the chunks it reuses as used, never loses one.
+once its last use is older than a grace period (a build writes its chunks before its context
+record). The plan also keeps what it saw (each named entry's recorded last use, the contexts it
+keeps): execution removes only what is still as planned, so a plan that waited at a prompt while a
+build reused its chunks removes none of them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.errors import EntryNotFoundError
+from kvstore.store.keyspace import is_key
+from kvstore.store.removal import GcReport, execute_plan  # re-exported: execute_plan lived here
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.store.kvstore import KVStore
     from kvstore.store.scan import ContextInfo, StoreInfo
 
 DEFAULT_GRACE_SECONDS = 3600.0
+# Below this a chunk a running build has written and not recorded yet may be planned for removal;
+# the build then computes it again (its record checks its chunks), which costs time, not data.
+SAFE_GRACE_SECONDS = 600.0
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,14 @@ class GcPlan:
     remove: tuple[tuple[str, str, int], ...]
     keep_bytes: int  # stored bytes of the intact entries left afterwards
     contexts: tuple[tuple[str, str, int], ...] = ()
+    # what the scan saw, checked again by execution before anything goes:
+    chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict, compare=False)  # planned context -> chunks
+    seen: Mapping[str, float] = field(default_factory=dict, compare=False)  # entry -> recorded last use
+    kept_contexts: frozenset[str] = field(default=frozenset(), compare=False)  # contexts the plan keeps
+    corrupt: frozenset[str] = field(default=frozenset(), compare=False)  # entries planned as corrupt
+    broken: frozenset[str] = field(default=frozenset(), compare=False)  # contexts planned as broken
+    # bad copies in a local tier, to drop from the tier only (the remote's copies are intact)
+    local: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def n(self) -> int:
@@ -70,8 +84,11 @@ def plan_gc(
     removes least-recently-used contexts until the scope's chunks fit in that many stored bytes.
     With a scope but none of ``older_than``/``max_bytes``/``corrupt``, the whole scope goes
     (``kvstore rm``). A removed context's chunks go when no kept context uses them. ``corrupt``
-    removes the entries that failed the scan; ``orphans`` removes chunks no context uses whose last
-    use is older than ``grace`` seconds. With nothing at all, nothing is removed.
+    removes the entries that failed the scan (through a local tier: whose remote copy failed; a
+    bad tier copy of an intact entry is listed in ``local``, to drop from the tier only), the
+    contexts that use one or miss a chunk, and malformed context records; ``orphans`` removes
+    chunks no context uses whose last use is older than ``grace`` seconds. With nothing at all,
+    nothing is removed.
 
     Raises EntryNotFoundError when a key prefix matches nothing.
     """
@@ -125,24 +142,50 @@ def plan_gc(
     for bad in info.corrupt:
         if (corrupt and in_keys(bad.key)) or (keys and not has_criterion and in_keys(bad.key)):
             remove[bad.key] = (bad.key, f"corrupt: {bad.reason}", bad.stored_bytes)
-    if corrupt:  # a context that uses a removed entry is dropped; its intact chunks stay for a rebuild
+    broken: set[str] = set()
+    if corrupt:  # a context that uses a removed entry, or misses a chunk, is dropped; its intact chunks stay
         gone = {bad.key for bad in info.corrupt} & set(remove)
+        bad_keys = {bad.key for bad in info.corrupt}
         for c in info.contexts:
-            if c.key not in drop and gone & set(c.chunks):
+            if c.key in drop:
+                continue
+            if gone & set(c.chunks):
                 drop[c.key] = "uses a corrupt entry"
+            elif problem := _broken_by_absence(c.chunks, entries, bad_keys):
+                drop[c.key] = problem  # e.g. an rm or gc killed between its two deletes, before records went first
+                broken.add(c.key)
     if orphans:
         for e in info.orphans:
             if e.matches_model(model) and in_keys(e.key) and now - e.last_used > grace:
                 remove.setdefault(e.key, (e.key, f"no context uses it (unused for {_age_str(now - e.last_used)})",
                                           e.stored_bytes))  # fmt: skip
+    local = tuple(
+        (c.key, f"local tier copy corrupt: {c.reason}", c.stored_bytes)
+        for c in info.local_corrupt
+        if corrupt and in_keys(c.key) and c.key not in remove
+    )
     keep_bytes = sum(e.stored_bytes for e in info.entries if e.key not in remove)
     context_rows = tuple((k, why, contexts[k].stored_bytes) for k, why in drop.items())
-    return GcPlan(tuple(remove.values()), keep_bytes, context_rows)
+    # context records that do not read (under a name a record can have): nothing can use them
+    context_rows += tuple((b.key, b.reason, 0) for b in info.malformed if corrupt and is_key(b.key) and in_keys(b.key))
+    chains = {k: contexts[k].chunks for k in drop}
+    named = {*remove, *(k for chunks in chains.values() for k in chunks)}
+    return GcPlan(
+        tuple(remove.values()), keep_bytes, context_rows, chains,
+        seen={k: t for k, t in info.recorded_access.items() if k in named},
+        kept_contexts=frozenset(contexts) - set(drop),
+        corrupt=frozenset(k for k, why, _ in remove.values() if why.startswith("corrupt: ")),
+        broken=frozenset(broken),
+        local=local,
+    )  # fmt: skip
 
 
-def execute_plan(store: KVStore, plan: GcPlan) -> int:
-    """Remove the planned context records and entries; returns how many entries were removed."""
-    return store.delete_many((r[0] for r in plan.remove), contexts=(c[0] for c in plan.contexts))
+def _broken_by_absence(chunks: Sequence[str], entries: Mapping, corrupt: set[str]) -> str:
+    """``chunk i of n (key) is missing`` for the first chunk neither stored intact nor corrupt."""
+    for i, k in enumerate(chunks):
+        if k not in entries and k not in corrupt:
+            return f"chunk {i + 1} of {len(chunks)} ({k[:12]}) is missing"
+    return ""
 
 
-__all__ = ["DEFAULT_GRACE_SECONDS", "GcPlan", "execute_plan", "plan_gc"]
+__all__ = ["DEFAULT_GRACE_SECONDS", "SAFE_GRACE_SECONDS", "GcPlan", "GcReport", "execute_plan", "plan_gc"]

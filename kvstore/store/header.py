@@ -30,6 +30,8 @@ MAGIC = b"\x89KVS\r\n\x1a\n"
 _PREFIX = len(MAGIC) + 4
 TRAILER_BYTES = 8
 MAX_ENTRY_HEADER = 1 << 20
+MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
+MAX_QUANTIZATION_RATIO = 32  # the fewest bits a lossy codec stores per value (int4 of float64) is 16x fewer
 STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # a state tensor's name in a layer record
 
 
@@ -251,6 +253,20 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
     return header, _PREFIX + hlen
 
 
+def check_sizes(header: EntryHeader, payload_bytes: int) -> None:
+    """Raise CorruptEntryError unless the sizes a header declares agree with each other: its
+    uncompressed size with the shapes it lists, and both with the ``payload_bytes`` actually
+    stored. Decoding checks this before allocating anything, and listings before they show a
+    size, so that a forged header cannot claim petabytes."""
+    data_bytes = header.kv_bytes + header.state_bytes + 8 * header.n_tokens
+    if header.raw_bytes > data_bytes + (16 << 20) or (header.lossless and header.raw_bytes < data_bytes):
+        raise CorruptEntryError("entry declares a size that does not match its shape")
+    if data_bytes > MAX_QUANTIZATION_RATIO * header.raw_bytes + (16 << 20):
+        raise CorruptEntryError("entry declares a size that does not match its shape")
+    if header.raw_bytes > MAX_COMPRESSION_RATIO * payload_bytes + (1 << 20):
+        raise CorruptEntryError("entry declares an implausible compression ratio")
+
+
 def verify_checksum(buf: bytes | memoryview) -> None:
     """Raise CorruptEntryError unless the trailing xxh3-64 matches the bytes before it."""
     if len(buf) < _PREFIX + TRAILER_BYTES:
@@ -262,6 +278,8 @@ def verify_checksum(buf: bytes | memoryview) -> None:
 
 __all__ = [
     "FORMAT_VERSION",
+    "MAX_COMPRESSION_RATIO",
+    "MAX_QUANTIZATION_RATIO",
     "STORE_FORMAT",
     "MAGIC",
     "MAX_ENTRY_HEADER",
@@ -270,6 +288,7 @@ __all__ = [
     "EntryHeader",
     "LayerSpec",
     "check_layer",
+    "check_sizes",
     "read_header",
     "verify_checksum",
 ]

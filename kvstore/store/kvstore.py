@@ -27,15 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import struct
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 
 from kvstore.errors import (
-    CodecError,
     CorruptEntryError,
     CorruptEntryWarning,
     EntryNotFoundError,
@@ -47,35 +44,21 @@ from kvstore.facts import ATTN
 from kvstore.parallel import run_all
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
-from kvstore.store.codecs import DEFAULT_CODEC, LEGACY_CODEC, Codec, get_codec, identity_of
+from kvstore.store.codecs import Codec, get_codec, identity_of
 from kvstore.store.entry import Entry, EntryView, decode_entry, encode_entry
 from kvstore.store.header import (
     MAX_ENTRY_HEADER,
-    STORE_FORMAT,
+    TRAILER_BYTES,
     EntryHeader,
+    check_sizes,
     read_header,
     verify_checksum,
 )
-from kvstore.store.keys import DEFAULT_CHUNK_TOKENS
-from kvstore.store.keyspace import ACCESS, ENTRY, META, RECORD, access_key, entry_key, key_of, record_key
+from kvstore.store.keyspace import ACCESS, ENTRY, RECORD, access_key, entry_key, is_key, key_of, record_key
+from kvstore.store.meta import MAX_CHUNK_TOKENS, load_meta
 from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
 
-MAX_CHUNK_TOKENS = 1 << 20
 _PEEK = 64 << 10  # first read of an entry's header; a longer header is read again in full
-
-
-@dataclass(frozen=True)
-class _Meta:
-    format: int
-    codec: str
-    chunk_tokens: int
-    created: float
-
-    def record(self) -> bytes:
-        return json.dumps(
-            {"format": self.format, "codec": self.codec, "chunk_tokens": self.chunk_tokens, "created": self.created},
-            sort_keys=True,
-        ).encode()
 
 
 def _same_entry(stored: memoryview, blob: bytes, key: str) -> bool:
@@ -129,49 +112,16 @@ class KVStore:
         self.backend: Backend = open_backend(self.url, readonly=readonly, **backend_options)
         self.readonly = readonly
         self._touched: dict[str, float] = {}
+        self._written: set[str] = set()  # entries this handle wrote and no record of its named yet
         try:
             chosen = get_codec(codec) if codec is not None else None
-            self.meta = self._load_meta(chosen, chunk_tokens)
+            self.meta = load_meta(self.backend, self.url, chosen, chunk_tokens, readonly=readonly)
             self.codec: Codec = chosen or get_codec(self.meta.codec)
         except BaseException:
             self.backend.close()
             raise
 
     # -- description --------------------------------------------------------------------------
-    def _load_meta(self, codec: Codec | None, chunk_tokens: int | None) -> _Meta:
-        raw = self.backend.get(META)
-        default = codec.spec if codec is not None and codec.lossless else DEFAULT_CODEC
-        if raw is None:
-            # a new store records its (lossless) codec and chunk size, so a reopen uses them again
-            meta = _Meta(STORE_FORMAT, default, chunk_tokens or DEFAULT_CHUNK_TOKENS, time.time())
-            if self.readonly or self.backend.put_if_absent(META, meta.record()):
-                return meta
-            raw = self.backend.get(META)  # another process created the store meanwhile: use its description
-            if raw is None:
-                raise KVStoreError(f"store {self.url} lost its description record while opening; open it again")
-        try:
-            d = json.loads(raw)
-            fmt = int(d["format"])
-            meta = _Meta(fmt, str(d.get("codec", LEGACY_CODEC)), int(d.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)),
-                         float(d.get("created", 0.0)))  # fmt: skip
-            get_codec(meta.codec)
-            if not 1 <= meta.chunk_tokens <= MAX_CHUNK_TOKENS:
-                raise ValueError
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError, CodecError):
-            raise KVStoreError(
-                f"store {self.url} has an unreadable description record; is it a kvstore store?"
-            ) from None
-        if fmt > STORE_FORMAT:
-            raise FormatVersionError(
-                f"store {self.url} was written by format version {fmt}; this kvstore reads up to "
-                f"{STORE_FORMAT} - upgrade kvstore"
-            )
-        if fmt < STORE_FORMAT and not self.readonly:
-            # a format-1 store: its entries stay as they are (and readable); new ones are chunks
-            meta = _Meta(STORE_FORMAT, meta.codec, DEFAULT_CHUNK_TOKENS, meta.created)
-            self.backend.put(META, meta.record())
-        return meta
-
     @property
     def format(self) -> int:
         return self.meta.format
@@ -217,11 +167,13 @@ class KVStore:
         already holds an intact entry of the same model, dtype, shape and tokens (another writer's
         copy, kept); a corrupt or different one is replaced."""
         if self.backend.put_if_absent(entry_key(key), blob):
+            self._written.add(key)
             return
-        with self.backend.view(entry_key(key)) as buf:
+        with self.backend.origin().view(entry_key(key)) as buf:  # not a local tier's copy
             keep = buf is not None and _same_entry(buf, blob, key)
         if not keep:
             self.backend.put(entry_key(key), blob)
+            self._written.add(key)
 
     def contains(self, key: str) -> bool:
         return self.backend.contains(entry_key(key))
@@ -229,19 +181,22 @@ class KVStore:
     __contains__ = contains
 
     def delete(self, key: str) -> bool:
-        """Remove an entry (and a context record of the same key); True if either existed."""
+        """Remove an entry (and a context record of the same key, first); True if either existed.
+        Unconditional: :func:`kvstore.store.gc.execute_plan` is what removes only what is unused."""
         self._writable()
-        found = self.backend.delete_many([entry_key(key), record_key(key)])
+        found = self.backend.delete(record_key(key))
+        found = bool(self.backend.delete(entry_key(key))) or found
         self.backend.delete(access_key(key))
-        return bool(found)
+        return found
 
     def delete_many(self, keys: Iterable[str], *, contexts: Iterable[str] = ()) -> int:
-        """Remove entries ``keys`` and context records ``contexts`` in one batch; returns how many
-        entries existed."""
+        """Remove context records ``contexts``, then entries ``keys`` (records before the chunks
+        they name: an interruption leaves unused chunks, never a record without its chunks);
+        returns how many entries existed. Unconditional, like :meth:`delete`."""
         self._writable()
         keys = list(keys)
-        n = self.backend.delete_many([entry_key(k) for k in keys])
         self.backend.delete_many([record_key(k) for k in contexts])
+        n = self.backend.delete_many([entry_key(k) for k in keys])
         self.backend.delete_many([access_key(k) for k in keys])
         return n
 
@@ -249,18 +204,31 @@ class KVStore:
     def open_entry(self, key: str) -> Iterator[EntryView | None]:
         """Verified zero-copy access to one entry; yields None when it is missing or corrupt
         (a corrupt entry also emits a :class:`CorruptEntryWarning`: treat it as a miss)."""
-        with self.backend.view(entry_key(key)) as buf:
-            view = None if buf is None else self._decode(key, buf)
-            yield view
+        with contextlib.ExitStack() as stack:
+            buf = stack.enter_context(self.backend.view(entry_key(key)))
+            yield None if buf is None else self._decode(key, buf, stack=stack)
 
-    def _decode(self, key: str, buf, lazy: bool = False, checked: BaseException | bool = False) -> EntryView | None:
+    def _decode(
+        self, key: str, buf, lazy: bool = False, checked: BaseException | bool = False,
+        stack: contextlib.ExitStack | None = None,
+    ) -> EntryView | None:  # fmt: skip
         """``checked``: True when ``buf``'s checksum was verified already, or the exception
-        verifying it raised."""
+        verifying it raised. A corrupt copy in a local tier is dropped and the remote's read
+        instead (its view kept open on ``stack``): a tier's fault stays local."""
         try:
             if isinstance(checked, BaseException):
                 raise checked
             view = decode_entry(buf, key=key, threads=self.codec.decode_threads(), lazy=lazy, checked=bool(checked))
         except CorruptEntryError as exc:
+            if stack is not None and self.backend.drop_local([entry_key(key)]):
+                warnings.warn(
+                    f"kvstore: the local tier's copy of entry {key[:16]} is corrupt ({exc}); dropped it, reading the "
+                    "remote's",
+                    CorruptEntryWarning,
+                    stacklevel=4,
+                )
+                fresh = stack.enter_context(self.backend.view(entry_key(key)))
+                return None if fresh is None else self._decode(key, fresh, lazy)
             warnings.warn(
                 f"kvstore: entry {key[:16]} is corrupt ({exc}); treating it as a miss",
                 CorruptEntryWarning,
@@ -282,10 +250,19 @@ class KVStore:
             return default if view is None else view.materialize()
 
     def __getitem__(self, key: str) -> Entry:
-        with self.backend.view(entry_key(key)) as buf:
+        with contextlib.ExitStack() as stack:
+            buf = stack.enter_context(self.backend.view(entry_key(key)))
             if buf is None:
                 raise EntryNotFoundError(f"no entry {key} in {self.url}")
-            view = decode_entry(buf, key=key)
+            try:
+                view = decode_entry(buf, key=key)
+            except CorruptEntryError:
+                if not self.backend.drop_local([entry_key(key)]):
+                    raise
+                buf = stack.enter_context(self.backend.view(entry_key(key)))  # the remote's copy
+                if buf is None:
+                    raise EntryNotFoundError(f"no entry {key} in {self.url}") from None
+                view = decode_entry(buf, key=key)
             self._touched[key] = time.time()
             return view.materialize()
 
@@ -295,20 +272,26 @@ class KVStore:
         got = self.peek_header(key)
         return None if got is None else got[0]
 
-    def peek_header(self, key: str) -> tuple[EntryHeader, int] | None:
-        """(header, stored size) from the first bytes of an entry, or None when it is missing."""
-        got = self.backend.peek(entry_key(key), _PEEK)
+    def peek_header(self, key: str, *, origin: bool = False) -> tuple[EntryHeader, int] | None:
+        """(header, stored size) from the first bytes of an entry, or None when it is missing.
+        ``origin``: read the remote's copy even where a local tier holds one."""
+        backend = self.backend.origin() if origin else self.backend
+        got = backend.peek(entry_key(key), _PEEK)
         if got is None:
             return None
         head, size = got
         try:
-            return read_header(head)[0], size
+            header, offset = read_header(head)
         except CorruptEntryError:
             if size <= len(head):
                 raise
-        # a header longer than the first read (or a truncated entry): read as much as one can hold
-        got = self.backend.peek(entry_key(key), MAX_ENTRY_HEADER + 64)
-        return None if got is None else (read_header(got[0])[0], got[1])
+            # a header longer than the first read (or a truncated entry): read as much as one can hold
+            got = backend.peek(entry_key(key), MAX_ENTRY_HEADER + 64)
+            if got is None:
+                return None
+            (header, offset), size = read_header(got[0]), got[1]
+        check_sizes(header, size - offset - TRAILER_BYTES)  # what a listing shows is consistent
+        return header, size
 
     def keys(self) -> list[str]:
         """Keys of every entry (chunks and format-1 contexts)."""
@@ -367,7 +350,7 @@ class KVStore:
             for key, buf, check in zip(keys, bufs, checks):
                 if isinstance(check, BaseException) and not isinstance(check, CorruptEntryError):
                     raise check
-                view = self._decode(key, buf, lazy, check)
+                view = self._decode(key, buf, lazy, check, stack)
                 if view is None:
                     break
                 h = view.header
@@ -383,11 +366,22 @@ class KVStore:
             yield views
 
     # -- contexts -------------------------------------------------------------------------------
-    def put_context(self, key: str, chunks: Sequence[str], n_tokens: int) -> None:
-        """Record that the context ``key`` (its last chunk's key) is the chain ``chunks``."""
+    def put_context(self, key: str, chunks: Sequence[str], n_tokens: int) -> tuple[str, ...]:
+        """Record that the context ``key`` (its last chunk's key) is the chain ``chunks``.
+
+        The record is written together with a mark of use now on each chunk this handle did not
+        write itself (the ones it reuses; one transaction on LMDB), then every chunk is checked
+        to be still there. A concurrent gc or rm removes only what nobody marked or recorded since
+        its plan, and puts back what it removed while a record appeared, so either the chunks stay
+        or their loss shows in this check. Returns the chunks that are missing: compute and put
+        them again, then record the context again (a build does)."""
         self._writable()
+        now = struct.pack("<d", time.time())
+        marks = [(access_key(k), now) for k in dict.fromkeys(chunks) if k not in self._written]
+        self._written.difference_update(chunks)
         record = ContextRecord(key, tuple(chunks), n_tokens, time.time())
-        self.backend.put(record_key(key), record.to_bytes())
+        self.backend.put_many([*marks, (record_key(key), record.to_bytes())])
+        return tuple(k for k in dict.fromkeys(chunks) if not self.backend.contains(entry_key(k)))
 
     def context(self, key: str) -> ContextRecord | None:
         """The context record ``key``, or None when there is none (or it is unreadable)."""
@@ -422,17 +416,23 @@ class KVStore:
                      first.created, numerics=first.numerics)  # fmt: skip
 
     def context_keys(self) -> list[str]:
-        return [key_of(k, RECORD) for k in self.backend.keys(RECORD)]
+        """Keys of the context records (under well-formed names: ``scan`` reports the others)."""
+        return [k for k in (key_of(n, RECORD, errors="replace") for n in self.backend.keys(RECORD)) if is_key(k)]
 
     # -- scanning -------------------------------------------------------------------------------
-    def last_access(self) -> dict[str, float]:
-        """Last-use times by entry key (what was recorded, plus this handle's unsaved ones)."""
+    def recorded_access(self, keys: Iterable[str] | None = None) -> dict[str, float]:
+        """Last-use times as recorded in the store (``a/`` records), of ``keys`` or of every entry."""
+        names = list(self.backend.keys(ACCESS)) if keys is None else [access_key(k) for k in keys]
         out = {}
-        names = list(self.backend.keys(ACCESS))
         for k, raw in zip(names, self.backend.get_many(names)):
             if raw is not None and len(raw) == 8:
                 out[key_of(k, ACCESS)] = struct.unpack("<d", raw)[0]
-        return out | self._touched
+        return out
+
+    def last_access(self, recorded: dict[str, float] | None = None) -> dict[str, float]:
+        """Last-use times by entry key: what was recorded (``recorded``, read now if None), plus
+        this handle's unsaved ones."""
+        return (self.recorded_access() if recorded is None else recorded) | self._touched
 
     def scan(self, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:
         """Describe every entry from its header and every context from its record; with ``verify``

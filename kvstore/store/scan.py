@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.progress import Progress
 from kvstore.store.gc import DEFAULT_GRACE_SECONDS, GcPlan, execute_plan, plan_gc  # re-exported: they lived here
-from kvstore.store.keyspace import entry_key, is_key
+from kvstore.store.keyspace import RECORD, entry_key, is_key, key_of
 from kvstore.store.summary import GroupStats, summarize  # re-exported: it lived here
 from kvstore.units import human_bytes, human_time
 
@@ -42,15 +42,31 @@ class ContextRecord:
 
     @classmethod
     def parse(cls, key: str, raw: bytes | memoryview) -> ContextRecord | None:
-        """The record, or None when it is unreadable or inconsistent (its last chunk must be its key)."""
+        """The record, or None when it is unreadable or inconsistent (see :meth:`read`)."""
+        try:
+            return cls.read(key, raw)
+        except ValueError:
+            return None
+
+    @classmethod
+    def read(cls, key: str, raw: bytes | memoryview) -> ContextRecord:
+        """The record stored under ``r/<key>``; raises ValueError saying what is wrong when it is
+        unreadable or inconsistent (its name a key, its last chunk that key, at least one token)."""
+        if not is_key(key):
+            raise ValueError("its name is not a key")
         try:
             d = json.loads(bytes(raw))
             chunks = tuple(d["chunks"])
             n, created = int(d["n_tokens"]), float(d["created"])
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-            return None
-        if not chunks or chunks[-1] != key or n < 1 or not all(is_key(c) for c in chunks):
-            return None
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+            what = f"field {exc}" if isinstance(exc, KeyError) else "not a JSON object with chunks, n_tokens, created"
+            raise ValueError(f"unreadable: {what}") from None
+        if not chunks or not all(is_key(c) for c in chunks):
+            raise ValueError("its chunks are not a list of keys")
+        if chunks[-1] != key:
+            raise ValueError("its last chunk is not its own key")
+        if n < 1:
+            raise ValueError("it counts no tokens")
         return cls(key, chunks, n, created)
 
 
@@ -241,6 +257,12 @@ class StoreInfo:
     contexts: tuple[ContextInfo, ...] = ()
     chunk_tokens: int = 0
     refs: dict[str, int] = field(default_factory=dict, compare=False)  # chunk key -> contexts using it
+    # last-use records as stored when scanned (not this handle's unsaved uses): what a removal
+    # plan compares with before it removes anything
+    recorded_access: dict[str, float] = field(default_factory=dict, compare=False)
+    # through a local tier: its copies that failed (the remote's copies are what ``corrupt`` lists)
+    local_corrupt: tuple[CorruptInfo, ...] = ()
+    malformed: tuple[CorruptInfo, ...] = ()  # context records that do not read (r/ keys)
 
     @property
     def n_entries(self) -> int:
@@ -282,24 +304,20 @@ class StoreInfo:
 
 
 def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:
-    """See :meth:`KVStore.scan`."""
-    from kvstore.store.entry import decode_entry
-
-    access = store.last_access()
+    """See :meth:`KVStore.scan`. Through a local tier the remote's copy of an entry is what counts:
+    a bad copy in the tier is listed in ``local_corrupt``, not in ``corrupt``."""
+    recorded = store.recorded_access()
+    access = store.last_access(recorded)
     entries: dict[str, EntryInfo] = {}
     corrupt: list[CorruptInfo] = []
+    local_corrupt: list[CorruptInfo] = []
+    tiered = store.backend.origin() is not store.backend
     for key in store.keys():
         size = 0
         try:
-            if verify:
-                with store.backend.view(entry_key(key)) as buf:
-                    got = None if buf is None else (decode_entry(buf, key=key).header, len(buf))
-            else:  # the header only: a remote store's listing does not download the entries
-                got = store.peek_header(key)
-                if got is not None and got[0].key != key:
-                    raise CorruptEntryError("entry header names another key")
+            got = _read_entry(store, key, verify, local_corrupt if tiered else None)
         except (CorruptEntryError, FormatVersionError) as exc:
-            peeked = store.backend.peek(entry_key(key), 1)
+            peeked = store.backend.origin().peek(entry_key(key), 1)
             size = 0 if peeked is None else peeked[1]
             corrupt.append(CorruptInfo(key, str(exc), size))
         else:
@@ -310,7 +328,7 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
         if progress is not None:
             progress(1, size)
     contexts = []
-    records = [r for r in (store.context(k) for k in store.context_keys()) if r is not None]
+    records, malformed = _records(store)
     for r in records:
         contexts.append(_context(r.key, r.chunks, r.n_tokens, r.created, entries, access))
     for e in entries.values():
@@ -332,7 +350,74 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
         contexts=tuple(contexts),
         chunk_tokens=store.chunk_tokens,
         refs=refs,
+        recorded_access=recorded,
+        local_corrupt=tuple(local_corrupt),
+        malformed=malformed,
     )
+
+
+def _records(store: KVStore) -> tuple[list[ContextRecord], tuple[CorruptInfo, ...]]:
+    """Every context record that reads, and the malformed ones (``key``, what is wrong, size)."""
+    records, malformed = [], []
+    names = list(store.backend.keys(RECORD))
+    for name, raw in zip(names, store.backend.get_many(names)):
+        if raw is None:  # removed while we listed
+            continue
+        key = key_of(name, RECORD, errors="replace")
+        try:
+            records.append(ContextRecord.read(key, raw))
+        except ValueError as exc:
+            malformed.append(CorruptInfo(key, f"malformed context record: {exc}", len(raw)))
+    return records, tuple(malformed)
+
+
+def _read_entry(
+    store: KVStore, key: str, verify: bool, local_bad: list[CorruptInfo] | None
+) -> tuple[EntryHeader, int] | None:
+    """(header, stored size) of an entry, or None when it is gone; raises CorruptEntryError or
+    FormatVersionError for the copy that counts. ``verify``: every byte of the origin's copy
+    (and, with ``local_bad``, the local tier's copy too); else its header only (a remote
+    listing downloads no entry), from the tier's copy when it has one and that reads."""
+    from kvstore.store.entry import decode_entry
+
+    if verify:
+        if local_bad is not None:
+            with store.backend.local_copy(entry_key(key)) as copy:
+                if copy is not None:
+                    try:
+                        decode_entry(copy, key=key)
+                    except (CorruptEntryError, FormatVersionError) as exc:
+                        local_bad.append(CorruptInfo(key, str(exc), len(copy)))
+        with store.backend.origin().view(entry_key(key)) as buf:
+            return None if buf is None else (decode_entry(buf, key=key).header, len(buf))
+    try:
+        got = store.peek_header(key)
+        if got is not None and got[0].key != key:
+            raise CorruptEntryError("entry header names another key")
+    except CorruptEntryError as exc:
+        if local_bad is None:
+            raise
+        got = store.peek_header(key, origin=True)  # the tier's copy is bad; the remote's decides
+        if got is not None and got[0].key != key:
+            raise CorruptEntryError("entry header names another key") from None
+        local_bad.append(CorruptInfo(key, str(exc), got[1] if got else 0))
+    return got
+
+
+def chain_problem(chunks: tuple[str, ...], entries: dict[str, EntryInfo]) -> str:
+    """What is wrong with a context's chain given the intact entries of a scan (``""``: nothing):
+    a chunk missing or corrupt, or one that does not continue the chunk before it."""
+    parent, start = "", 0
+    for i, key in enumerate(chunks):
+        e = entries.get(key)
+        if e is None:
+            return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) is missing or corrupt"
+        h = e.header
+        if len(chunks) > 1 or h.format >= 2:
+            if h.parent != parent or h.start != start:
+                return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) does not continue the chain"
+        parent, start = key, h.end
+    return ""
 
 
 def _context(key, chunks, n_tokens, created, entries: dict[str, EntryInfo], access) -> ContextInfo:
@@ -362,6 +447,7 @@ __all__ = [
     "GcPlan",
     "GroupStats",
     "StoreInfo",
+    "chain_problem",
     "execute_plan",
     "plan_gc",
     "scan_store",

@@ -152,33 +152,39 @@ def execute_sync(
     counts = {"copied": 0, "present": 0, "vanished": 0, "corrupt": 0}
     entries = nbytes = 0
     corrupt: list[tuple[str, str]] = []
-    keys = iter(plan.missing)
     with ThreadPoolExecutor(max(1, jobs), thread_name_prefix="kvstore-sync") as pool:
-        running: dict[Future, bytes] = {}
-        try:
-            while True:
-                while len(running) < max(1, jobs):
-                    key = next(keys, None)
-                    if key is None:
+        # every entry is in DST before any record that names it: an interrupted sync leaves
+        # entries no record names yet, never a record whose chunks did not arrive
+        for phase in (
+            [k for k in plan.missing if k.startswith(ENTRY)],
+            [k for k in plan.missing if not k.startswith(ENTRY)],
+        ):
+            keys = iter(phase)
+            running: dict[Future, bytes] = {}
+            try:
+                while True:
+                    while len(running) < max(1, jobs):
+                        key = next(keys, None)
+                        if key is None:
+                            break
+                        running[pool.submit(_copy, src, dst, key)] = key
+                    if not running:
                         break
-                    running[pool.submit(_copy, src, dst, key)] = key
-                if not running:
-                    break
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    key = running.pop(future)
-                    outcome, size, reason = future.result()
-                    counts[outcome] += 1
-                    if outcome == "copied":
-                        nbytes += size
-                        entries += key.startswith(ENTRY)
-                    elif outcome == "corrupt":
-                        corrupt.append((key_of(key, ENTRY, errors="replace"), reason))
-                    if progress is not None:
-                        progress(1, size if outcome == "copied" else 0)
-        finally:
-            for future in running:
-                future.cancel()
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        key = running.pop(future)
+                        outcome, size, reason = future.result()
+                        counts[outcome] += 1
+                        if outcome == "copied":
+                            nbytes += size
+                            entries += key.startswith(ENTRY)
+                        elif outcome == "corrupt":
+                            corrupt.append((key_of(key, ENTRY, errors="replace"), reason))
+                        if progress is not None:
+                            progress(1, size if outcome == "copied" else 0)
+            finally:
+                for future in running:
+                    future.cancel()
     return SyncReport(
         src=plan.src,
         dst=plan.dst,

@@ -146,6 +146,24 @@ def test_ls_skips_unreadable_entries_with_a_warning(store):
     assert keys_in(path) == {e.key for e in entries}  # listing never removes anything
 
 
+def test_ls_and_stats_check_sizes_against_the_header(store):
+    """A forged header (a valid checksum around it) claiming 4096 PiB uncompressed: ls and stats
+    showed that size; now the header's sizes are checked against its shapes and the stored bytes
+    first, and the entry is listed as unreadable instead (issue 31, also seen)."""
+    from helpers.entries import assemble, split
+
+    path, entries = store
+    with KVStore(path) as s:
+        header, payload = split(bytes(s.backend.get(b"e/" + entries[0].key.encode())))
+        s.backend.put(b"e/" + entries[0].key.encode(), assemble(dict(header, raw_bytes=1 << 62), payload))
+    for cmd in (["ls"], ["ls", "--chunks"], ["stats"]):
+        r = invoke(*cmd, "--store", path)
+        assert r.exit_code == 0 and "PiB" not in r.stdout and "EiB" not in r.stdout, (cmd, r.stdout)
+        assert f"skipped entry {entries[0].key[:12]}: entry declares a size that does not match its shape" in r.stderr
+    doc = json.loads(invoke("stats", "--store", path, "--format", "json").stdout)
+    assert doc["totals"]["corrupt"] == 1 and doc["totals"]["raw_bytes"] < 1 << 20
+
+
 # -- stats ----------------------------------------------------------------------------------------
 def test_stats(store):
     path, entries = store
@@ -202,6 +220,28 @@ def test_verify_corrupt(store):
         "kvstore: error: 1 of 4 entries corrupt; 1 of 4 contexts broken; `kvstore gc --corrupt` removes corrupt entries"
     )
     assert keys_in(path) == {e.key for e in entries}  # verify changes nothing
+
+
+def test_verify_reports_malformed_context_records_and_gc_corrupt_removes_them(store):
+    """A context record that does not read was skipped in silence: verify said all was intact
+    (issue 31, also seen). Now it names each one, exits 1, and gc --corrupt removes them."""
+    path, entries = store
+    bad = {"0" * 64: b"not json", "1" * 64: json.dumps({"chunks": ["2" * 64], "n_tokens": 3, "created": 0}).encode()}
+    with KVStore(path) as s:
+        s.backend.put_many([(b"r/" + k.encode(), v) for k, v in bad.items()])
+    r = invoke("verify", "--store", path, "-q")
+    assert r.exit_code == 1
+    assert r.stdout.splitlines() == [
+        f"malformed  {'0' * 64}  malformed context record: unreadable: not a JSON object with chunks, n_tokens, "
+        "created",
+        f"malformed  {'1' * 64}  malformed context record: its last chunk is not its own key",
+    ]
+    assert "2 of 6 context records malformed" in r.stderr
+    assert "skipped context 000000000000: malformed context record" in invoke("ls", "--store", path).stderr
+    r = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")
+    assert r.exit_code == 0 and "Removed 2 contexts and 0 entries" in r.stdout
+    v = invoke("verify", "--store", path, "-q")
+    assert v.exit_code == 0 and "4 entries and 4 contexts verified, all intact." in v.stdout
 
 
 # -- rm -------------------------------------------------------------------------------------------
@@ -290,6 +330,20 @@ def test_gc_corrupt(store):
     assert invoke("verify", "--store", path, "-q").exit_code == 0
     again = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")
     assert again.exit_code == 0 and "Nothing to remove." in again.stdout
+
+
+def test_gc_corrupt_removes_a_context_whose_chunk_is_missing(store):
+    """What a kill between an older rm's two deletes left (it deleted chunks before records): verify
+    reported the context broken, and gc --corrupt said "Nothing to remove" (issue 31, item 3)."""
+    path, entries = store
+    with KVStore(path) as s:
+        s.backend.delete(b"e/" + entries[1].key.encode())
+    assert invoke("verify", "--store", path, "-q").exit_code == 1
+    r = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")
+    assert r.exit_code == 0 and f"chunk 1 of 1 ({entries[1].key[:12]}) is missing" in r.stdout
+    assert "Removed 1 context and 0 entries" in r.stdout
+    v = invoke("verify", "--store", path, "-q")
+    assert v.exit_code == 0 and "3 entries and 3 contexts verified, all intact." in v.stdout
 
 
 def test_gc_max_size_least_recently_used_first(store):

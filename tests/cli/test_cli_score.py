@@ -157,7 +157,10 @@ def test_rolling_mode_scores_whole_documents(tiny_llama_dir, tmp_path):
         ({"id": "e", "context": "x", "choices": ["a", "b"], "answer": "c"},
          r"mc\.jsonl:2: answer 'c' is not among the choices"),
         ({"id": "e", "context": "x", "label": 0}, r"mc\.jsonl:2: missing field 'choices'"),
-        ({"id": "e", "context": "x", "choices": "a|b", "label": True}, r"mc\.jsonl:2: field 'label' must be"),
+        ({"id": "e", "context": "x", "choices": ["a", "b"], "label": True}, r"mc\.jsonl:2: field 'label' must be"),
+        # the "a|b" form is a CSV cell's; in JSON Lines it was split silently (issue 31)
+        ({"id": "e", "context": "x", "choices": "a|b", "label": 0},
+         r"mc\.jsonl:2: field 'choices' must be a list of strings, got a string; give a JSON list"),
     ],
 )  # fmt: skip
 def test_bad_rows_get_one_line_and_nothing_stored_is_lost(tiny_neox_dir, tmp_path, capsys, row, message):

@@ -43,6 +43,34 @@ def test_export_writes_plain_safetensors_per_context(tiny_llama_dir, tmp_path, c
     assert again[0] == 0 and "0 context(s)" in again[1] and "3 already there" in again[1]
 
 
+def test_export_into_an_unwritable_place_is_one_line(tiny_llama_dir, tmp_path, capsys, monkeypatch):
+    """Before: a generic "OSError: [Errno 13] ..." line (issue 31, also seen)."""
+    import tempfile
+
+    dataset = write_dataset(tmp_path / "data.jsonl", range(2), questions=1)
+    store = tmp_path / "store"
+    assert run_main(capsys, "build", dataset, "--model", tiny_llama_dir, "--store", store, "--quiet")[0] == 0
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, out, err = run_main(capsys, "export", "--store", store, str(blocker / "out"), "--quiet")
+    assert code == 1 and out == ""
+    assert err == (
+        f"kvstore: error: cannot export into {blocker / 'out'}: Not a directory; give a directory you can write to "
+        "(the store is unchanged, and files already exported there are kept)\n"
+    )
+
+    def refused(*args, **kwargs):  # a read-only directory (root writes anywhere, so it is simulated)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    code, out, err = run_main(capsys, "export", "--store", store, str(tmp_path / "ro"), "--quiet")
+    assert code == 1 and err == (
+        f"kvstore: error: cannot export into {tmp_path / 'ro'}: Permission denied; give a directory you can write "
+        "to (the store is unchanged, and files already exported there are kept)\n"
+    )
+    assert list((tmp_path / "ro").iterdir()) == []
+
+
 def _write_llminference_cache(adapter: Adapter, directory, contexts, limit: int, config_json: str) -> None:
     """What the research code wrote: per context, torch.save of (layers, 2, 1, heads, tokens, dim)."""
     directory.mkdir()
@@ -79,14 +107,21 @@ def test_import_llminference_then_sample_equals_no_cache(tiny_neox_dir, tmp_path
     assert sum(r["cache_hit"] for r in cached.values()) == 6  # 3 imported contexts x 2 questions
 
 
-@pytest.mark.parametrize("problem", ["wrong-values", "wrong-limit"])
-def test_import_refuses_caches_of_another_computation(problem, tiny_neox_dir, tmp_path, capsys):
-    adapter = Adapter.from_pretrained(str(tiny_neox_dir), dtype="float64")
-    dataset = write_dataset(tmp_path / "data.jsonl", range(2), questions=1)
+def _cache_of(model_dir, tmp_path, n: int, limit: int):
+    """A dataset of ``n`` contexts and llminference's caches of all of them: (dataset, contexts,
+    config JSON, cache directory)."""
+    adapter = Adapter.from_pretrained(str(model_dir), dtype="float64")
+    dataset = write_dataset(tmp_path / "data.jsonl", range(n), questions=1)
     contexts = list(dict.fromkeys(json.loads(x)["context"] for x in dataset.read_text().splitlines()))
     config = adapter.model.config.to_json_string(use_diff=False)
     cache = tmp_path / "cache"
-    _write_llminference_cache(adapter, cache, contexts, 64, config)
+    _write_llminference_cache(adapter, cache, contexts, limit, config)
+    return dataset, contexts, config, cache
+
+
+@pytest.mark.parametrize("problem", ["wrong-values", "wrong-limit"])
+def test_import_refuses_caches_of_another_computation(problem, tiny_neox_dir, tmp_path, capsys):
+    dataset, _, _, cache = _cache_of(tiny_neox_dir, tmp_path, 2, 64)
     if problem == "wrong-values":  # e.g. computed by other weights of the same shape
         for path in cache.glob("*.pt"):
             t = torch.load(path, weights_only=True)
@@ -100,3 +135,50 @@ def test_import_refuses_caches_of_another_computation(problem, tiny_neox_dir, tm
     assert ("do not match this model" in err) if problem == "wrong-values" else ("matches a context" in err)
     with KVStore(str(tmp_path / "store"), readonly=True) as s:
         assert len(s) == 0  # nothing stored
+
+
+class _Hostile:
+    """Unpickling this would run a shell command (weights_only refuses it before anything runs)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_import_rejects_each_bad_file_in_one_line_and_imports_the_rest(tiny_neox_dir, tmp_path, capsys):
+    """A .pt that is a pickle but not a tensor archive (a hostile one), a truncated archive and one
+    of the wrong shape: one rejection line each, the good files imported, exit 0 (issue 31, item 4).
+    Before, the first such file stopped the import with a multi-line internal error."""
+    import pickle
+
+    dataset, contexts, config, cache = _cache_of(tiny_neox_dir, tmp_path, 5, 256)
+    path = {i: cache / f"{cache_name(config, contexts[i], 256)}.pt" for i in range(5)}
+    marker = tmp_path / "pwned"
+    path[2].write_bytes(pickle.dumps(_Hostile(marker)))
+    path[3].write_bytes(path[3].read_bytes()[:200])  # truncated
+    torch.save(torch.zeros(2, 2, 1, 2, 3, 16, dtype=torch.float64), path[4])  # wrong shape
+    args = ["import-llminference", cache, dataset, "--model", tiny_neox_dir, "--dtype", "float64",
+            "--max-context-length", "256", "--quiet"]  # fmt: skip
+    code, out, err = run_main(capsys, *args, "--store", tmp_path / "store")
+    assert code == 0, err
+    assert not marker.exists()  # nothing ran
+    rejected = [line for line in out.splitlines() if line.startswith("rejected")]
+    assert {line.split()[1].rstrip(":") for line in rejected} == {path[i].name for i in (2, 3, 4)}
+    assert "holds a pickle that is not only tensors (refused, nothing ran: " in out and "is (2, 2, 1, 2, 3, 16)" in out
+    assert "is not a readable tensor file (" in out  # the truncated one
+    assert out.startswith("Imported 2 context(s)") and err == ""
+    with KVStore(str(tmp_path / "store"), readonly=True) as s:
+        assert len(s.context_keys()) == 2 and not s.verify().corrupt
+    # nothing importable at all: exit 1, still one line per file
+    for i in (0, 1):
+        path[i].write_bytes(b"not a tensor")
+    code, out, err = run_main(capsys, *args, "--store", tmp_path / "other")
+    assert code == 1 and len([line for line in out.splitlines() if line.startswith("rejected")]) == 5
+    assert err == (
+        f"kvstore: error: none of the 5 llminference cache(s) in {cache} that match a context of {dataset} could be "
+        "imported (each is listed above with why)\n"
+    )

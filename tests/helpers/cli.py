@@ -117,6 +117,10 @@ PRELOAD = [
     "kvstore.data.metrics",
     "kvstore.store.kvstore",
     "kvstore.store.backends.lmdb",
+    # the S3 backend's client (crash-point children on S3); a missing boto3 is skipped
+    "boto3",
+    "botocore.client",
+    "kvstore.store.backends.s3",
 ]
 
 

@@ -277,3 +277,30 @@ def decode_host_and_staged(reader, dtype: torch.dtype):
     st.copy_into(reader, staged[1, :, 7:77])
     st.finish()
     return host, staged, st, uploads
+
+
+def make_chain(token_ids: list[int], *, chunk: int = 4, fp: str = FP_TINY, name: str = "tiny",
+               created: float | None = None) -> list[Entry]:  # fmt: skip
+    """A context of a made-up float32 model as its chain of chunks (``chunk`` tokens each, the
+    last one shorter): contexts with a common token prefix share their first chunks, as stored
+    chains do. Returns the chunks in order; the context's key is the last one's."""
+    spans = [(s, min(s + chunk, len(token_ids))) for s in range(0, len(token_ids), chunk)]
+    keys = chain_keys(chain_seed(fp, torch.float32, device="cpu", attn="sdpa"), token_ids, spans)
+    out, parent = [], ""
+    for key, (start, end) in zip(keys, spans):
+        g = torch.Generator().manual_seed(int(key[:8], 16))  # a chunk's values follow from its key
+        layers = tuple((torch.randn(2, end - start, 4, generator=g), torch.randn(2, end - start, 4, generator=g))
+                       for _ in range(2))  # fmt: skip
+        ids = torch.tensor(token_ids[start:end], dtype=torch.int64)
+        out.append(Entry(key, fp, name, ids, layers, time.time() if created is None else created, parent, start,
+                         numerics={"device": "cpu", "attn": "sdpa"}))  # fmt: skip
+        parent = key
+    return out
+
+
+def store_chain(store: KVStore, chunks: list[Entry], *, record: bool = True) -> None:
+    """Put a chain's chunks, then (``record``) its context record."""
+    for e in chunks:
+        store.put(e)
+    if record:
+        store.put_context(chunks[-1].key, [e.key for e in chunks], sum(e.n_tokens for e in chunks))

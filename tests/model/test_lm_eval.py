@@ -145,6 +145,22 @@ def test_matches_hf_and_second_run_computes_no_context(kind, request, tmp_path, 
     assert_same(ref, _evaluate(plain, task_manager))
 
 
+def test_two_model_objects_on_one_store_in_one_process(tiny_neox_dir, tmp_path, task_manager):
+    """lm-eval builds a model object for every ``simple_evaluate`` and never closes it: a second
+    one on the same store, while the first is alive, opens it again (it failed before:
+    "environment already open")."""
+    from lm_eval.api.registry import get_model
+
+    import kvstore.lm_eval  # noqa: F401 - registers the model name
+
+    args = f"pretrained={tiny_neox_dir},store={tmp_path / 'store'},batch_size=3"
+    first = get_model("kvstore").create_from_arg_string(args)  # what simple_evaluate(model="kvstore") does
+    second = get_model("kvstore").create_from_arg_string(args)
+    runs = [_evaluate(lm, task_manager, tasks=["kv_tiny_mc"], limit=2) for lm in (first, second)]
+    assert runs[0]["results"]["kv_tiny_mc"] == runs[1]["results"]["kv_tiny_mc"]
+    assert second.context_tokens_computed == 0  # the second read what the first stored
+
+
 def test_truncation_and_rolling_windows_match_hf(tiny_llama_dir, tmp_path, task_manager, hf_lm):
     """max_length=32: documents roll over several windows, multiple-choice contexts are
     left-truncated and generation prompts cut to max_length - max_gen_toks, all as hf does."""

@@ -61,3 +61,20 @@ def test_no_caller_probes_a_backend_with_getattr():
                 if "backend" in target or "remote" in target:
                     found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "declare the feature on the Backend protocol instead:\n" + "\n".join(found)
+
+
+def test_every_backend_declares_its_copies(backend):
+    """origin / local_copy / drop_local: a tier's copies are its own; every other backend has one."""
+    backend.put(b"e/x", b"value")
+    with backend.local_copy(b"e/x") as copy:
+        held = None if copy is None else bytes(copy)
+    if backend.kind == "tiered":
+        assert backend.origin() is backend.remote and held == b"value"
+        assert backend.drop_local([b"e/x", b"e/missing"]) == 1  # the tier's copy went...
+        with backend.local_copy(b"e/x") as copy:
+            assert copy is None
+        assert backend.contains(b"e/x") and bytes(backend.get(b"e/x")) == b"value"  # ...the remote's stayed
+        backend.remote.delete(b"e/x")  # gone from the remote while the tier still holds a copy
+        assert not backend.contains(b"e/x")  # contains asks the remote
+    else:
+        assert backend.origin() is backend and held is None and backend.drop_local([b"e/x"]) == 0

@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 
 from helpers.entries import assemble, encode, encode_v1, seal, split
 from kvstore.errors import CorruptEntryError, FormatVersionError
-from kvstore.store.entry import MAX_COMPRESSION_RATIO, Entry, decode_entry, encode_entry
-from kvstore.store.header import read_header
+from kvstore.store.entry import Entry, decode_entry, encode_entry
+from kvstore.store.header import MAX_COMPRESSION_RATIO, read_header
 from kvstore.store.kvstore import KVStore
 
 CI_EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "150"))

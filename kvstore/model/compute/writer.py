@@ -64,6 +64,7 @@ class Writer:
         self.room = threading.Condition()
         self._queued: dict[str, int] = {}  # chunk key -> puts of it queued and not done (under room)
         self.error: BaseException | None = None
+        self.lost: list[str] = []  # contexts recorded while a concurrent gc removed chunks of theirs
         self.thread = threading.Thread(target=self._run, name="kvstore-writer", daemon=True)
         self.thread.start()
 
@@ -90,7 +91,8 @@ class Writer:
 
     def _write(self, item: Entry | _Record, overwrite: bool, blob: bytes | None = None) -> None:
         if isinstance(item, _Record):
-            self.store.put_context(item.key, item.chunks, item.n_tokens)
+            if self.store.put_context(item.key, item.chunks, item.n_tokens):  # names the chunks gone meanwhile
+                self.lost.append(item.key)
             return
         if not overwrite and self.store.contains(item.key):
             return

@@ -143,13 +143,14 @@ def build_caches(
     skipped = reused = 0
     pending: list[tuple[ContextPlan, int]] = []
     legacy: list[tuple[ContextPlan, LayerKV]] = []
+    unrecorded: list[ContextPlan] = []
     for plan in planned.distinct:
         depth = verified_depth(handle, store, plan)  # verified: corrupt chunks are rebuilt
         if depth == len(plan.keys):
             skipped += 1
             reused += plan.n_tokens
             if store.context(plan.key) is None and not store.readonly:
-                store.put_context(plan.key, plan.keys, plan.n_tokens)
+                unrecorded.append(plan)  # recorded through the writer, which checks its chunks are still there
         elif depth == 0 and (old := load_v1(handle, store, plan)) is not None:
             legacy.append((plan, old))
         else:
@@ -159,6 +160,8 @@ def build_caches(
     writer = Writer(store)
     counts = BuildCounts()
     try:
+        for plan in unrecorded:
+            writer.put_context(plan)
         for plan, layers in legacy:  # a format-1 entry of exactly this context: rewritten as a chain
             writer.put_chunks(handle, plan, layers)
             reused += plan.n_tokens
@@ -171,6 +174,15 @@ def build_caches(
             writer.flush()
             pending = [(plan, max(depth, _depth_in(plan, shared))) for plan, depth in pending]
         counts += path.compute(handle, store, pending, writer, options, progress, True)
+        for _ in range(3):  # a concurrent gc removed chunks of contexts just recorded: compute them again
+            writer.flush()
+            lost, writer.lost = set(writer.lost), []
+            redo = [
+                (p, d)
+                for p in planned.distinct
+                if p.key in lost and (d := verified_depth(handle, store, p)) < len(p.keys)
+            ]
+            counts += path.compute(handle, store, redo, writer, options, None, True)
     finally:
         writer.close()
     s = writer.stats

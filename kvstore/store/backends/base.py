@@ -10,6 +10,13 @@ a default in :class:`BackendBase` built on those: batched variants, zero-copy ``
   cheap (only the S3 backend, and a tier in front of it, do something).
 * ``disk_bytes()``: bytes the store occupies on this machine's disk, or None when that is not a
   file here (memory, S3, a tier's remote).
+* ``origin()``, ``local_copy(key)``, ``drop_local(keys)``: the copies of a local tier
+  (:mod:`~kvstore.store.backends.tiered`). ``origin()`` is the backend whose copies count (the
+  backend itself; a tier's remote), ``local_copy(key)`` this machine's cached copy of a value
+  without asking the origin (None: there is none), ``drop_local(keys)`` forgets such copies so that
+  the next read asks the origin (how many went). A store uses them so that a fault of a local copy
+  stays local: a copy that fails its checksum is dropped and the remote's read, never the remote's
+  removed.
 """
 
 from __future__ import annotations
@@ -44,6 +51,9 @@ class Backend(Protocol):
     # optional features (defaults in BackendBase)
     def prefetch(self, keys: Iterable[bytes]) -> None: ...
     def disk_bytes(self) -> int | None: ...
+    def origin(self) -> Backend: ...
+    def local_copy(self, key: bytes) -> contextlib.AbstractContextManager[memoryview | None]: ...
+    def drop_local(self, keys: Iterable[bytes]) -> int: ...
 
 
 class BackendBase:
@@ -97,3 +107,16 @@ class BackendBase:
     def disk_bytes(self) -> int | None:
         """Bytes the store occupies on this machine's disk; None: not a local file."""
         return None
+
+    def origin(self) -> Backend:
+        """The backend whose copies count: this one (a tier answers its remote)."""
+        return self  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def local_copy(self, key: bytes) -> Iterator[memoryview | None]:
+        """This machine's cached copy of ``key`` apart from the origin's: none here."""
+        yield None
+
+    def drop_local(self, keys: Iterable[bytes]) -> int:
+        """Forget this machine's cached copies of ``keys``: none here."""
+        return 0

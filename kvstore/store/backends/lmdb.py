@@ -8,6 +8,9 @@ fills; other processes adopt the new size on their next transaction.
 
 Reads through :meth:`LMDBBackend.view` are zero-copy: the memoryview points into the map and stays
 valid until the ``with`` block ends.
+
+Handles on one directory in one process share its environment (:mod:`.lmdb_env`: LMDB allows one
+per process), so a store can be opened any number of times; a forked child opens its own.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import lmdb
 
 from kvstore.errors import ReadOnlyStoreError, StoreError, StoreFullError, StoreNotFoundError
+from kvstore.store.backends import lmdb_env
 from kvstore.store.backends.base import BackendBase
 
 DEFAULT_MAP_SIZE = 1 << 30  # 1 GiB of address space to start; grows by doubling
@@ -63,38 +67,39 @@ class LMDBBackend(BackendBase):
         if data.exists():
             size = max(size, data.stat().st_size)
         self._grow_lock = threading.Lock()
-        try:
-            self.env = lmdb.open(
-                str(self.path),
-                map_size=size,
-                subdir=True,
-                readonly=readonly,
-                lock=True,
-                sync=sync,
-                metasync=sync,
-                readahead=False,
-                meminit=False,
-                max_readers=max_readers,
-                max_spare_txns=4,
-            )
-        except lmdb.Error as exc:
-            if readonly and isinstance(exc, (lmdb.ReadonlyError, lmdb.Error)) and not os.access(self.path, os.W_OK):
-                # a read-only directory cannot hold the lock file: read without LMDB's reader table
-                self.env = lmdb.open(str(self.path), readonly=True, lock=False, subdir=True, readahead=False)
-            else:
-                raise StoreError(f"cannot open store {self.path}: {exc}") from None
+        self._sync = sync
+        # handles on one directory share its environment (LMDB allows one per process)
+        self._shared: lmdb_env.SharedEnv | None = lmdb_env.acquire(
+            self.path, readonly=readonly, map_size=size, sync=sync, max_readers=max_readers
+        )
+        self.env = self._shared.env
 
     # -- helpers ------------------------------------------------------------------------------
     def _writable(self) -> None:
         if self.readonly:
             raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
 
-    def _read_txn(self, buffers: bool = False):
+    def _begin(self, buffers: bool):
         try:
-            return self.env.begin(buffers=buffers)  # type: ignore[call-overload]
+            return self.env.begin(buffers=buffers)
         except lmdb.MapResizedError:
             self.env.set_mapsize(0)  # another process grew the map: adopt its size
-            return self.env.begin(buffers=buffers)  # type: ignore[call-overload]
+            return self.env.begin(buffers=buffers)
+
+    @contextlib.contextmanager
+    def _read_txn(self, buffers: bool = False) -> Iterator:
+        """A read transaction, counted as in progress (see :mod:`.lmdb_env`) until it ends."""
+        with self._txns():
+            txn = self._begin(buffers)
+            try:
+                yield txn
+            finally:
+                txn.abort()
+
+    def _txns(self):
+        if self._shared is None:
+            raise StoreError(f"store {self.path} is closed")
+        return self._shared.transaction()
 
     def _write(self, fn) -> None:
         """Run ``fn(txn)`` in a write transaction, growing the map and retrying when it is full."""
@@ -102,8 +107,10 @@ class LMDBBackend(BackendBase):
         while True:
             try:
                 try:
-                    with self.env.begin(write=True) as txn:
+                    with self._txns(), self.env.begin(write=True) as txn:
                         fn(txn)
+                    if self._sync and self._shared is not None and not self._shared.sync:
+                        self.env.sync(True)  # shared with a handle that opened it without syncing
                     return
                 except lmdb.MapResizedError:
                     self.env.set_mapsize(0)
@@ -138,12 +145,9 @@ class LMDBBackend(BackendBase):
 
     @contextlib.contextmanager
     def view(self, key: bytes) -> Iterator[memoryview | None]:
-        txn = self._read_txn(buffers=True)
-        try:
+        with self._read_txn(buffers=True) as txn:
             buf = txn.get(key)
             yield None if buf is None else memoryview(buf)
-        finally:
-            txn.abort()
 
     def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
         with self._read_txn() as txn:
@@ -198,5 +202,7 @@ class LMDBBackend(BackendBase):
         return data.stat().st_size if data.exists() else 0
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.env.close()
+        """Give this handle's share of the environment back (the last handle closes it)."""
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            lmdb_env.release(shared)

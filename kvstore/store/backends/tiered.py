@@ -10,6 +10,12 @@ LMDB environment in ``DIR`` that holds at most ``BYTES`` of values:
   whenever it answers, and from the tier when it does not. Whatever comes from the remote is
   copied into the tier. A value the remote no longer has is dropped from the tier.
 * **writes** go to the remote first, then into the tier; deletes remove from both.
+* **faults stay local**: the tier's copies are only a cache. :meth:`TieredBackend.origin` is the
+  remote, :meth:`~TieredBackend.local_copy` the tier's copy of a value and
+  :meth:`~TieredBackend.drop_local` forgets copies, so that a store drops a copy that fails its
+  checksum and reads the remote's (which refills the tier), and verifies and removes by the
+  remote's copy alone. ``contains`` asks the remote while it answers (a value may be gone there
+  while the tier still holds a copy).
 * **bounds**: before a value goes in, the least recently used values go out until the values
   held (plus the new one) fit in ``max_bytes`` (values under ``SMALL`` bytes go last: they cost
   next to nothing and let the tier open offline); a value larger than that is not cached. The
@@ -209,10 +215,26 @@ class TieredBackend(BackendBase):
         return self._up().peek(key, n)
 
     def contains(self, key: bytes) -> bool:
-        size = self._cached_len(key)
-        if size is not None and (size >= SMALL or self.remote is None):
-            return True
-        return self._up().contains(key)
+        if self.remote is None:  # offline: what the tier holds
+            return self._cached_len(key) is not None
+        return self.remote.contains(key)
+
+    # -- the copies ---------------------------------------------------------------------------------
+    def origin(self) -> Backend:
+        """The remote (its StoreUnavailableError while it was unreachable at open)."""
+        return self._up()
+
+    @contextlib.contextmanager
+    def local_copy(self, key: bytes) -> Iterator[memoryview | None]:
+        """The tier's copy of ``key`` (None when it holds none), without asking the remote."""
+        with self.tier.view(_V + key) as buf:
+            yield buf
+
+    def drop_local(self, keys: Iterable[bytes]) -> int:
+        """Forget the tier's copies of ``keys`` (the remote's stay); returns how many it held."""
+        held = [k for k in keys if self._cached_len(k) is not None]
+        self._drop(held)
+        return len(held)
 
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
         return self._up().keys(prefix)  # only the remote knows everything it holds

@@ -1,0 +1,162 @@
+"""One LMDB environment per store directory and process, shared by every handle on it.
+
+LMDB forbids opening one environment twice in a process (its locks belong to the process and
+file, so a second open would share them and closing it would drop them), and py-lmdb refuses
+with "already open in this process". Yet a process may well hold several handles on one store:
+a notebook opening ``KVStore(d)`` twice, lm-eval building a new model object for every
+``simple_evaluate`` and never closing the last one. So handles share one ``lmdb.Environment``,
+keyed by the directory's real path and reference-counted: :func:`acquire` opens it for the first
+handle, :func:`release` closes it with the last.
+
+The environment is opened for writing whenever the directory is writable, so that a read-only
+handle and a writable one can share it (a read-only handle still refuses writes itself); on a
+read-only directory it is opened read-only, without LMDB's lock file when even that cannot be
+created.
+
+**Fork.** An environment must not be used in a child process (LMDB ties its reader slots to the
+process that opened it), and py-lmdb refuses to open the same files again while the inherited
+copy exists. A child closes its inherited copy and opens its own, which is safe only when no
+transaction of the parent's was in progress at the fork: closing ends the transactions the copy
+knows of, and the reader slots of those belong to the parent. So every transaction is counted
+here (cached read transactions are off: one would hold a reader slot between uses), the count is
+read under the registry lock at the fork, and in the child an environment with none in progress
+is closed (its files stay open in the parent) while one that had some is refused with one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from kvstore.errors import ReadOnlyStoreError, StoreError
+
+_LOCK = threading.Lock()
+
+
+@dataclass(eq=False)
+class SharedEnv:
+    """One open environment and the handles using it."""
+
+    key: str  # the directory's real path
+    env: Any  # lmdb.Environment
+    writable: bool
+    sync: bool
+    pid: int
+    users: int = 0
+    active: int = 0  # transactions in progress (read and write)
+    busy_at_fork: bool = False  # inherited from a parent that was inside a transaction when it forked
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Count a transaction as in progress for its duration (see the module docstring)."""
+        with _LOCK:
+            self.active += 1
+        try:
+            yield
+        finally:
+            with _LOCK:
+                self.active -= 1
+
+
+_ENVS: dict[str, SharedEnv] = {}
+
+
+def _open(path: Path, *, map_size: int, sync: bool, max_readers: int, writable: bool):
+    try:
+        return lmdb.open(
+            str(path),
+            map_size=map_size,
+            subdir=True,
+            readonly=not writable,
+            lock=True,
+            sync=sync,
+            metasync=sync,
+            readahead=False,
+            meminit=False,
+            max_readers=max_readers,
+            max_spare_txns=0,  # a cached read transaction would hold a reader slot across a fork
+        )
+    except lmdb.Error as exc:
+        if not writable and not os.access(path, os.W_OK):
+            # a read-only directory cannot hold the lock file: read without LMDB's reader table
+            return lmdb.open(str(path), readonly=True, lock=False, subdir=True, readahead=False, max_spare_txns=0)
+        raise StoreError(f"cannot open store {path}: {exc}") from None
+
+
+def acquire(path: Path, *, readonly: bool, map_size: int, sync: bool, max_readers: int) -> SharedEnv:
+    """The environment of the store directory ``path`` (which holds ``data.mdb``, or is about to),
+    opened for this handle or shared with the handles already using it. Raises StoreError when it
+    cannot be opened, ReadOnlyStoreError when a writable handle asks for an environment that could
+    only be opened read-only."""
+    key = os.path.realpath(path)
+    with _LOCK:
+        shared = _ENVS.get(key)
+        if shared is not None and shared.busy_at_fork:
+            raise StoreError(
+                f"store {path} was inside a transaction in the parent process when this process was forked, so "
+                "it cannot be opened here; open it in a process started with spawn, or fork when no read or "
+                "write is in progress"
+            )
+        if shared is None:
+            data = path / "data.mdb"
+            writable = os.access(path, os.W_OK) and (not data.exists() or os.access(data, os.W_OK))
+            env = _open(path, map_size=map_size, sync=sync, max_readers=max_readers, writable=writable)
+            shared = SharedEnv(key, env, writable, sync, os.getpid())
+            _ENVS[key] = shared
+        elif not readonly and not shared.writable:
+            raise ReadOnlyStoreError(f"store {path} is not writable (it is open read-only in this process)")
+        shared.users += 1
+        return shared
+
+
+def release(shared: SharedEnv) -> None:
+    """One handle is done with ``shared``; the last one closes the environment."""
+    with _LOCK:
+        shared.users -= 1
+        if shared.users > 0:
+            return
+        if _ENVS.get(shared.key) is shared:
+            del _ENVS[shared.key]
+    with contextlib.suppress(Exception):
+        shared.env.close()
+
+
+def open_count() -> int:
+    """Environments open in this process (for tests)."""
+    with _LOCK:
+        return len(_ENVS)
+
+
+def _before_fork() -> None:
+    _LOCK.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _LOCK.release()
+
+
+def _after_fork_in_child() -> None:
+    global _LOCK
+    inherited = list(_ENVS.values())
+    _LOCK = threading.Lock()  # the parent's other threads, which might hold it, are gone
+    for shared in inherited:
+        if shared.active:
+            # closing would end the parent's transactions in its reader table: leave it alone
+            shared.busy_at_fork, shared.users, shared.active = True, 0, 0
+            continue
+        del _ENVS[shared.key]
+        with contextlib.suppress(Exception):
+            shared.env.close()  # this process's mapping and file handles only
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+
+
+__all__ = ["SharedEnv", "acquire", "open_count", "release"]

@@ -1,0 +1,161 @@
+"""Executing a removal plan (:class:`kvstore.store.gc.GcPlan`) without losing what is in use.
+
+A plan is made from a scan and may wait (at a prompt, behind a long listing) while builds run. A
+build records a context in three steps (:meth:`kvstore.store.kvstore.KVStore.put_context`): it
+marks the chunks it reuses as used (their ``a/`` records), writes the record, then checks that
+every chunk is still there and computes again whatever is not. :func:`execute_plan` removes, in this order:
+
+1. the planned context records (records before the chunks they name: an interruption leaves
+   unused chunks, which a later gc collects, never a record whose chunks are gone);
+2. the planned entries, a batch at a time;
+3. the last-use records of the entries removed.
+
+Each batch is read first (values are kept in memory until the batch is done); those that changed
+since the plan are kept: an entry marked used, a chunk named by a record the plan did not see, a
+corrupt entry repaired, a broken context complete again, a context used. The rest is deleted, then
+checked again, and what a writer marked or recorded in the meantime is put back
+(``put_if_absent``). Either that second check sees a build's record, or the build's own check,
+which follows its record, sees the deletion and computes the chunk again: a build running at the same time
+never ends with a record whose chunks are gone, on LMDB or on an object store (no transactions
+needed). A corrupt entry is never put back: a build that repaired it in the instant between the
+check and the delete finds it missing and computes it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstore.errors import CorruptEntryError, FormatVersionError, ReadOnlyStoreError
+from kvstore.store.entry import decode_entry
+from kvstore.store.keyspace import access_key, entry_key, record_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.store.gc import GcPlan
+    from kvstore.store.kvstore import KVStore
+
+BATCH_KEYS = 256  # entries checked, held and deleted together
+BATCH_BYTES = 256 << 20  # ... and at most this many bytes of them (one larger entry goes alone)
+
+# (keys, their values as read) -> {key that must stay: why}
+Busy = Callable[[Sequence[str], Mapping[str, bytes]], dict[str, str]]
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What :func:`execute_plan` did: the context records and entries it removed, the stored bytes
+    freed, and ``kept``: ``(key, why)`` of what the plan named but execution left in place because
+    it was used, recorded or repaired since the plan."""
+
+    contexts: tuple[str, ...] = ()
+    entries: tuple[str, ...] = ()
+    freed_bytes: int = 0
+    kept: tuple[tuple[str, str], ...] = ()
+    dropped_local: int = 0  # bad copies dropped from a local tier (the remote's untouched)
+
+
+def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
+    """Remove what ``plan`` names and is still as the plan saw it (see the module docstring).
+    Raises ReadOnlyStoreError on a read-only store, and the backend's errors (what was removed
+    before stays removed; a re-run plans again)."""
+    if store.readonly:
+        raise ReadOnlyStoreError(f"store {store.url} was opened read-only")
+    kept: dict[str, str] = {}
+    planned = [k for k, _, _ in plan.contexts]
+    contexts, held = _remove(store, planned, record_key, _contexts_busy(store, plan))
+    kept |= held
+    unrecorded = [k for k in planned if k not in held and k not in contexts]  # format 1: the entry is the context
+    sizes = {k: size for k, _, size in plan.remove}
+    entries: list[str] = []
+    for batch in _batches(list(sizes), sizes):
+        gone, held = _remove(store, batch, entry_key, _entries_busy(store, plan), lambda k: k not in plan.corrupt)
+        entries += gone
+        kept |= held
+    contexts += [k for k in unrecorded if k in set(entries)]
+    now = store.recorded_access(entries)  # the last uses of what went, unless someone used it since
+    store.backend.delete_many([access_key(k) for k in entries if k in now and now[k] == plan.seen.get(k)])
+    dropped = store.backend.drop_local([entry_key(k) for k, _, _ in plan.local])  # a tier's fault stays local
+    return GcReport(tuple(contexts), tuple(entries), sum(sizes[k] for k in entries), tuple(kept.items()), dropped)
+
+
+def _remove(
+    store: KVStore, keys: Sequence[str], name: Callable[[str], bytes], busy: Busy,
+    restore: Callable[[str], bool] = lambda k: True,
+) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+    """Delete those of ``keys`` (backend keys ``name(key)``) that ``busy`` does not hold, check
+    again, put back what became busy meanwhile (when ``restore(key)``). Returns (removed, held)."""
+    if not keys:
+        return [], {}
+    values = store.backend.origin().get_many([name(k) for k in keys])  # not a local tier's copies
+    saved = {k: bytes(v) for k, v in zip(keys, values) if v is not None}
+    held = busy(list(saved), saved)
+    doomed = [k for k in saved if k not in held]
+    if doomed:
+        store.backend.delete_many([name(k) for k in doomed])
+        late = busy(doomed, {})  # a build that marked or recorded one while we deleted
+        for k in doomed:
+            if k in late and restore(k):
+                store.backend.put_if_absent(name(k), saved[k])
+                held[k] = late[k]
+    return [k for k in doomed if k not in held], held
+
+
+def _contexts_busy(store: KVStore, plan: GcPlan) -> Busy:
+    def busy(keys: Sequence[str], saved: Mapping[str, bytes]) -> dict[str, str]:
+        now = store.recorded_access(keys)  # a context's use marks its last chunk, whose key it has
+        out = {k: "used since the plan" for k in keys if now.get(k) != plan.seen.get(k)}
+        for k in keys:
+            if k in plan.broken and k not in out and all(store.contains(c) for c in plan.chains.get(k, ())):
+                out[k] = "complete again since the plan"
+        return out
+
+    return busy
+
+
+def _entries_busy(store: KVStore, plan: GcPlan) -> Busy:
+    def busy(keys: Sequence[str], saved: Mapping[str, bytes]) -> dict[str, str]:
+        now = store.recorded_access(keys)
+        out = {k: "used since the plan" for k in keys if now.get(k) != plan.seen.get(k)}
+        named = _recorded_chunks(store, plan)
+        out |= {k: "named by a context recorded since the plan" for k in keys if k in named and k not in out}
+        for k in keys:
+            if k in plan.corrupt and k in saved and k not in out and _intact(saved[k], k):
+                out[k] = "intact again since the plan"
+        return out
+
+    return busy
+
+
+def _recorded_chunks(store: KVStore, plan: GcPlan) -> set[str]:
+    """Chunks named by the context records the plan did not keep (new ones, or planned ones that
+    execution kept): the plan's own kept contexts use none of the chunks it removes."""
+    chunks: set[str] = set()
+    for key in store.context_keys():
+        if key not in plan.kept_contexts and (record := store.context(key)) is not None:
+            chunks.update(record.chunks)
+    return chunks
+
+
+def _intact(value: bytes, key: str) -> bool:
+    try:
+        decode_entry(value, key=key)
+    except (CorruptEntryError, FormatVersionError):
+        return False
+    return True
+
+
+def _batches(keys: list[str], sizes: Mapping[str, int]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    total = 0
+    for k in keys:
+        if batch and (len(batch) >= BATCH_KEYS or total + sizes[k] > BATCH_BYTES):
+            yield batch
+            batch, total = [], 0
+        batch.append(k)
+        total += sizes[k]
+    if batch:
+        yield batch
+
+
+__all__ = ["BATCH_BYTES", "BATCH_KEYS", "GcReport", "execute_plan"]
