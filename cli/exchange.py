@@ -74,11 +74,12 @@ def import_llminference(source: str, dataset: str, model: str | None, max_contex
     from pathlib import Path
 
     from kvstore.data.datasets import load_dataset
+    from kvstore.data.readers import Fields
     from kvstore.model.adapter import Adapter
     from kvstore.model.llminference import import_caches
     from kvstore.store.kvstore import KVStore
 
-    data = load_dataset(dataset, context_field=context_field, require_question=False)
+    data = load_dataset(dataset, Fields(context=context_field), require_question=False)
     adapter = Adapter.from_pretrained(model, dtype=dtype, device=device)
     config_text = Path(config_json).read_text() if config_json else None
     contexts = data.contexts()

@@ -11,7 +11,7 @@ stays fast.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -48,6 +48,9 @@ _SORTS = {
 
 _OLDER = "Contexts not used for this long (30d, 12h, 2w...)."
 _LMDB_NOTE = "LMDB files never shrink: space freed by rm/gc is reused by new entries"
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.store.gc import GcOptions
 
 
 def _count(n: int, word: str) -> str:
@@ -317,10 +320,9 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
     )
 
 
-def _run_plan(
-    store: str, plan_args: dict[str, Any], *, verify_all: bool, dry_run: bool, yes: bool, quiet: bool
-) -> None:
-    from kvstore.store.gc import execute_plan, plan_gc
+def _run_plan(store: str, options: GcOptions, *, verify_all: bool, dry_run: bool, yes: bool, quiet: bool) -> None:
+    from kvstore.store.gc import plan_gc
+    from kvstore.store.removal import execute_plan
 
     # a dry run only reads; otherwise open for writing up front, so that an unwritable store
     # fails before the scan rather than after the question
@@ -330,7 +332,7 @@ def _run_plan(
                 info = s.verify(progress=bar)
         else:
             info = s.scan()
-        plan = plan_gc(info, now=time.time(), **plan_args)
+        plan = plan_gc(info, options, now=time.time())
         if not plan.remove and not plan.contexts and not plan.local:
             click.echo("Nothing to remove.")
             return
@@ -377,10 +379,10 @@ def rm(
     """
     if not keys and not model and older_than is None:
         raise click.UsageError("say what to remove: KEY..., --model or --older-than")
-    _run_plan(
-        store, {"keys": keys, "model": model, "older_than": older_than}, verify_all=False, dry_run=dry_run, yes=yes,
-        quiet=True,
-    )  # fmt: skip
+    from kvstore.store.gc import GcOptions
+
+    options = GcOptions(keys=keys, model=model, older_than=older_than)
+    _run_plan(store, options, verify_all=False, dry_run=dry_run, yes=yes, quiet=True)
 
 
 @click.command()
@@ -423,7 +425,7 @@ def gc(store: str, corrupt: bool, older_than: float | None, max_size: int | None
     keeps its size: LMDB reuses the freed space for new entries. Only what is still as planned
     goes: anything used, recorded or repaired since the plan (while the question waited) stays.
     """
-    from kvstore.store.gc import SAFE_GRACE_SECONDS
+    from kvstore.store.gc import SAFE_GRACE_SECONDS, GcOptions
 
     if grace < SAFE_GRACE_SECONDS:
         warn(
@@ -432,8 +434,7 @@ def gc(store: str, corrupt: bool, older_than: float | None, max_size: int | None
         )
     _run_plan(
         store,
-        {"corrupt": corrupt, "older_than": older_than, "max_bytes": max_size, "model": model, "orphans": True,
-         "grace": grace},
+        GcOptions(corrupt=corrupt, older_than=older_than, max_bytes=max_size, model=model, orphans=True, grace=grace),
         verify_all=corrupt,
         dry_run=dry_run,
         yes=yes,

@@ -96,7 +96,7 @@ def score(
     contexts are computed and stored; --no-cache gives the same scores without the store.
     --variant (aliases --press, --decode-attention) scores under presses and decode attention.
     """
-    from kvstore.data.choices import load_choice_rows
+    from kvstore.data.choices import ChoiceFields, load_choice_rows
     from kvstore.model.adapter import Adapter
     from kvstore.model.options import ScoreOptions
     from kvstore.store.kvstore import KVStore
@@ -113,10 +113,11 @@ def score(
                 f"{template!r}: {exc!r}; use {{context}} and {{question}} (and {{{{ }}}} for a literal brace)",
                 param_hint="--template",
             ) from None
+    fields = ChoiceFields(context_field, question_field, choices_field, label_field, answer_field, reference_field,
+                          id_field)  # fmt: skip
     rows = load_choice_rows(
-        dataset, context_field=context_field, question_field=question_field, choices_field=choices_field,
-        label_field=label_field, answer_field=answer_field, reference_field=reference_field, id_field=id_field,
-        reference=mode == "reference", choices_sep=choices_sep, limit=limit, need_choices=mode == "choices",
+        dataset, fields, reference=mode == "reference", choices_sep=choices_sep, limit=limit,
+        need_choices=mode == "choices",
     )  # fmt: skip
     if not quiet:
         click.echo(f"kvstore: loading model {model or 'SmolLM2-135M-Instruct (bundled)'} ...", err=True)

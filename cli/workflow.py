@@ -141,13 +141,11 @@ class RunOptions:
 def _load_everything(opts: RunOptions, *, require_question: bool):
     """The dataset, the model in an Adapter, and the prompt format, as both commands need them."""
     from kvstore.data.datasets import load_dataset
+    from kvstore.data.readers import Fields
 
     data = load_dataset(
         opts.dataset,
-        context_field=opts.context_field,
-        question_field=opts.question_field,
-        answers_field=opts.answers_field,
-        id_field=opts.id_field,
+        Fields(opts.context_field, opts.question_field, opts.answers_field, opts.id_field),
         skip_bad_rows=opts.skip_bad_rows,
         require_question=require_question,
         limit=opts.limit,

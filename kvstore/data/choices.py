@@ -50,24 +50,42 @@ class ChoiceRow:
     where: str
 
 
+@dataclass(frozen=True)
+class ChoiceFields:
+    """The record fields of a scoring row (``--context-field``, ``--choices-field``...)."""
+
+    context: str = "context"
+    question: str = "question"
+    choices: str = "choices"
+    label: str = "label"
+    answer: str = "answer"
+    reference: str = "reference"
+    id: str = "id"
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How a record becomes a row: its fields, whether it is a reference row or needs choices,
+    and a CSV cell's separator of options (None elsewhere)."""
+
+    fields: ChoiceFields
+    reference: bool
+    need_choices: bool
+    sep: str | None
+
+
 def load_choice_rows(
     path: str | os.PathLike[str],
+    fields: ChoiceFields | None = None,
     *,
-    context_field: str = "context",
-    question_field: str = "question",
-    choices_field: str = "choices",
-    label_field: str = "label",
-    answer_field: str = "answer",
-    reference_field: str = "reference",
-    id_field: str = "id",
     reference: bool = False,
     choices_sep: str = "|",
     limit: int | None = None,
     need_choices: bool = True,
 ) -> list[ChoiceRow]:
-    """The rows of a multiple-choice (or, with ``reference``, reference) dataset file, in order.
-    ``need_choices=False`` (and no ``reference``): rows need only a context (documents to score
-    whole).
+    """The rows of a multiple-choice (or, with ``reference``, reference) dataset file, in order;
+    ``fields`` (:class:`ChoiceFields`) names the record fields. ``need_choices=False`` (and no
+    ``reference``): rows need only a context (documents to score whole).
 
     Raises DatasetError (one line naming ``file:line``) for an unreadable file, a malformed row,
     a duplicate id, or a file without rows."""
@@ -78,19 +96,20 @@ def load_choice_rows(
     reader = _READERS.get(file.suffix.lower())
     if reader is None:
         raise DatasetError(f"{name}: unknown file type {file.suffix or '(no extension)'!r}; use .jsonl, .csv or .json")
+    names = fields if fields is not None else ChoiceFields()
     # the CSV reader turns a cell holding a JSON list in the "answers" column into a list: ours is choices
-    fields = Fields(context_field, question_field, "\0" if reference else choices_field, id_field)
+    read_fields = Fields(names.context, names.question, "\0" if reference else names.choices, names.id)
     sep = choices_sep if reader is csv_rows else None  # options joined by a separator: a CSV cell's form only
+    spec = _Spec(names, reference, need_choices, sep)
     out: list[ChoiceRow] = []
     seen: dict[str, str] = {}
-    rows = reader(file, name, fields, False)
+    rows = reader(file, name, read_fields, False)
     try:
         for where, default_id, record in rows:
             try:
                 if isinstance(record, BadRow):
                     raise record
-                row = _row(record, where, default_id, fields, reference_field if reference else None,
-                           choices_field if need_choices else None, label_field, answer_field, sep)  # fmt: skip
+                row = _row(record, where, default_id, spec)
                 if row.id in seen:
                     raise BadRow(f"duplicate id {row.id!r} (first at {seen[row.id]})", "give each row its own id")
             except BadRow as bad:
@@ -119,10 +138,8 @@ def _text(record: dict, field: str, option: str, *, required: bool) -> str | Non
     return value
 
 
-def _row(
-    record: dict, where: str, default_id: str, fields: Fields, reference: str | None, choices_field: str | None,
-    label_field: str, answer_field: str, sep: str | None,
-) -> ChoiceRow:  # fmt: skip
+def _row(record: dict, where: str, default_id: str, spec: _Spec) -> ChoiceRow:
+    fields = spec.fields
     context = _text(record, fields.context, "--context-field", required=True)
     assert context is not None
     if not context.strip():
@@ -131,16 +148,16 @@ def _row(
     raw_id = record.get(fields.id)
     row_id = str(raw_id).strip() if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else ""
     row_id = row_id or default_id
-    if reference is not None:
-        ref = _text(record, reference, "--reference-field", required=True)
+    if spec.reference:
+        ref = _text(record, fields.reference, "--reference-field", required=True)
         assert ref is not None
         if not ref.strip():
-            raise BadRow(f"empty reference in field {reference!r}")
+            raise BadRow(f"empty reference in field {fields.reference!r}")
         return ChoiceRow(row_id, context, question, (), None, ref, where)
-    if choices_field is None:
+    if not spec.need_choices:
         return ChoiceRow(row_id, context, question, (), None, None, where)
-    choices = _choices(record, choices_field, sep)
-    label = _label(record, label_field, answer_field, choices)
+    choices = _choices(record, fields.choices, spec.sep)
+    label = _label(record, fields.label, fields.answer, choices)
     return ChoiceRow(row_id, context, question, choices, label, None, where)
 
 
@@ -192,4 +209,4 @@ def _label(record: dict, label_field: str, answer_field: str, choices: tuple[str
     return choices.index(answer)
 
 
-__all__ = ["ChoiceRow", "load_choice_rows"]
+__all__ = ["ChoiceFields", "ChoiceRow", "load_choice_rows"]

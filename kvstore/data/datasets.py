@@ -107,11 +107,8 @@ class Dataset:
 
 def load_dataset(
     path: str | os.PathLike[str],
+    fields: Fields | None = None,
     *,
-    context_field: str = "context",
-    question_field: str = "question",
-    answers_field: str = "answers",
-    id_field: str = "id",
     format: str | None = None,  # noqa: A002 - the natural name for the option
     skip_bad_rows: bool = False,
     require_question: bool = True,
@@ -119,6 +116,8 @@ def load_dataset(
 ) -> Dataset:
     """Read a QA dataset file (``.jsonl``, ``.csv``, ``.json``) or a ``hub:NAME[:SPLIT]`` dataset.
 
+    ``fields`` (:class:`Fields`) names the record fields holding context, question, answers and id
+    (default ``context``, ``question``, ``answers``, ``id``).
     ``format`` (``"jsonl"``, ``"csv"`` or ``"json"``) overrides the extension.
     ``require_question=False`` accepts rows without a question or answers (building caches
     only needs contexts). ``limit`` stops after that many examples (rows, not distinct
@@ -134,7 +133,7 @@ def load_dataset(
         raise DatasetError(f"limit must be at least 1, got {limit}")
     if format is not None and format not in FORMATS:
         raise DatasetError(f"unknown dataset format {format!r}; use one of {', '.join(FORMATS)}")
-    fields = Fields(context_field, question_field, answers_field, id_field)
+    fields = fields if fields is not None else Fields()
 
     if name.startswith(HUB_PREFIX):
         fmt, rows = "hub", hub_rows(name, name[len(HUB_PREFIX) :], failed_file=False)
@@ -263,4 +262,4 @@ def missing_field(record: dict, field: str, option: str) -> BadRow:
     )
 
 
-__all__ = ["FORMATS", "HUB_PREFIX", "Dataset", "Example", "load_dataset"]
+__all__ = ["Dataset", "Example", "load_dataset"]

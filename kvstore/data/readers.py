@@ -39,10 +39,10 @@ class BadRow(Exception):
 class Fields:
     """The record fields that hold each part of an Example (``--context-field``...)."""
 
-    context: str
-    question: str
-    answers: str
-    id: str
+    context: str = "context"
+    question: str = "question"
+    answers: str = "answers"
+    id: str = "id"
 
 
 Row = tuple[str, str, dict | BadRow]  # (location, generated id, record)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore.errors import EntryNotFoundError
 from kvstore.store.keyspace import is_key
-from kvstore.store.removal import GcReport, execute_plan  # re-exported: execute_plan lived here
+from kvstore.store.removal import GcPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.scan import ContextInfo, StoreInfo
@@ -28,33 +28,6 @@ DEFAULT_GRACE_SECONDS = 3600.0
 SAFE_GRACE_SECONDS = 600.0
 
 
-@dataclass(frozen=True)
-class GcPlan:
-    """What to remove and why; nothing is removed until :func:`execute_plan`. ``contexts``:
-    context records ``(key, reason, logical bytes)``; ``remove``: entries ``(key, reason, stored
-    bytes)`` (chunks no kept context uses, format-1 entries, corrupt entries)."""
-
-    remove: tuple[tuple[str, str, int], ...]
-    keep_bytes: int  # stored bytes of the intact entries left afterwards
-    contexts: tuple[tuple[str, str, int], ...] = ()
-    # what the scan saw, checked again by execution before anything goes:
-    chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict, compare=False)  # planned context -> chunks
-    seen: Mapping[str, float] = field(default_factory=dict, compare=False)  # entry -> recorded last use
-    kept_contexts: frozenset[str] = field(default=frozenset(), compare=False)  # contexts the plan keeps
-    corrupt: frozenset[str] = field(default=frozenset(), compare=False)  # entries planned as corrupt
-    broken: frozenset[str] = field(default=frozenset(), compare=False)  # contexts planned as broken
-    # bad copies in a local tier, to drop from the tier only (the remote's copies are intact)
-    local: tuple[tuple[str, str, int], ...] = ()
-
-    @property
-    def n(self) -> int:
-        return len(self.remove) + len([c for c in self.contexts if c[0] not in {r[0] for r in self.remove}])
-
-    @property
-    def freed_bytes(self) -> int:
-        return sum(r[2] for r in self.remove)
-
-
 def _age_str(seconds: float) -> str:
     if seconds < 2 * 3600:
         return f"{seconds / 60:.0f} minutes"
@@ -63,19 +36,24 @@ def _age_str(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-def plan_gc(
-    info: StoreInfo,
-    *,
-    corrupt: bool = False,
-    model: str | None = None,
-    older_than: float | None = None,
-    max_bytes: int | None = None,
-    keys: Sequence[str] = (),
-    orphans: bool = False,
-    grace: float = DEFAULT_GRACE_SECONDS,
-    now: float | None = None,
-) -> GcPlan:
-    """Choose contexts and entries to remove from a scan (see :func:`execute_plan`).
+@dataclass(frozen=True)
+class GcOptions:
+    """What :func:`plan_gc` removes (the ``kvstore gc`` / ``kvstore rm`` options): ``corrupt``,
+    ``model``, ``older_than`` (seconds), ``max_bytes``, ``keys`` (key prefixes), ``orphans`` and
+    their ``grace`` (seconds)."""
+
+    corrupt: bool = False
+    model: str | None = None
+    older_than: float | None = None
+    max_bytes: int | None = None
+    keys: Sequence[str] = ()
+    orphans: bool = False
+    grace: float = DEFAULT_GRACE_SECONDS
+
+
+def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | None = None) -> GcPlan:
+    """Choose contexts and entries to remove from a scan (see
+    :func:`kvstore.store.removal.execute_plan`), as ``options`` (:class:`GcOptions`) say.
 
     ``model`` and ``keys`` narrow which contexts may go (the *scope*): contexts whose fingerprint
     starts with ``model`` or whose model name equals it, and whose key starts with one of ``keys``
@@ -92,6 +70,9 @@ def plan_gc(
 
     Raises EntryNotFoundError when a key prefix matches nothing.
     """
+    opts = options if options is not None else GcOptions()
+    corrupt, model, older_than, max_bytes = opts.corrupt, opts.model, opts.older_than, opts.max_bytes
+    keys, orphans, grace = opts.keys, opts.orphans, opts.grace
     now = time.time() if now is None else now
     contexts = {c.key: c for c in info.contexts}
     entries = {e.key: e for e in info.entries}
@@ -188,4 +169,4 @@ def _broken_by_absence(chunks: Sequence[str], entries: Mapping, corrupt: set[str
     return ""
 
 
-__all__ = ["DEFAULT_GRACE_SECONDS", "SAFE_GRACE_SECONDS", "GcPlan", "GcReport", "execute_plan", "plan_gc"]
+__all__ = ["DEFAULT_GRACE_SECONDS", "SAFE_GRACE_SECONDS", "GcOptions", "plan_gc"]

@@ -1,4 +1,4 @@
-"""Executing a removal plan (:class:`kvstore.store.gc.GcPlan`) without losing what is in use.
+"""Executing a removal plan (:class:`GcPlan`, made by :func:`kvstore.store.gc.plan_gc`) without losing what is in use.
 
 A plan is made from a scan and may wait (at a prompt, behind a long listing) while builds run. A
 build records a context in three steps (:meth:`kvstore.store.kvstore.KVStore.put_context`): it
@@ -24,7 +24,7 @@ check and the delete finds it missing and computes it again.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.errors import CorruptEntryError, FormatVersionError, ReadOnlyStoreError
@@ -32,7 +32,6 @@ from kvstore.store.entry import decode_entry
 from kvstore.store.keyspace import access_key, entry_key, record_key
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.store.gc import GcPlan
     from kvstore.store.kvstore import KVStore
 
 BATCH_KEYS = 256  # entries checked, held and deleted together
@@ -40,6 +39,33 @@ BATCH_BYTES = 256 << 20  # ... and at most this many bytes of them (one larger e
 
 # (keys, their values as read) -> {key that must stay: why}
 Busy = Callable[[Sequence[str], Mapping[str, bytes]], dict[str, str]]
+
+
+@dataclass(frozen=True)
+class GcPlan:
+    """What to remove and why; nothing is removed until :func:`execute_plan`. ``contexts``:
+    context records ``(key, reason, logical bytes)``; ``remove``: entries ``(key, reason, stored
+    bytes)`` (chunks no kept context uses, format-1 entries, corrupt entries)."""
+
+    remove: tuple[tuple[str, str, int], ...]
+    keep_bytes: int  # stored bytes of the intact entries left afterwards
+    contexts: tuple[tuple[str, str, int], ...] = ()
+    # what the scan saw, checked again by execution before anything goes:
+    chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict, compare=False)  # planned context -> chunks
+    seen: Mapping[str, float] = field(default_factory=dict, compare=False)  # entry -> recorded last use
+    kept_contexts: frozenset[str] = field(default=frozenset(), compare=False)  # contexts the plan keeps
+    corrupt: frozenset[str] = field(default=frozenset(), compare=False)  # entries planned as corrupt
+    broken: frozenset[str] = field(default=frozenset(), compare=False)  # contexts planned as broken
+    # bad copies in a local tier, to drop from the tier only (the remote's copies are intact)
+    local: tuple[tuple[str, str, int], ...] = ()
+
+    @property
+    def n(self) -> int:
+        return len(self.remove) + len([c for c in self.contexts if c[0] not in {r[0] for r in self.remove}])
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(r[2] for r in self.remove)
 
 
 @dataclass(frozen=True)
@@ -158,4 +184,4 @@ def _batches(keys: list[str], sizes: Mapping[str, int]) -> Iterator[list[str]]:
         yield batch
 
 
-__all__ = ["BATCH_BYTES", "BATCH_KEYS", "GcReport", "execute_plan"]
+__all__ = ["BATCH_BYTES", "BATCH_KEYS", "GcPlan", "GcReport", "execute_plan"]

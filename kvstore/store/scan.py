@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.progress import Progress
-from kvstore.store.gc import DEFAULT_GRACE_SECONDS, GcPlan, execute_plan, plan_gc  # re-exported: they lived here
 from kvstore.store.keyspace import RECORD, entry_key, is_key, key_of
-from kvstore.store.summary import GroupStats, summarize  # re-exported: it lived here
 from kvstore.units import human_bytes, human_time
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.store.backends.base import Backend
+    from kvstore.store.codecs import Codec
     from kvstore.store.header import EntryHeader
-    from kvstore.store.kvstore import KVStore
+    from kvstore.store.meta import StoreMeta
 
 
 @dataclass(frozen=True)
@@ -303,7 +303,31 @@ class StoreInfo:
         return human_bytes(self.stored_bytes)
 
 
-def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:
+class ScannedStore(Protocol):
+    """What :func:`scan_store` reads of a store (a :class:`kvstore.store.kvstore.KVStore`; the
+    interface keeps this module below the store, which calls it)."""
+
+    backend: Backend
+    url: str
+    meta: StoreMeta
+    codec: Codec
+
+    @property
+    def format(self) -> int: ...
+
+    @property
+    def chunk_tokens(self) -> int: ...
+
+    def keys(self) -> list[str]: ...
+
+    def peek_header(self, key: str, *, origin: bool = False) -> tuple[EntryHeader, int] | None: ...
+
+    def recorded_access(self, keys: Any = None) -> dict[str, float]: ...
+
+    def last_access(self, recorded: dict[str, float] | None = None) -> dict[str, float]: ...
+
+
+def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:
     """See :meth:`KVStore.scan`. Through a local tier the remote's copy of an entry is what counts:
     a bad copy in the tier is listed in ``local_corrupt``, not in ``corrupt``."""
     recorded = store.recorded_access()
@@ -356,7 +380,7 @@ def scan_store(store: KVStore, *, verify: bool = False, progress: Progress | Non
     )
 
 
-def _records(store: KVStore) -> tuple[list[ContextRecord], tuple[CorruptInfo, ...]]:
+def _records(store: ScannedStore) -> tuple[list[ContextRecord], tuple[CorruptInfo, ...]]:
     """Every context record that reads, and the malformed ones (``key``, what is wrong, size)."""
     records, malformed = [], []
     names = list(store.backend.keys(RECORD))
@@ -372,7 +396,7 @@ def _records(store: KVStore) -> tuple[list[ContextRecord], tuple[CorruptInfo, ..
 
 
 def _read_entry(
-    store: KVStore, key: str, verify: bool, local_bad: list[CorruptInfo] | None
+    store: ScannedStore, key: str, verify: bool, local_bad: list[CorruptInfo] | None
 ) -> tuple[EntryHeader, int] | None:
     """(header, stored size) of an entry, or None when it is gone; raises CorruptEntryError or
     FormatVersionError for the copy that counts. ``verify``: every byte of the origin's copy
@@ -439,17 +463,12 @@ def _context(key, chunks, n_tokens, created, entries: dict[str, EntryInfo], acce
 
 
 __all__ = [
-    "DEFAULT_GRACE_SECONDS",
     "ContextInfo",
     "ContextRecord",
     "CorruptInfo",
     "EntryInfo",
-    "GcPlan",
-    "GroupStats",
+    "ScannedStore",
     "StoreInfo",
     "chain_problem",
-    "execute_plan",
-    "plan_gc",
     "scan_store",
-    "summarize",
 ]

@@ -15,6 +15,7 @@ import pytest
 
 from helpers.paths import FIXTURES, REPO
 from kvstore.data.datasets import Dataset, Example, load_dataset
+from kvstore.data.readers import Fields
 from kvstore.errors import DatasetError, KVStoreError
 
 ROOT = REPO
@@ -77,7 +78,7 @@ def test_custom_field_names_and_limit(tmp_path: Path) -> None:
         tmp_path / "qa.jsonl",
         *({"doc": f"Document {i}.", "q": f"Question {i}?", "gold": str(i), "key": f"k{i}"} for i in range(5)),
     )
-    dataset = load_dataset(path, context_field="doc", question_field="q", answers_field="gold", id_field="key", limit=2)
+    dataset = load_dataset(path, Fields("doc", "q", "gold", "key"), limit=2)
     assert [example.id for example in dataset] == ["k0", "k1"]
     assert dataset.examples[1] == Example("k1", "Document 1.", "Question 1?", ("1",))
 
@@ -287,8 +288,8 @@ def test_csv_header_must_name_the_columns(tmp_path: Path) -> None:
         f"{path}:1: no column 'context' in the header (columns: doc, q, answers); name another column with "
         "--context-field"
     )
-    assert load_dataset(path, context_field="doc", question_field="q").examples[0].question == "A question?"
-    assert load_dataset(path, context_field="doc", question_field="missing", require_question=False)
+    assert load_dataset(path, Fields("doc", "q")).examples[0].question == "A question?"
+    assert load_dataset(path, Fields("doc", "missing"), require_question=False)
     path.write_text("context,context\nx,y\n", "utf-8")
     assert "appears twice" in error_of(path)
 

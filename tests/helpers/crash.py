@@ -51,14 +51,15 @@ def op_build(url: str, args: dict, wrap: Callable) -> None:
 def op_remove(url: str, args: dict, wrap: Callable) -> None:
     """``kvstore rm KEY`` (``args["keys"]``) or ``kvstore gc`` (``args["gc"]``: plan_gc's options)."""
     from kvstore.errors import EntryNotFoundError
-    from kvstore.store.gc import execute_plan, plan_gc
+    from kvstore.store.gc import GcOptions, plan_gc
     from kvstore.store.kvstore import KVStore
+    from kvstore.store.removal import execute_plan
 
     with KVStore(url) as store:
         gc = args.get("gc")
         info = store.verify() if gc and gc.get("corrupt") else store.scan()
         try:
-            plan = plan_gc(info, **gc) if gc else plan_gc(info, keys=args["keys"])
+            plan = plan_gc(info, GcOptions(**gc)) if gc else plan_gc(info, GcOptions(keys=args["keys"]))
         except EntryNotFoundError:  # rm run again after a crash past its deletes: nothing by that key is left
             return
         store.backend = wrap(store.backend)

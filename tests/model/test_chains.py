@@ -20,9 +20,10 @@ from helpers.tiny import make_tiny_model
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning
 from kvstore.model.adapter import Adapter
 from kvstore.store.entry import decode_entry
-from kvstore.store.gc import execute_plan, plan_gc
+from kvstore.store.gc import GcOptions, plan_gc
 from kvstore.store.keys import cache_key
 from kvstore.store.kvstore import KVStore
+from kvstore.store.removal import execute_plan
 
 CHUNK = 8
 N_NEW = 6
@@ -228,7 +229,7 @@ def test_rm_keeps_shared_chunks_and_gc_collects_orphans_after_the_grace(llama, t
         adapter.generate_kv_cache([a, b], store)
         pa, pb = adapter.plan(a, store), adapter.plan(b, store)
         assert pa.keys[:2] == pb.keys[:2] and len(store) == 2 + 2 + 2
-        plan = plan_gc(store.scan(), keys=[pa.key[:10]])
+        plan = plan_gc(store.scan(), GcOptions(keys=[pa.key[:10]]))
         assert {k for k, _, _ in plan.remove} == set(pa.keys[2:])  # the shared head stays for b
         assert len(execute_plan(store, plan).entries) == 2
         assert store.context_keys() == [pb.key] and all(k in store for k in pb.keys)
@@ -238,8 +239,8 @@ def test_rm_keeps_shared_chunks_and_gc_collects_orphans_after_the_grace(llama, t
         store.delete_many([], contexts=[orphan.key])
         info = store.scan()
         assert [e.key for e in info.orphans] == [orphan.key]
-        assert plan_gc(info, orphans=True, grace=3600).remove == ()
-        later = plan_gc(info, orphans=True, grace=3600, now=time.time() + 7200)
+        assert plan_gc(info, GcOptions(orphans=True, grace=3600)).remove == ()
+        later = plan_gc(info, GcOptions(orphans=True, grace=3600), now=time.time() + 7200)
         assert {k for k, _, _ in later.remove} == {orphan.key}
 
 

@@ -15,8 +15,9 @@ import pytest
 
 from helpers.entries import make_chain, store_chain
 from helpers.hooked import Hooked
-from kvstore.store.gc import execute_plan, plan_gc
+from kvstore.store.gc import GcOptions, plan_gc
 from kvstore.store.kvstore import KVStore
+from kvstore.store.removal import execute_plan
 
 LATER = 7200.0  # plans made "two hours later": every orphan is past the default grace
 
@@ -72,7 +73,7 @@ def assert_intact(url: str, *chains) -> None:
 
 
 def plan_orphans(store: KVStore):
-    return plan_gc(store.scan(), orphans=True, now=time.time() + LATER)
+    return plan_gc(store.scan(), GcOptions(orphans=True), now=time.time() + LATER)
 
 
 def s3(url: str) -> bool:
@@ -135,7 +136,7 @@ def test_rm_removes_records_before_the_chunks_they_name(local_url):
     with KVStore(local_url) as s:
         store_chain(s, a)
         store_chain(s, b)
-        plan = plan_gc(s.scan(), keys=[a[-1].key[:12]])
+        plan = plan_gc(s.scan(), GcOptions(keys=[a[-1].key[:12]]))
         assert {k for k, _, _ in plan.remove} == set(keys(a)[1:])  # the shared head stays for b
         s.backend = Hooked(s.backend, lambda op, names, when: order.extend(n[:2] for n in names if when == "before"),
                            per_object=True)  # fmt: skip
@@ -151,7 +152,7 @@ def test_rm_keeps_a_context_used_since_the_plan(local_url):
     with KVStore(local_url) as s:
         store_chain(s, a)
         store_chain(s, b)
-        plan = plan_gc(s.scan(), keys=[a[-1].key[:12]])
+        plan = plan_gc(s.scan(), GcOptions(keys=[a[-1].key[:12]]))
         with KVStore(local_url) as reader:
             reader.touch([a[-1].key])  # a sample used it while the question waited
         report = execute_plan(s, plan)
@@ -168,7 +169,7 @@ def test_gc_corrupt_removes_a_context_whose_chunk_is_missing(local_url):
         store_chain(s, a)
         store_chain(s, b)
         s.backend.delete(b"e/" + a[1].key.encode())
-        plan = plan_gc(s.verify(), corrupt=True)
+        plan = plan_gc(s.verify(), GcOptions(corrupt=True))
         assert [(k, why) for k, why, _ in plan.contexts] == [(a[-1].key, f"chunk 2 of 4 ({a[1].key[:12]}) is missing")]
         report = execute_plan(s, plan)
         assert report.contexts == (a[-1].key,)
@@ -181,7 +182,7 @@ def test_gc_corrupt_keeps_a_broken_context_repaired_since_the_plan(local_url):
     with KVStore(local_url) as s:
         store_chain(s, a)
         s.backend.delete(b"e/" + a[1].key.encode())
-        plan = plan_gc(s.verify(), corrupt=True)
+        plan = plan_gc(s.verify(), GcOptions(corrupt=True))
         with KVStore(local_url) as build:  # a build computes the missing chunk again and records the context
             build.put(a[1])
             assert record(build, a) == ()
@@ -197,7 +198,7 @@ def test_gc_corrupt_keeps_an_entry_repaired_since_the_plan(local_url):
         raw = bytearray(s.backend.get(b"e/" + a[2].key.encode()))
         raw[-20] ^= 0xFF
         s.backend.put(b"e/" + a[2].key.encode(), bytes(raw))
-        plan = plan_gc(s.verify(), corrupt=True)
+        plan = plan_gc(s.verify(), GcOptions(corrupt=True))
         assert {k for k, _, _ in plan.remove} == {a[2].key}
         with KVStore(local_url) as build:  # a writable sample found it corrupt and wrote it again
             build.put_bytes(a[2].key, build.encode(a[2]))
@@ -220,7 +221,7 @@ def test_a_build_computes_again_the_chunks_a_gc_took_before_its_record(tiny_llam
     def gc_then_record(self, key, chunks, n_tokens):
         if not removed:
             with KVStore(url) as gc:
-                removed.extend(execute_plan(gc, plan_gc(gc.scan(), orphans=True, grace=0.0)).entries)
+                removed.extend(execute_plan(gc, plan_gc(gc.scan(), GcOptions(orphans=True, grace=0.0))).entries)
         return real(self, key, chunks, n_tokens)
 
     monkeypatch.setattr(KVStore, "put_context", gc_then_record)

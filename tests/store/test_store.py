@@ -24,10 +24,11 @@ from kvstore.errors import (
 from kvstore.store import scan
 from kvstore.store.codecs import DEFAULT_CODEC
 from kvstore.store.entry import Entry
-from kvstore.store.gc import execute_plan, plan_gc
+from kvstore.store.gc import GcOptions, plan_gc
 from kvstore.store.header import STORE_FORMAT, EntryHeader, LayerSpec
 from kvstore.store.keys import cache_key, chain_keys, chain_seed
 from kvstore.store.kvstore import KVStore
+from kvstore.store.removal import execute_plan
 from kvstore.store.scan import CorruptInfo, EntryInfo, StoreInfo
 
 FP_A = "a" * 64
@@ -354,63 +355,64 @@ def sample_info() -> StoreInfo:
 def test_plan_nothing(sample_info):
     plan = plan_gc(sample_info, now=NOW)
     assert plan.n == 0 and plan.freed_bytes == 0 and plan.keep_bytes == 1500
-    assert removed(plan_gc(sample_info, orphans=True, now=NOW)) == set()  # every chunk is used
+    assert removed(plan_gc(sample_info, GcOptions(orphans=True), now=NOW)) == set()  # every chunk is used
 
 
 def test_plan_corrupt(sample_info):
-    plan = plan_gc(sample_info, corrupt=True, now=NOW)
+    plan = plan_gc(sample_info, GcOptions(corrupt=True), now=NOW)
     assert plan.remove == (("dd01", "corrupt: entry checksum mismatch", 50),)
     assert plan.keep_bytes == 1500
 
 
 def test_plan_by_model(sample_info):
-    assert removed(plan_gc(sample_info, model="other", now=NOW)) == {"bb01", "bb02"}
-    assert removed(plan_gc(sample_info, model="bbbb", now=NOW)) == {"bb01", "bb02"}  # fingerprint prefix
-    assert removed(plan_gc(sample_info, model="nope", now=NOW)) == set()
-    assert plan_gc(sample_info, model="other", now=NOW).freed_bytes == 700
+    assert removed(plan_gc(sample_info, GcOptions(model="other"), now=NOW)) == {"bb01", "bb02"}
+    assert removed(plan_gc(sample_info, GcOptions(model="bbbb"), now=NOW)) == {"bb01", "bb02"}  # fingerprint prefix
+    assert removed(plan_gc(sample_info, GcOptions(model="nope"), now=NOW)) == set()
+    assert plan_gc(sample_info, GcOptions(model="other"), now=NOW).freed_bytes == 700
 
 
 def test_plan_by_age(sample_info):
-    plan = plan_gc(sample_info, older_than=30 * DAY, now=NOW)
+    plan = plan_gc(sample_info, GcOptions(older_than=30 * DAY), now=NOW)
     assert removed(plan) == {"aa02", "bb02"}  # last used 40 days ago; never used, created 100 days ago
     assert all("unused for" in why for _, why, _ in plan.remove)
-    assert removed(plan_gc(sample_info, older_than=7 * DAY, now=NOW)) == {"aa02", "bb02", "cc01"}
+    assert removed(plan_gc(sample_info, GcOptions(older_than=7 * DAY), now=NOW)) == {"aa02", "bb02", "cc01"}
 
 
 def test_plan_size_budget_least_recently_used_first(sample_info):
-    plan = plan_gc(sample_info, max_bytes=1000, now=NOW)
+    plan = plan_gc(sample_info, GcOptions(max_bytes=1000), now=NOW)
     assert [k for k, _, _ in plan.remove] == ["bb02", "aa02"]  # LRU order: 100 days, then 40
     assert [k for k, _, _ in plan.contexts] == ["bb02", "aa02"]
     assert plan.keep_bytes == 900 <= 1000
-    assert removed(plan_gc(sample_info, max_bytes=1500, now=NOW)) == set()
-    assert [k for k, _, _ in plan_gc(sample_info, max_bytes=0, now=NOW).remove] == [
+    assert removed(plan_gc(sample_info, GcOptions(max_bytes=1500), now=NOW)) == set()
+    assert [k for k, _, _ in plan_gc(sample_info, GcOptions(max_bytes=0), now=NOW).remove] == [
         "bb02",
         "aa02",
         "cc01",
         "bb01",
         "aa01",
     ]
-    plan = plan_gc(sample_info, max_bytes=1100, older_than=30 * DAY, corrupt=True, now=NOW)  # criteria add up
+    # the criteria add up
+    plan = plan_gc(sample_info, GcOptions(max_bytes=1100, older_than=30 * DAY, corrupt=True), now=NOW)
     assert removed(plan) == {"dd01", "aa02", "bb02"} and plan.keep_bytes == 900
 
 
 def test_plan_model_narrows_the_other_criteria(sample_info):
     # "remove other's old entries", not "remove other's entries and everyone's old ones"
-    assert removed(plan_gc(sample_info, model="other", older_than=30 * DAY, now=NOW)) == {"bb02"}
+    assert removed(plan_gc(sample_info, GcOptions(model="other", older_than=30 * DAY), now=NOW)) == {"bb02"}
     # a budget for one model: only its entries are candidates, and only they must fit
-    assert removed(plan_gc(sample_info, model="tiny", max_bytes=600, now=NOW)) == {"aa02"}
+    assert removed(plan_gc(sample_info, GcOptions(model="tiny", max_bytes=600), now=NOW)) == {"aa02"}
     # a corrupt entry's model is unknown: --corrupt is not narrowed by model
-    assert removed(plan_gc(sample_info, model="other", corrupt=True, now=NOW)) == {"dd01"}
+    assert removed(plan_gc(sample_info, GcOptions(model="other", corrupt=True), now=NOW)) == {"dd01"}
 
 
 def test_plan_by_keys(sample_info):
-    assert removed(plan_gc(sample_info, keys=["aa"], now=NOW)) == {"aa01", "aa02"}
-    assert removed(plan_gc(sample_info, keys=["aa01", "cc"], now=NOW)) == {"aa01", "cc01"}
-    assert removed(plan_gc(sample_info, keys=["dd"], now=NOW)) == {"dd01"}  # corrupt entries by key
-    assert removed(plan_gc(sample_info, keys=["aa"], older_than=30 * DAY, now=NOW)) == {"aa02"}
-    assert removed(plan_gc(sample_info, keys=["aa"], model="other", now=NOW)) == set()
+    assert removed(plan_gc(sample_info, GcOptions(keys=["aa"]), now=NOW)) == {"aa01", "aa02"}
+    assert removed(plan_gc(sample_info, GcOptions(keys=["aa01", "cc"]), now=NOW)) == {"aa01", "cc01"}
+    assert removed(plan_gc(sample_info, GcOptions(keys=["dd"]), now=NOW)) == {"dd01"}  # corrupt entries by key
+    assert removed(plan_gc(sample_info, GcOptions(keys=["aa"], older_than=30 * DAY), now=NOW)) == {"aa02"}
+    assert removed(plan_gc(sample_info, GcOptions(keys=["aa"], model="other"), now=NOW)) == set()
     with pytest.raises(EntryNotFoundError, match="ff"):
-        plan_gc(sample_info, keys=["aa", "ff"], now=NOW)
+        plan_gc(sample_info, GcOptions(keys=["aa", "ff"]), now=NOW)
 
 
 def test_execute_plan(url):
@@ -420,7 +422,7 @@ def test_execute_plan(url):
             s.put(e)
             s.put_context(e.key, [e.key], e.n_tokens)
         flip(s, entries[0].key, -20)
-        plan = plan_gc(s.verify(), corrupt=True, older_than=2.5 * DAY)
+        plan = plan_gc(s.verify(), GcOptions(corrupt=True, older_than=2.5 * DAY))
         assert removed(plan) == {entries[0].key, entries[3].key}
         assert len(execute_plan(s, plan).entries) == 2
         assert sorted(s.keys()) == sorted(e.key for e in entries[1:3])
