@@ -26,7 +26,10 @@ CI). Steps:
    computed by another transformers version), with the largest relative gap seen.
 3. **answers**: the contexts built into a store, then one :meth:`Adapter.sweep` of ``dense`` and
    every press/ratio over the same context and question ids: rows whose tokens equal kvpress's
-   (``answers_identical``), and the fraction of kvpress's answer tokens matched step by step.
+   (``answers_identical``), and the fraction of kvpress's answer tokens matched step by step. Every
+   row whose answer differs is replayed with plain transformers (a dense prefill, each head's kept
+   positions gathered, the question at ``c + j``, greedy) once with kvpress's kept sets and once with
+   kvstore's (``notes.differing_answers_replayed``): which choice of tokens gives which answer.
 
 Command (from the repository root; the suite ``press_kvpress``: ``python -m experiments run
 press_kvpress [ARGS]`` writes ``press_kvpress.json`` into experiments/results/; run by hand it writes to
@@ -176,6 +179,53 @@ def compare_answers(reference: dict, results: dict) -> dict[str, dict]:
     return out
 
 
+def replay(adapter, ctx: list[int], question: list[int], kept_sets: list[list[list[int]]]) -> list[int]:
+    """The answer over ``ctx``'s dense prefill (the model's own forward into a ``DynamicCache``) with
+    every (layer, head) keeping the positions ``kept_sets[layer][head]`` (position order), then the
+    question at ``c + j`` and greedy decoding (``bench_press_sweep.answer``): whose choice of kept
+    tokens gives which answer, with nothing else of either implementation involved."""
+    import torch
+    from bench_press_sweep import answer
+    from transformers import DynamicCache
+
+    cache_arg = adapter.handle.layout.cache_arg
+    cache = DynamicCache()
+    with torch.inference_mode():
+        adapter.model.model(input_ids=torch.tensor([ctx]), use_cache=True, **{cache_arg: cache})
+    for layer, heads in zip(cache.layers, kept_sets):
+        idx = torch.tensor([sorted(h) for h in heads])  # [kv_heads, n]
+        keys, values = layer.keys[0], layer.values[0]
+        layer.keys = keys.gather(1, idx[..., None].expand(-1, -1, keys.shape[-1]))[None].contiguous()
+        layer.values = values.gather(1, idx[..., None].expand(-1, -1, values.shape[-1]))[None].contiguous()
+    return answer(adapter.model, cache, len(ctx), question, N_NEW, set(adapter.eos_ids), cache_arg)
+
+
+def replay_differences(adapter, reference: dict, results: dict, mine: dict) -> list[dict]:
+    """For every row whose answer differs from kvpress's: the answers :func:`replay` gives with
+    kvpress's kept sets and with kvstore's, and which answer each equals."""
+    from kvstore.model.press.spec import parse_press
+
+    out = []
+    for i, row in enumerate(reference["rows"]):
+        for run in row["runs"]:
+            spec = parse_press(f"{run['press']}:{run['ratio']}").name
+            res = results[spec]
+            kvstore_answer = res.tokens[i, : res.lengths[i]].tolist()
+            if kvstore_answer == run["answer_ids"]:
+                continue
+            sets = mine[tuple(row["context_ids"])][spec][0]
+            with_theirs = replay(adapter, row["context_ids"], row["question_ids"], run["kept"])
+            with_mine = replay(adapter, row["context_ids"], row["question_ids"], [[sorted(h) for h in layer]
+                                                                                 for layer in sets])  # fmt: skip
+            differ = [[layer, h] for layer, heads in enumerate(run["kept"]) for h, theirs in enumerate(heads)
+                      if set(theirs) != sets[layer][h]]  # fmt: skip
+            out.append({"id": row["id"], "variant": spec, "sets_differing": differ,
+                        "kvpress_answer": run["answer_text"], "kvstore_answer": adapter.decode(kvstore_answer),
+                        "replay_with_kvpress_sets_equals_kvpress": with_theirs == run["answer_ids"],
+                        "replay_with_kvstore_sets_equals_kvstore": with_mine == kvstore_answer})  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kvpress-python", default=KVPRESS_PYTHON)
@@ -240,6 +290,7 @@ def main() -> None:
         results = adapter.sweep(contexts, asked, variants=["dense", *specs], store=store, num_new_tokens=N_NEW,
                                 stop_at_eos=True, batch_size=8)  # fmt: skip
     answers = compare_answers(reference, results)
+    replayed = replay_differences(adapter, reference, results, mine)
     rows = []
     for r in kept_rows:
         spec = parse_press(f"{r['press']}:{r['ratio']}").name
@@ -259,11 +310,13 @@ def main() -> None:
         "kvpress_meta": {k: meta[k] for k in ("kvpress_version", "transformers_version", "torch_version",
                                               "attn_implementation", "presses", "pipeline")},  # fmt: skip
         "reference_file": str(ref_path),
-        "kvpress_s": kvpress_s,
+        "kvpress_s": kvpress_s,  # this run's kvpress_reference.py (None: --reference given)
+        "kvpress_pipeline_s": sum(x["seconds"] for r in reference["rows"] for x in [r["dense"], *r["runs"]]),
         "kvstore_kept_s": kept_s,
         "ids_equal_kvstore_prompt": same_ids,
         "context_tokens": [len(c) for c in distinct],
         "question_ids": [q["id"] for q in questions],
+        "differing_answers_replayed": replayed,
         "dense": {"rows": d["rows"], "answers_identical": d["answers_identical"],
                   "answer_tokens_agree": d["tokens_agree"] / d["tokens"], "differing_rows": d["differing_rows"]},
         "answers": {"kvpress": {"dense": [r["dense"]["answer_text"] for r in reference["rows"]]},

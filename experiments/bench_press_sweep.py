@@ -22,10 +22,12 @@ tokens, stopping at EOS, under 8 variants: ``dense``, ``knorm:0.5``, ``knorm:0.7
 Checked: every variant's answers are token for token the same both ways (the run fails otherwise).
 Timed, interleaved (a kvstore sweep, then the kvpress way, ``--repeats`` times, after one untimed
 warm-up sweep): total seconds each way (min / median / max) and their ratio (goal: the sweep costs at
-most 1/4 of the kvpress way; moonshot 1/6). Decode steps (``steps``): each variant of
-``--step-variants`` swept alone ``--repeats`` times, the time of every one-token forward (a greedy
-step of the whole batch) recorded by forward hooks on the model: min / median / max per variant,
-and the median's ratio to dense's.
+most 1/4 of the kvpress way; moonshot 1/6), and where the time went: the sweep's variants' question
+forwards and decode steps (``sweep_decode_s``), the kvpress way's pressed prefills and its questions
+answered one row at a time (``kvpress_way_prefill_s``, ``kvpress_way_answer_s``). Decode steps
+(``step_s``): each variant of ``--step-variants`` swept alone ``--repeats`` times, the time of every
+one-token forward (a greedy step of the whole batch) recorded by forward hooks on the model: min /
+median / max per variant, and the median's ratio to dense's.
 
 Command (from the repository root; the suite ``press_sweep``: ``python -m experiments run press_sweep
 [ARGS]`` writes ``press_sweep.json`` into experiments/results/; run by hand it writes to cache/bench/raw/)::
@@ -151,22 +153,28 @@ def answer(model, cache, c: int, question: list[int], n_new: int, eos: set[int],
     return out
 
 
-def kvpress_way(adapter, contexts: list[list[int]], questions: list[list[list[int]]], variants) -> dict:
+def kvpress_way(adapter, contexts: list[list[int]], questions: list[list[list[int]]], variants) -> tuple[dict, dict]:
     """Every variant's answers the kvpress way: per variant, per context, one pressed prefill, then its
-    questions. ``{variant: [tokens per row, rows in context order]}``."""
+    questions. ``({variant: [tokens per row, rows in context order]}, {"prefill_s", "answer_s"})``:
+    the seconds spent in the pressed prefills and in the questions' forwards and decode steps."""
     from kvstore.model.variants.variant import parse_variant
 
     # cache_arg: the name the model's forward takes its cache by (as kvstore passes it)
     model, eos, cache_arg = adapter.model, set(adapter.eos_ids), adapter.handle.layout.cache_arg
     out = {}
+    spent = {"prefill_s": 0.0, "answer_s": 0.0}
     for name in variants:
         press = parse_variant(name).press
         got = []
         for ctx, qs in zip(contexts, questions):
+            t0 = time.perf_counter()
             cache, c = pressed_prefill(model, ctx, press, cache_arg)
+            t1 = time.perf_counter()
             got += [answer(model, cache, c, q, N_NEW, eos, cache_arg) for q in qs]
+            spent["prefill_s"] += t1 - t0
+            spent["answer_s"] += time.perf_counter() - t1
         out[name] = got
-    return out
+    return out, spent
 
 
 def main() -> None:
@@ -223,11 +231,17 @@ def main() -> None:
         kvpress_s: list[float] = []
         theirs: dict = {}
         order = [i for t in ctx_of for i, r in enumerate(rows) if r["context"] == t]  # rows in context order
+        sweep_decode_s: list[float] = []
+        kvpress_parts: list[dict] = []
         for rep in range(args.repeats):
-            sweep_s += bl.repeat(sweep, 1, warmup=0)
             t0 = time.perf_counter()
-            got = kvpress_way(adapter, distinct, per_context, variants)
+            timed = sweep()
+            sweep_s.append(time.perf_counter() - t0)
+            sweep_decode_s.append(sum(r.decode_seconds for r in timed.values()))
+            t0 = time.perf_counter()
+            got, parts = kvpress_way(adapter, distinct, per_context, variants)
             kvpress_s.append(time.perf_counter() - t0)
+            kvpress_parts.append(parts)
             theirs = theirs or {v: {i: got[v][k] for k, i in enumerate(order)} for v in variants}
             print(f"  repeat {rep + 1}: sweep {sweep_s[-1]:.1f} s, the kvpress way {kvpress_s[-1]:.1f} s "
                   f"(load {bl.loadavg()[0]})", flush=True)  # fmt: skip
@@ -279,6 +293,11 @@ def main() -> None:
         "moonshot_sixth_met": sw["median"] / kp["median"] <= 1 / 6,
         "sweep_runs_s": sweep_s,
         "kvpress_way_runs_s": kvpress_s,
+        # where the time went: the variants' question forwards and decode steps (batched) in the sweep;
+        # the pressed prefills and the questions (one row at a time) the kvpress way
+        "sweep_decode_s": bl.summarize(sweep_decode_s),
+        "kvpress_way_prefill_s": bl.summarize([p["prefill_s"] for p in kvpress_parts]),
+        "kvpress_way_answer_s": bl.summarize([p["answer_s"] for p in kvpress_parts]),
         "window_tokens_computed": results[variants[0]].window_tokens_computed,
         "all_identical": all(r["identical"] for r in per_variant),
         "step_batch_rows": len(rows),
