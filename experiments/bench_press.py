@@ -11,16 +11,18 @@ each press (``knorm``, ``streaming_llm``, ``random``, ``keydiff``, ``snapkv``, `
 12 new tokens, stopping at EOS.
 
 Per variant (one row each): ``accuracy`` (lenient), ``contains``, ``exact_match``, ``f1``
-(:mod:`kvstore.data.metrics`), ``rows_identical`` (rows whose tokens equal dense's),
-``tokens_agree`` (of dense's generated tokens, the fraction the variant generated at the same step),
+(:mod:`kvstore.data.metrics`), ``rows_identical`` (rows whose tokens equal dense's), ``tokens_agree``
+(of dense's generated tokens, the fraction the variant generated at the same step),
 ``first_token_agree``, ``kept_frac`` (mean over rows of kept / context tokens), ``cache_bytes`` (keys
-and values answered over, summed over rows) and ``cache_vs_dense``, ``decode_s`` (the variant's
-question forwards and decode steps, every batch) and ``tokens_per_s`` (generated tokens /
-``decode_s``), ``window_tokens`` (context tokens the observation windows re-ran, shared by the
-whole sweep). The plot (``press_accuracy.png``, in docs/img/ through the suite): accuracy as
-``contains`` (SmolLM2 answers in sentences, which lenient matching seldom credits) and agreement
-with dense against the ratio, one line per press (ratio 0 is dense: a press at ratio 0
-keeps every token and answers dense's tokens bit for bit).
+and values answered over, summed over rows) and ``cache_vs_dense``, ``decode_s`` (the variant's question
+forwards and decode steps, every batch) and ``tokens_per_s`` (generated tokens / ``decode_s``),
+``window_tokens`` (context tokens the observation windows re-ran, shared by the whole sweep).
+``notes.dense_vs_no_cache``: the dense row against a plain run (``use_cache=False``: each context and
+question through the model together, no store), rows and tokens identical. The plot
+(``press_accuracy.png``, in docs/img/ through the suite): accuracy as ``contains`` (SmolLM2 answers in
+sentences, which lenient matching seldom credits) and agreement with dense against the ratio, one line
+per press (ratio 0 is dense: a press at ratio 0 keeps every token and answers dense's tokens bit for
+bit).
 
 Command (from the repository root; the suite ``press``: ``python -m experiments run press [ARGS]``
 writes ``press.json`` into experiments/results/ and the plot into docs/img/; run by hand it writes to
@@ -158,6 +160,11 @@ def main() -> None:
         sweep_s = time.perf_counter() - t0
         codec = store.codec.spec
     assert all(all(r.cache_hit) and r.prefill_tokens_computed == 0 for r in results.values()), "prefilled a context"
+    t0 = time.perf_counter()
+    plain = adapter.sample(contexts, asked, prompt=fmt, use_cache=False, num_new_tokens=N_NEW, stop_at_eos=True,
+                           batch_size=args.batch_size)  # fmt: skip
+    dense_vs_plain = agreement(plain, results["dense"]) | {"no_cache_s": time.perf_counter() - t0}
+    print(f"dense against a plain run: {dense_vs_plain}", flush=True)
     rows = variant_rows(adapter, questions, results, ctx_tokens)
     for r in rows:
         print(f"  {r['variant']:>20}  acc {r['accuracy']:.3f}  f1 {r['f1']:.3f}  same {r['rows_identical']:>2}/"
@@ -172,6 +179,7 @@ def main() -> None:
         "sweep_variants": len(variants),
         "load_before_sweep": load_before_sweep,
         "codec": codec,
+        "dense_vs_no_cache": dense_vs_plain,
         "answers": {name: [adapter.decode(res.tokens[i][: res.lengths[i]]) for i in range(len(questions))]
                     for name, res in results.items()},
         "question_ids": [q["id"] for q in questions],
