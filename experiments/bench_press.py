@@ -125,10 +125,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--limit", type=int, default=None, help="the first N questions of the long set")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=bl.THREADS)
-    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a quiet machine")
-    ap.add_argument("--quick", action="store_true")
+    bl.run_args(ap, batch_size=8)
     args = ap.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     variants = grid(ratios)

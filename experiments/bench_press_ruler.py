@@ -125,10 +125,7 @@ def main() -> None:
     ap.add_argument("--presses", default=",".join(PRESSES))
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--niah-gen-toks", type=int, default=32, help="max_gen_toks of the niah tasks (theirs: 128)")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=bl.THREADS)
-    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a quiet machine")
-    ap.add_argument("--quick", action="store_true")
+    bl.run_args(ap, batch_size=8)
     args = ap.parse_args()
     if args.quick:
         args.tasks, args.limit, args.presses, args.ratios = "niah_single_1", 1, "knorm", "0.5"

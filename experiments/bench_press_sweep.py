@@ -184,10 +184,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--step-variants", default=",".join(STEP_VARIANTS))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=bl.THREADS)
-    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a quiet machine")
-    ap.add_argument("--quick", action="store_true")
+    bl.run_args(ap, batch_size=8)
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.min_tokens, args.repeats = 2, 400, 1

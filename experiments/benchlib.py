@@ -66,6 +66,16 @@ def setup(threads: int = THREADS) -> None:
     hf_logging.set_verbosity_error()
 
 
+def run_args(ap, batch_size: int | None = None) -> None:
+    """The options every benchmark run shares: ``--threads``, ``--wait`` (seconds to wait for a quiet
+    machine), ``--quick`` (a smoke run) and, given a default, ``--batch-size``."""
+    if batch_size is not None:
+        ap.add_argument("--batch-size", type=int, default=batch_size)
+    ap.add_argument("--threads", type=int, default=THREADS)
+    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a quiet machine")
+    ap.add_argument("--quick", action="store_true")
+
+
 def load_adapter(dtype: str = "float32"):
     """The bundled SmolLM2-135M-Instruct in an :class:`kvstore.model.adapter.Adapter` (sdpa attention)."""
     from kvstore.model.adapter import Adapter
