@@ -291,12 +291,13 @@ def test_presses_compose_with_decode_attention_and_lossy_codecs(eager, rows):
     for spec in specs:
         assert torch.equal(got[spec].tokens, ref[spec].tokens) and _max_diff(got[spec], ref[spec]) < 1e-10
     # a lossy store: the press runs on what the codes decode to, on a miss (computed, reloaded) as on a hit
-    with KVStore("memory://", codec="int8", chunk_tokens=32) as store:
-        miss = _sweep(eager, contexts, questions, ["snapkv:0.5"], store=store)["snapkv:0.5"]
-        hit = _sweep(eager, contexts, questions, ["snapkv:0.5"], store=store)["snapkv:0.5"]
-    assert all(hit.cache_hit) and not any(miss.cache_hit)
-    assert torch.equal(miss.tokens, hit.tokens) and _max_diff(miss, hit) == 0
-    assert hit.codecs[0].startswith("int8")
+    for codec in ("int8", "ecq"):
+        with KVStore("memory://", codec=codec, chunk_tokens=32) as store:
+            miss = _sweep(eager, contexts, questions, ["snapkv:0.5"], store=store)["snapkv:0.5"]
+            hit = _sweep(eager, contexts, questions, ["snapkv:0.5"], store=store)["snapkv:0.5"]
+        assert all(hit.cache_hit) and not any(miss.cache_hit), codec
+        assert torch.equal(miss.tokens, hit.tokens) and _max_diff(miss, hit) == 0, codec
+        assert hit.codecs[0].startswith(codec), (codec, hit.codecs[0])
 
 
 def test_the_single_variant_keywords_are_a_sweep_of_one(eager, rows):
