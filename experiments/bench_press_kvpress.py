@@ -31,6 +31,13 @@ CI). Steps:
    positions gathered, the question at ``c + j``, greedy) once with kvpress's kept sets and once with
    kvstore's (``notes.differing_answers_replayed``): which choice of tokens gives which answer.
 
+**RULER** (``--set ruler --stem press_kvpress_ruler``): the rows are instead the first
+``--ruler-samples`` requests of lm-eval's ``niah_single_1`` at 4096 tokens (the samples
+``bench_press_ruler.py`` scores, generated the same way), as kvstore's lm-eval backend splits them
+(captured from ``KVStoreLM``: the prompt but its last token is the context, the last token the
+question), fed to kvpress as ids (``kvpress_reference.py --ids``), 32 new tokens (the niah tasks'
+``max_gen_toks`` in that suite): whether kvpress's presses fail the needle where kvstore's do.
+
 Command (from the repository root; the suite ``press_kvpress``: ``python -m experiments run
 press_kvpress [ARGS]`` writes ``press_kvpress.json`` into experiments/results/; run by hand it writes to
 cache/bench/raw/)::
@@ -38,6 +45,7 @@ cache/bench/raw/)::
     .venv/bin/python experiments/bench_press_kvpress.py
     .venv/bin/python experiments/bench_press_kvpress.py --reference cache/bench/press_kvpress/kvpress.json  # reuse
     .venv/bin/python experiments/bench_press_kvpress.py --quick   # 1 row, knorm and snapkv at 0.5
+    .venv/bin/python experiments/bench_press_kvpress.py --set ruler --stem press_kvpress_ruler
 """
 
 from __future__ import annotations
@@ -59,6 +67,36 @@ KVPRESS_PYTHON = "/work/kvpress-venv/bin/python"
 PRESSES = ("knorm", "streaming_llm", "snapkv", "keydiff", "tova", "random")
 RATIOS = (0.25, 0.5, 0.75)
 N_NEW = 12
+RULER_NEW = 32
+
+
+def ruler_ids(model_dir: str, n: int, path: Path) -> list[str]:
+    """Write the first ``n`` niah_single_1 requests at 4096 tokens, as kvstore's lm-eval backend
+    splits them, to ``path`` (``kvpress_reference.py --ids`` lines); returns their ids."""
+    import bench_press_ruler as ruler  # points NLTK_DATA at its scratch folder
+    import lm_eval
+
+    from kvstore.lm_eval import KVStoreLM
+
+    (ruler.NLTK_DATA / "tokenizers" / "punkt_tab").mkdir(parents=True, exist_ok=True)
+    tasks = ruler.load_tasks(["niah_single_1"], model_dir, RULER_NEW)
+    lm = KVStoreLM(pretrained=model_dir, store=str(WORK / "capture"), dtype="float32", press="knorm:0.5")
+    prompts: list[list[int]] = []
+
+    def capture(batch: list[list[int]], until: list[str], new_tokens: int) -> list[str]:
+        prompts.extend(batch)
+        return [""] * len(batch)
+
+    lm._generate = capture  # the prompts the backend would answer, nothing answered
+    try:
+        lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), limit=n, verbosity="WARNING")
+    finally:
+        lm.close()
+    ids = [f"niah_single_1-{i}" for i in range(len(prompts))]
+    with path.open("w") as f:
+        for name, p in zip(ids, prompts):
+            f.write(json.dumps({"id": name, "context_ids": p[:-1], "question_ids": p[-1:]}) + "\n")
+    return ids
 
 
 def rows_file(questions: list[dict], path: Path) -> None:
@@ -68,9 +106,10 @@ def rows_file(questions: list[dict], path: Path) -> None:
                                 "question": f"\nQuestion: {q['question']}\nAnswer:"}) + "\n")  # fmt: skip
 
 
-def run_kvpress(args, rows_path: Path, out: Path, model_dir: str) -> float:
-    cmd = [args.kvpress_python, str(bl.HERE / "kvpress_reference.py"), "--model", model_dir, "--rows", str(rows_path),
-           "--presses", args.presses, "--ratios", args.ratios, "--new-tokens", str(N_NEW), "--out", str(out),
+def run_kvpress(args, rows_path: Path, out: Path, model_dir: str, new_tokens: int) -> float:
+    given = "--ids" if args.set == "ruler" else "--rows"
+    cmd = [args.kvpress_python, str(bl.HERE / "kvpress_reference.py"), "--model", model_dir, given, str(rows_path),
+           "--presses", args.presses, "--ratios", args.ratios, "--new-tokens", str(new_tokens), "--out", str(out),
            "--threads", str(args.threads)]  # fmt: skip
     print("running", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
@@ -179,7 +218,7 @@ def compare_answers(reference: dict, results: dict) -> dict[str, dict]:
     return out
 
 
-def replay(adapter, ctx: list[int], question: list[int], kept_sets: list[list[list[int]]]) -> list[int]:
+def replay(adapter, ctx: list[int], question: list[int], kept_sets: list[list[list[int]]], new_tokens: int) -> list:
     """The answer over ``ctx``'s dense prefill (the model's own forward into a ``DynamicCache``) with
     every (layer, head) keeping the positions ``kept_sets[layer][head]`` (position order), then the
     question at ``c + j`` and greedy decoding (``bench_press_sweep.answer``): whose choice of kept
@@ -197,10 +236,10 @@ def replay(adapter, ctx: list[int], question: list[int], kept_sets: list[list[li
         keys, values = layer.keys[0], layer.values[0]
         layer.keys = keys.gather(1, idx[..., None].expand(-1, -1, keys.shape[-1]))[None].contiguous()
         layer.values = values.gather(1, idx[..., None].expand(-1, -1, values.shape[-1]))[None].contiguous()
-    return answer(adapter.model, cache, len(ctx), question, N_NEW, set(adapter.eos_ids), cache_arg)
+    return answer(adapter.model, cache, len(ctx), question, new_tokens, set(adapter.eos_ids), cache_arg)
 
 
-def replay_differences(adapter, reference: dict, results: dict, mine: dict) -> list[dict]:
+def replay_differences(adapter, reference: dict, results: dict, mine: dict, new_tokens: int) -> list[dict]:
     """For every row whose answer differs from kvpress's: the answers :func:`replay` gives with
     kvpress's kept sets and with kvstore's, and which answer each equals."""
     from kvstore.model.press.spec import parse_press
@@ -214,9 +253,9 @@ def replay_differences(adapter, reference: dict, results: dict, mine: dict) -> l
             if kvstore_answer == run["answer_ids"]:
                 continue
             sets = mine[tuple(row["context_ids"])][spec][0]
-            with_theirs = replay(adapter, row["context_ids"], row["question_ids"], run["kept"])
-            with_mine = replay(adapter, row["context_ids"], row["question_ids"], [[sorted(h) for h in layer]
-                                                                                 for layer in sets])  # fmt: skip
+            ctx, question = row["context_ids"], row["question_ids"]
+            with_theirs = replay(adapter, ctx, question, run["kept"], new_tokens)
+            with_mine = replay(adapter, ctx, question, [[sorted(h) for h in layer] for layer in sets], new_tokens)
             differ = [[layer, h] for layer, heads in enumerate(run["kept"]) for h, theirs in enumerate(heads)
                       if set(theirs) != sets[layer][h]]  # fmt: skip
             out.append({"id": row["id"], "variant": spec, "sets_differing": differ,
@@ -234,11 +273,15 @@ def main() -> None:
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--near", type=float, default=1e-4, help="a relative score gap below this is a near-tie")
     ap.add_argument("--reference", help="an earlier kvpress_reference.py output on the same rows (not run again)")
+    ap.add_argument("--set", choices=("long", "ruler"), default="long", help="the long QA set or RULER's niah_single_1")
+    ap.add_argument("--ruler-samples", type=int, default=4, help="niah_single_1 requests (--set ruler)")
+    ap.add_argument("--stem", default="press_kvpress", help="the result's name (press_kvpress_ruler for --set ruler)")
     ap.add_argument("--threads", type=int, default=bl.THREADS)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
-        args.per_context, args.presses, args.ratios = 1, "knorm,snapkv", "0.5"
+        args.per_context, args.ruler_samples, args.presses, args.ratios = 1, 1, "knorm,snapkv", "0.5"
+    new_tokens = RULER_NEW if args.set == "ruler" else N_NEW
     if not args.reference and not Path(args.kvpress_python).exists():
         print(
             f"skipped: no kvpress interpreter at {args.kvpress_python} (build the side venv as "
@@ -253,24 +296,26 @@ def main() -> None:
     from kvstore.model.press.spec import parse_press
     from kvstore.store.kvstore import KVStore
 
-    long = bl.question_sets()["long"]
-    questions = [q for c in dict.fromkeys(q["context"] for q in long)
-                 for q in [q for q in long if q["context"] == c][: args.per_context]]  # fmt: skip
-    if args.quick:
-        questions = questions[:1]
     WORK.mkdir(parents=True, exist_ok=True)
-    rows_path = WORK / ("rows_quick.jsonl" if args.quick else "rows.jsonl")
-    rows_file(questions, rows_path)
     model_dir = str(convert_gguf(bundled_gguf_path()))
-    ref_name = "kvpress_quick.json" if args.quick else "kvpress.json"
-    ref_path = Path(args.reference) if args.reference else WORK / ref_name
-    kvpress_s = None if args.reference else run_kvpress(args, rows_path, ref_path, model_dir)
+    tag = ("_ruler" if args.set == "ruler" else "") + ("_quick" if args.quick else "")
+    rows_path = WORK / f"rows{tag}.jsonl"
+    if args.set == "ruler":
+        questions = [{"id": i} for i in ruler_ids(model_dir, args.ruler_samples, rows_path)]
+    else:
+        long = bl.question_sets()["long"]
+        questions = [q for c in dict.fromkeys(q["context"] for q in long)
+                     for q in [q for q in long if q["context"] == c][: args.per_context]]  # fmt: skip
+        questions = questions[:1] if args.quick else questions
+        rows_file(questions, rows_path)
+    ref_path = Path(args.reference) if args.reference else WORK / f"kvpress{tag}.json"
+    kvpress_s = None if args.reference else run_kvpress(args, rows_path, ref_path, model_dir, new_tokens)
     reference = json.loads(ref_path.read_text())
     assert [r["id"] for r in reference["rows"]] == [q["id"] for q in questions], "the reference is of other rows"
 
     adapter = bl.load_adapter("float32")
     fmt = PromptFormat.from_chat_template(adapter.tokenizer)
-    same_ids = all(
+    same_ids = args.set == "ruler" or all(  # RULER's ids are the backend's own, captured
         r["context_ids"] == adapter.encode_context(fmt.context_part(q["context"]), special_tokens=False)
         and r["question_ids"] == adapter.encode_question(fmt.question_part(q["question"]))
         for r, q in zip(reference["rows"], questions)
@@ -287,10 +332,10 @@ def main() -> None:
     shutil.rmtree(WORK / "store", ignore_errors=True)
     with KVStore(str(WORK / "store")) as store:
         adapter.build([list(c) for c in distinct], store)
-        results = adapter.sweep(contexts, asked, variants=["dense", *specs], store=store, num_new_tokens=N_NEW,
+        results = adapter.sweep(contexts, asked, variants=["dense", *specs], store=store, num_new_tokens=new_tokens,
                                 stop_at_eos=True, batch_size=8)  # fmt: skip
     answers = compare_answers(reference, results)
-    replayed = replay_differences(adapter, reference, results, mine)
+    replayed = replay_differences(adapter, reference, results, mine, new_tokens)
     rows = []
     for r in kept_rows:
         spec = parse_press(f"{r['press']}:{r['ratio']}").name
@@ -328,9 +373,9 @@ def main() -> None:
                   for r in reference["rows"]]  # fmt: skip
         notes["answers"]["kvpress"][spec] = theirs
         notes["answers"]["kvstore"][spec] = [adapter.decode(results[spec].tokens[i]) for i in range(len(contexts))]
-    params = vars(args) | {"new_tokens": N_NEW, "stop_at_eos": True, "set": "long"}
+    params = vars(args) | {"new_tokens": new_tokens, "stop_at_eos": True}
     bl.write_result(
-        "press_kvpress",
+        args.stem,
         params=params,
         rows=rows,
         notes=notes,
