@@ -139,6 +139,9 @@ def zygote():
 
 def _cli_child(argv: list[str], out_path: str, err_path: str, env: dict[str, str], threads: int) -> None:
     """Body of a CLI child: its stdout/stderr go to files, then the real entry point runs."""
+    # Ctrl-C as in a terminal: a test run started in the background of a script (`cmd &`) inherits
+    # SIGINT ignored, and the child would then never see the interrupt a test sends
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.update(env)
     for fd, path in ((1, out_path), (2, err_path)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
