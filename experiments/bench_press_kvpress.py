@@ -31,7 +31,7 @@ CI). Steps:
    positions gathered, the question at ``c + j``, greedy) once with kvpress's kept sets and once with
    kvstore's (``notes.differing_answers_replayed``): which choice of tokens gives which answer.
 
-**RULER** (``--set ruler --stem press_kvpress_ruler``): the rows are instead the first
+**RULER** (``--set ruler``, written as ``press_kvpress_ruler``): the rows are instead the first
 ``--ruler-samples`` requests of lm-eval's ``niah_single_1`` at 4096 tokens (the samples
 ``bench_press_ruler.py`` scores, generated the same way), as kvstore's lm-eval backend splits them
 (captured from ``KVStoreLM``: the prompt but its last token is the context, the last token the
@@ -45,7 +45,7 @@ cache/bench/raw/)::
     .venv/bin/python experiments/bench_press_kvpress.py
     .venv/bin/python experiments/bench_press_kvpress.py --reference cache/bench/press_kvpress/kvpress.json  # reuse
     .venv/bin/python experiments/bench_press_kvpress.py --quick   # 1 row, knorm and snapkv at 0.5
-    .venv/bin/python experiments/bench_press_kvpress.py --set ruler --stem press_kvpress_ruler
+    .venv/bin/python experiments/bench_press_kvpress.py --set ruler
 """
 
 from __future__ import annotations
@@ -80,14 +80,14 @@ def ruler_ids(model_dir: str, n: int, path: Path) -> list[str]:
 
     (ruler.NLTK_DATA / "tokenizers" / "punkt_tab").mkdir(parents=True, exist_ok=True)
     tasks = ruler.load_tasks(["niah_single_1"], model_dir, RULER_NEW)
-    lm = KVStoreLM(pretrained=model_dir, store=str(WORK / "capture"), dtype="float32", press="knorm:0.5")
+    lm = KVStoreLM(pretrained=model_dir, dtype="float32", use_cache=False)  # no store: nothing is answered
     prompts: list[list[int]] = []
 
     def capture(batch: list[list[int]], until: list[str], new_tokens: int) -> list[str]:
         prompts.extend(batch)
         return [""] * len(batch)
 
-    lm._generate = capture  # the prompts the backend would answer, nothing answered
+    lm._generate = capture  # the prompts the backend would answer (it splits each as below)
     try:
         lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), limit=n, verbosity="WARNING")
     finally:
@@ -275,13 +275,14 @@ def main() -> None:
     ap.add_argument("--reference", help="an earlier kvpress_reference.py output on the same rows (not run again)")
     ap.add_argument("--set", choices=("long", "ruler"), default="long", help="the long QA set or RULER's niah_single_1")
     ap.add_argument("--ruler-samples", type=int, default=4, help="niah_single_1 requests (--set ruler)")
-    ap.add_argument("--stem", default="press_kvpress", help="the result's name (press_kvpress_ruler for --set ruler)")
+    ap.add_argument("--stem", default=None, help="the result's name (default: press_kvpress[_ruler])")
     ap.add_argument("--threads", type=int, default=bl.THREADS)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.per_context, args.ruler_samples, args.presses, args.ratios = 1, 1, "knorm,snapkv", "0.5"
     new_tokens = RULER_NEW if args.set == "ruler" else N_NEW
+    args.stem = args.stem or ("press_kvpress_ruler" if args.set == "ruler" else "press_kvpress")
     if not args.reference and not Path(args.kvpress_python).exists():
         print(
             f"skipped: no kvpress interpreter at {args.kvpress_python} (build the side venv as "
