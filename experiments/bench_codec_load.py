@@ -57,7 +57,7 @@ def main() -> None:
         try:
             first = stores[codecs[0]]
             adapter.generate_kv_cache([ctx], first, batch_size=1)
-            plan = adapter.plan(ctx, first)
+            plan = adapter.chain(ctx, first)
             for store in stores.values():
                 if store is not first:
                     for key in plan.keys:

@@ -119,7 +119,7 @@ def run_set(adapter, fmt, name: str, rows: list[dict], dtype: str, args) -> list
         ref = adapter.greedy_sample(contexts, questions, N_NEW, store=store, **kw)
         assert all(ref.cache_hit)
         nocache = adapter.greedy_sample(contexts, questions, N_NEW, use_cache=False, **kw) if args.floor else None
-        plan = adapter.plan(adapter.encode_context(contexts[longest], special_tokens=fmt.add_special_tokens), store,
+        plan = adapter.chain(adapter.encode_context(contexts[longest], special_tokens=fmt.add_special_tokens), store,
                             prefix=fmt.head, special_tokens=fmt.add_special_tokens)  # fmt: skip
         base = {"dtype": dtype, "set": name, "contexts": built.distinct, "context_tokens": built.tokens}
         lossless = {
@@ -147,7 +147,7 @@ def run_set(adapter, fmt, name: str, rows: list[dict], dtype: str, args) -> list
             row |= agreement(ref, got) | {"contains": contains(adapter, got, rows), "codec": store.codec.spec}
             row["size_vs_f32"] = row["size"] / 2 if dtype == "bfloat16" else row["size"]
             if name == "long" or args.quick:
-                plan = adapter.plan(adapter.encode_context(contexts[longest], special_tokens=fmt.add_special_tokens),
+                plan = adapter.chain(adapter.encode_context(contexts[longest], special_tokens=fmt.add_special_tokens),
                                     store, prefix=fmt.head, special_tokens=fmt.add_special_tokens)  # fmt: skip
                 t = timings(adapter, store, plan, contexts[longest], questions[longest], args.repeats, fmt)
                 row |= {"load_ms": t["load"]["median"] * 1e3, "ttft_ms": t["ttft"]["median"] * 1e3, "timing": t}

@@ -192,7 +192,7 @@ def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scrat
     stores = {}
     for codec in args.codecs.split(","):
         store = KVStore(str(scratch / f"{shape}-{dname}-{n}-{codec.replace(':', '')}"), codec=codec, sync=False)
-        plan = adapter.plan(ctx, store)
+        plan = adapter.chain(ctx, store)
         for entry in chains.chunk_entries(adapter.handle, plan, layers):
             store.put(entry)
         store.put_context(plan.key, plan.keys, n)

@@ -129,7 +129,7 @@ def main() -> None:
                     chain_store = KVStore(str(scratch / f"chain-{c.replace(':', '')}"), codec=c, sync=False)
                     chain_stores.append(chain_store)
                     adapter.generate_kv_cache([ids], chain_store, batch_size=1)
-                    plan = adapter.plan(ids, chain_store)
+                    plan = adapter.chain(ids, chain_store)
                     bufs = new_buffers(adapter.kv_shapes(), 1, n + 40, adapter.dtype, adapter.device)
 
                     def sample_path(store=chain_store, plan=plan, bufs=bufs):

@@ -15,7 +15,7 @@ same truncation, same text post-processing):
   :meth:`kvstore.Adapter.score` as they are. A pair longer than ``max_length + 1`` tokens loses
   the context's first tokens, as ``hf`` truncates it. Requests sharing a context (the options of
   one question) load or compute it once; contexts sharing a head (a few-shot block, an
-  instruction) store it as its own chunk (see ``prefix`` of :meth:`kvstore.Adapter.plan`).
+  instruction) store it as its own chunk (see ``prefix`` of :meth:`kvstore.Adapter.chain`).
 * ``loglikelihood_rolling``: the document's ids (encoded like ``hf`` does) are cut into lm-eval's
   own windows (``lm_eval.utils.get_rolling_token_windows`` + ``make_disjoint_window``) and each
   window is a scored row; the log-likelihoods of a document's windows are summed.

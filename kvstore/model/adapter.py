@@ -29,7 +29,7 @@ from kvstore.model.pipelines import build, sample, score
 from kvstore.model.pipelines.build import BuildReport
 from kvstore.model.pipelines.sample import SampleResult
 from kvstore.model.plan import chains
-from kvstore.model.plan.chains import ContextPlan, Keying
+from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import Press
 from kvstore.model.scoring.scores import RollingResults, ScoreResult
 from kvstore.model.variants import sparse
@@ -99,20 +99,20 @@ class Adapter(ModelView):
         loaded = load_model(name, dtype=dtype, device=device, attn_implementation=attn_implementation)
         return cls(loaded.model, loaded.tokenizer, name=loaded.name, weight_files=loaded.weight_files)
 
-    def plan(
+    def chain(
         self, context_ids: Sequence[int], store: KVStore | None = None, *, prefix: TextOrIds | None = None,
         special_tokens: bool = True,
-    ) -> ContextPlan:  # fmt: skip
-        """A tokenized context as a chain of chunks for ``store``: its keys, and ``plan.key`` the
-        context's (:func:`kvstore.model.plan.chains.plan`)."""
-        return chains.plan(self.handle, context_ids, store, prefix=prefix, special_tokens=special_tokens)
+    ) -> Chain:  # fmt: skip
+        """A tokenized context as a chain of chunks for ``store``: its keys, and ``chain.key`` the
+        context's (:func:`kvstore.model.plan.chains.chain_of`)."""
+        return chains.chain_of(self.handle, context_ids, store, prefix=prefix, special_tokens=special_tokens)
 
     def key(
         self, context_ids: Sequence[int], store: KVStore | None = None, *, prefix: TextOrIds | None = None,
         special_tokens: bool = True,
     ) -> str:  # fmt: skip
-        """The key of a tokenized context (its chain's last chunk) in ``store`` (see :meth:`plan`)."""
-        return self.plan(context_ids, store, prefix=prefix, special_tokens=special_tokens).key
+        """The key of a tokenized context (its chain's last chunk) in ``store`` (see :meth:`chain`)."""
+        return self.chain(context_ids, store, prefix=prefix, special_tokens=special_tokens).key
 
     def check_supported(self, store: KVStore | None = None) -> None:
         """ModelError (one line) unless kvstore can store and reuse this model's caches exactly, in
@@ -162,7 +162,7 @@ class Adapter(ModelView):
         its context part and sets how it is tokenized and its shared head; without one, contexts
         are tokenized with the model's special tokens (``special_tokens=False`` when the text
         already holds them, as a rendered chat template does) and ``prefix`` names their shared
-        head, stored once (see :meth:`plan`). A context stored whole and intact is skipped; the
+        head, stored once (see :meth:`chain`). A context stored whole and intact is skipped; the
         others are computed from their longest stored prefix on, chunks several of them share
         once; corrupt chunks are rebuilt; encoding and writing run on a background thread.
         ``labels`` name rows in errors (default ``row i``).

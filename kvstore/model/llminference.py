@@ -141,7 +141,7 @@ def import_caches(
     try:
         written = {}
         for ids, t in jobs:
-            plan = adapter.plan(ids, store)
+            plan = adapter.chain(ids, store)
             if store.context(plan.key) is not None and store.stored_prefix(plan.keys) == len(plan.keys):
                 report.already_stored += 1
             else:

@@ -96,7 +96,7 @@ def test_corrupt_chunk_mid_chain_is_a_miss_from_there_and_repaired(llama, tmp_pa
     want = _reference(adapter, [context], [question])
     with _store(tmp_path) as store:
         report = adapter.generate_kv_cache([context], store)
-        plan = adapter.plan(context, store)
+        plan = adapter.chain(context, store)
         assert len(plan.keys) == 5 and report.keys == [plan.key] and report.chunks_written == 5
         raw = bytearray(store.backend.get(b"e/" + plan.keys[2].encode()))
         raw[-30] ^= 0x40
@@ -128,7 +128,7 @@ def test_a_frame_that_does_not_decompress_mid_chain_is_a_miss_from_there(llama, 
     want = _reference(adapter, [context], [question])
     with _store(tmp_path, codec="zstd:1") as store:
         adapter.generate_kv_cache([context], store)
-        plan = adapter.plan(context, store)
+        plan = adapter.chain(context, store)
         key = plan.keys[3]
         header, payload = split(store.backend.get(b"e/" + key.encode()))
         index = len(header["codec"]["frames"]) - 2  # a key or value tensor near the end
@@ -163,7 +163,7 @@ def test_build_computes_a_shared_prefix_once(llama, tmp_path):
         again = adapter.generate_kv_cache(contexts, store, prefix=head)
         assert (again.skipped, again.built, again.tokens) == (5, 0, 0)
         info = store.scan()
-        head_chunks = len(adapter.plan(head + [1], store, prefix=head).keys) - 1  # 20 tokens: 8 + 8 + 4
+        head_chunks = len(adapter.chain(head + [1], store, prefix=head).keys) - 1  # 20 tokens: 8 + 8 + 4
         assert head_chunks == 3 and info.n_entries == head_chunks + sum(-(-len(d) // CHUNK) for d in docs)
         assert info.logical_bytes > info.stored_bytes and info.dedupe_ratio > 1.4
         got = adapter.greedy_sample(contexts, questions, N_NEW, store=store, prefix=head, stop_at_eos=False)
@@ -177,11 +177,11 @@ def test_head_boundary_tolerates_a_merged_last_token(llama):
     head = random_tokens(llama.tokenizer, 20, 8)
     merged = head[:-1] + [head[-1] + 1]  # the head's last token became another one
     for context, boundary in ((head + [5, 6, 7], 20), (merged + [5, 6], 19), (head[:-3] + [1, 2, 3], None)):
-        spans = llama.plan(context, None, prefix=head).spans
+        spans = llama.chain(context, None, prefix=head).spans
         ends = {e for _, e in spans}
-        assert (boundary in ends) if boundary else ends == {e for _, e in llama.plan(context, None).spans}
+        assert (boundary in ends) if boundary else ends == {e for _, e in llama.chain(context, None).spans}
     other = random_tokens(llama.tokenizer, 30, 99)
-    assert llama.plan(other, None, prefix=head).spans == llama.plan(other, None).spans
+    assert llama.chain(other, None, prefix=head).spans == llama.chain(other, None).spans
 
 
 def test_longer_contexts_reuse_shorter_ones(llama, tmp_path):
@@ -208,13 +208,13 @@ def test_longer_contexts_reuse_a_shorter_ones_partial_last_chunk(llama, tmp_path
     q = [[9, 10]] * 3
     with _store(tmp_path) as store:
         adapter.generate_kv_cache([early], store)
-        canonical = adapter.plan(early, store).keys
+        canonical = adapter.chain(early, store).keys
         adapter.generate_kv_cache([short], store)
-        assert adapter.plan(early, store).keys == canonical  # still its stored chain
+        assert adapter.chain(early, store).keys == canonical  # still its stored chain
         report = adapter.generate_kv_cache(longer, store)
         assert report.tokens == 20 + 3 and report.tokens_reused == 2 * 13  # nothing of `short` recomputed
-        plan = adapter.plan(longer[0], store)
-        assert plan.spans[:3] == ((0, 8), (8, 13), (13, 21)) and plan.keys[:2] == adapter.plan(short, store).keys
+        plan = adapter.chain(longer[0], store)
+        assert plan.spans[:3] == ((0, 8), (8, 13), (13, 21)) and plan.keys[:2] == adapter.chain(short, store).keys
         fresh = short + random_tokens(tok, 7, 64)  # sample: loads the short context's 13 tokens, computes 7
         got = adapter.greedy_sample([fresh, *longer], q, N_NEW, store=store, stop_at_eos=False, return_details=True)
         assert got.cached_tokens == [13, 33, 16]
@@ -227,14 +227,14 @@ def test_rm_keeps_shared_chunks_and_gc_collects_orphans_after_the_grace(llama, t
     a, b = head + random_tokens(adapter.tokenizer, 10, 61), head + random_tokens(adapter.tokenizer, 12, 62)
     with _store(tmp_path) as store:
         adapter.generate_kv_cache([a, b], store)
-        pa, pb = adapter.plan(a, store), adapter.plan(b, store)
+        pa, pb = adapter.chain(a, store), adapter.chain(b, store)
         assert pa.keys[:2] == pb.keys[:2] and len(store) == 2 + 2 + 2
         plan = plan_gc(store.scan(), GcOptions(keys=[pa.key[:10]]))
         assert {k for k, _, _ in plan.remove} == set(pa.keys[2:])  # the shared head stays for b
         assert len(execute_plan(store, plan).entries) == 2
         assert store.context_keys() == [pb.key] and all(k in store for k in pb.keys)
         # a chunk no context uses (a build in progress, say) survives the grace period, then goes
-        orphan = adapter.plan(random_tokens(adapter.tokenizer, 8, 63), store)
+        orphan = adapter.chain(random_tokens(adapter.tokenizer, 8, 63), store)
         adapter.generate_kv_cache([orphan.ids], store)
         store.delete_many([], contexts=[orphan.key])
         info = store.scan()
@@ -261,7 +261,7 @@ def test_v1_entries_answer_and_build_migrates_them(llama, tmp_path):
         assert len(store.scan().contexts) == 2  # format-1 entries are contexts of their own
         report = adapter.generate_kv_cache(contexts, store)
         assert (report.migrated, report.tokens, report.built) == (2, 0, 0)
-        assert all(adapter.plan(c, store).key in store.context_keys() for c in contexts)
+        assert all(adapter.chain(c, store).key in store.context_keys() for c in contexts)
         got = adapter.greedy_sample(contexts, questions, N_NEW, store=store, stop_at_eos=False)
         assert torch.equal(got, want)
 
@@ -343,7 +343,7 @@ def test_a_stored_chain_drives_hf_generate(llama, tmp_path):
 
     want = generate()
     with _store(tmp_path) as store:
-        plan = adapter.plan(context, store)
+        plan = adapter.chain(context, store)
         adapter.generate_kv_cache([context], store)
         assert len(plan.keys) == 3  # 8 + 8 + 5 tokens
         entry = store.get_context(plan.key)

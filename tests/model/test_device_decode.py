@@ -101,7 +101,7 @@ def test_staged_load_fills_the_buffers_as_a_direct_load(llama, forced, spec):
     with KVStore("memory://", codec=spec, chunk_tokens=CHUNK) as store:
         adapter.generate_kv_cache(contexts, store)
         for ctx in contexts:
-            plan = adapter.plan(ctx, store)
+            plan = adapter.chain(ctx, store)
             direct_n, direct = _load(adapter, store, plan, 80, 1, 80 - len(ctx))
             st = staging.Staging(torch.device("cpu"), force=True)
             staged_n, staged = _load(adapter, store, plan, 80, 1, 80 - len(ctx), st)
@@ -143,7 +143,7 @@ def test_a_corrupt_chunk_ends_a_staged_region_load_where_it_ends_a_direct_one(ll
     ctx = _contexts(adapter)[0][0]
     with KVStore("memory://", codec="zstd:1", chunk_tokens=CHUNK) as store:
         adapter.generate_kv_cache([ctx], store)
-        plan = adapter.plan(ctx, store)
+        plan = adapter.chain(ctx, store)
         key = plan.keys[1]
         header, payload = split(store.backend.get(b"e/" + key.encode()))
         index = len(header["codec"]["frames"]) - 2  # a key or value tensor near the end (the last: token ids)
@@ -180,7 +180,7 @@ def test_parallel_decompression_equals_serial(llama, monkeypatch, spec, force):
 
     with KVStore("memory://", codec=spec, chunk_tokens=CHUNK) as store:
         adapter.generate_kv_cache([ctx], store)
-        plan = adapter.plan(ctx, store)
+        plan = adapter.chain(ctx, store)
         store.codec = dataclasses.replace(store.codec, threads=1)
         serial_n, serial = _load(adapter, store, plan, 64, 0, 4)
         monkeypatch.setattr(records_mod.TensorRecord, "copy_into", spy)
@@ -203,7 +203,7 @@ def test_cuda_staged_load_matches_cpu(spec):
     ctx = _ids(tok, 60, 1)
     with KVStore("memory://", codec=spec, chunk_tokens=CHUNK) as store:
         cpu.generate_kv_cache([ctx], store)
-        plan = cpu.plan(ctx, store)
+        plan = cpu.chain(ctx, store)
         want_n, want = _load(cpu, store, plan, 64, 0, 4)
         dev = torch.device("cuda")
         bufs = new_buffers(cpu.kv_shapes(), 2, 64, torch.float32, dev)

@@ -97,7 +97,7 @@ def test_lossy_entry_under_a_lossless_key_is_refused(llama, tmp_path):
     contexts, questions = random_rows(llama.tokenizer, 1, 3, **ROWS)
     with KVStore(str(tmp_path / "s"), chunk_tokens=64) as store:
         llama.generate_kv_cache([contexts[0]], store)
-        key = llama.plan(contexts[0], store).key
+        key = llama.chain(contexts[0], store).key
         assert all(_sample(llama, store, contexts, questions).cache_hit)
         with store.open_entry(key) as view:
             entry = view.materialize()

@@ -292,7 +292,7 @@ def ecq_bound(parts, shape, rotary: Rotary | None) -> torch.Tensor:
 def _check_chain(adapter, store, ids):
     """Every stored chunk's decoded layer-0 keys are within the bound of the model's own keys at
     the chunk's positions (layer 0's keys depend on token and position only, not on the prefix)."""
-    plan = adapter.plan(ids, store)
+    plan = adapter.chain(ids, store)
     exact = _layer0_keys(adapter, ids)
     rotary = adapter.rotary
     q = store.codec.quantizer

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.model.compute.cache import LayerKV
 from kvstore.model.plan import chains
-from kvstore.model.plan.chains import ContextPlan
+from kvstore.model.plan.chains import Chain
 from kvstore.store.entry import Entry
 from kvstore.store.kvstore import KVStore
 
@@ -113,21 +113,21 @@ class Writer:
         """Write ``blob``, already encoded from ``entry`` with the store's codec."""
         self._enqueue((entry, overwrite, blob))
 
-    def put_context(self, plan: ContextPlan) -> None:
-        """Record ``plan``'s context once the chunks put before it are written."""
-        self._enqueue((_Record(plan.key, plan.keys, plan.n_tokens), True))
+    def put_context(self, chain: Chain) -> None:
+        """Record ``chain``'s context once the chunks put before it are written."""
+        self._enqueue((_Record(chain.key, chain.keys, chain.n_tokens), True))
 
     def put_chunks(
-        self, handle: ModelHandle, plan: ContextPlan, layers: LayerKV, depth: int = 0, offset: int = 0,
+        self, handle: ModelHandle, chain: Chain, layers: LayerKV, depth: int = 0, offset: int = 0,
         record: bool = True,
     ) -> None:  # fmt: skip
-        """Chunks ``depth..`` of ``plan`` from ``layers`` (positions ``offset..``), then (with
+        """Chunks ``depth..`` of ``chain`` from ``layers`` (positions ``offset..``), then (with
         ``record``) its context record. The chunk at ``depth`` is written even if present: it is
         missing or corrupt (a repair)."""
-        for i, entry in enumerate(chains.chunk_entries(handle, plan, layers, depth, offset)):
+        for i, entry in enumerate(chains.chunk_entries(handle, chain, layers, depth, offset)):
             self.put(entry, overwrite=i == 0)
         if record:
-            self.put_context(plan)
+            self.put_context(chain)
 
     def pending(self, keys: Iterable[str]) -> frozenset[str]:
         """Which of ``keys`` are chunks put and not written yet."""

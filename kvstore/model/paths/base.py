@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.model.compute.forward import Decoding
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import ContextPlan
+from kvstore.model.plan.chains import Chain
 from kvstore.model.stages.answer import Answer
 from kvstore.model.stages.load import Loaded
 from kvstore.model.variants.variant import Variant
@@ -102,7 +102,7 @@ class CachePath(ABC):
 
     @abstractmethod
     def compute(
-        self, handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer,
+        self, handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[Chain, int]], writer: Writer,
         options: BuildOptions, progress: Progress | None, count: bool,
     ) -> BuildCounts:  # fmt: skip
         """Compute and write ``(plan, stored depth)`` jobs: each plan's chunks from its depth on,

@@ -25,7 +25,7 @@ from kvstore.model.compute.forward import DecodeSlots, Decoding, batches, extend
 from kvstore.model.compute.static import StaticSteps, bucket_slots
 from kvstore.model.paths.base import FEATURES, BatchAnswers, BuildCounts, CachePath, Work
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import ContextPlan
+from kvstore.model.plan.chains import Chain
 from kvstore.model.press.prune import PressMemo
 from kvstore.model.stages.answer import Answer, QuestionMemo, answer, prefill_contexts
 from kvstore.model.stages.complete import Completed, complete
@@ -47,7 +47,7 @@ class DensePath(CachePath):
     features = frozenset(FEATURES)
 
     def compute(
-        self, handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer,
+        self, handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[Chain, int]], writer: Writer,
         options: BuildOptions, progress: Progress | None, count: bool,
     ) -> BuildCounts:  # fmt: skip
         assert options.batch_size is not None
@@ -64,10 +64,10 @@ class DensePath(CachePath):
         for batch in batches(sorted(range(len(partial)), key=lambda i: sizes[i]), sizes, size, budget):
             prefixes, todo = [], []
             for i in batch:
-                plan, depth = partial[i]
-                kv = load_prefix_kv(handle, store, plan, depth)
+                chain, depth = partial[i]
+                kv = load_prefix_kv(handle, store, chain, depth)
                 if kv is None:  # the prefix went away meanwhile: compute the whole context
-                    done += self.compute(handle, store, [(plan, 0)], writer, options, progress, count)
+                    done += self.compute(handle, store, [(chain, 0)], writer, options, progress, count)
                     continue
                 prefixes.append(kv)
                 todo.append(i)
@@ -81,26 +81,26 @@ class DensePath(CachePath):
                 )
         return done
 
-    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> Completed:
-        got = loaded if loaded is not None else load(handle, plan, work.store, work.writer)
-        return complete(handle, plan, got, work.store, work.writer)
+    def prepare(self, handle: ModelHandle, chain: BatchPlan, work: Work, loaded: Loaded | None) -> Completed:
+        got = loaded if loaded is not None else load(handle, chain, work.store, work.writer)
+        return complete(handle, chain, got, work.store, work.writer)
 
-    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchAnswers:
+    def answer(self, handle: ModelHandle, chain: BatchPlan, work: Work, prepared: object) -> BatchAnswers:
         done = prepared
         assert isinstance(done, Completed)
-        answers, window = _answer_variants(handle, done.cache, plan.fed, work)
-        return BatchAnswers(answers, tuple(done.loaded[k] for k in plan.keys), done.computed, done.codecs, window)
+        answers, window = _answer_variants(handle, done.cache, chain.fed, work)
+        return BatchAnswers(answers, tuple(done.loaded[k] for k in chain.keys), done.computed, done.codecs, window)
 
-    def reference(self, handle: ModelHandle, plan: BatchPlan, work: Work) -> BatchAnswers:
-        contexts = [p.ids for p in plan.contexts]
+    def reference(self, handle: ModelHandle, chain: BatchPlan, work: Work) -> BatchAnswers:
+        contexts = [p.ids for p in chain.contexts]
         computed = sum(len(c) for c in contexts)
         none = (0,) * len(contexts)
         if len(work.variants) == 1 and work.variants[0].dense:
-            one = _reference_together(handle, contexts, plan.fed, work.decoding)
+            one = _reference_together(handle, contexts, chain.fed, work.decoding)
             return BatchAnswers((one,), none, computed, (None,) * len(contexts))
-        tail = plan.fed_slots + work.decoding.new_tokens
+        tail = chain.fed_slots + work.decoding.new_tokens
         cache = prefill_contexts(handle, contexts, tail, work.decoding.fixed)
-        answers, window = _answer_variants(handle, cache, plan.fed, work)
+        answers, window = _answer_variants(handle, cache, chain.fed, work)
         return BatchAnswers(answers, none, computed, (None,) * len(contexts), window)
 
 

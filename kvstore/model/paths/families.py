@@ -29,7 +29,7 @@ from kvstore.model.compute.forward import DecodeSlots, Decoding, batches, greedy
 from kvstore.model.paths.base import BatchAnswers, BuildCounts, CachePath, Work
 from kvstore.model.paths.slots import KV, RowCache, Slots
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import ContextPlan, fits
+from kvstore.model.plan.chains import Chain, fits
 from kvstore.model.stages.answer import Answer
 from kvstore.model.stages.load import Loaded
 from kvstore.store.codecs import spec_of
@@ -56,17 +56,17 @@ class Computed:
 
 
 def load_cache(
-    handle: ModelHandle, store: KVStore, plan: ContextPlan, depth: int | None = None, codecs: list[str] | None = None
+    handle: ModelHandle, store: KVStore, chain: Chain, depth: int | None = None, codecs: list[str] | None = None
 ) -> RowCache | None:
-    """The longest verified stored prefix of ``plan`` (at most ``depth`` chunks) as a
+    """The longest verified stored prefix of ``chain`` (at most ``depth`` chunks) as a
     :class:`RowCache` (materialized on the CPU), or None when nothing of it is stored. The codec
     spec of each chunk used is appended to ``codecs``."""
     layout = handle.layout
-    keys = plan.keys if depth is None else plan.keys[:depth]
+    keys = chain.keys if depth is None else chain.keys[:depth]
     with store.open_chain(keys) as views:
         fitting = []
         for j, view in enumerate(views):
-            if not fits(handle, view, plan, j):
+            if not fits(handle, view, chain, j):
                 break
             fitting.append(view)
         if not fitting:
@@ -98,16 +98,16 @@ def load_cache(
 
 
 @torch.inference_mode()
-def compute(handle: ModelHandle, jobs: Sequence[tuple[ContextPlan, RowCache | None]]) -> list[Computed]:
-    """Compute the rest of each ``(plan, stored prefix or None)``, all in one batch of slots.
+def compute(handle: ModelHandle, jobs: Sequence[tuple[Chain, RowCache | None]]) -> list[Computed]:
+    """Compute the rest of each ``(chain, stored prefix or None)``, all in one batch of slots.
     Models with states run chunk by chunk (rows whose chunks have equal lengths together)."""
     layout = handle.layout
     segments: list[list[tuple[int, int]]] = []
-    for plan, prefix in jobs:
+    for chain, prefix in jobs:
         start = prefix.end if prefix is not None else 0
-        if start >= plan.n_tokens:
+        if start >= chain.n_tokens:
             raise ValueError("nothing to compute: the stored prefix is the whole context")
-        cuts = [e for _, e in plan.spans if e > start] if layout.has_state else [plan.n_tokens]
+        cuts = [e for _, e in chain.spans if e > start] if layout.has_state else [chain.n_tokens]
         segments.append(list(zip([start] + cuts[:-1], cuts)))
     steps = max(len(s) for s in segments)
     tail = sum(max((e - s for seg in segments if k < len(seg) for s, e in [seg[k]]), default=0) for k in range(steps))
@@ -120,8 +120,8 @@ def compute(handle: ModelHandle, jobs: Sequence[tuple[ContextPlan, RowCache | No
             for r in rows:
                 states[r][segments[r][k][1]] = slots.row_states(r)
     out = []
-    for r, (plan, prefix) in enumerate(jobs):
-        start, end = segments[r][0][0], plan.n_tokens
+    for r, (chain, prefix) in enumerate(jobs):
+        start, end = segments[r][0][0], chain.n_tokens
         rest = slots.appended_kv(r)
         kv: list[KV | None] = []
         for i, lay in enumerate(layout.layers):
@@ -141,13 +141,13 @@ def compute(handle: ModelHandle, jobs: Sequence[tuple[ContextPlan, RowCache | No
     return out
 
 
-def entries(handle: ModelHandle, plan: ContextPlan, computed: Computed) -> list[Entry]:
-    """The entries of ``plan``'s chunks from ``computed.start`` on."""
+def entries(handle: ModelHandle, chain: Chain, computed: Computed) -> list[Entry]:
+    """The entries of ``chain``'s chunks from ``computed.start`` on."""
     layout = handle.layout
     kinds = tuple(lay.kind for lay in layout.layers)
     windows = tuple(lay.window if lay.kind in WINDOWED_KINDS else None for lay in layout.layers)
     out = []
-    for j, (s, e) in enumerate(plan.spans):
+    for j, (s, e) in enumerate(chain.spans):
         if s < computed.start:
             continue
         layers: list[KV | None] = []
@@ -162,12 +162,12 @@ def entries(handle: ModelHandle, plan: ContextPlan, computed: Computed) -> list[
             states = tuple(None if st is None else {n: t.cpu() for n, t in st.items()} for st in states)
         out.append(
             Entry(
-                plan.keys[j],
+                chain.keys[j],
                 handle.fingerprint,
                 handle.name,
-                torch.as_tensor(plan.ids[s:e], dtype=torch.int64),
+                torch.as_tensor(chain.ids[s:e], dtype=torch.int64),
                 tuple(layers),
-                parent=plan.keys[j - 1] if j else "",
+                parent=chain.keys[j - 1] if j else "",
                 start=s,
                 states=states,
                 kinds=kinds,
@@ -179,34 +179,34 @@ def entries(handle: ModelHandle, plan: ContextPlan, computed: Computed) -> list[
     return out
 
 
-def _write(writer: Writer, handle: ModelHandle, plan: ContextPlan, computed: Computed, record: bool) -> None:
+def _write(writer: Writer, handle: ModelHandle, chain: Chain, computed: Computed, record: bool) -> None:
     # the first chunk computed is written even if present: it was missing or corrupt (a repair)
-    for i, entry in enumerate(entries(handle, plan, computed)):
+    for i, entry in enumerate(entries(handle, chain, computed)):
         writer.put(entry, overwrite=i == 0)
     if record:
-        writer.put_context(plan)
+        writer.put_context(chain)
 
 
 def compute_jobs(
-    handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer,
+    handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[Chain, int]], writer: Writer,
     options: BuildOptions, progress: Progress | None, count: bool,
 ) -> BuildCounts:  # fmt: skip
-    """:meth:`CachePath.compute` for these models: each ``(plan, stored depth)`` job's chunks from
+    """:meth:`CachePath.compute` for these models: each ``(chain, stored depth)`` job's chunks from
     its depth on, in batches, then (with ``count``) its record."""
     assert options.batch_size is not None
-    sizes = [plan.n_tokens for plan, _ in jobs]
+    sizes = [chain.n_tokens for chain, _ in jobs]
     done = BuildCounts()
     order = sorted(range(len(jobs)), key=lambda i: sizes[i])
     for batch in batches(order, sizes, options.batch_size, options.max_batch_tokens):
         todo = []
         for i in batch:
-            plan, depth = jobs[i]
-            prefix = load_cache(handle, store, plan, depth) if depth else None  # None: it went away meanwhile
-            todo.append((plan, prefix))
-        for (plan, _), got in zip(todo, compute(handle, todo)):
-            _write(writer, handle, plan, got, count)
+            chain, depth = jobs[i]
+            prefix = load_cache(handle, store, chain, depth) if depth else None  # None: it went away meanwhile
+            todo.append((chain, prefix))
+        for (chain, _), got in zip(todo, compute(handle, todo)):
+            _write(writer, handle, chain, got, count)
         starts = [prefix.end if prefix is not None else 0 for _, prefix in todo]
-        tokens = [plan.n_tokens - s for (plan, _), s in zip(todo, starts)]
+        tokens = [chain.n_tokens - s for (chain, _), s in zip(todo, starts)]
         if count and progress:
             progress(len(tokens), sum(tokens))
         done += BuildCounts(len(tokens) if count else 0, sum(tokens), sum(starts) if count else 0)
@@ -280,7 +280,7 @@ class FamiliesPath(CachePath):
     features: frozenset[str] = frozenset()
 
     def compute(
-        self, handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[ContextPlan, int]], writer: Writer,
+        self, handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[Chain, int]], writer: Writer,
         options: BuildOptions, progress: Progress | None, count: bool,
     ) -> BuildCounts:  # fmt: skip
         return compute_jobs(handle, store, jobs, writer, options, progress, count)

@@ -27,7 +27,7 @@ from kvstore.model.options import BuildOptions
 from kvstore.model.paths.base import BuildCounts
 from kvstore.model.paths.choice import check_supported
 from kvstore.model.plan import chains
-from kvstore.model.plan.chains import DEFAULT_KEYING, ContextPlan, Keying
+from kvstore.model.plan.chains import DEFAULT_KEYING, Chain, Keying
 from kvstore.model.stages.load import load_v1, verified_depth
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
@@ -89,9 +89,9 @@ class _Planned:
     """The contexts of a build, planned: per given context its plan (None: refused, its message in
     ``errors``), and the distinct ones of this shard."""
 
-    plans: list[ContextPlan | None]
+    plans: list[Chain | None]
     errors: list[str]
-    distinct: list[ContextPlan]
+    distinct: list[Chain]
     other_shards: int
 
 
@@ -99,7 +99,7 @@ def _plan_contexts(
     handle: ModelHandle, contexts: Sequence[TextOrIds], store: KVStore, options: BuildOptions, keying: Keying,
     labels: Sequence[str] | None,
 ) -> _Planned:  # fmt: skip
-    plans: list[ContextPlan | None] = []
+    plans: list[Chain | None] = []
     errors: list[str] = []
     for i, c in enumerate(contexts):
         try:
@@ -107,7 +107,9 @@ def _plan_contexts(
                 c, special_tokens=keying.special_tokens, truncate=options.truncate,
                 max_context_tokens=options.max_context_tokens, label=row_label(labels, i),
             )  # fmt: skip
-            plans.append(chains.plan(handle, ids, store, prefix=keying.prefix, special_tokens=keying.special_tokens))
+            plans.append(
+                chains.chain_of(handle, ids, store, prefix=keying.prefix, special_tokens=keying.special_tokens)
+            )
         except ContextTooLongError as exc:
             if not options.skip_errors:
                 raise
@@ -141,38 +143,38 @@ def build_caches(
     t_start = time.perf_counter()
     planned = _plan_contexts(handle, contexts, store, options, keying, labels)
     skipped = reused = 0
-    pending: list[tuple[ContextPlan, int]] = []
-    legacy: list[tuple[ContextPlan, LayerKV]] = []
-    unrecorded: list[ContextPlan] = []
-    for plan in planned.distinct:
-        depth = verified_depth(handle, store, plan)  # verified: corrupt chunks are rebuilt
-        if depth == len(plan.keys):
+    pending: list[tuple[Chain, int]] = []
+    legacy: list[tuple[Chain, LayerKV]] = []
+    unrecorded: list[Chain] = []
+    for chain in planned.distinct:
+        depth = verified_depth(handle, store, chain)  # verified: corrupt chunks are rebuilt
+        if depth == len(chain.keys):
             skipped += 1
-            reused += plan.n_tokens
-            if store.context(plan.key) is None and not store.readonly:
-                unrecorded.append(plan)  # recorded through the writer, which checks its chunks are still there
-        elif depth == 0 and (old := load_v1(handle, store, plan)) is not None:
-            legacy.append((plan, old))
+            reused += chain.n_tokens
+            if store.context(chain.key) is None and not store.readonly:
+                unrecorded.append(chain)  # recorded through the writer, which checks its chunks are still there
+        elif depth == 0 and (old := load_v1(handle, store, chain)) is not None:
+            legacy.append((chain, old))
         else:
-            pending.append((plan, depth))
+            pending.append((chain, depth))
     if progress and skipped + planned.other_shards:
         progress(skipped + planned.other_shards, 0)  # nothing to do for these here
     writer = Writer(store)
     counts = BuildCounts()
     try:
-        for plan in unrecorded:
-            writer.put_context(plan)
-        for plan, layers in legacy:  # a format-1 entry of exactly this context: rewritten as a chain
-            writer.put_chunks(handle, plan, layers)
-            reused += plan.n_tokens
+        for chain in unrecorded:
+            writer.put_context(chain)
+        for chain, layers in legacy:  # a format-1 entry of exactly this context: rewritten as a chain
+            writer.put_chunks(handle, chain, layers)
+            reused += chain.n_tokens
             if progress:
                 progress(1, 0)
-        store.touch(k for plan, depth in pending for k in plan.keys[:depth])  # a concurrent gc spares them
+        store.touch(k for chain, depth in pending for k in chain.keys[:depth])  # a concurrent gc spares them
         shared = _shared_prefixes(pending)
         if shared:  # chunks several pending contexts start with: computed once, first
             counts += path.compute(handle, store, shared, writer, options, None, False)
             writer.flush()
-            pending = [(plan, max(depth, _depth_in(plan, shared))) for plan, depth in pending]
+            pending = [(chain, max(depth, _depth_in(chain, shared))) for chain, depth in pending]
         counts += path.compute(handle, store, pending, writer, options, progress, True)
         for _ in range(3):  # a concurrent gc removed chunks of contexts just recorded: compute them again
             writer.flush()
@@ -196,28 +198,28 @@ def build_caches(
     )  # fmt: skip
 
 
-def _shared_prefixes(pending: Sequence[tuple[ContextPlan, int]]) -> list[tuple[ContextPlan, int]]:
+def _shared_prefixes(pending: Sequence[tuple[Chain, int]]) -> list[tuple[Chain, int]]:
     """The longest not-yet-stored chunk prefixes that at least two pending contexts share, as
-    ``(plan of the prefix, stored depth)`` jobs (their chunks only: a prefix is not a context)."""
+    ``(chain of the prefix, stored depth)`` jobs (their chunks only: a prefix is not a context)."""
     uses: dict[str, int] = {}
-    for plan, depth in pending:
-        for k in plan.keys[depth:]:
+    for chain, depth in pending:
+        for k in chain.keys[depth:]:
             uses[k] = uses.get(k, 0) + 1
-    jobs: dict[str, tuple[ContextPlan, int]] = {}
-    for plan, depth in pending:
+    jobs: dict[str, tuple[Chain, int]] = {}
+    for chain, depth in pending:
         shared = depth
-        while shared < len(plan.keys) and uses[plan.keys[shared]] > 1:
+        while shared < len(chain.keys) and uses[chain.keys[shared]] > 1:
             shared += 1
-        if shared > depth and shared < len(plan.keys):
-            end = plan.spans[shared - 1][1]
-            sub = ContextPlan(plan.ids[:end], plan.spans[:shared], plan.keys[:shared], "", plan.lossy)
+        if shared > depth and shared < len(chain.keys):
+            end = chain.spans[shared - 1][1]
+            sub = Chain(chain.ids[:end], chain.spans[:shared], chain.keys[:shared], "", chain.lossy)
             jobs.setdefault(sub.key, (sub, depth))
     return list(jobs.values())
 
 
-def _depth_in(plan: ContextPlan, shared: Sequence[tuple[ContextPlan, int]]) -> int:
+def _depth_in(chain: Chain, shared: Sequence[tuple[Chain, int]]) -> int:
     keys = {sub.key: len(sub.keys) for sub, _ in shared}
-    return max((keys[k] for k in plan.keys if k in keys), default=0)
+    return max((keys[k] for k in chain.keys if k in keys), default=0)
 
 
 __all__ = ["BuildReport", "build_caches", "default_build_batch", "in_shard"]

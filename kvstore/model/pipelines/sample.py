@@ -35,7 +35,7 @@ from kvstore.model.paths.base import BatchAnswers, CachePath, Work
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.plan import chains
 from kvstore.model.plan.batch import BatchPlan, plan_batch
-from kvstore.model.plan.chains import Keying
+from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.stages.load import Loaded, load
 from kvstore.model.variants import hooks
 from kvstore.model.variants.variant import DENSE, Variant
@@ -84,9 +84,9 @@ class SampleResult:
 
 @dataclass(frozen=True)
 class Rows:
-    """A run's rows, tokenized: context chains (``plans``), context ids and question ids."""
+    """A run's rows, tokenized: context chains (``chains``), context ids and question ids."""
 
-    plans: tuple[chains.ContextPlan, ...]
+    chains: tuple[Chain, ...]
     contexts: tuple[tuple[int, ...], ...]
     questions: tuple[tuple[int, ...], ...]
 
@@ -114,9 +114,9 @@ def tokenize_rows(
                     f"{options.num_new_tokens} new tokens exceed the model's {handle.max_positions} positions; use a "
                     "shorter question, fewer new tokens or a lower max_context_tokens"
                 )
-    plans = tuple(chains.plan(handle, c, store if options.use_cache else None, prefix=prefix,
+    chain_list = tuple(chains.chain_of(handle, c, store if options.use_cache else None, prefix=prefix,
                               special_tokens=special_tokens) for c in c_ids)  # fmt: skip
-    return Rows(plans, tuple(c_ids), tuple(q_ids))
+    return Rows(chain_list, tuple(c_ids), tuple(q_ids))
 
 
 @uses_grouped_kv
@@ -140,8 +140,8 @@ def sample_variants(
     check_variants(handle, variants)
     writer = Writer(store) if (options.use_cache and store is not None and not store.readonly) else None
     work = Work(use_store, writer, decoding, tuple(variants))
-    n = len(rows.plans)
-    order = sorted(range(n), key=lambda i: (len(rows.contexts[i]), rows.plans[i].key, i))
+    n = len(rows.chains)
+    order = sorted(range(n), key=lambda i: (len(rows.contexts[i]), rows.chains[i].key, i))
     sizes = [len(rows.contexts[i]) + len(rows.questions[i]) + decoding.new_tokens for i in range(n)]
     todo = list(batches(order, sizes, options.batch_size, options.max_batch_tokens))
     ahead = options.load_ahead and use_store is not None and path.supports("load_ahead") and len(todo) > 1
@@ -150,11 +150,13 @@ def sample_variants(
     try:
         pending: Future[Loaded] | None = None
         for b, batch in enumerate(todo):
-            plan = plan_batch(batch, rows.plans, rows.questions, decoding.new_tokens, use_store, writer, decoding.fixed)
+            plan = plan_batch(
+                batch, rows.chains, rows.questions, decoding.new_tokens, use_store, writer, decoding.fixed
+            )
             loaded = _result(pending)
             nxt = todo[b + 1] if b + 1 < len(todo) else None
             if use_store is not None and nxt is not None:  # a remote store fetches the next batch's chunks
-                use_store.prefetch(k for i in nxt for k in rows.plans[i].keys)
+                use_store.prefetch(k for i in nxt for k in rows.chains[i].keys)
             following = _Ahead(loader, rows, nxt) if loader is not None and nxt is not None else None
             got, pending = _run_batch(handle, path, plan, work, loaded, following)
             done += got
@@ -177,7 +179,7 @@ class _Ahead:
     batch: list[int]
 
     def submit(self, handle: ModelHandle, work: Work) -> Future[Loaded]:
-        nxt = plan_batch(self.batch, self.rows.plans, self.rows.questions, work.decoding.new_tokens, work.store,
+        nxt = plan_batch(self.batch, self.rows.chains, self.rows.questions, work.decoding.new_tokens, work.store,
                          work.writer, work.decoding.fixed)  # fmt: skip
         return self.loader.submit(load, handle, nxt, work.store, work.writer)
 
@@ -231,7 +233,7 @@ def _collect(
     decoding: Decoding, use_cache: bool,
 ) -> list[SampleResult]:  # fmt: skip
     """The per-variant results of every batch, in the caller's row order."""
-    n, N = len(rows.plans), decoding.new_tokens
+    n, N = len(rows.chains), decoding.new_tokens
     out = []
     cached = [0] * n
     codecs: list[str | None] = [None] * n

@@ -162,14 +162,16 @@ def _score_cached(
     # a row to keep feeds its last too when it fits, so its whole text is stored
     extra = [keep[i] and (not limit or len(ctx[i]) + len(cont[i]) <= limit) for i in range(n)]
     fed = [(ctx[i][-1],) + cont[i][: len(cont[i]) - 1 + extra[i]] for i in range(n)]
-    plans = [chains.plan(handle, c, store, prefix=keys.prefix, special_tokens=keys.special_tokens) for c in ctx]
-    order = sorted(range(n), key=lambda i: (len(ctx[i]), plans[i].key, i))
+    chain_list = [
+        chains.chain_of(handle, c, store, prefix=keys.prefix, special_tokens=keys.special_tokens) for c in ctx
+    ]
+    order = sorted(range(n), key=lambda i: (len(ctx[i]), chain_list[i].key, i))
     sizes = [len(ctx[i]) + len(fed[i]) for i in range(n)]
     writer = Writer(store) if (store is not None and not store.readonly) else None
     totals = _Totals([[None] * n for _ in variants], [[0] * n for _ in variants], [0] * len(variants))
 
     def run(batch: list[int]) -> None:
-        plan = plan_batch(batch, plans, fed, 0, store, writer)  # a context split over batches: its load waits
+        plan = plan_batch(batch, chain_list, fed, 0, store, writer)  # a context split over batches: its load waits
         done = complete(handle, plan, load(handle, plan, store, writer), store, writer)
         totals.computed += done.computed
         view = scored_contexts(done.cache)
@@ -192,7 +194,7 @@ def _score_cached(
 
     row_logits = vocab_size(handle) * 4
     try:
-        for batch in row_batches(order, [p.key for p in plans], sizes, [len(f) for f in fed], options.batch_size,
+        for batch in row_batches(order, [p.key for p in chain_list], sizes, [len(f) for f in fed], options.batch_size,
                                  options.max_batch_tokens, row_logits):  # fmt: skip
             run_halving(run, batch, handle)
     finally:
@@ -219,7 +221,7 @@ def _keep_rows(
         if not keep[i]:
             continue
         ctx, fed = plan.contexts[r].ids, plan.fed[r]
-        target = chains.plan(handle, ctx[:-1] + fed, store)
+        target = chains.chain_of(handle, ctx[:-1] + fed, store)
         if store.contains(target.key):
             continue
         c, q = len(ctx), len(fed)

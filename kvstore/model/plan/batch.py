@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from kvstore.model.compute.static import bucket_slots
-from kvstore.model.plan.chains import ContextPlan
+from kvstore.model.plan.chains import Chain
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,7 +40,7 @@ class BatchPlan:
     load waits for them); ``write``: computed chunks and records go to the writer."""
 
     rows: tuple[int, ...]
-    contexts: tuple[ContextPlan, ...]
+    contexts: tuple[Chain, ...]
     fed: tuple[tuple[int, ...], ...]
     new_tokens: int
     slots: int
@@ -70,7 +70,7 @@ class BatchPlan:
         """``Q``: the longest fed sequence."""
         return max(len(f) for f in self.fed)
 
-    def context_of(self, key: str) -> ContextPlan:
+    def context_of(self, key: str) -> Chain:
         return self.contexts[self.distinct[key][0]]
 
     def load_tokens(self, key: str) -> int:
@@ -83,7 +83,7 @@ class BatchPlan:
         return self.context_of(key).n_tokens - self.load_tokens(key)
 
 
-def stored_depth(plan: ContextPlan, store: KVStore | None, pending: frozenset[str]) -> int:
+def stored_depth(plan: Chain, store: KVStore | None, pending: frozenset[str]) -> int:
     """Leading chunks of ``plan`` a load should find: present in a local store or ``pending`` in
     the writer; every chunk for a remote store (the load stops at the first it does not find)."""
     if store is None:
@@ -99,7 +99,7 @@ def stored_depth(plan: ContextPlan, store: KVStore | None, pending: frozenset[st
 
 
 def plan_batch(
-    rows: Sequence[int], contexts: Sequence[ContextPlan], fed: Sequence[Sequence[int]], new_tokens: int,
+    rows: Sequence[int], contexts: Sequence[Chain], fed: Sequence[Sequence[int]], new_tokens: int,
     store: KVStore | None, writer: Writer | None, fixed_slots: bool = False,
 ) -> BatchPlan:  # fmt: skip
     """Plan a batch of ``rows`` (``contexts[i]`` and ``fed[i]`` per caller row ``i``) for ``store``

@@ -1,6 +1,6 @@
 """Contexts as chains of chunks: their keys, and whether a stored chunk is the one planned.
 
-A context's :class:`ContextPlan` lists its chunks (spans of ``chunk_tokens`` tokens, restarting at
+A context's :class:`Chain` lists its chunks (spans of ``chunk_tokens`` tokens, restarting at
 an explicit boundary such as the end of a prompt's fixed head) and their keys, seeded by the
 model's identity and numerics and the store's lossy codec (``kvstore.store.keys``). Loading a
 chain's stored prefix and computing the rest are stages (:mod:`kvstore.model.stages.load`,
@@ -42,7 +42,7 @@ DEFAULT_KEYING = Keying()
 
 
 @dataclass(frozen=True)
-class ContextPlan:
+class Chain:
     """One tokenized context as a chain: ``spans[i]`` are chunk ``i``'s positions, ``keys[i]``
     its key. ``key`` (the last chunk's) names the context; ``v1_key`` is the format-1 key of the
     whole context, under which a phase-1 store may hold it. ``lossy``: the lossy codec the chain
@@ -67,10 +67,10 @@ class ContextPlan:
         return sum(1 for _, end in self.spans if end <= n_tokens)
 
 
-def plan(
+def chain_of(
     handle: ModelHandle, ids: Sequence[int], store: KVStore | None = None, *, prefix: TextOrIds | None = None,
     special_tokens: bool = True,
-) -> ContextPlan:  # fmt: skip
+) -> Chain:  # fmt: skip
     """A tokenized context as a chain of chunks for ``store`` (its chunk size and lossy codec;
     without a store: 512-token chunks, lossless), for this model, dtype and numerics.
 
@@ -97,7 +97,7 @@ def plan(
     if store is not None and store.backend.local:
         cuts = stored_tails(seed, ids, chunk_tokens, cuts, store)
     spans = chunk_spans(len(ids), chunk_tokens, cuts)
-    return ContextPlan(
+    return Chain(
         tuple(ids),
         tuple(spans),
         tuple(chain_keys(seed, ids, spans)),
@@ -129,28 +129,26 @@ def stored_tails(seed: str, ids: Sequence[int], chunk_tokens: int, cuts: list[in
         cuts.append(s + m)
 
 
-def chunk_entries(
-    handle: ModelHandle, plan_: ContextPlan, layers: LayerKV, first: int = 0, offset: int = 0
-) -> list[Entry]:
-    """Entries for chunks ``first..`` of ``plan_`` cut from ``layers`` (per layer ``(keys, values)``
+def chunk_entries(handle: ModelHandle, chain: Chain, layers: LayerKV, first: int = 0, offset: int = 0) -> list[Entry]:
+    """Entries for chunks ``first..`` of ``chain`` cut from ``layers`` (per layer ``(keys, values)``
     ``[kv_heads, n, head_dim]`` holding positions ``offset..offset+n-1``)."""
     out = []
-    for j in range(first, len(plan_.spans)):
-        s, e = plan_.spans[j]
+    for j in range(first, len(chain.spans)):
+        s, e = chain.spans[j]
         kv = tuple((k[:, s - offset : e - offset], v[:, s - offset : e - offset]) for k, v in layers)
-        out.append(handle.entry(plan_.keys[j], plan_.ids[s:e], kv, parent=plan_.keys[j - 1] if j else "", start=s))
+        out.append(handle.entry(chain.keys[j], chain.ids[s:e], kv, parent=chain.keys[j - 1] if j else "", start=s))
     return out
 
 
-def fits(handle: ModelHandle, view: EntryView, plan_: ContextPlan, j: int) -> bool:
-    """Whether a stored chunk is chunk ``j`` of ``plan_`` for this model: its model, dtype, span,
+def fits(handle: ModelHandle, view: EntryView, chain: Chain, j: int) -> bool:
+    """Whether a stored chunk is chunk ``j`` of ``chain`` for this model: its model, dtype, span,
     tokens and layer shapes. Its key already says all that; the entry must agree too, so that a
     misfiled or forged entry never feeds another model's tensors to this one, and a lossy entry
     never answers a lossless request (or one for another lossy codec)."""
     h = view.header
-    start, end = plan_.spans[j]
+    start, end = chain.spans[j]
     try:
-        if identity_of(h.codec) != plan_.lossy:
+        if identity_of(h.codec) != chain.lossy:
             return False
     except CorruptEntryError:
         return False
@@ -160,7 +158,7 @@ def fits(handle: ModelHandle, view: EntryView, plan_: ContextPlan, j: int) -> bo
             and h.dtype == handle.dtype_name
             and (h.start, h.end) == (start, end)
             and h.layers == handle.layout.specs(start, end)
-            and view.token_ids() == list(plan_.ids[start:end])
+            and view.token_ids() == list(chain.ids[start:end])
         )
     shapes = handle.kv_shapes()
     return (
@@ -169,17 +167,17 @@ def fits(handle: ModelHandle, view: EntryView, plan_: ContextPlan, j: int) -> bo
         and (h.start, h.end) == (start, end)
         and h.n_layers == len(shapes)
         and all(s.kind == ATTN and (s.kv_heads, s.head_dim, s.head_dim) == shape for s, shape in zip(h.layers, shapes))
-        and view.token_ids() == list(plan_.ids[start:end])
+        and view.token_ids() == list(chain.ids[start:end])
     )
 
 
 __all__ = [
     "DEFAULT_KEYING",
     "HEAD_MERGE_TOKENS",
-    "ContextPlan",
+    "Chain",
     "Keying",
     "chunk_entries",
     "fits",
-    "plan",
+    "chain_of",
     "stored_tails",
 ]

@@ -22,7 +22,7 @@ from kvstore.model.compute.cache import BatchCache, Buffers, LayerKV
 from kvstore.model.compute.forward import extend, prefill
 from kvstore.model.compute.staging import Staging
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import ContextPlan, chunk_entries
+from kvstore.model.plan.chains import Chain, chunk_entries
 from kvstore.model.stages.load import Loaded
 from kvstore.store.entry import decode_entry
 from kvstore.store.kvstore import KVStore
@@ -84,17 +84,17 @@ def complete(
 
 @dataclass(frozen=True)
 class _Target:
-    """Where a computed context goes: its plan, and the batch row and buffers it fills (context
+    """Where a computed context goes: its chain, and the batch row and buffers it fills (context
     position ``p`` at slot ``P - c + p``)."""
 
-    plan: ContextPlan
+    chain: Chain
     bufs: Buffers
     row: int
     P: int
 
     @property
     def slot0(self) -> int:
-        return self.P - self.plan.n_tokens
+        return self.P - self.chain.n_tokens
 
 
 def _place(
@@ -102,7 +102,7 @@ def _place(
 ) -> None:
     """Chunks ``depth..`` of a computed context (``layers``: its positions from that chunk on) into
     its row, and to the writer (chunks, then the context record)."""
-    start = target.plan.spans[depth][0] if depth else 0
+    start = target.chain.spans[depth][0] if depth else 0
     if store is not None and not store.codec.lossless:
         store_and_reload(handle, store, target, layers, depth, writer)
         return
@@ -111,7 +111,7 @@ def _place(
         kb[target.row, :, a : target.P].copy_(kl)
         vb[target.row, :, a : target.P].copy_(vl)
     if writer is not None:
-        writer.put_chunks(handle, target.plan, layers, depth, start)
+        writer.put_chunks(handle, target.chain, layers, depth, start)
 
 
 def store_and_reload(
@@ -121,12 +121,12 @@ def store_and_reload(
     positions from the chunk at ``depth`` on) with the store's codec, hand the bytes to ``writer``
     (then the context record), and copy the values they decode to into the target's row. The answer
     then comes from exactly what a later run loads, whether or not the store can be written."""
-    plan_ = target.plan
-    offset = plan_.spans[depth][0]
+    chain = target.chain
+    offset = chain.spans[depth][0]
     # decoded as a load decodes them (on the buffers' device where the codec can), so that a later
     # run's answer is this one's
     staging = Staging(target.bufs[0][0].device, force=handle.force_staging)
-    for i, entry in enumerate(chunk_entries(handle, plan_, layers, depth, offset)):
+    for i, entry in enumerate(chunk_entries(handle, chain, layers, depth, offset)):
         blob = store.encode(entry)
         view = decode_entry(blob, key=entry.key)
         h = view.header
@@ -139,7 +139,7 @@ def store_and_reload(
         if writer is not None:
             writer.put_encoded(entry, blob, overwrite=i == 0)
     if writer is not None:
-        writer.put_context(plan_)
+        writer.put_context(chain)
 
 
 def codec_label(specs: Sequence[str]) -> str | None:

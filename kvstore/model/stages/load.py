@@ -23,7 +23,7 @@ from kvstore.errors import CorruptEntryError, CorruptEntryWarning
 from kvstore.model.compute.cache import Buffers, LayerKV, new_buffers
 from kvstore.model.compute.staging import Staging
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import ContextPlan, fits
+from kvstore.model.plan.chains import Chain, fits
 from kvstore.parallel import run_all
 from kvstore.store.codecs import StoredTensor, spec_of
 from kvstore.store.entry import EntryView
@@ -69,24 +69,24 @@ def load(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, writer: Wr
 
 
 def load_prefix(
-    handle: ModelHandle, store: KVStore, plan_: ContextPlan, bufs: Buffers, row: int, slot0: int,
+    handle: ModelHandle, store: KVStore, chain: Chain, bufs: Buffers, row: int, slot0: int,
     codecs: list[str] | None = None, staging: Staging | None = None,
 ) -> int:  # fmt: skip
-    """Copy the longest verified stored prefix of ``plan_`` into batch row ``row`` of ``bufs``,
+    """Copy the longest verified stored prefix of ``chain`` into batch row ``row`` of ``bufs``,
     context position ``p`` at slot ``slot0 + p``. Falls back to a format-1 entry holding exactly
     this (lossless) context. Returns how many context tokens were loaded (0: nothing); the codec
     spec of each chunk loaded is appended to ``codecs``. With ``staging`` (accelerator buffers),
     records go through its pinned host tensors and asynchronous copies: call its ``finish()``
     before using ``bufs``."""
     loaded = 0
-    with store.open_chain(plan_.keys, lazy=True) as views:
+    with store.open_chain(chain.keys, lazy=True) as views:
         fitting = []
         for j, view in enumerate(views):
             try:
-                if not fits(handle, view, plan_, j):
+                if not fits(handle, view, chain, j):
                     break
             except CorruptEntryError as exc:  # a lazily decoded record that does not decode
-                _warn_corrupt(plan_.keys[j], exc)
+                _warn_corrupt(chain.keys[j], exc)
                 break
             fitting.append(view)
         # every tensor of every chunk straight into place, decompressed and copied on a few threads
@@ -99,19 +99,19 @@ def load_prefix(
                     raise err
                 if j < good:
                     good = j
-                    _warn_corrupt(plan_.keys[j], err)
+                    _warn_corrupt(chain.keys[j], err)
         if good:
             loaded = fitting[good - 1].header.end
         if codecs is not None:
             codecs += [spec_of(view.header.codec) for view in fitting[:good]]
-    if loaded == 0 and not plan_.lossy and store.contains(plan_.v1_key):
-        with store.open_entry(plan_.v1_key) as v1:
-            one_chunk = ContextPlan(plan_.ids, ((0, plan_.n_tokens),), (plan_.v1_key,), plan_.v1_key)
+    if loaded == 0 and not chain.lossy and store.contains(chain.v1_key):
+        with store.open_entry(chain.v1_key) as v1:
+            one_chunk = Chain(chain.ids, ((0, chain.n_tokens),), (chain.v1_key,), chain.v1_key)
             if v1 is not None and v1.header.format == 1 and fits(handle, v1, one_chunk, 0):
                 for (kb, vb), (k, v) in zip(bufs, v1.layers):  # type: ignore[misc]
-                    k.copy_into(kb[row, :, slot0 : slot0 + plan_.n_tokens])
-                    v.copy_into(vb[row, :, slot0 : slot0 + plan_.n_tokens])
-                loaded = plan_.n_tokens
+                    k.copy_into(kb[row, :, slot0 : slot0 + chain.n_tokens])
+                    v.copy_into(vb[row, :, slot0 : slot0 + chain.n_tokens])
+                loaded = chain.n_tokens
                 if codecs is not None:
                     codecs.append(spec_of(v1.header.codec))
     return loaded
@@ -158,20 +158,20 @@ def _warn_corrupt(key: str, exc: Exception) -> None:
     )
 
 
-def verified_depth(handle: ModelHandle, store: KVStore, plan: ContextPlan) -> int:
+def verified_depth(handle: ModelHandle, store: KVStore, plan: Chain) -> int:
     """How many leading chunks of ``plan`` are stored, intact and this model's (verified)."""
     with store.open_chain(plan.keys) as views:
         return sum(1 for _ in _fitting(handle, plan, views))
 
 
-def _fitting(handle: ModelHandle, plan: ContextPlan, views):
+def _fitting(handle: ModelHandle, plan: Chain, views):
     for j, view in enumerate(views):
         if not fits(handle, view, plan, j):
             return
         yield view
 
 
-def load_prefix_kv(handle: ModelHandle, store: KVStore, plan: ContextPlan, depth: int) -> LayerKV | None:
+def load_prefix_kv(handle: ModelHandle, store: KVStore, plan: Chain, depth: int) -> LayerKV | None:
     """The keys/values of ``plan``'s first ``depth`` chunks, materialized (None if they are no
     longer all stored intact)."""
     pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
@@ -186,12 +186,12 @@ def load_prefix_kv(handle: ModelHandle, store: KVStore, plan: ContextPlan, depth
     )
 
 
-def load_v1(handle: ModelHandle, store: KVStore, plan: ContextPlan) -> LayerKV | None:
+def load_v1(handle: ModelHandle, store: KVStore, plan: Chain) -> LayerKV | None:
     """The keys/values of a format-1 entry holding exactly ``plan``'s context, materialized (None
     when there is none, or it is corrupt or another model's)."""
     if not store.contains(plan.v1_key):
         return None
-    whole = ContextPlan(plan.ids, ((0, plan.n_tokens),), (plan.v1_key,), plan.v1_key)
+    whole = Chain(plan.ids, ((0, plan.n_tokens),), (plan.v1_key,), plan.v1_key)
     with store.open_entry(plan.v1_key) as view:
         if view is None or view.header.format != 1 or not fits(handle, view, whole, 0):
             return None
