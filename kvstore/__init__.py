@@ -45,6 +45,7 @@ _LAZY = {
     "load_model": "kvstore.model.load.loading",
     "model_fingerprint": "kvstore.model.load.identity",
     "size_report": "kvstore.size.estimate",
+    "register_press": "kvstore.model.press.registry",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.options import ScoreOptions as ScoreOptions
     from kvstore.model.pipelines.build import BuildReport as BuildReport
     from kvstore.model.pipelines.sample import SampleResult as SampleResult
+    from kvstore.model.press.registry import register_press as register_press
     from kvstore.model.press.spec import Press as Press
     from kvstore.model.scoring.scores import ScoreResult as ScoreResult
     from kvstore.model.variants.variant import Variant as Variant

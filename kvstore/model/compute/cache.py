@@ -50,10 +50,35 @@ class PreallocatedLayer(DynamicLayer):
 
 
 class PreallocatedCache(DynamicCache):
-    """A ``DynamicCache`` whose layers are :class:`PreallocatedLayer` (built from buffers)."""
+    """A ``DynamicCache`` whose layers are :class:`PreallocatedLayer` (built from buffers), each
+    filled up to ``length`` slots (one length per layer where they differ: a pressed cache whose
+    layers keep different counts)."""
 
-    def __init__(self, buffers: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int):
-        Cache.__init__(self, layers=[PreallocatedLayer(k, v, length) for k, v in buffers])
+    def __init__(self, buffers: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int | Sequence[int]):
+        lengths = [length] * len(buffers) if isinstance(length, int) else list(length)
+        Cache.__init__(self, layers=[PreallocatedLayer(k, v, n) for (k, v), n in zip(buffers, lengths)])
+
+
+@dataclass(frozen=True)
+class HeadCounts:
+    """Where a pressed cache's KV heads keep different counts: per layer, ``slots[l]`` context slots
+    (``P_l``, the most any row's head keeps in that layer) and ``counts[l]`` ``[B, kv_heads]`` int64
+    (on the host): head ``h`` of row ``r`` holds its kept tokens in slots ``P_l - counts[l][r, h] ..
+    P_l``, left-padded with zeros (masked per head by :mod:`kvstore.model.press.heads`)."""
+
+    slots: tuple[int, ...]
+    counts: tuple[torch.Tensor, ...]
+
+    def masks(self, device: torch.device) -> list[torch.Tensor]:
+        """Per layer ``[B, kv_heads, P_l]`` bool: the slots each row's head keeps a token in."""
+        return [
+            torch.arange(P, device=device)[None, None, :] >= (P - n.to(device))[..., None]
+            for P, n in zip(self.slots, self.counts)
+        ]
+
+    def row_pairs(self, row: int) -> int:
+        """(token, head, layer) triples row ``row`` keeps."""
+        return int(sum(int(n[row].sum()) for n in self.counts))
 
 
 @dataclass(frozen=True)
@@ -62,27 +87,46 @@ class BatchCache:
     row ``r``'s context (token ids ``ids[r]``) sits in slots ``spans[r]`` (all before
     ``first_free``), holding ``kept[r] = end - start`` of its ``lengths[r]`` context tokens (fewer
     after a press; each kept token keeps its position, so what follows continues at position
-    ``lengths[r]``). Slots from ``first_free`` on are free for the question and the answer."""
+    ``lengths[r]``). Slots from ``first_free`` on are free for the question and the answer.
+
+    With ``heads`` (a press whose layers or heads keep different counts), each layer has its own
+    context slots ``heads.slots[l]`` and each head its own count (:class:`HeadCounts`); layer 0's
+    geometry is the batch's reference (``first_free = heads.slots[0]``, ``spans`` cover its longest
+    head) and ``kept[r]`` is the row's mean over layers and heads, rounded."""
 
     bufs: Buffers
     spans: tuple[tuple[int, int], ...]
     lengths: tuple[int, ...]
     first_free: int
     ids: tuple[tuple[int, ...], ...]
+    heads: HeadCounts | None = None
 
     @property
     def kept(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.spans)
+        if self.heads is None:
+            return tuple(b - a for a, b in self.spans)
+        per_row = sum(k.shape[1] for k, _ in self.bufs)
+        return tuple(round(self.heads.row_pairs(r) / per_row) for r in range(len(self.spans)))
 
     @property
     def slots(self) -> int:
         return int(self.bufs[0][0].shape[2])
 
+    @property
+    def context_slots(self) -> tuple[int, ...]:
+        """Per layer, the slots before the free ones (``first_free``, or each layer's own)."""
+        return self.heads.slots if self.heads is not None else (self.first_free,) * len(self.bufs)
+
     def nbytes(self) -> int:
         """Bytes of keys and values the contexts occupy (kept tokens only, pads not counted)."""
-        per_token = sum(k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size()
-                        for k, v in self.bufs)  # fmt: skip
-        return per_token * sum(self.kept)
+        if self.heads is None:
+            per_token = sum(k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size()
+                            for k, v in self.bufs)  # fmt: skip
+            return per_token * sum(self.kept)
+        return sum(
+            int(n.sum()) * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
+            for (k, v), n in zip(self.bufs, self.heads.counts)
+        )
 
 
 def new_buffers(shapes: Sequence[KVShape], batch: int, slots: int, dtype: torch.dtype, device: torch.device) -> Buffers:
@@ -96,4 +140,13 @@ def new_buffers(shapes: Sequence[KVShape], batch: int, slots: int, dtype: torch.
     ]
 
 
-__all__ = ["BatchCache", "Buffers", "KVShape", "LayerKV", "PreallocatedCache", "PreallocatedLayer", "new_buffers"]
+__all__ = [
+    "BatchCache",
+    "Buffers",
+    "HeadCounts",
+    "KVShape",
+    "LayerKV",
+    "PreallocatedCache",
+    "PreallocatedLayer",
+    "new_buffers",
+]

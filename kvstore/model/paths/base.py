@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from kvstore.model.compute.forward import Decoding
 from kvstore.model.plan.batch import BatchPlan
 from kvstore.model.plan.chains import Chain
+from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.stages.answer import Answer
 from kvstore.model.stages.load import Loaded
 from kvstore.model.variants.variant import Variant
@@ -80,13 +81,13 @@ class Work:
 class BatchAnswers:
     """A batch answered: one :class:`~kvstore.model.stages.answer.Answer` per variant; per row,
     the context tokens loaded from the store and the codec spec(s) they came from; context tokens
-    computed (prefill); and the observation-window tokens presses ran (not prefill)."""
+    computed (prefill); and the tokens the presses' scoring forwards ran (not prefill)."""
 
     answers: tuple[Answer, ...]
     loaded: tuple[int, ...]
     computed: int
     codecs: tuple[str | None, ...]
-    window_tokens: int = 0
+    scoring: ScoringTokens = ScoringTokens()
 
 
 class CachePath(ABC):

@@ -26,7 +26,8 @@ from kvstore.model.compute.static import StaticSteps, bucket_slots
 from kvstore.model.paths.base import FEATURES, BatchAnswers, BuildCounts, CachePath, Work
 from kvstore.model.plan.batch import BatchPlan
 from kvstore.model.plan.chains import Chain
-from kvstore.model.press.prune import PressMemo
+from kvstore.model.press.select import PressMemo
+from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.stages.answer import Answer, QuestionMemo, answer, prefill_contexts
 from kvstore.model.stages.complete import Completed, complete
 from kvstore.model.stages.load import Loaded, load, load_prefix_kv
@@ -113,15 +114,15 @@ def _counted(tokens: Sequence[int], reused: int, count: bool, progress: Progress
 
 def _answer_variants(
     handle: ModelHandle, cache: BatchCache, questions: Sequence[Sequence[int]], work: Work
-) -> tuple[tuple[Answer, ...], int]:
+) -> tuple[tuple[Answer, ...], ScoringTokens]:
     """Every variant's answers from the same contexts (each pressed, if it presses, from the dense
-    cache), and the observation-window tokens the presses ran."""
+    cache), and the tokens the presses' scoring forwards ran."""
     presses, questions_memo = PressMemo(), QuestionMemo()
     out = []
     for v in work.variants:
         mine = transform(handle, cache, v, presses)
         out.append(answer(handle, mine, questions, work.decoding, v, questions_memo))
-    return tuple(out), presses.window_tokens
+    return tuple(out), presses.tokens
 
 
 @torch.inference_mode()

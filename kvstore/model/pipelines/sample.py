@@ -36,6 +36,7 @@ from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.plan import chains
 from kvstore.model.plan.batch import BatchPlan, plan_batch
 from kvstore.model.plan.chains import Chain, Keying
+from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.stages.load import Loaded, load
 from kvstore.model.variants import hooks
 from kvstore.model.variants.variant import DENSE, Variant
@@ -63,8 +64,9 @@ class SampleResult:
     batch; loads and prefills are shared by the variants of a sweep and not counted).
     ``kept_tokens``: per row, the context tokens it answered over (fewer than its context under a
     press); ``cache_bytes``: bytes of the keys and values of those tokens, summed over rows;
-    ``window_tokens_computed``: context tokens the presses' observation windows ran (shared by
-    every variant of a sweep; not prefill).
+    ``scoring_tokens_computed``: context tokens the presses' scoring forwards ran (observation
+    windows, context re-runs, replays; shared by every variant of a sweep; not prefill), of which
+    ``window_tokens_computed`` observation windows and ``replay_tokens_computed`` replays.
     """
 
     tokens: torch.Tensor
@@ -80,6 +82,8 @@ class SampleResult:
     kept_tokens: list[int] = field(default_factory=list)
     cache_bytes: int = 0
     window_tokens_computed: int = 0
+    scoring_tokens_computed: int = 0
+    replay_tokens_computed: int = 0
 
 
 @dataclass(frozen=True)
@@ -238,7 +242,7 @@ def _collect(
     cached = [0] * n
     codecs: list[str | None] = [None] * n
     computed = sum(b.computed for _, b in done)
-    window = sum(b.window_tokens for _, b in done)
+    scoring = sum((b.scoring for _, b in done), ScoringTokens())
     for plan, b in done:
         for r, i in enumerate(plan.rows):
             cached[i] = b.loaded[r]
@@ -278,7 +282,9 @@ def _collect(
                 seconds,
                 kept,
                 nbytes,
-                window,
+                scoring.window,
+                scoring.total,
+                scoring.replay,
             )  # fmt: skip
         )
     return out

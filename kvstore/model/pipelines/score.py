@@ -36,7 +36,8 @@ from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.plan import chains
 from kvstore.model.plan.batch import BatchPlan, plan_batch
 from kvstore.model.plan.chains import DEFAULT_KEYING, Keying
-from kvstore.model.press.prune import PressMemo
+from kvstore.model.press.select import PressMemo
+from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.scoring.rows import row_batches, run_halving, score_reference, vocab_size
 from kvstore.model.scoring.scores import (
     RollingResult,
@@ -146,7 +147,7 @@ class _Totals:
     kept: list[list[int]]
     nbytes: list[int]
     computed: int = 0
-    window: int = 0
+    scoring: ScoringTokens = ScoringTokens()
 
 
 @torch.inference_mode()
@@ -188,7 +189,7 @@ def _score_cached(
             if writer is not None and store is not None and v.dense and not kept_rows:  # the model's own fed KV
                 _keep_rows(handle, store, writer, plan, done.cache, keep)
                 kept_rows = True
-        totals.window += memo.window_tokens
+        totals.scoring += memo.tokens
         if progress:
             progress(len(batch), sum(sizes[i] for i in batch))
 
@@ -206,7 +207,7 @@ def _score_cached(
         done_rows = [r for r in totals.rows[j] if r is not None]
         assert len(done_rows) == n
         out.append(ScoreResult(done_rows, totals.computed, saved, v.name, totals.kept[j], totals.nbytes[j],
-                               totals.window))  # fmt: skip
+                               totals.scoring.window, totals.scoring.total, totals.scoring.replay))  # fmt: skip
     return out
 
 

@@ -1,82 +1,35 @@
-"""Pressing a batch's contexts: score every row's tokens, keep the best, gather them into new buffers.
+"""Pressing a batch's contexts: score every row's tokens, keep what the budget allows, gather the kept
+tokens into new buffers.
 
 :func:`press_cache` takes a :class:`~kvstore.model.compute.cache.BatchCache` whose rows hold whole
-contexts and returns another whose buffers hold only the kept tokens: per row and layer, each KV
-head's ``int(c * (1 - ratio))`` best tokens (:mod:`kvstore.model.press.scorers`), in position
-order, left-padded to the batch's longest kept length (pads zero and masked). Every row keeps the
-same count in every head, so one mask per row serves every head even where heads keep different
-tokens. A kept token keeps the keys and values it was cached with (its rotary position included)
-and its position: what follows continues at ``c``. The input buffers are never written (the window
-forward's writes are undone), so every variant of a sweep presses the same dense cache.
-
-A :class:`PressMemo` holds what one batch's presses share: the observation window's queries (one
-short forward per distinct context and window size) and each method's scores (every ratio of a
-method selects from the same scores), and counts the window tokens computed.
+contexts and returns another whose buffers hold only the kept tokens (:mod:`kvstore.model.press.select`
+says which), per layer and KV head, in position order, left-padded with zeros. When every head of
+every layer of a row keeps the same count (the ``head`` budget), one mask per row serves every head
+and the result has the usual layout (the contexts in slots ``P - kept .. P``). Otherwise (AdaKV,
+PyramidKV, KVzip's global cut) each layer gets its own context slots ``P_l`` (the most any row's
+head keeps in it) and each head its own count (:class:`~kvstore.model.compute.cache.HeadCounts`):
+memory and decode steps shrink with what is kept, and :mod:`kvstore.model.press.heads` masks each
+head's pads during the question and decode steps. A kept token keeps the keys and values it was
+cached with (its rotary position included) and its position: what follows continues at ``c``.
+The input buffers are never written, so every variant of a sweep presses the same dense cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.model.compute.cache import BatchCache
-from kvstore.model.press.scorers import RATIO_FREE, Observation, kept, score
+from kvstore.model.compute.cache import BatchCache, HeadCounts
+from kvstore.model.press.select import Observations, PressMemo, kept_masks, row_scores
 from kvstore.model.press.spec import Press
-from kvstore.model.press.window import window_queries
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.handle import ModelHandle
 
-# per row, per layer: the observation that scores it (None: the press reads no queries)
-Observations = Callable[[int], Sequence[Observation | None]]
-
-
-@dataclass
-class PressMemo:
-    """What one batch's presses share (see the module docstring); ``window_tokens``: context tokens
-    the window forwards ran (not prefill: the contexts were loaded or prefilled before)."""
-
-    windows: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)
-    scores: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)
-    window_tokens: int = 0
-
-    def window(self, handle: ModelHandle, cache: BatchCache, row: int, size: int) -> list[torch.Tensor]:
-        key = (cache.ids[row], size)
-        if key not in self.windows:
-            self.windows[key] = window_queries(handle, cache, row, size)
-            self.window_tokens += self.windows[key][0].shape[1] if self.windows[key] else 0
-        return self.windows[key]
-
-
-def row_scores(
-    handle: ModelHandle, cache: BatchCache, press: Press, row: int, memo: PressMemo, observe: Observations | None
-) -> list[torch.Tensor]:
-    """Per layer, ``[kv_heads, c]`` scores of row ``row``'s context under ``press``."""
-    a, b = cache.spans[row]
-    shared = press.method in RATIO_FREE and observe is None
-    key = (press.scorer_key(), cache.ids[row])
-    if shared and key in memo.scores:
-        return memo.scores[key]
-    if observe is not None:
-        obs: Sequence[Observation | None] = observe(row)
-    elif press.needs_queries:
-        queries = memo.window(handle, cache, row, press.window)
-        obs = [Observation(q) for q in queries] if queries else [None] * len(cache.bufs)
-    else:
-        obs = [None] * len(cache.bufs)
-    out = []
-    for (kb, _), o in zip(cache.bufs, obs):
-        keys = kb[row, :, a:b]
-        if o is None and press.needs_queries:  # a one-token context: nothing observes it
-            out.append(torch.zeros(keys.shape[:-1], dtype=keys.dtype, device=keys.device))
-        else:
-            out.append(score(press, keys, o))
-    if shared:
-        memo.scores[key] = out
-    return out
+# per row: per layer [kv_heads, c] bool of the kept tokens, or None (the row keeps every token)
+Picks = Sequence[Sequence[torch.Tensor] | None]
 
 
 @torch.inference_mode()
@@ -89,42 +42,75 @@ def press_cache(
     picks: list[list[torch.Tensor] | None] = []
     for r, (a, b) in enumerate(cache.spans):
         c = b - a
-        n = press.kept(c)
-        if n >= c:
+        if press.ratio == 0 or c == 0:
             picks.append(None)
             continue
-        picks.append([kept(s, n) for s in row_scores(handle, cache, press, r, memo, observe)])
+        masks = kept_masks(press, row_scores(handle, cache, press, r, memo, observe), c)
+        picks.append(None if all(bool(m.all()) for m in masks) else masks)
     if all(p is None for p in picks):
         return cache
     return gather_kept(cache, picks)
 
 
-def gather_kept(cache: BatchCache, picks: Sequence[Sequence[torch.Tensor] | None]) -> BatchCache:
-    """New buffers holding, per row, the positions ``picks[r][layer]`` (``[kv_heads, n]``, relative
-    to the row's span; None: all of them) left-padded to the longest; the free slots after the
-    contexts as many as ``cache`` had."""
-    counts = [b - a if p is None else int(p[0].shape[1]) for (a, b), p in zip(cache.spans, picks)]
-    P = max(counts)
-    slots = P + cache.slots - cache.first_free
+def gather_kept(cache: BatchCache, picks: Picks) -> BatchCache:
+    """New buffers holding, per row, layer and head, the tokens ``picks[r][layer][head]`` marks
+    (None: all of them) left-padded to the layer's longest; the free slots after the contexts as
+    many as ``cache`` had."""
+    n_layers = len(cache.bufs)
+    B = len(cache.spans)
+    heads = [int(k.shape[1]) for k, _ in cache.bufs]
+    counts = [torch.empty((B, h), dtype=torch.long) for h in heads]
+    for r, ((a, b), p) in enumerate(zip(cache.spans, picks)):
+        for i in range(n_layers):
+            counts[i][r] = (b - a) if p is None else p[i].sum(dim=-1).cpu()
+    ragged = any(bool((n != n[:, :1]).any()) for n in counts) or any(
+        not torch.equal(n[:, 0], counts[0][:, 0]) for n in counts
+    )
+    tail = cache.slots - cache.first_free
+    slots = tuple(int(n.max()) for n in counts)
     bufs = []
     for i, (kb, vb) in enumerate(cache.bufs):
-        B, H, _, dk = kb.shape
-        nk = kb.new_empty((B, H, slots, dk))
-        nv = vb.new_empty((B, H, slots, vb.shape[-1]))
+        P = slots[i]
+        nk = kb.new_empty((B, heads[i], P + tail, kb.shape[-1]))
+        nv = vb.new_empty((B, heads[i], P + tail, vb.shape[-1]))
         for r, ((a, b), p) in enumerate(zip(cache.spans, picks)):
-            n = counts[r]
-            nk[r, :, : P - n].zero_()  # masked pads must be finite: 0 * NaN would still poison
-            nv[r, :, : P - n].zero_()
-            if p is None:
-                nk[r, :, P - n : P].copy_(kb[r, :, a:b])
-                nv[r, :, P - n : P].copy_(vb[r, :, a:b])
-                continue
-            idx = p[i].to(kb.device)
-            nk[r, :, P - n : P].copy_(torch.gather(kb[r, :, a:b], 1, idx[..., None].expand(-1, -1, dk)))
-            nv[r, :, P - n : P].copy_(torch.gather(vb[r, :, a:b], 1, idx[..., None].expand(-1, -1, vb.shape[-1])))
+            _gather_row(kb[r, :, a:b], vb[r, :, a:b], None if p is None else p[i], nk[r, :, :P], nv[r, :, :P])
         bufs.append((nk, nv))
-    spans = tuple((P - n, P) for n in counts)
-    return BatchCache(bufs, spans, cache.lengths, P, cache.ids)
+    if not ragged:
+        kept = [int(counts[0][r, 0]) for r in range(B)]
+        return BatchCache(bufs, tuple((slots[0] - n, slots[0]) for n in kept), cache.lengths, slots[0], cache.ids)
+    longest = counts[0].max(dim=1).values.tolist()
+    spans = tuple((slots[0] - int(n), slots[0]) for n in longest)
+    return BatchCache(bufs, spans, cache.lengths, slots[0], cache.ids, HeadCounts(slots, tuple(counts)))
 
 
-__all__ = ["Observations", "PressMemo", "gather_kept", "press_cache", "row_scores"]
+def _gather_row(
+    keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, out_k: torch.Tensor, out_v: torch.Tensor
+) -> None:
+    """One row and layer: ``keys``/``values`` ``[H, c, d]``; the tokens ``mask`` ``[H, c]`` keeps
+    (None: all) into ``out_k``/``out_v`` ``[H, P, d]``, each head's right-aligned, zeros before."""
+    H, c, _ = keys.shape
+    P = out_k.shape[1]
+    if mask is None:
+        out_k[:, : P - c].zero_()  # masked pads must be finite: 0 * NaN would still poison
+        out_v[:, : P - c].zero_()
+        out_k[:, P - c :].copy_(keys)
+        out_v[:, P - c :].copy_(values)
+        return
+    n = mask.sum(dim=-1)  # [H]
+    # a stable sort puts the dropped positions first and the kept ones last, each in position order
+    order = torch.sort(mask.to(torch.int8), dim=-1, stable=True).indices
+    if c >= P:
+        idx = order[:, c - P :]
+    else:
+        idx = torch.cat([order.new_zeros((H, P - c)), order], dim=-1)
+    valid = torch.arange(P, device=mask.device)[None, :] >= (P - n)[:, None]  # [H, P]
+    idx = idx.to(keys.device)
+    valid = valid.to(keys.device)
+    out_k.copy_(torch.gather(keys, 1, idx[..., None].expand(-1, -1, keys.shape[-1])))
+    out_v.copy_(torch.gather(values, 1, idx[..., None].expand(-1, -1, values.shape[-1])))
+    out_k.masked_fill_(~valid[..., None], 0)
+    out_v.masked_fill_(~valid[..., None], 0)
+
+
+__all__ = ["Picks", "gather_kept", "press_cache"]

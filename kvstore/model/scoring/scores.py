@@ -38,8 +38,9 @@ class ScoreResult:
     would have computed and this run did not. ``variant``: what it was scored under (``dense``, a
     press, a decode-attention spec or a generation context's name). ``kept_tokens``: per row, the
     context tokens its continuation was scored over (fewer under a press); ``cache_bytes``: bytes of
-    their keys and values, summed over rows; ``window_tokens_computed``: context tokens the presses'
-    observation windows ran (shared by every variant of a sweep; not prefill)."""
+    their keys and values, summed over rows; ``scoring_tokens_computed``: context tokens the presses'
+    scoring forwards ran (shared by every variant of a sweep; not prefill), of which
+    ``window_tokens_computed`` observation windows and ``replay_tokens_computed`` replays."""
 
     rows: list[ScoredRow]
     prefill_tokens_computed: int = 0
@@ -48,6 +49,8 @@ class ScoreResult:
     kept_tokens: list[int] = field(default_factory=list)
     cache_bytes: int = 0
     window_tokens_computed: int = 0
+    scoring_tokens_computed: int = 0
+    replay_tokens_computed: int = 0
 
     @property
     def logprobs(self) -> list[float]:

@@ -26,9 +26,10 @@ import torch
 from kvstore.model.compute.cache import BatchCache, PreallocatedCache, new_buffers
 from kvstore.model.compute.forward import DecodeSlots, Decoding, greedy_loop, right_padded
 from kvstore.model.compute.static import StaticSteps, bucket_slots
-from kvstore.model.press.prune import PressMemo, press_cache
-from kvstore.model.press.scorers import Observation
-from kvstore.model.press.window import capturing
+from kvstore.model.press.heads import per_head_masks
+from kvstore.model.press.prune import press_cache
+from kvstore.model.press.select import PressMemo
+from kvstore.model.press.window import capturing, record_queries
 from kvstore.model.variants import hooks
 from kvstore.model.variants.variant import Variant
 
@@ -100,7 +101,8 @@ def _loop(handle: ModelHandle, cache: BatchCache, prompt: _Prompt, logits: torch
         step = StaticSteps(
             handle, cache.bufs, prompt.mask, first, prompt.next_pos, compiled=decoding.steps == "compiled"
         )
-    slots = DecodeSlots(PreallocatedCache(cache.bufs, first), prompt.mask, prompt.next_pos, first, step)
+    filled = [P + prompt.Q for P in cache.context_slots]
+    slots = DecodeSlots(PreallocatedCache(cache.bufs, filled), prompt.mask, prompt.next_pos, first, step)
     return greedy_loop(handle, logits, slots, decoding)
 
 
@@ -115,7 +117,7 @@ def answer(
         return _answer_question_aware(handle, cache, questions, decoding, variant, memo or QuestionMemo())
     t0 = time.perf_counter()
     prompt = _prompt(handle, cache, questions, decoding)
-    with hooks.running(variant, handle.model):
+    with hooks.running(variant, handle.model), per_head_masks(handle.model, cache):
         out = _question_forward(handle, cache, prompt)
         tokens, scores = _loop(handle, cache, prompt, out.logits[:, -1], decoding)
     return Answer(tokens, scores, time.perf_counter() - t0, cache.kept, cache.nbytes())
@@ -127,7 +129,7 @@ def _question_forward(handle: ModelHandle, cache: BatchCache, prompt: _Prompt):
         input_ids=prompt.ids,
         attention_mask=prompt.mask[:, : P + prompt.Q],
         position_ids=prompt.pos,
-        **{handle.layout.cache_arg: PreallocatedCache(cache.bufs, P)},
+        **{handle.layout.cache_arg: PreallocatedCache(cache.bufs, cache.context_slots)},
         use_cache=True,
         logits_to_keep=1,
     )
@@ -144,7 +146,8 @@ def _answer_question_aware(
     hooked = (variant.context, variant.decode_attention)
     key = (id(variant.context), variant.decode_attention, variant.press.scorer_key())
     if key not in memo.passes:  # the question over the whole context: shared by every ratio
-        with hooks.running(variant, handle.model), capturing(handle.model) as queries:
+        queries: dict[int, torch.Tensor] = {}
+        with hooks.running(variant, handle.model), capturing(handle.model, record_queries(queries)):
             out = _question_forward(handle, cache, prompt)
         qkv = [(kb[:, :, P : P + Q].clone(), vb[:, :, P : P + Q].clone()) for kb, vb in cache.bufs]
         memo.passes[key] = (out.logits[:, -1], qkv, queries)
@@ -152,18 +155,17 @@ def _answer_question_aware(
     del hooked
     q_len = [len(q) for q in questions]
 
-    def observe(row: int) -> list[Observation]:
+    def observe(row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         q = q_len[row]
-        return [Observation(queries[i][row, :, Q - q :], qkv[i][0][row, :, Q - q :]) for i in range(len(cache.bufs))]
+        return [(queries[i][row, :, Q - q :], qkv[i][0][row, :, Q - q :]) for i in range(len(cache.bufs))]
 
     context = BatchCache(cache.bufs, cache.spans, cache.lengths, P, cache.ids)
     kept = press_cache(handle, context, variant.press, PressMemo(), observe)
-    first = kept.first_free
-    for (kb, vb), (qk, qv) in zip(kept.bufs, qkv):  # the question after the kept context, never pruned
+    for (kb, vb), (qk, qv), first in zip(kept.bufs, qkv, kept.context_slots):  # the question, never pruned
         kb[:, :, first : first + Q].copy_(qk)
         vb[:, :, first : first + Q].copy_(qv)
     prompt = _prompt(handle, kept, questions, decoding)
-    with hooks.running(variant, handle.model):
+    with hooks.running(variant, handle.model), per_head_masks(handle.model, kept):
         tokens, scores = _loop(handle, kept, prompt, first_logits, decoding)
     return Answer(tokens, scores, time.perf_counter() - t0, kept.kept, kept.nbytes())
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.model.compute.cache import BatchCache, PreallocatedCache
+from kvstore.model.press.heads import per_head_masks
 from kvstore.model.scoring.rows import gather_logprobs
 from kvstore.model.variants import hooks
 from kvstore.model.variants.variant import Variant
@@ -64,10 +65,11 @@ def score_fed(
         pos[r, :q] = torch.arange(c, c + q)
         ids[r, :q] = torch.as_tensor(fed[r], dtype=torch.long)
     dev = handle.device
-    with hooks.running(variant, handle.model):
+    with hooks.running(variant, handle.model), per_head_masks(handle.model, cache):
         out = handle.model(
             input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
-            **{handle.layout.cache_arg: PreallocatedCache(cache.bufs, P)}, use_cache=True, logits_to_keep=0,
+            **{handle.layout.cache_arg: PreallocatedCache(cache.bufs, cache.context_slots)}, use_cache=True,
+            logits_to_keep=0,
         )  # fmt: skip
     return [gather_logprobs(out.logits[r, : len(targets[r])], targets[r], token_logprobs) for r in range(B)]
 

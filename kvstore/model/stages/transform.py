@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvstore.model.compute.cache import BatchCache
-from kvstore.model.press.prune import PressMemo, press_cache
+from kvstore.model.press.prune import press_cache
+from kvstore.model.press.select import PressMemo
 from kvstore.model.variants.variant import Variant
 
 if TYPE_CHECKING:  # pragma: no cover
