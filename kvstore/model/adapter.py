@@ -29,6 +29,7 @@ from kvstore.model.pipelines import build, sample, score
 from kvstore.model.pipelines.build import BuildReport
 from kvstore.model.pipelines.sample import SampleResult
 from kvstore.model.plan import chains
+from kvstore.model.plan.build import BuildPlan, plan_build
 from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import Press
 from kvstore.model.scoring.scores import RollingResults, ScoreResult
@@ -154,6 +155,9 @@ class Adapter(ModelView):
         max_context_tokens: int | None = UNSET,
         skip_errors: bool = UNSET,
         shard: tuple[int, int] | None = UNSET,
+        presses: Sequence[Press | str] = UNSET,
+        scores: Sequence[Press | str] = UNSET,
+        dense: bool = UNSET,
     ) -> BuildReport:
         """Store the cache of every distinct context not stored whole and intact in ``store``.
 
@@ -171,13 +175,45 @@ class Adapter(ModelView):
         :meth:`context_limit` unless ``truncate`` (keep its last tokens) or ``skip_errors`` (count
         it in ``report.failed``, its message in ``report.errors``). ``shard=(i, n)`` builds the
         contexts whose key, read as a number from its first 16 hex digits, is ``i`` modulo ``n``
-        (``report.other_shards`` counts the rest); ValueError unless ``0 <= i < n``."""
+        (``report.other_shards`` counts the rest); ValueError unless ``0 <= i < n``.
+
+        ``presses`` (``["kvzip:0.75"]``) also store each context's pressed cache under each press, with
+        the store's codec (:mod:`kvstore.model.press.stored`), ``scores`` (``["kvzip"]``) each
+        scorer's scores once per context; ``dense=False`` keeps only those (the dense caches are
+        computed in memory and dropped). PressError (one line) for a question-aware press or a
+        scorer whose scores cannot be stored; ReadOnlyStoreError for a read-only store."""
         opts = BuildOptions.of(options, **_given(
             batch_size=batch_size, max_batch_tokens=max_batch_tokens, truncate=truncate,
             max_context_tokens=max_context_tokens, skip_errors=skip_errors, shard=shard,
+            presses=tuple(presses) if presses is not UNSET else UNSET,
+            scores=tuple(scores) if scores is not UNSET else UNSET, dense=dense,
         ))  # fmt: skip
         texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
         return build.build_caches(self.handle, texts, store, opts, Keying(special_tokens, prefix), labels, progress)
+
+    def plan_build(
+        self,
+        contexts: Sequence[TextOrIds],
+        store: KVStore,
+        options: BuildOptions | None = None,
+        *,
+        prompt: PromptFormat | None = None,
+        special_tokens: bool = True,
+        prefix: TextOrIds | None = None,
+        labels: Sequence[str] | None = None,
+        presses: Sequence[Press | str] = UNSET,
+        scores: Sequence[Press | str] = UNSET,
+        dense: bool = UNSET,
+    ) -> BuildPlan:
+        """What :meth:`build` would do, and nothing more (``kvstore build --dry-run``): a
+        :class:`kvstore.model.plan.build.BuildPlan` per distinct context (skip, record,
+        migrate or compute; pressed caches and scores to make). Arguments as for :meth:`build`."""
+        opts = BuildOptions.of(options, **_given(
+            presses=tuple(presses) if presses is not UNSET else UNSET,
+            scores=tuple(scores) if scores is not UNSET else UNSET, dense=dense,
+        ))  # fmt: skip
+        texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
+        return plan_build(self.handle, texts, store, opts, Keying(special_tokens, prefix), labels)
 
     def generate_kv_cache(self, contexts: Sequence[TextOrIds], store: KVStore, **kwargs: Any) -> BuildReport:
         """:meth:`build` under the research code's name (same arguments)."""

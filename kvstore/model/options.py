@@ -22,8 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvstore.errors import PressError
 from kvstore.model.compute.forward import Decoding
-from kvstore.model.press.spec import Press, parse_press
+from kvstore.model.press.spec import Press, parse_press, parse_scorer
+from kvstore.model.press.stored import check_storable
 from kvstore.model.variants import sparse
 from kvstore.model.variants.variant import Attention, Variant, make_variant, parse_attention
 
@@ -63,7 +65,10 @@ class BuildOptions:
     a too long context's last tokens instead of refusing it; ``max_context_tokens``: the context
     limit (default: the model's positions less the handle's reserve); ``skip_errors``: count a
     bad row in the report and build the others; ``shard=(i, n)``: build only the contexts whose
-    key is ``i`` modulo ``n``."""
+    key is ``i`` modulo ``n``; ``presses``: press specs whose pressed caches are stored beside each
+    context (``kvzip:0.75``), with the store's codec; ``scores``: scorers whose scores are stored
+    once per context (``kvzip``, ``expected_attention``: a press spec without its ratio);
+    ``dense``: store the dense chains too (False keeps only what ``presses`` and ``scores`` make)."""
 
     batch_size: int | None = None
     max_batch_tokens: int | None = 16384
@@ -71,6 +76,24 @@ class BuildOptions:
     max_context_tokens: int | None = None
     skip_errors: bool = False
     shard: tuple[int, int] | None = None
+    presses: tuple[Press, ...] = ()
+    scores: tuple[Press, ...] = ()
+    dense: bool = True
+
+    def __post_init__(self) -> None:
+        presses = tuple(parse_press(p) if isinstance(p, str) else p for p in self.presses)
+        for p in presses:
+            if p.question:
+                raise PressError(f"press {p.name}: a question-aware press keeps what each question reads; there is no "
+                                 "one pressed cache per context to store")  # fmt: skip
+            if p.ratio == 0:
+                raise PressError(f"press {p.name}: a ratio of 0 keeps every token; the dense cache is that")
+        object.__setattr__(self, "presses", presses)
+        object.__setattr__(self, "scores", tuple(parse_scorer(s) if isinstance(s, str) else s for s in self.scores))
+        for s in self.scores:
+            check_storable(s)
+        if not self.dense and not (self.presses or self.scores):
+            raise ValueError("dense=False stores nothing without presses or scores to store instead")
 
     @classmethod
     def of(cls, options: BuildOptions | None = None, **fields: Any) -> BuildOptions:

@@ -72,6 +72,22 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
+def in_halves(run: Callable[[list[int]], list[Any]], items: list[int], handle: ModelHandle) -> list[Any]:
+    """``run(items)``; on an out-of-memory error, ``run`` on each half of ``items`` in turn (and
+    so on, down to one item): the one retry of sampling and scoring, whose results do not depend
+    on the batch."""
+    try:
+        return run(items)
+    except Exception as exc:
+        if not is_out_of_memory(exc) or len(items) == 1:
+            raise
+        del exc
+        if handle.device.type == "cuda":
+            torch.cuda.empty_cache()
+        half = len(items) // 2
+        return in_halves(run, items[:half], handle) + in_halves(run, items[half:], handle)
+
+
 def right_padded(pad_id: int, seqs: Sequence[Sequence[int]], width: int | None = None):
     """``(input_ids, mask)`` on the host for token-id lists laid out from slot 0: ids ``[B, L]``
     (``L`` the longest) padded with ``pad_id``, mask ``[B, width or L]`` set over each row's tokens."""
@@ -237,6 +253,7 @@ __all__ = [
     "batches",
     "extend",
     "greedy_loop",
+    "in_halves",
     "is_out_of_memory",
     "prefill",
     "right_padded",

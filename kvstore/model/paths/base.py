@@ -30,6 +30,7 @@ from kvstore.model.plan.chains import Chain
 from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.stages.answer import Answer
 from kvstore.model.stages.load import Loaded
+from kvstore.model.stages.score import RowScore
 from kvstore.model.variants.variant import Variant
 from kvstore.store.kvstore import KVStore
 
@@ -67,26 +68,55 @@ class BuildCounts:
 
 
 @dataclass(frozen=True)
+class Scoring:
+    """What a scoring batch scores besides its plan, per caller row: the continuation's ids
+    (``targets``, the fed tokens predict them), whether to keep each token's log-probability, and
+    whether to store the row's context and fed tokens as a chain afterwards (``keep``: a rolling
+    window's first, from the keys and values the scoring forward computed)."""
+
+    targets: tuple[tuple[int, ...], ...]
+    token_logprobs: bool = False
+    keep: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
 class Work:
     """What a batch runs with besides its plan: the store (None: the no-cache reference), the
-    writer (None: nothing is stored), how it decodes, and the variants it answers under."""
+    writer (None: nothing is stored), how it decodes, the variants it answers or scores under, and
+    for a scoring batch what it scores."""
 
     store: KVStore | None
     writer: Writer | None
     decoding: Decoding
     variants: tuple[Variant, ...]
+    scoring: Scoring | None = None
 
 
 @dataclass(frozen=True)
 class BatchAnswers:
     """A batch answered: one :class:`~kvstore.model.stages.answer.Answer` per variant; per row,
-    the context tokens loaded from the store and the codec spec(s) they came from; context tokens
-    computed (prefill); and the tokens the presses' scoring forwards ran (not prefill)."""
+    the context tokens loaded from the store (a row read from stored pressed entries counts its
+    whole context) and the codec spec(s) they came from; context tokens computed (prefill); and
+    the tokens the presses' scoring forwards ran (not prefill)."""
 
     answers: tuple[Answer, ...]
     loaded: tuple[int, ...]
     computed: int
     codecs: tuple[str | None, ...]
+    scoring: ScoringTokens = ScoringTokens()
+
+
+@dataclass(frozen=True)
+class BatchScores:
+    """A batch scored: per variant, each batch row's ``(sum of log-probs, greedy, per-token
+    log-probs or None)``, the context tokens each row was scored over and their bytes; per row the
+    context tokens loaded; context tokens computed; the presses' scoring tokens."""
+
+    rows: tuple[tuple[RowScore, ...], ...]
+    kept: tuple[tuple[int, ...], ...]
+    nbytes: tuple[int, ...]
+    loaded: tuple[int, ...]
+    computed: int
     scoring: ScoringTokens = ScoringTokens()
 
 
@@ -123,5 +153,10 @@ class CachePath(ABC):
     def reference(self, handle: ModelHandle, plan: BatchPlan, work: Work) -> BatchAnswers:
         """Answer a batch without a store (the reference)."""
 
+    def score(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchScores:
+        """Score a prepared batch's continuations (``work.scoring``) under every variant of
+        ``work`` (paths that offer ``scoring``)."""
+        raise NotImplementedError(f"the {self.name} cache path does not score from stored contexts")
 
-__all__ = ["FEATURES", "BatchAnswers", "BuildCounts", "CachePath", "Work"]
+
+__all__ = ["FEATURES", "BatchAnswers", "BatchScores", "BuildCounts", "CachePath", "Scoring", "Work"]

@@ -6,8 +6,11 @@ row's KV is sliced back to its real tokens, so a stored chunk does not depend on
 batch-mates); the others are computed on top of their stored prefix
 (:func:`kvstore.model.compute.forward.extend`).
 
-Answering (:meth:`DensePath.answer`) runs the stages on a batch's plan: load (or the load done
-ahead), complete, then per variant transform (a press) and answer. The reference
+Answering (:meth:`DensePath.prepare`, :meth:`DensePath.answer`) runs the stages on a batch's plan:
+the planned pressed entries opened (one that turns out corrupt or foreign is a miss: its context is
+loaded densely instead), load (or the load done ahead) and complete of the contexts the plan needs
+densely, then per variant transform (a press, from its entries or the dense cache) and answer.
+Scoring (:meth:`DensePath.score`) is the same with the score stage last. The reference
 (:meth:`DensePath.reference`) prefills the contexts densely in memory and answers every variant the
 same way, so cached == no-cache under any variant; with a single plain variant it runs each row's
 context and question together in one forward instead, sharing nothing with the cached layout.
@@ -15,23 +18,28 @@ context and question together in one forward instead, sharing nothing with the c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.model.compute.cache import BatchCache, PreallocatedCache, new_buffers
+from kvstore.model.compute.cache import PreallocatedCache, new_buffers
 from kvstore.model.compute.forward import DecodeSlots, Decoding, batches, extend, greedy_loop, prefill, right_padded
 from kvstore.model.compute.static import StaticSteps, bucket_slots
-from kvstore.model.paths.base import FEATURES, BatchAnswers, BuildCounts, CachePath, Work
+from kvstore.model.paths.base import FEATURES, BatchAnswers, BatchScores, BuildCounts, CachePath, Work
 from kvstore.model.plan.batch import BatchPlan
 from kvstore.model.plan.chains import Chain
 from kvstore.model.press.select import PressMemo
-from kvstore.model.press.spec import ScoringTokens
+from kvstore.model.press.stored import StoredScores, open_pressed
 from kvstore.model.stages.answer import Answer, QuestionMemo, answer, prefill_contexts
 from kvstore.model.stages.complete import Completed, complete
 from kvstore.model.stages.load import Loaded, load, load_prefix_kv
+from kvstore.model.stages.score import keep_rows, score_fed, scored_contexts
 from kvstore.model.stages.transform import transform
+from kvstore.store.codecs import Codec
+from kvstore.store.derived import DerivedView
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -82,27 +90,68 @@ class DensePath(CachePath):
                 )
         return done
 
-    def prepare(self, handle: ModelHandle, chain: BatchPlan, work: Work, loaded: Loaded | None) -> Completed:
-        got = loaded if loaded is not None else load(handle, chain, work.store, work.writer)
-        return complete(handle, chain, got, work.store, work.writer)
+    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> Prepared:
+        stack = contextlib.ExitStack()
+        try:
+            entries, bad = _open_entries(handle, plan, work, stack)
+            if bad:  # a corrupt or foreign pressed entry is a miss: that context is loaded densely
+                plan, loaded = plan.with_dense(bad), None
+            got = loaded if loaded is not None else load(handle, plan, work.store, work.writer)
+            return Prepared(plan, complete(handle, plan, got, work.store, work.writer), entries, stack)
+        except BaseException:
+            stack.close()
+            raise
 
-    def answer(self, handle: ModelHandle, chain: BatchPlan, work: Work, prepared: object) -> BatchAnswers:
-        done = prepared
-        assert isinstance(done, Completed)
-        answers, window = _answer_variants(handle, done.cache, chain.fed, work)
-        return BatchAnswers(answers, tuple(done.loaded[k] for k in chain.keys), done.computed, done.codecs, window)
+    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchAnswers:
+        assert isinstance(prepared, Prepared)
+        with prepared.stack:
+            plan, done = prepared.plan, prepared.done
+            memo = _memo(handle, plan, work)
+            questions_memo = QuestionMemo()
+            out = []
+            for v in work.variants:
+                mine = transform(handle, plan, done.cache, v, memo, prepared.entries.get(v.name, {}), _codec(work))
+                out.append(answer(handle, mine, plan.fed, work.decoding, v, questions_memo))
+        return BatchAnswers(tuple(out), _loaded(plan, done), done.computed, _labels(plan, prepared), memo.tokens)
 
-    def reference(self, handle: ModelHandle, chain: BatchPlan, work: Work) -> BatchAnswers:
-        contexts = [p.ids for p in chain.contexts]
+    def score(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchScores:
+        assert isinstance(prepared, Prepared) and work.scoring is not None
+        job = work.scoring
+        with prepared.stack:
+            plan, done = prepared.plan, prepared.done
+            dense = scored_contexts(done.cache) if done.cache is not None else None
+            memo = _memo(handle, plan, work)
+            targets = [job.targets[i] for i in plan.rows]
+            rows, kept, nbytes = [], [], []
+            keeping = bool(job.keep) and work.writer is not None and work.store is not None
+            for v in work.variants:  # each variant writes only the fed slots, from P on: contexts stay
+                mine = transform(handle, plan, dense, v, memo, prepared.entries.get(v.name, {}), _codec(work))
+                rows.append(tuple(score_fed(handle, mine, plan.fed, targets, v, job.token_logprobs)))
+                kept.append(mine.kept)
+                nbytes.append(mine.nbytes())
+                if keeping and v.dense and done.cache is not None:  # the model's own fed KV, before another
+                    assert work.store is not None and work.writer is not None  # variant writes those slots
+                    keep_rows(handle, work.store, work.writer, plan, done.cache, job.keep)
+                    keeping = False
+        return BatchScores(tuple(rows), tuple(kept), tuple(nbytes), _loaded(plan, done), done.computed, memo.tokens)
+
+    def reference(self, handle: ModelHandle, plan: BatchPlan, work: Work) -> BatchAnswers:
+        contexts = [p.ids for p in plan.contexts]
         computed = sum(len(c) for c in contexts)
         none = (0,) * len(contexts)
         if len(work.variants) == 1 and work.variants[0].dense:
-            one = _reference_together(handle, contexts, chain.fed, work.decoding)
+            one = _reference_together(handle, contexts, plan.fed, work.decoding)
             return BatchAnswers((one,), none, computed, (None,) * len(contexts))
-        tail = chain.fed_slots + work.decoding.new_tokens
+        tail = plan.fed_slots + work.decoding.new_tokens
         cache = prefill_contexts(handle, contexts, tail, work.decoding.fixed)
-        answers, window = _answer_variants(handle, cache, chain.fed, work)
-        return BatchAnswers(answers, none, computed, (None,) * len(contexts), window)
+        memo, questions_memo = PressMemo(), QuestionMemo()
+        answers = tuple(
+            answer(
+                handle, transform(handle, plan, cache, v, memo, {}, None), plan.fed, work.decoding, v, questions_memo
+            )
+            for v in work.variants
+        )
+        return BatchAnswers(answers, none, computed, (None,) * len(contexts), memo.tokens)
 
 
 def _counted(tokens: Sequence[int], reused: int, count: bool, progress: Progress | None) -> BuildCounts:
@@ -112,17 +161,65 @@ def _counted(tokens: Sequence[int], reused: int, count: bool, progress: Progress
     return BuildCounts(len(tokens) if count else 0, sum(tokens), reused if count else 0)
 
 
-def _answer_variants(
-    handle: ModelHandle, cache: BatchCache, questions: Sequence[Sequence[int]], work: Work
-) -> tuple[tuple[Answer, ...], ScoringTokens]:
-    """Every variant's answers from the same contexts (each pressed, if it presses, from the dense
-    cache), and the tokens the presses' scoring forwards ran."""
-    presses, questions_memo = PressMemo(), QuestionMemo()
+@dataclass(frozen=True)
+class Prepared:
+    """A dense-path batch ready to answer or score: the plan it kept (a pressed entry found bad
+    moves its context to ``dense``), its completed dense contexts, the open pressed entries by
+    variant name and context key, and the stack that keeps them open until the batch is done."""
+
+    plan: BatchPlan
+    done: Completed
+    entries: Mapping[str, Mapping[str, DerivedView]]
+    stack: contextlib.ExitStack
+
+
+def _open_entries(
+    handle: ModelHandle, plan: BatchPlan, work: Work, stack: contextlib.ExitStack
+) -> tuple[dict[str, dict[str, DerivedView]], frozenset[str]]:
+    """The plan's pressed entries, verified and open on ``stack``; and the contexts whose entry
+    turned out missing, corrupt or foreign."""
+    entries: dict[str, dict[str, DerivedView]] = {}
+    bad: set[str] = set()
+    if work.store is None:
+        return entries, frozenset()
+    filed = dict(zip(plan.keys, plan.derived_chains))
+    for name, per_context in plan.pressed.items():
+        for key, dkey in per_context.items():
+            view = open_pressed(work.store, handle, filed[key], dkey, stack)
+            if view is None:
+                bad.add(key)
+            else:
+                entries.setdefault(name, {})[key] = view
+    return entries, frozenset(bad)
+
+
+def _memo(handle: ModelHandle, plan: BatchPlan, work: Work) -> PressMemo:
+    """A batch's press memo, reading and (on a writable store) saving stored scores."""
+    if work.store is None:
+        return PressMemo()
+    return PressMemo(stored=StoredScores(handle, work.store, plan.derived_chains, work.writer is not None))
+
+
+def _codec(work: Work) -> Codec | None:
+    return work.store.codec if work.store is not None else None
+
+
+def _loaded(plan: BatchPlan, done: Completed) -> tuple[int, ...]:
+    """Per row, the context tokens that came from the store: its dense tokens loaded, or its whole
+    context where every variant read a stored pressed entry."""
+    return tuple(done.loaded[c.key] if c.key in plan.dense else c.n_tokens for c in plan.contexts)
+
+
+def _labels(plan: BatchPlan, prepared: Prepared) -> tuple[str | None, ...]:
+    """Per row, the codec its context came from: the dense chunks', else its pressed entries'."""
     out = []
-    for v in work.variants:
-        mine = transform(handle, cache, v, presses)
-        out.append(answer(handle, mine, questions, work.decoding, v, questions_memo))
-    return tuple(out), presses.tokens
+    for r, c in enumerate(plan.contexts):
+        label = prepared.done.codecs[r]
+        if label is None and c.key not in plan.dense:
+            specs = [m[c.key].header.codec_spec for m in prepared.entries.values() if c.key in m]
+            label = ",".join(dict.fromkeys(specs)) or None
+        out.append(label)
+    return tuple(out)
 
 
 @torch.inference_mode()

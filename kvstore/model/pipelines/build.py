@@ -1,14 +1,19 @@
-"""Building caches: compute each distinct context's missing chunks once and store them.
+"""Building caches: plan what each distinct context needs, then compute its missing chunks once and
+store them (and its pressed caches and scores).
 
-A context whose chain is stored whole and intact is skipped (its record written if it lacks one);
-a context stored as a format-1 entry is rewritten as a chain (nothing recomputed); any other is
-computed from its longest stored prefix on by the model's cache path
-(:meth:`kvstore.model.paths.base.CachePath.compute`). Chunks that several pending contexts share
-(a few-shot block, a document and its extension) are computed first, once, and then extended.
-Encoding and writing run on a background thread (:class:`~kvstore.model.compute.writer.Writer`):
-each context's chunks first, then its record, so a reader or a concurrent gc never sees a record
-whose chunks were not written yet. The counts come back as values and make the
-:class:`BuildReport`.
+:func:`plan_build` makes a frozen :class:`BuildPlan` before any work: per distinct context of this
+shard a :class:`ContextStep` saying what is stored of it (its verified chunks) and what the build
+does: ``skip`` (stored whole and recorded), ``record`` (stored whole, its record missing),
+``migrate`` (a format-1 entry holding exactly it: rewritten as a chain, nothing recomputed) or
+``compute`` (its chunks from the stored prefix on), and which pressed caches and scores it lacks
+(``presses``/``scores`` options). ``kvstore build --dry-run`` prints it. :func:`run_build`
+carries it out: the dense work by the model's cache path
+(:meth:`kvstore.model.paths.base.CachePath.compute`; chunks that several pending contexts share,
+such as a few-shot block, computed first, once), then the derived work
+(:mod:`kvstore.model.pipelines.derive`). Encoding and writing run on a background thread
+(:class:`~kvstore.model.compute.writer.Writer`): each context's chunks first, then its record, so a
+reader or a concurrent gc never sees a record whose chunks were not written yet. The counts come
+back as values and make the :class:`BuildReport`.
 """
 
 from __future__ import annotations
@@ -18,17 +23,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvstore.errors import ContextTooLongError
+from kvstore.errors import ReadOnlyStoreError
 from kvstore.model.compute.attention import uses_grouped_kv
-from kvstore.model.compute.cache import LayerKV
 from kvstore.model.compute.writer import Writer
-from kvstore.model.handle import row_label
 from kvstore.model.options import BuildOptions
 from kvstore.model.paths.base import BuildCounts
-from kvstore.model.paths.choice import check_supported
-from kvstore.model.plan import chains
+from kvstore.model.paths.choice import check_supported, check_variants
+from kvstore.model.pipelines.derive import derive
+from kvstore.model.plan.build import BuildPlan, plan_build
 from kvstore.model.plan.chains import DEFAULT_KEYING, Chain, Keying
 from kvstore.model.stages.load import load_v1, verified_depth
+from kvstore.model.variants.variant import make_variant
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
@@ -57,6 +62,10 @@ class BuildReport:
     store_wait_seconds: float = 0.0  # time the compute thread waited for the writer
     errors: list[str] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)  # key of each given context, in input order
+    pressed_written: int = 0  # pressed caches stored (presses x contexts)
+    scores_written: int = 0  # scores stored (scorers x contexts)
+    derived_bytes: int = 0  # stored bytes of the pressed caches and scores written
+    scoring_tokens: int = 0  # context tokens the scorers' forwards ran (windows, re-runs, replays; not prefill)
 
     @property
     def ratio(self) -> float:
@@ -78,59 +87,22 @@ def default_build_batch(handle: ModelHandle) -> int:
     return 1 if handle.device.type == "cpu" else 8
 
 
-def in_shard(key: str, i: int, n: int) -> bool:
-    """Whether shard ``i`` of ``n`` builds ``key``: its first 16 hex digits, read as a number,
-    are ``i`` modulo ``n`` (keys are sha256 hex, so shards get near-equal shares)."""
-    return int(key[:16], 16) % n == i
-
-
-@dataclass(frozen=True)
-class _Planned:
-    """The contexts of a build, planned: per given context its plan (None: refused, its message in
-    ``errors``), and the distinct ones of this shard."""
-
-    plans: list[Chain | None]
-    errors: list[str]
-    distinct: list[Chain]
-    other_shards: int
-
-
-def _plan_contexts(
-    handle: ModelHandle, contexts: Sequence[TextOrIds], store: KVStore, options: BuildOptions, keying: Keying,
-    labels: Sequence[str] | None,
-) -> _Planned:  # fmt: skip
-    plans: list[Chain | None] = []
-    errors: list[str] = []
-    for i, c in enumerate(contexts):
-        try:
-            ids = handle.context_ids(
-                c, special_tokens=keying.special_tokens, truncate=options.truncate,
-                max_context_tokens=options.max_context_tokens, label=row_label(labels, i),
-            )  # fmt: skip
-            plans.append(
-                chains.chain_of(handle, ids, store, prefix=keying.prefix, special_tokens=keying.special_tokens)
-            )
-        except ContextTooLongError as exc:
-            if not options.skip_errors:
-                raise
-            errors.append(str(exc))
-            plans.append(None)
-    distinct = list({p.key: p for p in plans if p is not None}.values())
-    other = 0
-    if options.shard is not None:
-        mine = [p for p in distinct if in_shard(p.key, *options.shard)]
-        other, distinct = len(distinct) - len(mine), mine
-    return _Planned(plans, errors, distinct, other)
-
-
 @uses_grouped_kv
 def build_caches(
     handle: ModelHandle, contexts: Sequence[TextOrIds], store: KVStore, options: BuildOptions,
     keying: Keying = DEFAULT_KEYING, labels: Sequence[str] | None = None, progress: Progress | None = None,
 ) -> BuildReport:  # fmt: skip
     """Store the cache of every distinct context of ``contexts`` that is not stored whole and
-    intact (with ``options.shard`` = ``(i, n)``: those whose key :func:`in_shard` gives to ``i``).
-    See :meth:`kvstore.model.adapter.Adapter.build`."""
+    intact (with ``options.shard`` = ``(i, n)``: those whose key
+    :func:`kvstore.model.plan.build.in_shard` gives to ``i``), and the pressed caches and scores the
+    options ask for. See :meth:`kvstore.model.adapter.Adapter.build`."""
+    t_start = time.perf_counter()
+    options = _checked(handle, store, options)
+    plan = plan_build(handle, contexts, store, options, keying, labels)
+    return run_build(handle, plan, store, progress, t_start)
+
+
+def _checked(handle: ModelHandle, store: KVStore, options: BuildOptions) -> BuildOptions:
     shard = options.shard
     if shard is not None and not 0 <= shard[0] < shard[1]:
         raise ValueError(f"shard {shard[0]}/{shard[1]}: need 0 <= I < N")
@@ -139,32 +111,42 @@ def build_caches(
     assert options.batch_size is not None
     if options.batch_size < 1:
         raise ValueError("batch_size must be at least 1")
+    check_supported(handle, store)
+    if options.presses or options.scores:
+        if store.readonly:
+            raise ReadOnlyStoreError(f"store {store.url} was opened read-only: build cannot store pressed caches")
+        check_variants(handle, [make_variant(press=p) for p in options.presses or options.scores])
+    return options
+
+
+@uses_grouped_kv
+def run_build(
+    handle: ModelHandle, plan: BuildPlan, store: KVStore, progress: Progress | None = None,
+    t_start: float | None = None,
+) -> BuildReport:  # fmt: skip
+    """Carry out ``plan`` (made by :func:`plan_build` for ``store``): the dense chains, then the
+    pressed caches and scores."""
+    t_start = time.perf_counter() if t_start is None else t_start
+    options = _checked(handle, store, plan.options)
     path = check_supported(handle, store)
-    t_start = time.perf_counter()
-    planned = _plan_contexts(handle, contexts, store, options, keying, labels)
-    skipped = reused = 0
-    pending: list[tuple[Chain, int]] = []
-    legacy: list[tuple[Chain, LayerKV]] = []
-    unrecorded: list[Chain] = []
-    for chain in planned.distinct:
-        depth = verified_depth(handle, store, chain)  # verified: corrupt chunks are rebuilt
-        if depth == len(chain.keys):
-            skipped += 1
-            reused += chain.n_tokens
-            if store.context(chain.key) is None and not store.readonly:
-                unrecorded.append(chain)  # recorded through the writer, which checks its chunks are still there
-        elif depth == 0 and (old := load_v1(handle, store, chain)) is not None:
-            legacy.append((chain, old))
-        else:
-            pending.append((chain, depth))
-    if progress and skipped + planned.other_shards:
-        progress(skipped + planned.other_shards, 0)  # nothing to do for these here
+    steps = plan.steps
+    skipped = sum(1 for st in steps if st.action in ("skip", "record"))
+    reused = sum(st.chain.n_tokens for st in steps if st.action in ("skip", "record"))
+    pending = [(st.chain, st.depth) for st in steps if st.action == "compute"]
+    legacy = [st.chain for st in steps if st.action == "migrate"]
+    if progress and skipped + plan.other_shards:
+        progress(skipped + plan.other_shards, 0)  # nothing to do for these here
     writer = Writer(store)
     counts = BuildCounts()
     try:
-        for chain in unrecorded:
-            writer.put_context(chain)
-        for chain, layers in legacy:  # a format-1 entry of exactly this context: rewritten as a chain
+        for st in steps:
+            if st.action == "record":
+                writer.put_context(st.chain)  # recorded through the writer, which checks its chunks are still there
+        for chain in legacy:  # a format-1 entry of exactly this context: rewritten as a chain
+            layers = load_v1(handle, store, chain)
+            if layers is None:  # gone since the plan: computed after all
+                pending.append((chain, 0))
+                continue
             writer.put_chunks(handle, chain, layers)
             reused += chain.n_tokens
             if progress:
@@ -176,25 +158,25 @@ def build_caches(
             writer.flush()
             pending = [(chain, max(depth, _depth_in(chain, shared))) for chain, depth in pending]
         counts += path.compute(handle, store, pending, writer, options, progress, True)
+        distinct = [st.chain for st in steps]
         for _ in range(3):  # a concurrent gc removed chunks of contexts just recorded: compute them again
             writer.flush()
             lost, writer.lost = set(writer.lost), []
-            redo = [
-                (p, d)
-                for p in planned.distinct
-                if p.key in lost and (d := verified_depth(handle, store, p)) < len(p.keys)
-            ]
+            redo = [(p, d) for p in distinct if p.key in lost and (d := verified_depth(handle, store, p)) < len(p.keys)]
             counts += path.compute(handle, store, redo, writer, options, None, True)
     finally:
         writer.close()
+    derived = derive(handle, store, [st for st in steps if st.presses or st.scores], options, progress)
     s = writer.stats
     return BuildReport(
-        contexts=len(contexts), distinct=len(planned.distinct), other_shards=planned.other_shards,
-        built=counts.built, skipped=skipped, failed=sum(1 for p in planned.plans if p is None), tokens=counts.tokens,
-        tokens_reused=reused + counts.tokens_reused, migrated=len(legacy), chunks_written=s.chunks_written,
-        raw_bytes=s.raw_bytes, stored_bytes=s.stored_bytes, seconds=time.perf_counter() - t_start,
-        store_seconds=s.store_seconds, store_wait_seconds=s.wait_seconds, errors=planned.errors,
-        keys=[p.key if p else "" for p in planned.plans],
+        contexts=len(plan.chains), distinct=len(steps), other_shards=plan.other_shards,
+        built=counts.built + derived.computed_contexts, skipped=skipped, failed=len(plan.errors),
+        tokens=counts.tokens + derived.tokens, tokens_reused=reused + counts.tokens_reused, migrated=len(legacy),
+        chunks_written=s.chunks_written, raw_bytes=s.raw_bytes, stored_bytes=s.stored_bytes,
+        seconds=time.perf_counter() - t_start, store_seconds=s.store_seconds, store_wait_seconds=s.wait_seconds,
+        errors=list(plan.errors), keys=[p.key if p else "" for p in plan.chains],
+        pressed_written=derived.pressed, scores_written=derived.scores, derived_bytes=derived.bytes,
+        scoring_tokens=derived.scoring.total,
     )  # fmt: skip
 
 
@@ -222,4 +204,4 @@ def _depth_in(chain: Chain, shared: Sequence[tuple[Chain, int]]) -> int:
     return max((keys[k] for k in chain.keys if k in keys), default=0)
 
 
-__all__ = ["BuildReport", "build_caches", "default_build_batch", "in_shard"]
+__all__ = ["BuildReport", "build_caches", "default_build_batch", "run_build"]

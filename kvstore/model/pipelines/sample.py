@@ -27,14 +27,14 @@ import torch
 
 from kvstore.errors import ContextTooLongError
 from kvstore.model.compute.attention import uses_grouped_kv
-from kvstore.model.compute.forward import Decoding, batches, is_out_of_memory, row_length
+from kvstore.model.compute.forward import Decoding, batches, in_halves, is_out_of_memory, row_length
 from kvstore.model.compute.writer import Writer
 from kvstore.model.handle import row_label
 from kvstore.model.options import SampleOptions
 from kvstore.model.paths.base import BatchAnswers, CachePath, Work
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.plan import chains
-from kvstore.model.plan.batch import BatchPlan, plan_batch
+from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
 from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.stages.load import Loaded, load
@@ -94,6 +94,10 @@ class Rows:
     contexts: tuple[tuple[int, ...], ...]
     questions: tuple[tuple[int, ...], ...]
 
+    def requests(self, new_tokens: int) -> RowSet:
+        """The rows as the batch planner reads them."""
+        return RowSet(self.chains, self.questions, new_tokens)
+
 
 def tokenize_rows(
     handle: ModelHandle, contexts: Sequence[TextOrIds], questions: Sequence[TextOrIds], options: SampleOptions,
@@ -151,18 +155,20 @@ def sample_variants(
     ahead = options.load_ahead and use_store is not None and path.supports("load_ahead") and len(todo) > 1
     loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if ahead else None
     done: list[tuple[BatchPlan, BatchAnswers]] = []
+    requests = rows.requests(decoding.new_tokens)
     try:
-        pending: Future[Loaded] | None = None
+        nxt_item: tuple[BatchPlan, Future[Loaded]] | None = None
         for b, batch in enumerate(todo):
-            plan = plan_batch(
-                batch, rows.chains, rows.questions, decoding.new_tokens, use_store, writer, decoding.fixed
-            )
-            loaded = _result(pending)
+            if nxt_item is not None:  # planned and loading ahead
+                plan, loaded = nxt_item[0], _result(nxt_item[1])
+            else:
+                plan = plan_batch(batch, requests, use_store, writer, decoding.fixed, variants)
+                loaded = None
             nxt = todo[b + 1] if b + 1 < len(todo) else None
             if use_store is not None and nxt is not None:  # a remote store fetches the next batch's chunks
                 use_store.prefetch(k for i in nxt for k in rows.chains[i].keys)
-            following = _Ahead(loader, rows, nxt) if loader is not None and nxt is not None else None
-            got, pending = _run_batch(handle, path, plan, work, loaded, following)
+            following = _Ahead(loader, requests, nxt) if loader is not None and nxt is not None else None
+            got, nxt_item = _run_batch(handle, path, plan, work, loaded, following)
             done += got
             if progress:
                 progress(len(batch), sum(len(rows.contexts[i]) + len(rows.questions[i]) for i in batch))
@@ -179,44 +185,39 @@ class _Ahead:
     """The batch after this one, to plan and load on ``loader`` once this one is complete."""
 
     loader: ThreadPoolExecutor
-    rows: Rows
+    requests: RowSet
     batch: list[int]
 
-    def submit(self, handle: ModelHandle, work: Work) -> Future[Loaded]:
-        nxt = plan_batch(self.batch, self.rows.chains, self.rows.questions, work.decoding.new_tokens, work.store,
-                         work.writer, work.decoding.fixed)  # fmt: skip
-        return self.loader.submit(load, handle, nxt, work.store, work.writer)
+    def submit(self, handle: ModelHandle, work: Work) -> tuple[BatchPlan, Future[Loaded]]:
+        """Its plan (the one it runs with), and its load running on the loader."""
+        plan = plan_batch(self.batch, self.requests, work.store, work.writer, work.decoding.fixed, work.variants)
+        return plan, self.loader.submit(load, handle, plan, work.store, work.writer)
 
 
 def _run_batch(
     handle: ModelHandle, path: CachePath, plan: BatchPlan, work: Work, loaded: Loaded | None, ahead: _Ahead | None
-) -> tuple[list[tuple[BatchPlan, BatchAnswers]], Future[Loaded] | None]:
+) -> tuple[list[tuple[BatchPlan, BatchAnswers]], tuple[BatchPlan, Future[Loaded]] | None]:
     """One batch through its path: prepared (loaded, completed, new chunks handed to the writer),
     then the next batch planned and its load submitted, then answered under every variant. Out of
-    memory: the same rows again as two halves (answers do not depend on the batch)."""
-    try:
+    memory: the plans of its two halves (answers do not depend on the batch)."""
+    held = [loaded]  # the batch loaded ahead: dropped on first use, so an out-of-memory retry frees it
+    following: list[tuple[BatchPlan, Future[Loaded]] | None] = [None]
+
+    def run(positions: list[int]) -> list[tuple[BatchPlan, BatchAnswers]]:
+        part = plan if len(positions) == len(plan.rows) else plan.part(positions)
+        got, held[0] = held[0] if part is plan else None, None
         if work.store is None:
-            return [(plan, path.reference(handle, plan, work))], None
-        prepared = path.prepare(handle, plan, work, loaded)
-        pending = ahead.submit(handle, work) if ahead is not None else None
-        return [(plan, path.answer(handle, plan, work, prepared))], pending
-    except Exception as exc:
-        if not is_out_of_memory(exc) or len(plan.rows) == 1:
-            raise
-        del exc, loaded  # the only reference to the batch loaded ahead: freed before the retry
-        if handle.device.type == "cuda":
-            torch.cuda.empty_cache()
-        out: list[tuple[BatchPlan, BatchAnswers]] = []
-        n = max(plan.rows) + 1
-        contexts: list = [None] * n
-        fed: list = [()] * n
-        for r, i in enumerate(plan.rows):
-            contexts[i], fed[i] = plan.contexts[r], plan.fed[r]
-        half = len(plan.rows) // 2
-        for part in (plan.rows[:half], plan.rows[half:]):
-            sub = plan_batch(part, contexts, fed, plan.new_tokens, work.store, work.writer, work.decoding.fixed)
-            out += _run_batch(handle, path, sub, work, None, None)[0]
-        return out, ahead.submit(handle, work) if ahead is not None else None
+            return [(part, path.reference(handle, part, work))]
+        prepared = path.prepare(handle, part, work, got)
+        del got
+        if ahead is not None and following[0] is None:
+            following[0] = ahead.submit(handle, work)
+        return [(part, path.answer(handle, part, work, prepared))]
+
+    out = in_halves(run, list(range(len(plan.rows))), handle)
+    if ahead is not None and following[0] is None:
+        following[0] = ahead.submit(handle, work)
+    return out, following[0]
 
 
 def _result(pending: Future[Loaded] | None) -> Loaded | None:

@@ -29,16 +29,17 @@ import torch
 
 from kvstore.errors import ContextTooLongError, DatasetError, ModelError, PressError
 from kvstore.model.compute.attention import uses_grouped_kv
+from kvstore.model.compute.forward import Decoding, in_halves
 from kvstore.model.compute.writer import Writer
 from kvstore.model.handle import row_label
 from kvstore.model.options import ScoreOptions
+from kvstore.model.paths.base import BatchScores, Scoring, Work
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.plan import chains
-from kvstore.model.plan.batch import BatchPlan, plan_batch
+from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
 from kvstore.model.plan.chains import DEFAULT_KEYING, Keying
-from kvstore.model.press.select import PressMemo
 from kvstore.model.press.spec import ScoringTokens
-from kvstore.model.scoring.rows import row_batches, run_halving, score_reference, vocab_size
+from kvstore.model.scoring.rows import row_batches, score_reference, vocab_size
 from kvstore.model.scoring.scores import (
     RollingResult,
     RollingResults,
@@ -48,16 +49,11 @@ from kvstore.model.scoring.scores import (
     prefix_token_id,
     rolling_windows,
 )
-from kvstore.model.stages.complete import complete
-from kvstore.model.stages.load import load
-from kvstore.model.stages.score import score_fed, scored_contexts
-from kvstore.model.stages.transform import transform
 from kvstore.model.variants.variant import Variant
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.cache import BatchCache
     from kvstore.model.handle import ModelHandle, TextOrIds
 
 
@@ -139,22 +135,13 @@ def score_rows(
     return [ScoreResult(done, computed, saved, v.name, kept, nbytes) for v in variants]
 
 
-@dataclass
-class _Totals:
-    """What the batches of a cached scoring run add up to, per variant."""
-
-    rows: list[list[ScoredRow | None]]
-    kept: list[list[int]]
-    nbytes: list[int]
-    computed: int = 0
-    scoring: ScoringTokens = ScoringTokens()
-
-
 @torch.inference_mode()
 def _score_cached(
     handle: ModelHandle, rows: ScoreRows, options: ScoreOptions, variants: Sequence[Variant], store: KVStore | None,
     keys: Keying, progress: Progress | None,
 ) -> list[ScoreResult]:  # fmt: skip
+    """Every variant's scores through the model's cache path (load, complete, transform, score),
+    each batch planned once; without ``store`` nothing is loaded or stored (a variant's reference)."""
     ctx, cont = rows.contexts, rows.continuations
     n = len(ctx)
     keep = rows.keep or (False,) * n
@@ -166,72 +153,61 @@ def _score_cached(
     chain_list = [
         chains.chain_of(handle, c, store, prefix=keys.prefix, special_tokens=keys.special_tokens) for c in ctx
     ]
+    # a press reads the context but its last token: its derived entries are that context's
+    pressing = any(v.press is not None for v in variants) and store is not None
+    scored = tuple(
+        chains.chain_of(handle, c[:-1], store, prefix=keys.prefix, special_tokens=keys.special_tokens) for c in ctx
+    ) if pressing else ()  # fmt: skip
+    requests = RowSet(tuple(chain_list), tuple(fed), 0, scored)
     order = sorted(range(n), key=lambda i: (len(ctx[i]), chain_list[i].key, i))
     sizes = [len(ctx[i]) + len(fed[i]) for i in range(n)]
     writer = Writer(store) if (store is not None and not store.readonly) else None
-    totals = _Totals([[None] * n for _ in variants], [[0] * n for _ in variants], [0] * len(variants))
-
-    def run(batch: list[int]) -> None:
-        plan = plan_batch(batch, chain_list, fed, 0, store, writer)  # a context split over batches: its load waits
-        done = complete(handle, plan, load(handle, plan, store, writer), store, writer)
-        totals.computed += done.computed
-        view = scored_contexts(done.cache)
-        memo = PressMemo()
-        kept_rows = False
-        for j, v in enumerate(variants):  # each variant writes only the fed slots, from P on: contexts stay
-            mine = transform(handle, view, v, memo)
-            scored = score_fed(handle, mine, plan.fed, [cont[i] for i in batch], v, options.token_logprobs)
-            for r, i in enumerate(batch):
-                total, greedy, per_token = scored[r]
-                totals.rows[j][i] = ScoredRow(total, greedy, len(cont[i]), per_token, done.loaded[plan.keys[r]])
-                totals.kept[j][i] = mine.kept[r]
-            totals.nbytes[j] += mine.nbytes()
-            if writer is not None and store is not None and v.dense and not kept_rows:  # the model's own fed KV
-                _keep_rows(handle, store, writer, plan, done.cache, keep)
-                kept_rows = True
-        totals.scoring += memo.tokens
-        if progress:
-            progress(len(batch), sum(sizes[i] for i in batch))
-
+    path = check_supported(handle, store)
+    work = Work(store, writer, Decoding(), tuple(variants), Scoring(tuple(cont), options.token_logprobs, keep))
+    done: list[tuple[BatchPlan, BatchScores]] = []
     row_logits = vocab_size(handle) * 4
     try:
         for batch in row_batches(order, [p.key for p in chain_list], sizes, [len(f) for f in fed], options.batch_size,
                                  options.max_batch_tokens, row_logits):  # fmt: skip
-            run_halving(run, batch, handle)
+            plan = plan_batch(batch, requests, store, writer, False, variants)  # a context split over batches waits
+
+            def run(positions: list[int], plan: BatchPlan = plan) -> list[tuple[BatchPlan, BatchScores]]:
+                part = plan if len(positions) == len(plan.rows) else plan.part(positions)
+                return [(part, path.score(handle, part, work, path.prepare(handle, part, work, None)))]
+
+            done += in_halves(run, list(range(len(batch))), handle)
+            if progress:
+                progress(len(batch), sum(sizes[i] for i in batch))
     finally:
         if writer is not None:
             writer.close()
-    saved = sum(len(c) for c in ctx) - totals.computed
+    return _collect(rows, variants, done)
+
+
+def _collect(
+    rows: ScoreRows, variants: Sequence[Variant], done: Sequence[tuple[BatchPlan, BatchScores]]
+) -> list[ScoreResult]:
+    """The per-variant results of every batch, in the caller's row order."""
+    n = len(rows.contexts)
+    computed = sum(b.computed for _, b in done)
+    scoring = sum((b.scoring for _, b in done), ScoringTokens())
+    saved = sum(len(c) for c in rows.contexts) - computed
     out = []
     for j, v in enumerate(variants):
-        done_rows = [r for r in totals.rows[j] if r is not None]
+        scored: list[ScoredRow | None] = [None] * n
+        kept = [0] * n
+        nbytes = 0
+        for plan, b in done:
+            nbytes += b.nbytes[j]
+            for r, i in enumerate(plan.rows):
+                total, greedy, per_token = b.rows[j][r]
+                scored[i] = ScoredRow(total, greedy, len(rows.continuations[i]), per_token, b.loaded[r])
+                kept[i] = b.kept[j][r]
+        done_rows = [r for r in scored if r is not None]
         assert len(done_rows) == n
-        out.append(ScoreResult(done_rows, totals.computed, saved, v.name, totals.kept[j], totals.nbytes[j],
-                               totals.scoring.window, totals.scoring.total, totals.scoring.replay))  # fmt: skip
+        out.append(ScoreResult(done_rows, computed, saved, v.name, kept, nbytes, scoring.window, scoring.total,
+                               scoring.replay))  # fmt: skip
     return out
-
-
-def _keep_rows(
-    handle: ModelHandle, store: KVStore, writer: Writer, plan: BatchPlan, cache: BatchCache, keep: Sequence[bool]
-) -> None:
-    """Store each kept row's context + fed tokens as a chain, from the KV the scoring forward left
-    in the batch's buffers (the context's slots but its last, then the fed slots); chains stored
-    whole already are left alone."""
-    P = cache.first_free
-    for r, i in enumerate(plan.rows):
-        if not keep[i]:
-            continue
-        ctx, fed = plan.contexts[r].ids, plan.fed[r]
-        target = chains.chain_of(handle, ctx[:-1] + fed, store)
-        if store.contains(target.key):
-            continue
-        c, q = len(ctx), len(fed)
-        layers = tuple(
-            (torch.cat([kb[r, :, P - c : P - 1], kb[r, :, P : P + q]], dim=1),
-             torch.cat([vb[r, :, P - c : P - 1], vb[r, :, P : P + q]], dim=1))
-            for kb, vb in cache.bufs
-        )  # fmt: skip
-        writer.put_chunks(handle, target, layers)
 
 
 def score_rolling(

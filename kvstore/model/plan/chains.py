@@ -46,21 +46,37 @@ class Chain:
     """One tokenized context as a chain: ``spans[i]`` are chunk ``i``'s positions, ``keys[i]``
     its key. ``key`` (the last chunk's) names the context; ``v1_key`` is the format-1 key of the
     whole context, under which a phase-1 store may hold it. ``lossy``: the lossy codec the chain
-    is stored with (its quantizer spec, part of the keys), ``""`` for lossless."""
+    is stored with (its quantizer spec, part of the keys), ``""`` for lossless. ``canonical``: the
+    key of the chain cut at the fixed boundaries only (chunk size, the prompt's head), not at the
+    ends of shorter contexts stored at the time (:func:`stored_tails`): what a context's derived
+    entries (stored scores, pressed caches) are keyed by, since it never depends on what else is
+    stored (``""``: the same as ``key``)."""
 
     ids: tuple[int, ...]
     spans: tuple[tuple[int, int], ...]
     keys: tuple[str, ...]
     v1_key: str
     lossy: str = ""
+    canonical: str = ""
 
     @property
     def key(self) -> str:
         return self.keys[-1]
 
     @property
+    def context_key(self) -> str:
+        """The key a context's derived entries are filed under (see ``canonical``)."""
+        return self.canonical or self.keys[-1]
+
+    @property
     def n_tokens(self) -> int:
         return len(self.ids)
+
+    def upto(self, depth: int) -> Chain:
+        """This chain listing only its first ``depth`` chunks (what a load reads; the same context)."""
+        if depth >= len(self.keys):
+            return self
+        return Chain(self.ids, self.spans[:depth], self.keys[:depth], self.v1_key, self.lossy, self.context_key)
 
     def depth_of(self, n_tokens: int) -> int:
         """How many whole chunks ``n_tokens`` leading tokens cover."""
@@ -94,16 +110,13 @@ def chain_of(
     chunk_tokens = store.chunk_tokens if store is not None else DEFAULT_CHUNK_TOKENS
     lossy = store.codec.identity if store is not None else ""
     seed = handle.chain_seed(lossy)
+    fixed = cuts
     if store is not None and store.backend.local:
         cuts = stored_tails(seed, ids, chunk_tokens, cuts, store)
     spans = chunk_spans(len(ids), chunk_tokens, cuts)
-    return Chain(
-        tuple(ids),
-        tuple(spans),
-        tuple(chain_keys(seed, ids, spans)),
-        cache_key(handle.fingerprint, handle.dtype, ids),
-        lossy,
-    )
+    keys = tuple(chain_keys(seed, ids, spans))
+    canonical = "" if cuts == fixed else chain_keys(seed, ids, chunk_spans(len(ids), chunk_tokens, fixed))[-1]
+    return Chain(tuple(ids), tuple(spans), keys, cache_key(handle.fingerprint, handle.dtype, ids), lossy, canonical)
 
 
 def stored_tails(seed: str, ids: Sequence[int], chunk_tokens: int, cuts: list[int], store: KVStore) -> list[int]:

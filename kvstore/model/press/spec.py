@@ -306,9 +306,22 @@ def parse_press(spec: str) -> Press:
         raise PressError(f"press {spec!r}: {str(exc).split(': ', 1)[-1]}") from None
 
 
+def parse_scorer(spec: str) -> Press:
+    """A scorer spec (what ``--score`` takes: a press without its ratio, ``kvzip`` or
+    ``kvzip:chunk=1024``; a whole press spec's ratio and budget are ignored) as a :class:`Press` of
+    ratio 0. PressError (one line) otherwise."""
+    if not isinstance(spec, str):
+        raise PressError(f"scorer spec {spec!r} is not text")
+    parts = spec.strip().split(":")
+    if len(parts) < 2 or not _FLOAT.fullmatch(parts[1]):
+        parts.insert(1, "0")
+    press = parse_press(":".join(parts))
+    return Press(press.method, 0.0, press.question, press.params)
+
+
 def is_press_spec(spec: str) -> bool:
     """Whether ``spec`` names a press (its first field is a registered press)."""
     return isinstance(spec, str) and press_method(spec.strip().split(":", 1)[0]) is not None
 
 
-__all__ = ["Press", "ScoringTokens", "is_press_spec", "parse_press", "ratio_text"]
+__all__ = ["Press", "ScoringTokens", "is_press_spec", "parse_press", "parse_scorer", "ratio_text"]

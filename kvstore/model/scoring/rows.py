@@ -1,16 +1,16 @@
-"""Scoring's pieces below its paths: batches of rows that keep a context's rows together, the
-out-of-memory retry in halves, gathering continuation log-probs from logits, and the reference
+"""Scoring's pieces below its paths: batches of rows that keep a context's rows together,
+gathering continuation log-probs from logits, and the reference
 forward without a cache (context + continuation in one forward, as lm-eval's ``hf`` model runs
 it). :mod:`kvstore.model.pipelines.score` builds the cached and sweep paths on them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore.model.compute.forward import is_out_of_memory, right_padded
+from kvstore.model.compute.forward import in_halves, right_padded
 from kvstore.model.scoring.scores import ScoredRow
 from kvstore.progress import Progress
 
@@ -69,21 +69,6 @@ def row_batches(
         yield batch
 
 
-def run_halving(run: Callable[[list[int]], None], batch: list[int], handle: ModelHandle) -> None:
-    """``run(batch)``; on an out-of-memory error, the same rows in two halves (scores do not depend
-    on the batch), down to one row."""
-    try:
-        run(batch)
-    except Exception as exc:
-        if not is_out_of_memory(exc) or len(batch) == 1:
-            raise
-        del exc
-        if handle.device.type == "cuda":
-            torch.cuda.empty_cache()
-        run_halving(run, batch[: len(batch) // 2], handle)
-        run_halving(run, batch[len(batch) // 2 :], handle)
-
-
 def gather_logprobs(logits: torch.Tensor, targets: Sequence[int], per_token: bool) -> tuple[float, bool, tuple | None]:
     """``(sum of log-probs, greedy, per-token log-probs)`` of ``targets`` from ``logits`` ``[n, V]``."""
     ftype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
@@ -111,7 +96,7 @@ def score_reference(
     row_logits = vocab_size(handle) * 4
     dev = handle.device
 
-    def run(batch: list[int]) -> None:
+    def run(batch: list[int]) -> list[None]:
         B = len(batch)
         L = max(sizes[i] for i in batch)
         lo = min(len(ctx[i]) - 1 for i in batch)  # first position whose logits are needed
@@ -127,11 +112,12 @@ def score_reference(
         del out
         if progress:
             progress(B, sum(sizes[i] for i in batch))
+        return []
 
     keys = [str(i) for i in range(n)]
     for batch in row_batches(order, keys, sizes, sizes, options.batch_size, options.max_batch_tokens, row_logits):
-        run_halving(run, batch, handle)
+        in_halves(run, batch, handle)
     return [r for r in rows if r is not None]
 
 
-__all__ = ["LOGITS_BYTES", "gather_logprobs", "row_batches", "run_halving", "score_reference", "vocab_size"]
+__all__ = ["LOGITS_BYTES", "gather_logprobs", "row_batches", "score_reference", "vocab_size"]

@@ -35,10 +35,11 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass(frozen=True)
 class Completed:
     """A batch's contexts, whole in its buffers: the :class:`BatchCache` (row ``r``'s context in
-    slots ``P - c_r .. P``), context tokens loaded per distinct key, context tokens computed, and
-    per row the codec spec(s) its context came from or was stored with (None without a store)."""
+    slots ``P - c_r .. P``; None when the plan needs no dense cache: every row reads stored pressed
+    entries), context tokens loaded per distinct key, context tokens computed, and per row the codec
+    spec(s) its context came from or was stored with (None without a store)."""
 
-    cache: BatchCache
+    cache: BatchCache | None
     loaded: Mapping[str, int]
     computed: int
     codecs: tuple[str | None, ...]
@@ -48,12 +49,15 @@ class Completed:
 def complete(
     handle: ModelHandle, plan: BatchPlan, loaded: Loaded, store: KVStore | None, writer: Writer | None
 ) -> Completed:
-    """Compute and store what ``loaded`` lacks (see the module docstring)."""
+    """Compute and store what ``loaded`` lacks of the contexts the plan needs densely (see the
+    module docstring)."""
     P = plan.context_slots
     bufs = loaded.bufs
     got = dict(loaded.loaded)
     specs = {k: list(v) for k, v in loaded.codecs.items()}
-    heads = {k: rows[0] for k, rows in plan.distinct.items()}
+    if not plan.dense:
+        return Completed(None, got, 0, tuple(codec_label(specs[p.key]) for p in plan.contexts))
+    heads = {k: rows[0] for k, rows in plan.distinct.items() if k in plan.dense}
     missing = [k for k in heads if got[k] == 0]
     if missing:
         for k, layers in zip(missing, prefill(handle, [plan.contexts[heads[k]].ids for k in missing])):
@@ -75,7 +79,7 @@ def complete(
             assert store is not None
             specs[k].append(store.codec.spec)
     lengths = tuple(p.n_tokens for p in plan.contexts)
-    _fill_pads_and_repeats(bufs, plan.distinct, lengths, P)
+    _fill_pads_and_repeats(bufs, plan.distinct, lengths, P, plan.dense)
     computed = sum(plan.contexts[r0].n_tokens - got[k] for k, r0 in heads.items())
     labels = tuple(codec_label(specs[p.key]) for p in plan.contexts)
     cache = BatchCache(bufs, tuple((P - c, P) for c in lengths), lengths, P, tuple(p.ids for p in plan.contexts))
@@ -149,12 +153,14 @@ def codec_label(specs: Sequence[str]) -> str | None:
 
 
 def _fill_pads_and_repeats(
-    bufs: Buffers, distinct: Mapping[str, Sequence[int]], lengths: Sequence[int], P: int
+    bufs: Buffers, distinct: Mapping[str, Sequence[int]], lengths: Sequence[int], P: int, dense: frozenset[str]
 ) -> None:
     """Zero each row's pad slots (masked, but ``0 * NaN`` would still poison) and copy a context
-    loaded once into the other rows that share it."""
-    for rs in distinct.values():
+    loaded once into the other rows that share it; rows whose context is not needed are zeros."""
+    for key, rs in distinct.items():
         r0, c = rs[0], lengths[rs[0]]
+        if key not in dense:
+            c = 0
         for kb, vb in bufs:
             kb[r0, :, : P - c].zero_()
             vb[r0, :, : P - c].zero_()

@@ -1,12 +1,14 @@
 """The load stage: a batch's stored context prefixes, copied straight into its KV buffers.
 
-:func:`load` allocates the buffers a :class:`~kvstore.model.plan.batch.BatchPlan` asks for and
-copies each distinct context's longest verified stored prefix into its first row, context position
-``p`` at slot ``P - c + p`` (left-padded). Every chunk is checked against the plan
-(:func:`kvstore.model.plan.chains.fits`) and its checksum before any byte reaches the buffers; a
-corrupt or foreign chunk ends the prefix there (a warning; the complete stage computes the rest).
-Chunks the writer still held when the batch was planned are waited for first. ``sample`` runs it
-for the next batch on a worker thread while the current batch decodes.
+:func:`load` allocates the buffers a :class:`~kvstore.model.plan.batch.BatchPlan` asks for and,
+for each distinct context whose dense cache the plan needs (``plan.dense``), copies the chunks the
+plan expects stored (``plan.stored``) into its first row, context position ``p`` at slot ``P - c +
+p`` (left-padded). Every chunk is checked against its chain (:func:`kvstore.model.plan.chains.fits`)
+and its checksum before any byte reaches the buffers; a missing, corrupt or foreign chunk ends the
+prefix there (a corrupt one warns) and the load reports it found less than planned (``Loaded.short``);
+the complete stage computes the rest. Chunks the writer still held when the batch was planned are
+waited for first. ``sample`` runs it for the next batch on a worker thread while the current batch
+decodes. A batch that needs no dense cache (every row read from a pressed entry) allocates nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,48 +38,58 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class Loaded:
-    """What :func:`load` found: the batch's KV buffers (each distinct context's stored prefix in its
-    first row), context tokens loaded per distinct key, and the codec spec of each chunk loaded."""
+    """What :func:`load` found: the batch's KV buffers (each needed context's stored prefix in its
+    first row; empty when no context is needed densely), context tokens loaded per distinct key, the
+    codec spec of each chunk loaded, and per key where it found less than planned ``(planned
+    tokens, loaded tokens)``."""
 
     bufs: Buffers
     loaded: Mapping[str, int]
     codecs: Mapping[str, tuple[str, ...]]
+    short: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @torch.inference_mode()
 def load(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, writer: Writer | None = None) -> Loaded:
     """Allocate ``plan``'s buffers and load each distinct context's stored prefix (see the module
     docstring). Without a store nothing is loaded."""
+    loaded: dict[str, int] = dict.fromkeys(plan.distinct, 0)
+    codecs: dict[str, tuple[str, ...]] = {k: () for k in plan.distinct}
+    if not plan.dense:
+        return Loaded([], loaded, codecs)
     if writer is not None and plan.pending:
         writer.wait_for(plan.pending)  # chunks computed by an earlier batch: load them, do not recompute
     dev = handle.device
     bufs = new_buffers(handle.kv_shapes(), len(plan.rows), plan.slots, handle.dtype, dev)
     P = plan.context_slots
-    loaded: dict[str, int] = {}
-    codecs: dict[str, tuple[str, ...]] = {}
+    short: dict[str, tuple[int, int]] = {}
     staging = Staging(dev, force=handle.force_staging)  # accelerator buffers: pinned host tensors, side stream
     for key, rows in plan.distinct.items():
+        if key not in plan.dense:
+            continue
         ctx = plan.contexts[rows[0]]
         found: list[str] = []
-        if store is not None:  # the plan's depth is what it expects; the load checks every chunk
-            loaded[key] = load_prefix(handle, store, ctx, bufs, rows[0], P - ctx.n_tokens, found, staging)
-        else:
-            loaded[key] = 0
+        if store is not None:  # the plan's chunks, each checked
+            depth = plan.stored.get(key, 0)
+            loaded[key] = load_prefix(handle, store, ctx.upto(depth), bufs, rows[0], P - ctx.n_tokens, found, staging)
+            if loaded[key] < plan.load_tokens(key):
+                short[key] = (plan.load_tokens(key), loaded[key])
         codecs[key] = tuple(found)
     staging.finish()
-    return Loaded(bufs, loaded, codecs)
+    return Loaded(bufs, loaded, codecs, short)
 
 
 def load_prefix(
     handle: ModelHandle, store: KVStore, chain: Chain, bufs: Buffers, row: int, slot0: int,
     codecs: list[str] | None = None, staging: Staging | None = None,
 ) -> int:  # fmt: skip
-    """Copy the longest verified stored prefix of ``chain`` into batch row ``row`` of ``bufs``,
-    context position ``p`` at slot ``slot0 + p``. Falls back to a format-1 entry holding exactly
-    this (lossless) context. Returns how many context tokens were loaded (0: nothing); the codec
-    spec of each chunk loaded is appended to ``codecs``. With ``staging`` (accelerator buffers),
-    records go through its pinned host tensors and asynchronous copies: call its ``finish()``
-    before using ``bufs``."""
+    """Copy the longest verified stored prefix of ``chain`` (of the chunks it lists: a chain cut
+    with :meth:`~kvstore.model.plan.chains.Chain.upto` reads no further) into batch row ``row`` of
+    ``bufs``, context position ``p`` at slot ``slot0 + p``. Falls back to a format-1 entry holding
+    exactly this (lossless) context. Returns how many context tokens were loaded (0: nothing); the
+    codec spec of each chunk loaded is appended to ``codecs``. With ``staging`` (accelerator
+    buffers), records go through its pinned host tensors and asynchronous copies: call its
+    ``finish()`` before using ``bufs``."""
     loaded = 0
     with store.open_chain(chain.keys, lazy=True) as views:
         fitting = []
@@ -158,25 +170,25 @@ def _warn_corrupt(key: str, exc: Exception) -> None:
     )
 
 
-def verified_depth(handle: ModelHandle, store: KVStore, plan: Chain) -> int:
-    """How many leading chunks of ``plan`` are stored, intact and this model's (verified)."""
-    with store.open_chain(plan.keys) as views:
-        return sum(1 for _ in _fitting(handle, plan, views))
+def verified_depth(handle: ModelHandle, store: KVStore, chain: Chain) -> int:
+    """How many leading chunks of ``chain`` are stored, intact and this model's (verified)."""
+    with store.open_chain(chain.keys) as views:
+        return sum(1 for _ in _fitting(handle, chain, views))
 
 
-def _fitting(handle: ModelHandle, plan: Chain, views):
+def _fitting(handle: ModelHandle, chain: Chain, views):
     for j, view in enumerate(views):
-        if not fits(handle, view, plan, j):
+        if not fits(handle, view, chain, j):
             return
         yield view
 
 
-def load_prefix_kv(handle: ModelHandle, store: KVStore, plan: Chain, depth: int) -> LayerKV | None:
-    """The keys/values of ``plan``'s first ``depth`` chunks, materialized (None if they are no
+def load_prefix_kv(handle: ModelHandle, store: KVStore, chain: Chain, depth: int) -> LayerKV | None:
+    """The keys/values of ``chain``'s first ``depth`` chunks, materialized (None if they are no
     longer all stored intact)."""
     pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-    with store.open_chain(plan.keys[:depth]) as views:
-        for view in _fitting(handle, plan, views):
+    with store.open_chain(chain.keys[:depth]) as views:
+        for view in _fitting(handle, chain, views):
             pieces.append([(k.materialize(), v.materialize()) for k, v in filter(None, view.layers)])
     if len(pieces) < depth:
         return None
@@ -186,16 +198,26 @@ def load_prefix_kv(handle: ModelHandle, store: KVStore, plan: Chain, depth: int)
     )
 
 
-def load_v1(handle: ModelHandle, store: KVStore, plan: Chain) -> LayerKV | None:
-    """The keys/values of a format-1 entry holding exactly ``plan``'s context, materialized (None
+def has_v1(handle: ModelHandle, store: KVStore, chain: Chain) -> bool:
+    """Whether a format-1 entry holding exactly ``chain``'s context is stored, intact and this
+    model's (nothing materialized)."""
+    if not store.contains(chain.v1_key):
+        return False
+    whole = Chain(chain.ids, ((0, chain.n_tokens),), (chain.v1_key,), chain.v1_key)
+    with store.open_entry(chain.v1_key) as view:
+        return view is not None and view.header.format == 1 and fits(handle, view, whole, 0)
+
+
+def load_v1(handle: ModelHandle, store: KVStore, chain: Chain) -> LayerKV | None:
+    """The keys/values of a format-1 entry holding exactly ``chain``'s context, materialized (None
     when there is none, or it is corrupt or another model's)."""
-    if not store.contains(plan.v1_key):
+    if not store.contains(chain.v1_key):
         return None
-    whole = Chain(plan.ids, ((0, plan.n_tokens),), (plan.v1_key,), plan.v1_key)
-    with store.open_entry(plan.v1_key) as view:
+    whole = Chain(chain.ids, ((0, chain.n_tokens),), (chain.v1_key,), chain.v1_key)
+    with store.open_entry(chain.v1_key) as view:
         if view is None or view.header.format != 1 or not fits(handle, view, whole, 0):
             return None
         return tuple((k.materialize(), v.materialize()) for k, v in filter(None, view.layers))
 
 
-__all__ = ["Loaded", "load", "load_prefix", "load_prefix_kv", "load_v1", "verified_depth"]
+__all__ = ["Loaded", "has_v1", "load", "load_prefix", "load_prefix_kv", "load_v1", "verified_depth"]

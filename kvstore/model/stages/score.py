@@ -18,13 +18,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.model.compute.cache import BatchCache, PreallocatedCache
+from kvstore.model.plan import chains
 from kvstore.model.press.heads import per_head_masks
 from kvstore.model.scoring.rows import gather_logprobs
 from kvstore.model.variants import hooks
 from kvstore.model.variants.variant import Variant
 
 if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.plan.batch import BatchPlan
+    from kvstore.store.kvstore import KVStore
 
 # per row: (sum of the continuation's log-probs, greedy, per-token log-probs or None)
 RowScore = tuple[float, bool, tuple | None]
@@ -74,4 +78,27 @@ def score_fed(
     return [gather_logprobs(out.logits[r, : len(targets[r])], targets[r], token_logprobs) for r in range(B)]
 
 
-__all__ = ["RowScore", "score_fed", "scored_contexts"]
+def keep_rows(
+    handle: ModelHandle, store: KVStore, writer: Writer, plan: BatchPlan, cache: BatchCache, keep: Sequence[bool]
+) -> None:
+    """Store each kept row's context + fed tokens (``keep`` by caller row) as a chain, from the KV
+    the scoring forward left in the batch's dense buffers (the context's slots but its last, then the
+    fed slots); chains stored whole already are left alone."""
+    P = cache.first_free
+    for r, i in enumerate(plan.rows):
+        if not keep[i]:
+            continue
+        ctx, fed = plan.contexts[r].ids, plan.fed[r]
+        target = chains.chain_of(handle, ctx[:-1] + fed, store)
+        if store.contains(target.key):
+            continue
+        c, q = len(ctx), len(fed)
+        layers = tuple(
+            (torch.cat([kb[r, :, P - c : P - 1], kb[r, :, P : P + q]], dim=1),
+             torch.cat([vb[r, :, P - c : P - 1], vb[r, :, P : P + q]], dim=1))
+            for kb, vb in cache.bufs
+        )  # fmt: skip
+        writer.put_chunks(handle, target, layers)
+
+
+__all__ = ["RowScore", "keep_rows", "score_fed", "scored_contexts"]
