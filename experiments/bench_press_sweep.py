@@ -121,9 +121,9 @@ def pressed_prefill(model, ctx: list[int], press, cache_arg: str) -> tuple:
     else:
         model.model(input_ids=ids, use_cache=True, **{cache_arg: cache})
         observations = [None] * len(cache.layers)
-    if press is None or press.kept(c) >= c:
+    if press is None or press.n_kept(c) >= c:
         return cache, c
-    n = press.kept(c)
+    n = press.n_kept(c)
     for layer, obs in zip(cache.layers, observations):
         keys, values = layer.keys[0], layer.values[0]  # [kv_heads, c, head_dim]
         idx = kept(score(press, keys, obs), n)  # [kv_heads, n], position order

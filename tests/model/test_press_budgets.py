@@ -509,3 +509,13 @@ def test_adakv_shares_a_layer_budget_over_its_heads_with_a_safeguard(eager, rows
             assert ref.tokens[r].tolist() == _independent_answer(eager.model, ctx, q, keep)
     finally:
         unregister_press("skewed_test")
+
+
+def test_the_docs_tables_are_the_registrys():
+    from pathlib import Path
+
+    from kvstore.model.press.registry import press_table
+
+    text = (Path(__file__).parents[2] / "docs" / "presses.md").read_text()
+    start = text.index("-->\n", text.index("<!-- press-table")) + len("-->\n")
+    assert text[start : text.index("\n<!-- /press-table -->")] == press_table()

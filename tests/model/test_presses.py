@@ -66,7 +66,7 @@ def _scores(press: Press, keys: torch.Tensor, attn: torch.Tensor | None, c: int,
         return torch.rand((1, kv_heads, c), generator=g, dtype=keys.dtype)[0]
     if press.method == "streaming_llm":
         s = torch.ones(kv_heads, c)
-        s[:, 4 : 4 + c - press.kept(c)] = 0
+        s[:, 4 : 4 + c - press.n_kept(c)] = 0
         return s
     assert attn is not None
     if press.question:
@@ -93,7 +93,7 @@ def _independent(model, ctx: list[int], q: list[int], press: Press) -> list[int]
     seq = ctx + q if press.question else ctx
     out = model(input_ids=torch.tensor([seq]), use_cache=True, output_attentions=True)
     cache = out.past_key_values
-    keep = press.kept(c)
+    keep = press.n_kept(c)
     for i, layer in enumerate(cache.layers):
         keys, values = layer.keys[0, :, :c], layer.values[0, :, :c]
         s = _scores(press, keys, out.attentions[i][0], c, nq)
@@ -131,7 +131,7 @@ def test_stored_answers_under_each_press_are_the_independent_implementations(eag
         press = parse_press(spec)
         want = [_independent(eager.model, c, q, press) for c, q in zip(contexts, questions)]
         assert got[spec].tokens.tolist() == want, spec
-        assert got[spec].kept_tokens == [press.kept(len(c)) for c in contexts]
+        assert got[spec].kept_tokens == [press.n_kept(len(c)) for c in contexts]
 
 
 @pytest.mark.parametrize("kind", ["llama", "neox"])
@@ -216,7 +216,7 @@ def test_press_specs_have_one_printed_form_and_one_line_errors():
     assert parse_press("snapkv:0.5:window=64").name == "snapkv:0.5"  # a default parameter is not printed
     assert parse_press("streaming_llm:0.25:n_sink=8").name == "streaming_llm:0.25:n_sink=8"
     assert parse_press(" tova:0.3:q ").name == "tova:0.3:q"
-    assert parse_press("knorm:0").kept(10) == 10 and parse_press("knorm:0.99").kept(10) == 1
+    assert parse_press("knorm:0").n_kept(10) == 10 and parse_press("knorm:0.99").n_kept(10) == 1
     assert parse_variant("snapkv:0.5+sparq:16:64").name == "snapkv:0.5+sparq:16:64"
     assert parse_variant("snapkv:0.5+sparq:16:64").press == parse_press("snapkv:0.5")
     for bad in ["snapkv", "snapkv:1", "snapkv:-0.1", "snapkv:x", "nope:0.5", "knorm:0.5:q", "snapkv:0.5:size=3",
@@ -239,7 +239,7 @@ def test_score_under_a_press_from_the_store_equals_the_press_in_memory(eager, ro
     for v in variants:
         assert max(abs(a - b) for a, b in zip(cached[v].logprobs, ref[v].logprobs)) < 1e-10, v
         assert cached[v].kept_tokens == [len(c) - 1 if v.endswith(":0") or v == "dense" else
-                                         parse_press(v).kept(len(c) - 1) for c in contexts]  # fmt: skip
+                                         parse_press(v).n_kept(len(c) - 1) for c in contexts]  # fmt: skip
     assert cached["knorm:0"].logprobs == cached["dense"].logprobs
     # the one-forward reference lays rows out otherwise, and eager attention's softmax runs in float32
     assert max(abs(a - b) for a, b in zip(cached["knorm:0"].logprobs, plain.logprobs)) < 1e-5
@@ -256,7 +256,7 @@ def _independent_score(model, ctx: list[int], cont: list[int], press: Press) -> 
     head = ctx[:-1]
     c = len(head)
     out = model(input_ids=torch.tensor([head]), use_cache=True, output_attentions=True)
-    cache, keep = out.past_key_values, press.kept(c)
+    cache, keep = out.past_key_values, press.n_kept(c)
     for i, layer in enumerate(cache.layers):
         keys, values = layer.keys[0], layer.values[0]
         s = _scores(press, keys, out.attentions[i][0] if out.attentions else None, c, 0)

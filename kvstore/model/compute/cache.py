@@ -85,14 +85,14 @@ class HeadCounts:
 class BatchCache:
     """A batch's contexts in its KV buffers, as the transform, answer and score stages read them:
     row ``r``'s context (token ids ``ids[r]``) sits in slots ``spans[r]`` (all before
-    ``first_free``), holding ``kept[r] = end - start`` of its ``lengths[r]`` context tokens (fewer
+    ``first_free``), holding ``kept_tokens[r] = end - start`` of its ``lengths[r]`` context tokens (fewer
     after a press; each kept token keeps its position, so what follows continues at position
     ``lengths[r]``). Slots from ``first_free`` on are free for the question and the answer.
 
     With ``heads`` (a press whose layers or heads keep different counts), each layer has its own
     context slots ``heads.slots[l]`` and each head its own count (:class:`HeadCounts`); layer 0's
     geometry is the batch's reference (``first_free = heads.slots[0]``, ``spans`` cover its longest
-    head) and ``kept[r]`` is the row's mean over layers and heads, rounded."""
+    head) and ``kept_tokens[r]`` is the row's mean over layers and heads, rounded."""
 
     bufs: Buffers
     spans: tuple[tuple[int, int], ...]
@@ -102,7 +102,7 @@ class BatchCache:
     heads: HeadCounts | None = None
 
     @property
-    def kept(self) -> tuple[int, ...]:
+    def kept_tokens(self) -> tuple[int, ...]:
         if self.heads is None:
             return tuple(b - a for a, b in self.spans)
         per_row = sum(k.shape[1] for k, _ in self.bufs)
@@ -122,7 +122,7 @@ class BatchCache:
         if self.heads is None:
             per_token = sum(k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size()
                             for k, v in self.bufs)  # fmt: skip
-            return per_token * sum(self.kept)
+            return per_token * sum(self.kept_tokens)
         return sum(
             int(n.sum()) * (k.shape[3] * k.element_size() + v.shape[3] * v.element_size())
             for (k, v), n in zip(self.bufs, self.heads.counts)

@@ -2,7 +2,7 @@
 
 :class:`Writer` is the store side of building, sampling and scoring: computed chunks go through
 it, so compute never waits on compression or the store except past its byte budget. It knows
-which chunks it holds and has not written yet (:meth:`Writer.pending`), so a batch planned while
+which chunks it holds and has not written yet (:meth:`Writer.unwritten`), so a batch planned while
 it works sees them (:mod:`kvstore.model.plan.batch`) and waits for them before loading
 (:meth:`Writer.wait_for`) instead of computing them again.
 """
@@ -129,7 +129,7 @@ class Writer:
         if record:
             self.put_context(chain)
 
-    def pending(self, keys: Iterable[str]) -> frozenset[str]:
+    def unwritten(self, keys: Iterable[str]) -> frozenset[str]:
         """Which of ``keys`` are chunks put and not written yet."""
         with self.room:
             return frozenset(k for k in keys if k in self._queued)

@@ -100,7 +100,7 @@ class BatchAnswers:
     the tokens the presses' scoring forwards ran (not prefill)."""
 
     answers: tuple[Answer, ...]
-    loaded: tuple[int, ...]
+    cached_tokens: tuple[int, ...]
     computed: int
     codecs: tuple[str | None, ...]
     scoring: ScoringTokens = ScoringTokens()
@@ -113,9 +113,9 @@ class BatchScores:
     context tokens loaded; context tokens computed; the presses' scoring tokens."""
 
     rows: tuple[tuple[RowScore, ...], ...]
-    kept: tuple[tuple[int, ...], ...]
+    kept_tokens: tuple[tuple[int, ...], ...]
     nbytes: tuple[int, ...]
-    loaded: tuple[int, ...]
+    cached_tokens: tuple[int, ...]
     computed: int
     scoring: ScoringTokens = ScoringTokens()
 

@@ -127,7 +127,7 @@ class DensePath(CachePath):
             for v in work.variants:  # each variant writes only the fed slots, from P on: contexts stay
                 mine = transform(handle, plan, dense, v, memo, prepared.entries.get(v.name, {}), _codec(work))
                 rows.append(tuple(score_fed(handle, mine, plan.fed, targets, v, job.token_logprobs)))
-                kept.append(mine.kept)
+                kept.append(mine.kept_tokens)
                 nbytes.append(mine.nbytes())
                 if keeping and v.dense and done.cache is not None:  # the model's own fed KV, before another
                     assert work.store is not None and work.writer is not None  # variant writes those slots
@@ -207,7 +207,7 @@ def _codec(work: Work) -> Codec | None:
 def _loaded(plan: BatchPlan, done: Completed) -> tuple[int, ...]:
     """Per row, the context tokens that came from the store: its dense tokens loaded, or its whole
     context where every variant read a stored pressed entry."""
-    return tuple(done.loaded[c.key] if c.key in plan.dense else c.n_tokens for c in plan.contexts)
+    return tuple(done.tokens_loaded[c.key] if c.key in plan.dense else c.n_tokens for c in plan.contexts)
 
 
 def _labels(plan: BatchPlan, prepared: Prepared) -> tuple[str | None, ...]:

@@ -8,7 +8,7 @@ does: ``skip`` (stored whole and recorded), ``record`` (stored whole, its record
 ``compute`` (its chunks from the stored prefix on), and which pressed caches and scores it lacks
 (``presses``/``scores`` options). ``kvstore build --dry-run`` prints it. :func:`run_build`
 carries it out: the dense work by the model's cache path
-(:meth:`kvstore.model.paths.base.CachePath.compute`; chunks that several pending contexts share,
+(:meth:`kvstore.model.paths.base.CachePath.compute`; chunks that several contexts to compute share,
 such as a few-shot block, computed first, once), then the derived work
 (:mod:`kvstore.model.pipelines.derive`). Encoding and writing run on a background thread
 (:class:`~kvstore.model.compute.writer.Writer`): each context's chunks first, then its record, so a
@@ -132,7 +132,7 @@ def run_build(
     steps = plan.steps
     skipped = sum(1 for st in steps if st.action in ("skip", "record"))
     reused = sum(st.chain.n_tokens for st in steps if st.action in ("skip", "record"))
-    pending = [(st.chain, st.depth) for st in steps if st.action == "compute"]
+    to_compute = [(st.chain, st.depth) for st in steps if st.action == "compute"]
     legacy = [st.chain for st in steps if st.action == "migrate"]
     if progress and skipped + plan.other_shards:
         progress(skipped + plan.other_shards, 0)  # nothing to do for these here
@@ -145,19 +145,19 @@ def run_build(
         for chain in legacy:  # a format-1 entry of exactly this context: rewritten as a chain
             layers = load_v1(handle, store, chain)
             if layers is None:  # gone since the plan: computed after all
-                pending.append((chain, 0))
+                to_compute.append((chain, 0))
                 continue
             writer.put_chunks(handle, chain, layers)
             reused += chain.n_tokens
             if progress:
                 progress(1, 0)
-        store.touch(k for chain, depth in pending for k in chain.keys[:depth])  # a concurrent gc spares them
-        shared = _shared_prefixes(pending)
-        if shared:  # chunks several pending contexts start with: computed once, first
+        store.touch(k for chain, depth in to_compute for k in chain.keys[:depth])  # a concurrent gc spares them
+        shared = _shared_prefixes(to_compute)
+        if shared:  # chunks several to_compute contexts start with: computed once, first
             counts += path.compute(handle, store, shared, writer, options, None, False)
             writer.flush()
-            pending = [(chain, max(depth, _depth_in(chain, shared))) for chain, depth in pending]
-        counts += path.compute(handle, store, pending, writer, options, progress, True)
+            to_compute = [(chain, max(depth, _depth_in(chain, shared))) for chain, depth in to_compute]
+        counts += path.compute(handle, store, to_compute, writer, options, progress, True)
         distinct = [st.chain for st in steps]
         for _ in range(3):  # a concurrent gc removed chunks of contexts just recorded: compute them again
             writer.flush()
@@ -180,15 +180,15 @@ def run_build(
     )  # fmt: skip
 
 
-def _shared_prefixes(pending: Sequence[tuple[Chain, int]]) -> list[tuple[Chain, int]]:
-    """The longest not-yet-stored chunk prefixes that at least two pending contexts share, as
+def _shared_prefixes(to_compute: Sequence[tuple[Chain, int]]) -> list[tuple[Chain, int]]:
+    """The longest not-yet-stored chunk prefixes that at least two to_compute contexts share, as
     ``(chain of the prefix, stored depth)`` jobs (their chunks only: a prefix is not a context)."""
     uses: dict[str, int] = {}
-    for chain, depth in pending:
+    for chain, depth in to_compute:
         for k in chain.keys[depth:]:
             uses[k] = uses.get(k, 0) + 1
     jobs: dict[str, tuple[Chain, int]] = {}
-    for chain, depth in pending:
+    for chain, depth in to_compute:
         shared = depth
         while shared < len(chain.keys) and uses[chain.keys[shared]] > 1:
             shared += 1

@@ -102,13 +102,13 @@ def _batch(
         layers = [(kb[r, :, a:b], vb[r, :, a:b]) for kb, vb in cache.bufs]
         for press in step.presses:
             masks = kept_masks(press, row_scores(handle, cache, press, r, memo), b - a)
-            _, blob = encode_kept(handle, step.chain, press, DenseRow(layers, masks).kept(), store.codec)
+            _, blob = encode_kept(handle, step.chain, press, DenseRow(layers, masks).kept_tensors(), store.codec)
             nbytes += store.put_derived(blob)
             pressed += 1
     computed = completed.computed
     return Derived(
         done.pressed + pressed, done.scores + len(scores.saved), done.bytes + nbytes + scores.saved_bytes,
-        done.tokens + computed, done.computed_contexts + _computed(plan, completed.loaded),
+        done.tokens + computed, done.computed_contexts + _computed(plan, completed.tokens_loaded),
         done.scoring + memo.tokens,
     )  # fmt: skip
 

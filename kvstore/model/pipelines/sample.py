@@ -88,15 +88,15 @@ class SampleResult:
 
 @dataclass(frozen=True)
 class Rows:
-    """A run's rows, tokenized: context chains (``chains``), context ids and question ids."""
+    """A run's rows, tokenized: context chains (``chains``), context ids and question ids (``question_ids``)."""
 
     chains: tuple[Chain, ...]
     contexts: tuple[tuple[int, ...], ...]
-    questions: tuple[tuple[int, ...], ...]
+    question_ids: tuple[tuple[int, ...], ...]
 
     def requests(self, new_tokens: int) -> RowSet:
         """The rows as the batch planner reads them."""
-        return RowSet(self.chains, self.questions, new_tokens)
+        return RowSet(self.chains, self.question_ids, new_tokens)
 
 
 def tokenize_rows(
@@ -150,7 +150,7 @@ def sample_variants(
     work = Work(use_store, writer, decoding, tuple(variants))
     n = len(rows.chains)
     order = sorted(range(n), key=lambda i: (len(rows.contexts[i]), rows.chains[i].key, i))
-    sizes = [len(rows.contexts[i]) + len(rows.questions[i]) + decoding.new_tokens for i in range(n)]
+    sizes = [len(rows.contexts[i]) + len(rows.question_ids[i]) + decoding.new_tokens for i in range(n)]
     todo = list(batches(order, sizes, options.batch_size, options.max_batch_tokens))
     ahead = options.load_ahead and use_store is not None and path.supports("load_ahead") and len(todo) > 1
     loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if ahead else None
@@ -171,7 +171,7 @@ def sample_variants(
             got, nxt_item = _run_batch(handle, path, plan, work, loaded, following)
             done += got
             if progress:
-                progress(len(batch), sum(len(rows.contexts[i]) + len(rows.questions[i]) for i in batch))
+                progress(len(batch), sum(len(rows.contexts[i]) + len(rows.question_ids[i]) for i in batch))
     finally:
         if loader is not None:
             loader.shutdown(wait=True, cancel_futures=True)
@@ -220,13 +220,13 @@ def _run_batch(
     return out, following[0]
 
 
-def _result(pending: Future[Loaded] | None) -> Loaded | None:
+def _result(future: Future[Loaded] | None) -> Loaded | None:
     """A batch loaded ahead, or None when there is none or it ran out of memory (the batch then
     loads itself, and halves on its own out-of-memory error)."""
-    if pending is None:
+    if future is None:
         return None
     try:
-        return pending.result()
+        return future.result()
     except Exception as exc:
         if is_out_of_memory(exc):
             return None
@@ -246,7 +246,7 @@ def _collect(
     scoring = sum((b.scoring for _, b in done), ScoringTokens())
     for plan, b in done:
         for r, i in enumerate(plan.rows):
-            cached[i] = b.loaded[r]
+            cached[i] = b.cached_tokens[r]
             codecs[i] = b.codecs[r]
     for v, variant in enumerate(variants):
         tokens = torch.full((n, N), handle.pad_id, dtype=torch.long)
@@ -262,7 +262,7 @@ def _collect(
             for r, i in enumerate(plan.rows):
                 tokens[i] = a.tokens[r]
                 lengths[i] = row_length(handle, a.tokens[r], decoding)
-                kept[i] = a.kept[r]
+                kept[i] = a.kept_tokens[r]
                 if scores is not None:
                     row_scores = a.scores[r]
                     assert row_scores is not None

@@ -201,8 +201,8 @@ def _collect(
             nbytes += b.nbytes[j]
             for r, i in enumerate(plan.rows):
                 total, greedy, per_token = b.rows[j][r]
-                scored[i] = ScoredRow(total, greedy, len(rows.continuations[i]), per_token, b.loaded[r])
-                kept[i] = b.kept[j][r]
+                scored[i] = ScoredRow(total, greedy, len(rows.continuations[i]), per_token, b.cached_tokens[r])
+                kept[i] = b.kept_tokens[j][r]
         done_rows = [r for r in scored if r is not None]
         assert len(done_rows) == n
         out.append(ScoreResult(done_rows, computed, saved, v.name, kept, nbytes, scoring.window, scoring.total,

@@ -56,7 +56,7 @@ class BatchPlan:
     ``new_tokens``: tokens generated per row; ``fixed``: fixed-shape decode steps (slots rounded up
     to a bucket); ``slots``: KV buffer slots per row; ``stored``: per distinct context key, how many
     leading chunks the load reads (found in a local store, or waiting in the writer; the whole chain
-    for a remote store, whose load finds out); ``pending``: chunk keys the writer held, not yet
+    for a remote store, whose load finds out); ``unwritten``: chunk keys the writer held, not yet
     written, when the batch was planned (the load waits for them); ``write``: computed chunks and
     records go to the writer; ``dense``: the distinct contexts whose dense cache the batch loads or
     computes (every one but those whose every variant reads a stored pressed entry); ``pressed``:
@@ -69,7 +69,7 @@ class BatchPlan:
     new_tokens: int
     slots: int
     stored: Mapping[str, int]
-    pending: frozenset[str] = frozenset()
+    unwritten: frozenset[str] = frozenset()
     write: bool = False
     fixed: bool = False
     dense: frozenset[str] = field(default=frozenset())
@@ -127,7 +127,7 @@ class BatchPlan:
 
     def part(self, positions: Sequence[int]) -> BatchPlan:
         """The plan of the batch rows at ``positions`` (an out-of-memory half): the same chains,
-        stored depths, pending chunks and sources, their slots recomputed."""
+        stored depths, unwritten chunks and sources, their slots recomputed."""
         ctx = tuple(self.contexts[i] for i in positions)
         fed = tuple(self.fed[i] for i in positions)
         keys = {c.key for c in ctx}
@@ -135,7 +135,7 @@ class BatchPlan:
         return BatchPlan(
             tuple(self.rows[i] for i in positions), ctx, fed, self.new_tokens,
             bucket_slots(P + Q + self.new_tokens, self.fixed), MappingProxyType({k: self.stored[k] for k in keys}),
-            self.pending, self.write, self.fixed, self.dense & keys,
+            self.unwritten, self.write, self.fixed, self.dense & keys,
             _frozen({v: {k: d for k, d in m.items() if k in keys} for v, m in self.pressed.items()}),
             tuple(self.derived[i] for i in positions) if self.derived else (),
         )  # fmt: skip
@@ -145,16 +145,16 @@ def _frozen(pressed: Mapping[str, Mapping[str, str]]) -> Mapping[str, Mapping[st
     return MappingProxyType({v: MappingProxyType(dict(m)) for v, m in pressed.items() if m})
 
 
-def stored_depth(chain: Chain, store: KVStore | None, pending: frozenset[str]) -> int:
-    """Leading chunks of ``chain`` a load should find: present in a local store or ``pending`` in
-    the writer; every chunk for a remote store (the load stops at the first it does not find)."""
+def stored_depth(chain: Chain, store: KVStore | None, unwritten: frozenset[str]) -> int:
+    """Leading chunks of ``chain`` a load should find: present in a local store or held by
+    the writer (``unwritten``); every chunk for a remote store (the load stops at the first it does not find)."""
     if store is None:
         return 0
     if not store.backend.local:
         return len(chain.keys)
     depth = 0
     for k in chain.keys:
-        if k not in pending and not store.contains(k):
+        if k not in unwritten and not store.contains(k):
             break
         depth += 1
     return depth
@@ -165,7 +165,7 @@ def plan_batch(
     variants: Sequence[Variant] = (),
 ) -> BatchPlan:  # fmt: skip
     """Plan a batch of the caller's ``rows`` of ``requests`` for ``store`` (None: nothing is
-    loaded, as the reference runs), the writer's pending chunks included; a context is read from a
+    loaded, as the reference runs), the chunks the writer holds included; a context is read from a
     stored pressed entry by a press variant when ``store`` holds one, and its dense cache is loaded
     (or computed) only if some variant needs it."""
     ctx = tuple(requests.chains[i] for i in rows)
@@ -173,9 +173,9 @@ def plan_batch(
     derived = tuple(requests.derived[i] for i in rows) if requests.derived else ()
     new_tokens = requests.new_tokens
     chunk_keys = {k for p in ctx for k in p.keys}
-    pending = writer.pending(chunk_keys) if writer is not None else frozenset()
+    unwritten = writer.unwritten(chunk_keys) if writer is not None else frozenset()
     distinct = list({p.key: p for p in ctx}.values())
-    stored = {p.key: stored_depth(p, store, pending) for p in distinct}
+    stored = {p.key: stored_depth(p, store, unwritten) for p in distinct}
     filed = {c.key: d for c, d in zip(ctx, derived or ctx)}  # context key -> the chain its entries are under
     pressed: dict[str, Mapping[str, str]] = {}
     needed: set[str] = set()
@@ -192,7 +192,7 @@ def plan_batch(
     P, Q = max(p.n_tokens for p in ctx), max(len(f) for f in feds)
     return BatchPlan(
         tuple(rows), ctx, feds, new_tokens, bucket_slots(P + Q + new_tokens, fixed_slots),
-        MappingProxyType(stored), pending, writer is not None, fixed_slots, frozenset(needed), _frozen(pressed),
+        MappingProxyType(stored), unwritten, writer is not None, fixed_slots, frozenset(needed), _frozen(pressed),
         derived,
     )  # fmt: skip
 

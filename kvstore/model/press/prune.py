@@ -70,7 +70,7 @@ class DenseRow:
         k, v = self.layers[layer]
         _gather_row(k, v, None if self.masks is None else self.masks[layer], keys, values)
 
-    def kept(self) -> KeptLayers:
+    def kept_tensors(self) -> KeptLayers:
         """Per layer, per head ``(keys [n, d], values [n, d], positions [n])`` of the kept tokens."""
         out = []
         for i, (k, v) in enumerate(self.layers):
@@ -177,7 +177,7 @@ def press_batch(
                 masks = None
         row = DenseRow(layers, masks)
         if sources.codec is not None and not sources.codec.lossless:
-            rows.append(StoredRow(round_trip(handle, sources.chains[r], press, row.kept(), sources.codec)))
+            rows.append(StoredRow(round_trip(handle, sources.chains[r], press, row.kept_tensors(), sources.codec)))
         else:
             rows.append(row)
     if (

@@ -238,6 +238,30 @@ def press_catalog() -> str:
     return f"presses: {presses}; budgets: {budgets}"
 
 
+def press_table() -> str:
+    """The presses and budgets as Markdown tables (docs/presses.md holds this text; a test keeps
+    the two the same): one row per press, one per budget."""
+
+    def params(ps: tuple[Param, ...]) -> str:
+        return ", ".join(f"`{p.name}={_text(p.default)}`" for p in ps) or "none"
+
+    rows = ["| press | reads | score (higher is kept) | always kept | budget | parameters | follows |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for m in _PRESSES.values():
+        reads = m.reads + (", or the question with `:q`" if m.question else "")
+        rows.append(
+            f"| `{m.name}` | {reads} | {m.formula} | {m.keeps} | `{m.budget}` | {params(m.params)} | {m.follows} |"
+        )
+    rows += ["", "| budget | how many tokens each layer and head keeps | parameters | follows |", "|---|---|---|---|"]
+    for b in _BUDGETS.values():
+        rows.append(f"| `{b.name}` | {b.summary} | {params(b.params)} | {b.follows or 'kvpress ScorerPress'} |")
+    return "\n".join(rows)
+
+
+def _text(v: ParamValue) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
 # -- the built-ins ----------------------------------------------------------------------------------
 _S = "kvstore.model.press.scorers:"
 
@@ -275,7 +299,7 @@ for _rule in (
 for _method in (
     PressMethod(
         "knorm", (), "keys", "nothing: the keys with the smallest norms", "head", _S + "knorm",
-        "KnormPress, Devoto et al. 2024 (arXiv 2406.11430)", "-||k||",
+        "KnormPress, Devoto et al. 2024 (arXiv 2406.11430)", "-‖k‖",
     ),
     PressMethod(
         "streaming_llm", (Param("n_sink", 4, "first tokens always kept"),), "keys",
@@ -315,15 +339,15 @@ for _method in (
          Param("epsilon", 0.0, "added to the scores before the value-norm scaling")),
         "context", "the first n_sink tokens", "head", _S + "expected_attention",
         "ExpectedAttentionPress (kvpress)",
-        "softmax over the context of exp(k mu / sqrt(d) + k Sigma k / 2d), mu and Sigma the pre-RoPE mean and "
-        "covariance of the context's queries (after the sinks) rotated to the next n_future_positions positions, "
-        "averaged over each KV head's query heads, times ||v||",
+        "the softmax over the context of k·μ/√d + kΣk/2d (μ, Σ: the mean and covariance of the context's queries "
+        "after the sinks, before their rotary embedding, rotated by the mean rotation of the next "
+        "n_future_positions positions), averaged over each KV head's query heads, times ‖v‖",
     ),
     PressMethod(
         "kvzip",
         (Param("chunk", 2048, "context tokens replayed per forward"),
          Param("n_sink", 4, "first tokens always kept"),
-         Param("plus", False, "KVzip+ normalization: divide by ||h||, multiply by ||W_o v||")),
+         Param("plus", False, "KVzip+ normalization: divide by ‖h‖, multiply by ‖W_o v‖")),
         "replay", "the first n_sink tokens", "global", "kvstore.model.press.kvzip:kvzip_scores",
         "KVzipPress, Kim et al. 2025 (arXiv 2505.23416)",
         "the largest attention the context's replay (after a 'repeat the previous context' prompt, teacher-forced "
@@ -345,6 +369,7 @@ __all__ = [
     "press_catalog",
     "press_method",
     "press_names",
+    "press_table",
     "register_budget",
     "register_press",
     "unregister_press",

@@ -205,7 +205,7 @@ def streaming_llm(inputs: LayerInputs) -> torch.Tensor:
     kv_heads, c, _ = inputs.keys.shape
     scores = torch.ones((kv_heads, c), dtype=torch.float32, device=inputs.keys.device)
     sinks = int(inputs.press.param("n_sink"))
-    scores[:, sinks : sinks + c - inputs.press.kept(c)] = 0
+    scores[:, sinks : sinks + c - inputs.press.n_kept(c)] = 0
     return scores
 
 

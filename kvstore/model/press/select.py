@@ -179,7 +179,7 @@ def kept_masks(press: Press, scores: Sequence[torch.Tensor], c: int) -> list[tor
         keep = _top(flat, flat.numel() - int(flat.numel() * press.ratio))
         return _unflatten(keep, scores)
     out = []
-    n = press.kept(c)
+    n = press.n_kept(c)
     for i, s in enumerate(scores):
         H = s.shape[0]
         if budget == "head":

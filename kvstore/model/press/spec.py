@@ -149,7 +149,7 @@ class Press:
             return 0
         return int(self.param("window")) if self.has_param("window") else 1
 
-    def kept(self, n_tokens: int) -> int:
+    def n_kept(self, n_tokens: int) -> int:
         """Tokens each head of a context of ``n_tokens`` keeps under the ``head`` budget:
         ``int(n_tokens * (1 - ratio))``, at least one (kvpress 0.5.5's rule); other budgets start
         from it (:mod:`kvstore.model.press.select`)."""

@@ -41,12 +41,12 @@ if TYPE_CHECKING:  # pragma: no cover
 class Answer:
     """One variant's answers to a batch: ``tokens`` ``[B, new_tokens]`` int64, per-row step logits
     (or None), ``seconds`` spent (question forward and decode steps), and the context tokens each
-    row answered over (``kept``) and the bytes of their keys and values."""
+    row answered over (``kept_tokens``) and the bytes of their keys and values."""
 
     tokens: torch.Tensor
     scores: list[torch.Tensor | None]
     seconds: float
-    kept: tuple[int, ...]
+    kept_tokens: tuple[int, ...]
     cache_bytes: int
 
 
@@ -120,7 +120,7 @@ def answer(
     with hooks.running(variant, handle.model), per_head_masks(handle.model, cache):
         out = _question_forward(handle, cache, prompt)
         tokens, scores = _loop(handle, cache, prompt, out.logits[:, -1], decoding)
-    return Answer(tokens, scores, time.perf_counter() - t0, cache.kept, cache.nbytes())
+    return Answer(tokens, scores, time.perf_counter() - t0, cache.kept_tokens, cache.nbytes())
 
 
 def _question_forward(handle: ModelHandle, cache: BatchCache, prompt: _Prompt):
@@ -167,7 +167,7 @@ def _answer_question_aware(
     prompt = _prompt(handle, kept, questions, decoding)
     with hooks.running(variant, handle.model), per_head_masks(handle.model, kept):
         tokens, scores = _loop(handle, kept, prompt, first_logits, decoding)
-    return Answer(tokens, scores, time.perf_counter() - t0, kept.kept, kept.nbytes())
+    return Answer(tokens, scores, time.perf_counter() - t0, kept.kept_tokens, kept.nbytes())
 
 
 @torch.inference_mode()

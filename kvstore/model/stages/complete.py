@@ -40,7 +40,7 @@ class Completed:
     spec(s) its context came from or was stored with (None without a store)."""
 
     cache: BatchCache | None
-    loaded: Mapping[str, int]
+    tokens_loaded: Mapping[str, int]
     computed: int
     codecs: tuple[str | None, ...]
 
@@ -53,7 +53,7 @@ def complete(
     module docstring)."""
     P = plan.context_slots
     bufs = loaded.bufs
-    got = dict(loaded.loaded)
+    got = dict(loaded.tokens)
     specs = {k: list(v) for k, v in loaded.codecs.items()}
     if not plan.dense:
         return Completed(None, got, 0, tuple(codec_label(specs[p.key]) for p in plan.contexts))

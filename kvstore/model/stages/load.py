@@ -44,7 +44,7 @@ class Loaded:
     tokens, loaded tokens)``."""
 
     bufs: Buffers
-    loaded: Mapping[str, int]
+    tokens: Mapping[str, int]
     codecs: Mapping[str, tuple[str, ...]]
     short: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -57,8 +57,8 @@ def load(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, writer: Wr
     codecs: dict[str, tuple[str, ...]] = {k: () for k in plan.distinct}
     if not plan.dense:
         return Loaded([], loaded, codecs)
-    if writer is not None and plan.pending:
-        writer.wait_for(plan.pending)  # chunks computed by an earlier batch: load them, do not recompute
+    if writer is not None and plan.unwritten:
+        writer.wait_for(plan.unwritten)  # chunks computed by an earlier batch: load them, do not recompute
     dev = handle.device
     bufs = new_buffers(handle.kv_shapes(), len(plan.rows), plan.slots, handle.dtype, dev)
     P = plan.context_slots
