@@ -19,22 +19,9 @@ from pathlib import Path
 
 import click
 
+from kvstore.cli import flags
 from kvstore.cli.common import CLIError, progress_bar
-from kvstore.cli.flags import (
-    ModelChoice,
-    Report,
-    StoreChoice,
-    cache_flags,
-    dataset_flags,
-    fill,
-    model_flags,
-    output_flag,
-    receives,
-    summary_flags,
-    sweep_of,
-    variant_flags,
-    work_flags,
-)
+from kvstore.cli.flags import ModelChoice, Report, StoreChoice
 from kvstore.cli.summary import corrupt_entries_as_warnings, emit_summary
 from kvstore.data.prompts import DEFAULT_TEMPLATE
 from kvstore.model.options import ScoreOptions
@@ -95,7 +82,7 @@ class Scoring:
 
 
 @click.command()
-@dataset_flags
+@flags.dataset_flags
 @click.option("--choices-field", default="choices", show_default=True, help="Field holding the options (a list).")
 @click.option("--label-field", default="label", show_default=True, help="Field holding the right option's index.")
 @click.option("--answer-field", default="answer", show_default=True, help="Or: field holding the right option's text.")
@@ -115,14 +102,14 @@ class Scoring:
 @click.option(
     "--delimiter", default=" ", show_default=True, help="Text between the prompt and each option or reference."
 )
-@model_flags
-@work_flags(ScoreOptions)
-@cache_flags(ScoreOptions)
-@variant_flags("score", "scored")
-@output_flag("row")
-@summary_flags
-@receives(source=ChoiceSource, model=ModelChoice, scoring=Scoring, options=fill(ScoreOptions), sweep=sweep_of,
-          store=StoreChoice, report=Report)  # fmt: skip
+@flags.model_flags
+@flags.work_flags(ScoreOptions)
+@flags.cache_flags(ScoreOptions)
+@flags.variant_flags("score", "scored")
+@flags.output_flag("row")
+@flags.summary_flags
+@flags.receives(source=ChoiceSource, model=ModelChoice, scoring=Scoring, options=flags.fill(ScoreOptions),
+                sweep=flags.sweep_of, store=StoreChoice, report=Report)  # fmt: skip
 def score(
     source: ChoiceSource, model: ModelChoice, scoring: Scoring, options: ScoreOptions, sweep: tuple,
     store: StoreChoice, report: Report,

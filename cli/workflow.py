@@ -2,7 +2,7 @@
 
 Both commands load the dataset, the model and the prompt format the same way, so that the
 contexts ``build`` stores are exactly the ones ``sample`` looks up. Their flags are the shared ones
-of :mod:`kvstore.cli.flags` and the few below; each command receives the objects its flags build
+of :mod:`kvstore.cli.flags` and the few below; each command flags.receives the objects its flags build
 (:func:`kvstore.cli.flags.receives`): the library's options object among them.
 """
 
@@ -17,23 +17,9 @@ from typing import Any
 
 import click
 
+from kvstore.cli import flags
 from kvstore.cli.common import progress_bar
-from kvstore.cli.flags import (
-    ModelChoice,
-    Report,
-    StoreChoice,
-    cache_flags,
-    dataset_flags,
-    fill,
-    model_flags,
-    output_flag,
-    receives,
-    stacked,
-    summary_flags,
-    sweep_of,
-    variant_flags,
-    work_flags,
-)
+from kvstore.cli.flags import ModelChoice, Report, StoreChoice
 from kvstore.cli.summary import METRIC_KEYS, corrupt_entries_as_warnings, emit_summary, metrics, variant_table
 from kvstore.data.prompts import DEFAULT_TEMPLATE
 from kvstore.model.keywords import field_default
@@ -85,11 +71,11 @@ class Prompting:
 
 
 # build and sample: the dataset, the model, the prompt, the options they share, the store
-_run_flags = stacked(
-    dataset_flags,
+_run_flags = flags.stacked(
+    flags.dataset_flags,
     click.option("--answers-field", default="answers", show_default=True, help="Field holding the answer(s)."),
     click.option("--skip-bad-rows", is_flag=True, help="Skip malformed rows (counted) instead of stopping."),
-    model_flags,
+    flags.model_flags,
     click.option(
         "--prefill-chunk", default=None, type=click.IntRange(min=0),
         help="Run longer prefills in pieces of this many tokens (bounds activation memory; 0: one forward) "
@@ -108,7 +94,7 @@ _run_flags = stacked(
         "--max-context-tokens", type=click.IntRange(min=1), default=None,
         help="Context length limit [default: model positions - 256]; use the same value for build and sample.",
     ),
-    summary_flags,
+    flags.summary_flags,
 )  # fmt: skip
 
 
@@ -130,7 +116,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 
 @click.command()
 @_run_flags
-@work_flags(BuildOptions)
+@flags.work_flags(BuildOptions)
 @_codec_option(
     "Codec for new entries: lossless zstd-split[:LEVEL[:BITS]], raw, zstd[:LEVEL] or zstd-shuffle[:LEVEL] "
     "[default: the store's; new stores zstd-split:1:16], or lossy int8[:G], int4[:G], fp8, int4r, int8r or ecq[:STEP] "
@@ -150,8 +136,14 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     default=None,
     help="Chunk size of a new store [default: 512]; an existing store keeps its own.",
 )
-@receives(data=Data, model=ModelChoice, prompting=Prompting, options=fill(BuildOptions, skip_errors="skip_bad_rows"),
-          store=StoreChoice, report=Report)  # fmt: skip
+@flags.receives(
+    data=Data,
+    model=ModelChoice,
+    prompting=Prompting,
+    options=flags.fill(BuildOptions, skip_errors="skip_bad_rows"),
+    store=StoreChoice,
+    report=Report,
+)
 def build(
     data: Data, model: ModelChoice, prompting: Prompting, options: BuildOptions, store: StoreChoice, report: Report
 ) -> None:
@@ -211,7 +203,7 @@ def _stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str,
 
 @click.command()
 @_run_flags
-@work_flags(SampleOptions)
+@flags.work_flags(SampleOptions)
 @click.option(
     "--max-new-tokens",
     "-n",
@@ -221,8 +213,8 @@ def _stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str,
     type=click.IntRange(min=1),
     help="Tokens to generate per answer.",
 )
-@cache_flags(SampleOptions)
-@output_flag("question")
+@flags.cache_flags(SampleOptions)
+@flags.output_flag("question")
 @click.option(
     "--stop",
     "stop_strings",
@@ -251,9 +243,9 @@ def _stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str,
     "a lossy one (int8[:G], int4[:G], fp8, int4r, int8r, ecq) uses only entries built with it, and stores missing "
     "contexts with it."
 )
-@variant_flags("answer", "answered")
-@receives(data=Data, model=ModelChoice, prompting=Prompting, options=fill(SampleOptions), sweep=sweep_of,
-          store=StoreChoice, report=Report)  # fmt: skip
+@flags.variant_flags("answer", "answered")
+@flags.receives(data=Data, model=ModelChoice, prompting=Prompting, options=flags.fill(SampleOptions),
+                sweep=flags.sweep_of, store=StoreChoice, report=Report)  # fmt: skip
 def sample(
     data: Data, model: ModelChoice, prompting: Prompting, options: SampleOptions, sweep: tuple, store: StoreChoice,
     report: Report,

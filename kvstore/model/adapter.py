@@ -316,9 +316,10 @@ class Adapter(ModelView):
         ``truncate``, which drops the context's first tokens as lm-eval does), ModelError for a
         model whose cache kvstore cannot reuse exactly (windowed and state models: with
         ``use_cache=False`` only)."""
-        variant = options.variant(generation_context)
-        return self._score([variant], contexts, continuations, options, store, Keying(special_tokens, prefix), labels,
-                           progress)[0]  # fmt: skip
+        check_supported(self.handle, store if options.use_cache else None)  # a refused model: before any tokenizing
+        rows = score.encode_rows(self.handle, contexts, continuations, special_tokens, labels, options.truncate)
+        variant, keying = options.variant(generation_context), Keying(special_tokens, prefix)
+        return score.score_rows(self.handle, rows, options, [variant], store, keying, progress)[0]
 
     @takes_options(ScoreOptions)
     def score_sweep(
@@ -337,18 +338,10 @@ class Adapter(ModelView):
         """:meth:`score` under each of ``variants`` (as for :meth:`sweep`) from one load of each
         batch; results by variant name, in order."""
         chosen = _swept(variants, options)
-        results = self._score(chosen, contexts, continuations, options, store, Keying(special_tokens, prefix), labels,
-                              progress)  # fmt: skip
+        check_supported(self.handle, store if options.use_cache else None)
+        rows = score.encode_rows(self.handle, contexts, continuations, special_tokens, labels, options.truncate)
+        results = score.score_rows(self.handle, rows, options, chosen, store, Keying(special_tokens, prefix), progress)
         return {v.name: r for v, r in zip(chosen, results)}
-
-    def _score(
-        self, chosen: Sequence[Variant], contexts: Sequence[TextOrIds], continuations: Sequence[TextOrIds],
-        opts: ScoreOptions, store: KVStore | None, keying: Keying, labels: Sequence[str] | None,
-        progress: Progress | None,
-    ) -> list[ScoreResult]:  # fmt: skip
-        check_supported(self.handle, store if opts.use_cache else None)  # a refused model: before any tokenizing
-        rows = score.encode_rows(self.handle, contexts, continuations, keying.special_tokens, labels, opts.truncate)
-        return score.score_rows(self.handle, rows, opts, chosen, store, keying, progress)
 
     @takes_options(ScoreOptions)
     def score_rolling(

@@ -193,3 +193,16 @@ def test_score_refuses_a_question_aware_press_in_one_line(tiny_llama_dir, tmp_pa
     code, _, err = run_main(capsys, "score", data, "--model", tiny_llama_dir, "--store", tmp_path / "s",
                             "--press", "snapkv:0.5:q", "-q")  # fmt: skip
     assert code == 1 and len(err.strip().splitlines()) == 1 and "question-aware" in err, err
+
+
+@pytest.mark.parametrize("command", ["sample", "score"])
+def test_the_help_says_how_the_variant_flags_combine(command):
+    """Each flag's help says what it means: --press and --decode-attention compose into one variant
+    and are given once; --variant is repeated to sweep and not mixed with them."""
+    out = CliRunner().invoke(app, [command, "--help"], terminal_width=400).output
+    lines = {flag: next(x for x in out.splitlines() if x.strip().startswith(flag)) for flag in
+             ("--press", "--decode-attention", "--variant")}  # fmt: skip
+    assert "Composes with --decode-attention into one variant" in lines["--press"] and "repeat --variant" in out
+    assert "knorm, streaming_llm, random, keydiff, snapkv, tova" in lines["--press"]  # the press registry
+    assert "Composes with --press into one variant" in lines["--decode-attention"]
+    assert "Repeat to sweep" in lines["--variant"] and "Not with --press/--decode-attention" in lines["--variant"]
