@@ -603,11 +603,9 @@ def test_no_pickle_or_code_execution_in_the_library():
     # The one exception, named: importing llminference's torch.save files, tensors only
     # (weights_only=True), in a module of its own that no load path imports.
     # And there, pickletools: it walks a refused file's opcodes to name what it would call (never unpickles).
-    exception = [
-        r for r in risks
-        if r.startswith("kvstore/model/llminference.py:") and r.endswith((": torch.load", ": import pickletools"))
-    ]  # fmt: skip
-    assert len(exception) == 2
+    mine = [r for r in risks if r.startswith("kvstore/model/llminference.py:")]
+    exception = [r for r in mine if r.endswith((": torch.load", ": import pickletools", ": pickletools"))]
+    assert len([r for r in exception if r.endswith(": torch.load")]) == 1
     importers = {str(f.relative_to(REPO)) for f in files if "kvstore.model.llminference import" in f.read_text()}
     assert importers == {"cli/exchange.py"}  # only the import command reaches it
     assert "weights_only=True" in (REPO / "kvstore/model/llminference.py").read_text()
