@@ -3,10 +3,13 @@ the llminference research code."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import click
 
 from kvstore import dtypes
 from kvstore.cli.common import CLIError, echo_json, open_store, progress_bar, quiet_option, store_option
+from kvstore.cli.flags import ModelChoice, Report, StoreChoice, receives
 
 
 @click.command()
@@ -39,6 +42,19 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
         click.echo(f"Skipped {len(report.incomplete)} incomplete context(s) (`kvstore verify` names them).", err=True)
 
 
+@dataclass(frozen=True)
+class LLMInferenceCaches:
+    """What ``import-llminference`` imports: the cache directory, the dataset whose contexts name
+    the files, and how llminference named and made them."""
+
+    source: str
+    dataset: str
+    context_field: str
+    max_context_length: int
+    config_json: str | None
+    check: int
+
+
 @click.command(name="import-llminference")
 @click.argument("source", metavar="CACHE_DIR", type=click.Path(file_okay=False))
 @click.argument("dataset")
@@ -57,9 +73,8 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
 @store_option
 @quiet_option
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def import_llminference(source: str, dataset: str, model: str | None, max_context_length: int,
-                        config_json: str | None, dtype: str, device: str, context_field: str, check: int, store: str,
-                        quiet: bool, fmt: str) -> None:  # fmt: skip
+@receives(caches=LLMInferenceCaches, model=ModelChoice, store=StoreChoice, report=Report)
+def import_llminference(caches: LLMInferenceCaches, model: ModelChoice, store: StoreChoice, report: Report) -> None:
     """Import the KV caches llminference wrote to CACHE_DIR for the contexts of DATASET.
 
     Each context's file is found by llminference's own naming (MD5 of the config JSON, the
@@ -67,44 +82,47 @@ def import_llminference(source: str, dataset: str, model: str | None, max_contex
     pickle reader in kvstore), checked against this model's shapes and dtype, spot-checked by
     recomputing --check contexts, and stored as a plain (template-free) context: sample it with
     --no-chat. Files that match no context of DATASET are reported; a file that cannot be read
-    (not a tensor archive, truncated, hostile, the wrong shape) is rejected with one line and the
-    others are imported. Exits 0 when every good file was imported and the spot check passed, 1
-    when nothing could be imported or the spot check failed.
+    (not a tensor archive, truncated, a pickle that would run code, the wrong shape) is rejected
+    with one line naming it and why, and the others are imported. Exits 0 when every good file was
+    imported and the spot check passed, 1 when nothing could be imported or the spot check failed.
     """
     from pathlib import Path
 
     from kvstore.data.datasets import load_dataset
     from kvstore.data.readers import Fields
-    from kvstore.model.adapter import Adapter
     from kvstore.model.llminference import import_caches
-    from kvstore.store.kvstore import KVStore
 
-    data = load_dataset(dataset, Fields(context=context_field), require_question=False)
-    adapter = Adapter.from_pretrained(model, dtype=dtype, device=device)
-    config_text = Path(config_json).read_text() if config_json else None
+    data = load_dataset(caches.dataset, Fields(context=caches.context_field), require_question=False)
+    adapter = model.load(quiet=True)
+    config_text = Path(caches.config_json).read_text() if caches.config_json else None
     contexts = data.contexts()
-    with KVStore(store) as kv, progress_bar(len(contexts), "import", quiet, unit="ctx") as bar:
-        report = import_caches(adapter, source, contexts, kv, max_context_length=max_context_length,
-                               config_json=config_text, check=check, progress=bar)  # fmt: skip
+    with store.open() as kv, progress_bar(len(contexts), "import", report.quiet, unit="ctx") as bar:
+        imported = import_caches(adapter, caches.source, contexts, kv, max_context_length=caches.max_context_length,
+                                 config_json=config_text, check=caches.check, progress=bar)  # fmt: skip
+    _report_import(imported, caches, report.fmt)
+
+
+def _report_import(imported, caches: LLMInferenceCaches, fmt: str) -> None:
+    """The import's summary; CLIError when nothing could be imported."""
     summary = {
-        "imported": report.imported, "already_stored": report.already_stored, "missing": len(report.missing),
-        "unmatched_files": len(report.unmatched), "rejected_files": len(report.rejected), "checked": report.checked,
-        "max_abs_diff": report.max_abs_diff,
+        "imported": imported.imported, "already_stored": imported.already_stored, "missing": len(imported.missing),
+        "unmatched_files": len(imported.unmatched), "rejected_files": len(imported.rejected),
+        "checked": imported.checked, "max_abs_diff": imported.max_abs_diff,
     }  # fmt: skip
     if fmt == "json":
-        echo_json(summary | {"unmatched": report.unmatched, "rejected": report.rejected})
+        echo_json(summary | {"unmatched": imported.unmatched, "rejected": imported.rejected})
     else:
-        click.echo(f"Imported {report.imported} context(s) ({report.already_stored} already stored, "
-                   f"{len(report.missing)} without a file); {report.checked} recomputed, max difference "
-                   f"{report.max_abs_diff:.3g}.")  # fmt: skip
-        for name in report.unmatched[:10]:
-            click.echo(f"unmatched  {name}  (no context of {dataset} has this name)")
-        for line in report.rejected:  # every file that failed, one line each
+        click.echo(f"Imported {imported.imported} context(s) ({imported.already_stored} already stored, "
+                   f"{len(imported.missing)} without a file); {imported.checked} recomputed, max difference "
+                   f"{imported.max_abs_diff:.3g}.")  # fmt: skip
+        for name in imported.unmatched[:10]:
+            click.echo(f"unmatched  {name}  (no context of {caches.dataset} has this name)")
+        for line in imported.rejected:  # every file that failed, one line each
             click.echo(f"rejected   {line}")
-    if not report.imported and not report.already_stored:
-        if report.rejected:
+    if not imported.imported and not imported.already_stored:
+        if imported.rejected:
             raise CLIError(
-                f"none of the {len(report.rejected)} llminference cache(s) in {source} that match a context of "
-                f"{dataset} could be imported (each is listed above with why)"
+                f"none of the {len(imported.rejected)} llminference cache(s) in {caches.source} that match a context "
+                f"of {caches.dataset} could be imported (each is listed above with why)"
             )
-        raise CLIError(f"no llminference cache in {source} matches a context of {dataset}")
+        raise CLIError(f"no llminference cache in {caches.source} matches a context of {caches.dataset}")

@@ -11,7 +11,6 @@ text instead (perplexity, bits per character); ``--rolling`` the whole context a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -20,11 +19,13 @@ from pathlib import Path
 
 import click
 
-from kvstore import dtypes
-from kvstore.cli.common import progress_bar, quiet_option, store_option, store_options
-from kvstore.cli.summary import corrupt_entries_as_warnings, emit_summary, parse_variants, variant_option
+from kvstore.cli import flags
+from kvstore.cli.common import CLIError, progress_bar
+from kvstore.cli.flags import ModelChoice, Report, StoreChoice
+from kvstore.cli.summary import corrupt_entries_as_warnings, emit_summary
+from kvstore.data.prompts import DEFAULT_TEMPLATE
+from kvstore.model.options import ScoreOptions
 
-DEFAULT_TEMPLATE = "{context}\nQuestion: {question}\nAnswer:"
 LN2 = math.log(2)
 
 
@@ -34,17 +35,59 @@ def _prompt(template: str | None, context: str, question: str | None) -> str:
     return template.format(context=context, question=question or "")
 
 
+@dataclass(frozen=True)
+class ChoiceSource:
+    """The scoring dataset and its fields."""
+
+    dataset: str
+    context_field: str
+    question_field: str
+    choices_field: str
+    label_field: str
+    answer_field: str
+    reference_field: str
+    id_field: str
+    choices_sep: str
+    limit: int | None
+
+    def load(self, mode: str) -> list:
+        """The rows (:func:`kvstore.data.choices.load_choice_rows`) for ``mode``."""
+        from kvstore.data.choices import ChoiceFields, load_choice_rows
+
+        fields = ChoiceFields(self.context_field, self.question_field, self.choices_field, self.label_field,
+                              self.answer_field, self.reference_field, self.id_field)  # fmt: skip
+        return load_choice_rows(self.dataset, fields, reference=mode == "reference", choices_sep=self.choices_sep,
+                                limit=self.limit, need_choices=mode == "choices")  # fmt: skip
+
+
+def _template(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        try:
+            value.format(context="", question="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise click.BadParameter(
+                f"{value!r}: {exc!r}; use {{context}} and {{question}} (and {{{{ }}}} for a literal brace)"
+            ) from None
+    return value
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What is scored: ``mode`` (choices, ``--reference``, ``--rolling``), the prompt ``template``
+    and the ``delimiter`` before each option."""
+
+    mode: str | None
+    template: str | None
+    delimiter: str
+
+
 @click.command()
-@click.argument("dataset")
-@click.option("--context-field", default="context", show_default=True, help="Field holding the context.")
-@click.option("--question-field", default="question", show_default=True, help="Field holding the question (optional).")
+@flags.dataset_flags
 @click.option("--choices-field", default="choices", show_default=True, help="Field holding the options (a list).")
 @click.option("--label-field", default="label", show_default=True, help="Field holding the right option's index.")
 @click.option("--answer-field", default="answer", show_default=True, help="Or: field holding the right option's text.")
 @click.option("--reference-field", default="reference", show_default=True, help="Field holding the reference text.")
-@click.option("--id-field", default="id", show_default=True, help="Field holding the row id (optional).")
 @click.option("--choices-sep", default="|", show_default=True, help="Separator of options in a CSV cell.")
-@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N rows.")
 @click.option(
     "--reference", "mode", flag_value="reference", help="Score each row's reference text: perplexity, bits per char."
 )
@@ -52,98 +95,61 @@ def _prompt(template: str | None, context: str, question: str | None) -> str:
     "--rolling", "mode", flag_value="rolling", help="Score each row's context as a whole document (lm-eval rolling)."
 )
 @click.option(
-    "--template",
-    default=None,
-    help="Prompt with {context} and {question} [default: '{context}\\nQuestion: {question}\\nAnswer:' for rows "
-    "with a question, else '{context}'].",
-)
+    "--template", default=None, callback=_template,
+    help=f"Prompt with {{context}} and {{question}} [default: {DEFAULT_TEMPLATE!r} for rows with a question, else "
+    "'{context}'].",
+)  # fmt: skip
 @click.option(
     "--delimiter", default=" ", show_default=True, help="Text between the prompt and each option or reference."
 )
-@click.option(
-    "--model", "-m", default=None, help="Hub id, local directory or .gguf file [default: bundled SmolLM2]."
-)  # fmt: skip
-@click.option(
-    "--dtype", default="float32", show_default=True, type=click.Choice(list(dtypes.MODEL_DTYPE_CHOICES)),
-    help="Dtype to run the model (and store KV) in.",
-)  # fmt: skip
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto.")
-@click.option("--batch-size", "-b", default=8, show_default=True, type=click.IntRange(min=1), help="Rows per forward.")
-@click.option(
-    "--max-batch-tokens", type=click.IntRange(min=1), default=None, help="At most this many padded tokens x rows."
-)
-@click.option("--truncate", is_flag=True, help="Drop a too long context's first tokens (lm-eval's rule).")
-@click.option("--no-cache", is_flag=True, help="Reference path: context + option in one forward, ignore the store.")
-@click.option("--readonly-store", is_flag=True, help="Do not store contexts computed for missing entries.")
-@variant_option
-@click.option(
-    "--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per row here."
-)
-@store_option
-@quiet_option
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@flags.model_flags
+@flags.work_flags(ScoreOptions)
+@flags.cache_flags(ScoreOptions)
+@flags.variant_flags("score", "scored")
+@flags.output_flag("row")
+@flags.summary_flags
+@flags.receives(source=ChoiceSource, model=ModelChoice, scoring=Scoring, options=flags.fill(ScoreOptions),
+                sweep=flags.sweep_of, store=StoreChoice, report=Report)  # fmt: skip
 def score(
-    dataset: str, context_field: str, question_field: str, choices_field: str, label_field: str, answer_field: str,
-    reference_field: str, id_field: str, choices_sep: str, limit: int | None, mode: str | None, template: str | None,
-    delimiter: str, model: str | None, dtype: str, device: str, batch_size: int, max_batch_tokens: int | None,
-    truncate: bool, no_cache: bool, readonly_store: bool, variants: tuple[str, ...], output: str | None, store: str,
-    quiet: bool, fmt: str,
+    source: ChoiceSource, model: ModelChoice, scoring: Scoring, options: ScoreOptions, sweep: tuple,
+    store: StoreChoice, report: Report,
 ) -> None:  # fmt: skip
     """Score DATASET's multiple-choice rows (acc, acc_norm) or reference texts from stored contexts.
 
     DATASET is a .jsonl, .csv or .json file of rows with a context, optionally a question, and
     choices with a label index or answer text (or, with --reference, a reference text). Missing
     contexts are computed and stored; --no-cache gives the same scores without the store.
-    --variant (aliases --press, --decode-attention) scores under presses and decode attention.
+    --press and --decode-attention score under one variant composed of both; --variant, repeated,
+    sweeps from one load.
     """
-    from kvstore.data.choices import ChoiceFields, load_choice_rows
-    from kvstore.model.adapter import Adapter
-    from kvstore.model.options import ScoreOptions
-    from kvstore.store.kvstore import KVStore
-
-    mode = mode or "choices"
-    chosen = parse_variants(variants, False)  # one-line HookError / PressError before the model loads
-    if len(chosen) > 1 and mode == "rolling":
-        raise click.UsageError("--rolling scores under one --variant at a time")
-    if template is not None:
-        try:
-            template.format(context="", question="")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise click.BadParameter(
-                f"{template!r}: {exc!r}; use {{context}} and {{question}} (and {{{{ }}}} for a literal brace)",
-                param_hint="--template",
-            ) from None
-    fields = ChoiceFields(context_field, question_field, choices_field, label_field, answer_field, reference_field,
-                          id_field)  # fmt: skip
-    rows = load_choice_rows(
-        dataset, fields, reference=mode == "reference", choices_sep=choices_sep, limit=limit,
-        need_choices=mode == "choices",
-    )  # fmt: skip
-    if not quiet:
-        click.echo(f"kvstore: loading model {model or 'SmolLM2-135M-Instruct (bundled)'} ...", err=True)
-    adapter = Adapter.from_pretrained(model, dtype=dtype, device=device)
-    kv = None if no_cache else KVStore(store, readonly=readonly_store, **store_options())
-    options = ScoreOptions(use_cache=not no_cache, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
-                           truncate=truncate)  # fmt: skip
-    run = _Run(mode, template, delimiter, quiet, kv)
+    mode = scoring.mode or "choices"
+    if len(sweep) > 1 and mode == "rolling":
+        raise CLIError("--rolling scores under one variant at a time: give one --variant or --press/--decode-attention")
+    rows = source.load(mode)
+    adapter = model.load(report.quiet)
+    kv = store.open() if options.use_cache else None
+    if mode == "rolling" and sweep:  # one variant: the options' press and decode attention
+        options = ScoreOptions.of(options, press=sweep[0].press, decode_attention=sweep[0].decode_attention)
+        sweep = ()
+    run = _Run(mode, scoring.template, scoring.delimiter, report.quiet, kv)
     t0 = time.perf_counter()
     try:
         if mode == "rolling":
-            out_rows, summary = _rolling(adapter, rows, options, chosen[0] if chosen else None, run)
+            out_rows, summary = _rolling(adapter, rows, options, run)
         else:
-            out_rows, summary = _scored(adapter, rows, options, chosen, run)
+            out_rows, summary = _scored(adapter, rows, options, sweep, run)
     finally:
         if kv is not None:
             kv.close()
     seconds = time.perf_counter() - t0
-    if output:
-        with Path(output).open("w", encoding="utf-8") as f:
+    if report.output:
+        with Path(report.output).open("w", encoding="utf-8") as f:
             for r in out_rows:
                 f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    head = {"dataset": dataset, "model": adapter.name, "dtype": adapter.dtype_name, "mode": mode,
-            "cache": "off" if no_cache else "on", "variant": ", ".join(v.name for v in chosen) or "dense",
-            "rows": len(rows)}  # fmt: skip
-    emit_summary("score", head | summary | {"seconds": round(seconds, 3), "output": output}, fmt)
+    variant = ", ".join(v.name for v in sweep) or options.variant().name
+    head = {"dataset": source.dataset, "model": adapter.name, "dtype": adapter.dtype_name, "mode": mode,
+            "cache": "on" if options.use_cache else "off", "variant": variant, "rows": len(rows)}  # fmt: skip
+    emit_summary("score", head | summary | {"seconds": round(seconds, 3), "output": report.output}, report.fmt)
 
 
 @dataclass(frozen=True)
@@ -157,8 +163,9 @@ class _Run:
     store: object
 
 
-def _scored(adapter, rows, options, chosen: list, run: _Run) -> tuple[list[dict], dict]:
-    """Multiple-choice or reference rows through :meth:`Adapter.score_sweep`."""
+def _scored(adapter, rows, options, sweep: tuple, run: _Run) -> tuple[list[dict], dict]:
+    """Multiple-choice or reference rows through :meth:`Adapter.score` (one variant: the options')
+    or :meth:`Adapter.score_sweep` (``sweep``)."""
     contexts, conts, labels, owner = [], [], [], []
     for n, row in enumerate(rows):
         prompt = _prompt(run.template, row.context, row.question)
@@ -179,16 +186,19 @@ def _scored(adapter, rows, options, chosen: list, run: _Run) -> tuple[list[dict]
             if documents:  # the head, and documents that begin several prompts: stored once, loaded by each
                 report = adapter.build(documents, store, truncate=options.truncate, prefix=head)
                 built = report.tokens
-            results = adapter.score_sweep(
-                contexts, conts, options, variants=chosen or ["dense"], store=store, labels=labels, progress=bar,
-                prefix=head,
-            )  # fmt: skip
+            common = dict(store=store, labels=labels, progress=bar, prefix=head)
+            if sweep:
+                results = adapter.score_sweep(contexts, conts, options, variants=sweep, **common)
+            else:
+                results = {options.variant().name: adapter.score(contexts, conts, options, **common)}
     first = next(iter(results.values()))
     computed = first.prefill_tokens_computed + built
     no_cache_tokens = first.prefill_tokens_computed + first.prefill_tokens_saved
     counts = {"prefill_tokens_computed": computed, "prefill_tokens_saved": no_cache_tokens - computed}
-    if chosen:
+    if sweep or not options.variant().dense:
         counts["window_tokens_computed"] = first.window_tokens_computed
+        counts["replay_tokens_computed"] = first.replay_tokens_computed
+        counts["scoring_tokens_computed"] = first.scoring_tokens_computed
     graded: dict[str, tuple[list[dict], dict]] = {}
     for name, result in results.items():
         per_row: list[list] = [[] for _ in rows]
@@ -215,7 +225,9 @@ def _sweep_rows(graded: dict[str, tuple[list[dict], dict]]) -> list[dict]:
 def _sweep_table(graded: dict[str, tuple[list[dict], dict]], mode: str) -> list[dict]:
     """A summary row per variant: its figures, and (multiple choice, with a ``dense`` variant) the
     fraction of rows whose ``acc`` prediction is the dense one's."""
-    dense = graded.get("dense")
+    from kvstore.model.variants.variant import DENSE
+
+    dense = graded.get(DENSE.name)
     table = []
     for name, (items, summary) in graded.items():
         row = {"variant": name}
@@ -317,11 +329,9 @@ def _reference_summary(per_row) -> dict:
     }
 
 
-def _rolling(adapter, rows, options, variant, run: _Run) -> tuple[list[dict], dict]:
+def _rolling(adapter, rows, options, run: _Run) -> tuple[list[dict], dict]:
     """Each row's context as a whole document through :meth:`Adapter.score_rolling`."""
     texts = [row.context for row in rows]
-    if variant is not None:
-        options = dataclasses.replace(options, press=variant.press, decode_attention=variant.decode_attention)
     with progress_bar(None, "score", run.quiet, unit="win", rate="tok") as bar:
         with corrupt_entries_as_warnings(bar):
             docs = adapter.score_rolling(texts, options, store=run.store if options.use_cache else None, progress=bar)

@@ -88,40 +88,12 @@ def metrics(rows: list[dict]) -> dict:
     return {k: (round(s[k], 4) if mine else None) for k in METRIC_KEYS}
 
 
-def variant_option(fn):
-    """``--variant SPEC`` (repeatable), with ``--press`` and ``--decode-attention`` as its aliases:
-    one list, in the order given."""
-    return click.option(
-        "--variant",
-        "--press",
-        "--decode-attention",
-        "variants",
-        multiple=True,
-        metavar="SPEC",
-        help="Answer under this variant: dense, a press NAME:RATIO[:q] (knorm, streaming_llm, random, keydiff, snapkv, "
-        "tova; e.g. snapkv:0.5), a decode attention (topk:K, sparq:R:K, module:function), or PRESS+ATTENTION. "
-        "--press and --decode-attention are the same option. Repeat it to sweep: every batch is loaded once and "
-        "answered under each variant (one output row per question and variant, a summary row per variant).",
-    )(fn)
-
-
-def parse_variants(specs: tuple[str, ...], compile_steps: bool) -> list:
-    """The ``--variant`` values, each parsed once into a :class:`kvstore.model.variants.variant.Variant`
-    (HookError / PressError: one line); none: a plain run."""
-    from kvstore.model.variants.hooks import check_steps
-    from kvstore.model.variants.variant import variants
-
-    if not specs:
-        return []
-    chosen = variants(list(specs))
-    check_steps(chosen, "compiled" if compile_steps else "dynamic")
-    return chosen
-
-
 def variant_table(results, rows: list[dict], n: int) -> list[dict]:
     """Per variant of a sweep: task metrics over its ``n`` rows, tokens/s of its decoding, and
     agreement with the ``dense`` variant (rows with the same tokens; None without a dense one)."""
-    dense = next((r for r in results if r.variant == "dense"), None)
+    from kvstore.model.variants.variant import DENSE
+
+    dense = next((r for r in results if r.variant == DENSE.name), None)
     table = []
     for v, res in enumerate(results):
         agree = None
@@ -151,7 +123,5 @@ __all__ = [
     "corrupt_entries_as_warnings",
     "emit_summary",
     "metrics",
-    "parse_variants",
-    "variant_option",
     "variant_table",
 ]

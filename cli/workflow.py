@@ -1,7 +1,9 @@
 """``kvstore build`` and ``kvstore sample``: the main job, end to end.
 
 Both commands load the dataset, the model and the prompt format the same way, so that the
-contexts ``build`` stores are exactly the ones ``sample`` looks up.
+contexts ``build`` stores are exactly the ones ``sample`` looks up. Their flags are the shared ones
+of :mod:`kvstore.cli.flags` and the few below; each command flags.receives the objects its flags build
+(:func:`kvstore.cli.flags.receives`): the library's options object among them.
 """
 
 from __future__ import annotations
@@ -11,110 +13,22 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
-from kvstore import dtypes
-from kvstore.cli.common import progress_bar, quiet_option, store_option, store_options
-from kvstore.cli.summary import (
-    METRIC_KEYS,
-    corrupt_entries_as_warnings,
-    emit_summary,
-    metrics,
-    parse_variants,
-    variant_option,
-    variant_table,
-)
-
-
-def _dataset_options(fn):
-    for deco in reversed(
-        [
-            click.argument("dataset"),
-            click.option("--context-field", default="context", show_default=True, help="Field holding the context."),
-            click.option("--question-field", default="question", show_default=True, help="Field holding the question."),
-            click.option("--answers-field", default="answers", show_default=True, help="Field holding the answer(s)."),
-            click.option("--id-field", default="id", show_default=True, help="Field holding the row id (optional)."),
-            click.option("--skip-bad-rows", is_flag=True, help="Skip malformed rows (counted) instead of stopping."),
-            click.option("--limit", type=click.IntRange(min=1), help="Use only the first N rows."),
-        ]
-    ):
-        fn = deco(fn)
-    return fn
-
-
-def _model_options(fn):
-    for deco in reversed(
-        [
-            click.option(
-                "--model",
-                "-m",
-                default=None,
-                help="Hub id, local directory or .gguf file [default: bundled SmolLM2-135M-Instruct].",
-            ),
-            click.option(
-                "--dtype",
-                default="float32",
-                show_default=True,
-                type=click.Choice(list(dtypes.MODEL_DTYPE_CHOICES)),
-                help="Dtype to run the model (and store KV) in.",
-            ),
-            click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto."),
-            click.option(
-                "--batch-size",
-                "-b",
-                default=None,
-                type=click.IntRange(min=1),
-                help="Rows per forward pass [default: 8; build on CPU: 1, measured faster there].",
-            ),
-            click.option(
-                "--prefill-chunk",
-                default=None,
-                type=click.IntRange(min=0),
-                help="Run longer prefills in pieces of this many tokens (bounds activation memory; 0: one forward) "
-                "[default: 512 with eager attention, 8192 with sdpa/flash].",
-            ),
-            click.option(
-                "--chat/--no-chat",
-                default=None,
-                help="Wrap prompts in the model's chat template [default: on when the tokenizer has one].",
-            ),
-            click.option(
-                "--template",
-                default=None,
-                help="Prompt template with {question} (and optionally {context} before it) [default: "
-                "'{context}\\nQuestion: {question}\\nAnswer:'].",
-            ),
-            click.option("--system", default=None, help="System prompt for --chat."),
-            click.option(
-                "--truncate", is_flag=True, help="Left-truncate contexts longer than the limit instead of failing."
-            ),
-            click.option(
-                "--max-context-tokens",
-                type=click.IntRange(min=1),
-                default=None,
-                help="Context length limit [default: model positions - 256]; use the same value for build and sample.",
-            ),
-            store_option,
-            quiet_option,
-            click.option(
-                "--format",
-                "fmt",
-                type=click.Choice(["text", "json"]),
-                default="text",
-                show_default=True,
-                help="Summary format.",
-            ),
-        ]
-    ):
-        fn = deco(fn)
-    return fn
+from kvstore.cli import flags
+from kvstore.cli.common import progress_bar
+from kvstore.cli.flags import ModelChoice, Report, StoreChoice
+from kvstore.cli.summary import METRIC_KEYS, corrupt_entries_as_warnings, emit_summary, metrics, variant_table
+from kvstore.data.prompts import DEFAULT_TEMPLATE
+from kvstore.model.keywords import field_default
+from kvstore.model.options import BuildOptions, SampleOptions
 
 
 @dataclass(frozen=True)
-class RunOptions:
-    """The options ``build`` and ``sample`` share: where the data is, which model, which prompt,
-    which store (the parameters of :func:`_dataset_options` and :func:`_model_options`, in order)."""
+class Data:
+    """The dataset and its fields (the flags of :func:`_data_flags`)."""
 
     dataset: str
     context_field: str
@@ -123,61 +37,97 @@ class RunOptions:
     id_field: str
     skip_bad_rows: bool
     limit: int | None
-    model: str | None
-    dtype: str
-    device: str
-    batch_size: int | None
-    prefill_chunk: int | None
+
+    def load(self, require_question: bool) -> Any:
+        """The rows (:func:`kvstore.data.datasets.load_dataset`); ClickException when none is usable."""
+        from kvstore.data.datasets import load_dataset
+        from kvstore.data.readers import Fields
+
+        fields = Fields(self.context_field, self.question_field, self.answers_field, self.id_field)
+        data = load_dataset(self.dataset, fields, skip_bad_rows=self.skip_bad_rows, require_question=require_question,
+                            limit=self.limit)  # fmt: skip
+        if not data.examples:
+            raise click.ClickException(f"{self.dataset}: no usable rows")
+        return data
+
+
+@dataclass(frozen=True)
+class Preview:
+    """``--dry-run``: print the build's plan, change nothing."""
+
+    dry_run: bool
+
+
+def _print_plan(plan: Any, adapter: Any, fmt: str) -> None:
+    """A build's plan (:class:`kvstore.model.plan.build.BuildPlan`): its counts, then one line per
+    context that the build would touch (JSON: every context)."""
+    summary = plan.summary(adapter.kv_bytes_per_token())
+    steps = [
+        {"key": s.chain.key, "tokens": s.chain.n_tokens, "stored_chunks": s.depth, "chunks": len(s.chain.keys),
+         "action": s.action, "tokens_to_compute": s.tokens_to_compute,
+         "presses": [p.name for p in s.presses], "scores": [p.scorer_spec for p in s.scores]}
+        for s in plan.steps
+    ]  # fmt: skip
+    if fmt == "json":
+        click.echo(json.dumps({**summary, "steps": steps}, indent=2))
+        return
+    for row in steps:
+        if row["action"] != "skip" or row["presses"] or row["scores"]:
+            extra = "".join(f" +press {p}" for p in row["presses"]) + "".join(f" +score {p}" for p in row["scores"])
+            click.echo(f"  {row['action']:<8} {row['key'][:16]}  {row['tokens']} tokens, {row['stored_chunks']}/"
+                       f"{row['chunks']} chunks stored, {row['tokens_to_compute']} to compute{extra}")  # fmt: skip
+    emit_summary("build plan (dry run: nothing changed)", summary, fmt)
+
+
+@dataclass(frozen=True)
+class Prompting:
+    """How a row becomes the prompt: ``--chat``, ``--template``, ``--system``."""
+
     chat: bool | None
     template: str | None
     system: str | None
-    truncate: bool
-    max_context_tokens: int | None
-    store: str
-    quiet: bool
-    fmt: str
+
+    def format(self, tokenizer: Any) -> Any:
+        """The :class:`kvstore.data.prompts.PromptFormat` (chat: when the tokenizer has a template)."""
+        from kvstore.data.prompts import PromptFormat
+
+        chat = self.chat if self.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+        template = self.template or DEFAULT_TEMPLATE
+        if chat:
+            return PromptFormat.from_chat_template(tokenizer, template, self.system)
+        return PromptFormat.plain(template)
 
 
-def _load_everything(opts: RunOptions, *, require_question: bool):
-    """The dataset, the model in an Adapter, and the prompt format, as both commands need them."""
-    from kvstore.data.datasets import load_dataset
-    from kvstore.data.readers import Fields
-
-    data = load_dataset(
-        opts.dataset,
-        Fields(opts.context_field, opts.question_field, opts.answers_field, opts.id_field),
-        skip_bad_rows=opts.skip_bad_rows,
-        require_question=require_question,
-        limit=opts.limit,
-    )
-    if not data.examples:
-        raise click.ClickException(f"{opts.dataset}: no usable rows")
-    if not opts.quiet:
-        click.echo(f"kvstore: loading model {opts.model or 'SmolLM2-135M-Instruct (bundled)'} ...", err=True)
-    from kvstore.data.prompts import PromptFormat
-    from kvstore.model.adapter import Adapter
-
-    adapter = Adapter.from_pretrained(opts.model, dtype=opts.dtype, device=opts.device)
-    adapter.prefill_chunk_tokens = opts.prefill_chunk
-    chat = opts.chat if opts.chat is not None else bool(getattr(adapter.tokenizer, "chat_template", None))
-    kwargs = {"template": opts.template} if opts.template else {}
-    fmt = (
-        PromptFormat.from_chat_template(adapter.tokenizer, system=opts.system, **kwargs)
-        if chat
-        else PromptFormat.plain(**kwargs)
-    )
-    return data, adapter, fmt
+# build and sample: the dataset, the model, the prompt, the options they share, the store
+_run_flags = flags.stacked(
+    flags.dataset_flags,
+    click.option("--answers-field", default="answers", show_default=True, help="Field holding the answer(s)."),
+    click.option("--skip-bad-rows", is_flag=True, help="Skip malformed rows (counted) instead of stopping."),
+    flags.model_flags,
+    click.option(
+        "--prefill-chunk", default=None, type=click.IntRange(min=0),
+        help="Run longer prefills in pieces of this many tokens (bounds activation memory; 0: one forward) "
+        "[default: 512 with eager attention, 8192 with sdpa/flash].",
+    ),
+    click.option(
+        "--chat/--no-chat", default=None, help="Wrap prompts in the model's chat template [default: on when the "
+        "tokenizer has one].",
+    ),
+    click.option(
+        "--template", default=None, help="Prompt template with {question} (and optionally {context} before it) "
+        f"[default: {DEFAULT_TEMPLATE!r}].",
+    ),
+    click.option("--system", default=None, help="System prompt for --chat."),
+    click.option(
+        "--max-context-tokens", type=click.IntRange(min=1), default=None,
+        help="Context length limit [default: model positions - 256]; use the same value for build and sample.",
+    ),
+    flags.summary_flags,
+)  # fmt: skip
 
 
 def _codec_option(help_text: str):
     return click.option("--codec", default=None, help=help_text)
-
-
-def _check_codec(spec: str | None) -> None:
-    """Reject a bad codec before anything is loaded (CodecError: one line, exit 1)."""
-    from kvstore.store.codecs import get_codec
-
-    get_codec(spec)
 
 
 def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
@@ -193,8 +143,8 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 
 
 @click.command()
-@_dataset_options
-@_model_options
+@_run_flags
+@flags.work_flags(BuildOptions)
 @_codec_option(
     "Codec for new entries: lossless zstd-split[:LEVEL[:BITS]], raw, zstd[:LEVEL] or zstd-shuffle[:LEVEL] "
     "[default: the store's; new stores zstd-split:1:16], or lossy int8[:G], int4[:G], fp8, int4r, int8r or ecq[:STEP] "
@@ -214,107 +164,145 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     default=None,
     help="Chunk size of a new store [default: 512]; an existing store keeps its own.",
 )
+@click.option(
+    "--press",
+    "presses",
+    multiple=True,
+    metavar="SPEC",
+    callback=flags.each(flags.press_spec),
+    help="Also store each context's pressed cache under this press (kvzip:0.75; repeatable), with --codec; "
+    "sample --press SPEC with the same codec then reads it (docs/presses.md).",
+)
+@click.option(
+    "--score",
+    "scores",
+    multiple=True,
+    metavar="SCORER",
+    callback=flags.each(flags.scorer_spec),
+    help="Also store each context's scores under this query-agnostic scorer once (kvzip, expected_attention, "
+    "snapkv:window=32: a press without its ratio; repeatable): any ratio of it then runs no scoring forward.",
+)
+@click.option(
+    "--dense/--no-dense",
+    "dense",
+    default=None,
+    help="With --no-dense, keep only what --press and --score store: the dense caches are computed in memory "
+    "and dropped (a variant that needs one computes it, as for any miss) [default: --dense].",
+)
+@click.option("--dry-run", is_flag=True, help="Print what the build would do per context (its plan); change nothing.")
+@flags.receives(
+    data=Data,
+    model=ModelChoice,
+    prompting=Prompting,
+    options=flags.fill(BuildOptions, skip_errors="skip_bad_rows"),
+    store=StoreChoice,
+    report=Report,
+    preview=Preview,
+)
 def build(
-    dataset: str, context_field: str, question_field: str, answers_field: str, id_field: str, skip_bad_rows: bool,
-    limit: int | None, model: str | None, dtype: str, device: str, batch_size: int | None, prefill_chunk: int | None,
-    chat: bool | None, template: str | None, system: str | None, truncate: bool, max_context_tokens: int | None,
-    store: str, quiet: bool, fmt: str, codec: str | None, shard: tuple[int, int] | None, chunk_tokens: int | None,
+    data: Data, model: ModelChoice, prompting: Prompting, options: BuildOptions, store: StoreChoice, report: Report,
+    preview: Preview,
 ) -> None:  # fmt: skip
     """Prefill every distinct context of DATASET once and store its KV cache.
 
     Contexts already in the store are skipped, so an interrupted build resumes where it stopped.
     DATASET is a .jsonl, .csv or SQuAD-style .json file. --shard I/N splits the work over N
     jobs (e.g. a SLURM array writing into one s3:// store); each is idempotent like a build.
+    --press and --score also store pressed caches and scores beside each context; --dry-run
+    prints the plan (per context: skip, record, migrate, compute; what it lacks) and stops.
     """
-    from kvstore.model.options import BuildOptions
-    from kvstore.store.kvstore import KVStore
-
-    opts = RunOptions(
-        dataset, context_field, question_field, answers_field, id_field, skip_bad_rows, limit, model, dtype, device,
-        batch_size, prefill_chunk, chat, template, system, truncate, max_context_tokens, store, quiet, fmt,
-    )  # fmt: skip
-    _check_codec(codec)
-    data, adapter, prompt = _load_everything(opts, require_question=False)
-    dataset = opts.dataset
-    contexts = data.contexts()
-    first_id = {}
-    for ex in data.examples:
+    store.check_codec()
+    rows = data.load(require_question=False)
+    adapter = model.load(report.quiet)
+    prompt = prompting.format(adapter.tokenizer)
+    contexts = rows.contexts()
+    first_id: dict[str, Any] = {}
+    for ex in rows.examples:
         first_id.setdefault(ex.context, ex.id)
-    labels = [f"{dataset}: context of row {first_id[c]}" for c in contexts]
-    options = BuildOptions(
-        batch_size=opts.batch_size, truncate=opts.truncate, max_context_tokens=opts.max_context_tokens,
-        skip_errors=opts.skip_bad_rows, shard=shard,
-    )  # fmt: skip
-    with KVStore(opts.store, codec=codec, chunk_tokens=chunk_tokens, **store_options()) as kv:
-        with progress_bar(len(contexts), "build", opts.quiet, unit="ctx", rate="tok") as bar:
-            report = adapter.build(contexts, kv, options, prompt=prompt, labels=labels, progress=bar)
+    labels = [f"{data.dataset}: context of row {first_id[c]}" for c in contexts]
+    if preview.dry_run:
+        with store.open() as kv:
+            plan = adapter.plan_build(contexts, kv, options, prompt=prompt, labels=labels)
+        _print_plan(plan, adapter, report.fmt)
+        return
+    with store.open() as kv:
+        with progress_bar(len(contexts), "build", report.quiet, unit="ctx", rate="tok") as bar:
+            built = adapter.build(contexts, kv, options, prompt=prompt, labels=labels, progress=bar)
+    shard = options.shard
     summary = {
-        "dataset": dataset,
+        "dataset": data.dataset,
         "store": str(kv.url),
         "model": adapter.name,
         "dtype": adapter.dtype_name,
         "codec": kv.codec.spec,
         "lossy": not kv.codec.lossless,
-        "rows": len(data.examples),
-        "bad_rows_skipped": data.skipped,
+        "rows": len(rows.examples),
+        "bad_rows_skipped": rows.skipped,
         "shard": f"{shard[0]}/{shard[1]}" if shard else None,
-        "contexts": report.distinct,
-        "other_shards": report.other_shards if shard else None,
-        "built": report.built,
-        "skipped": report.skipped,
-        "failed": report.failed,
-        "tokens_computed": report.tokens,
-        "tokens_reused": report.tokens_reused,
-        "migrated": report.migrated,
-        "chunks_written": report.chunks_written,
-        "raw_bytes": report.raw_bytes,
-        "stored_bytes": report.stored_bytes,
-        "ratio": round(report.ratio, 4),
-        "seconds": round(report.seconds, 3),
-        "store_seconds": round(report.store_seconds, 3),
-        "tokens_per_second": round(report.tokens_per_second, 1),
+        "contexts": built.distinct,
+        "other_shards": built.other_shards if shard else None,
+        "built": built.built,
+        "skipped": built.skipped,
+        "failed": built.failed,
+        "tokens_computed": built.tokens,
+        "tokens_reused": built.tokens_reused,
+        "migrated": built.migrated,
+        "chunks_written": built.chunks_written,
+        "raw_bytes": built.raw_bytes,
+        "stored_bytes": built.stored_bytes,
+        "ratio": round(built.ratio, 4),
+        "seconds": round(built.seconds, 3),
+        "store_seconds": round(built.store_seconds, 3),
+        "tokens_per_second": round(built.tokens_per_second, 1),
+        "dense": options.dense,
+        "pressed_written": built.pressed_written if options.presses else None,
+        "scores_written": built.scores_written if options.scores else None,
+        "derived_bytes": built.derived_bytes if options.presses or options.scores else None,
+        "scoring_tokens_computed": built.scoring_tokens if options.presses or options.scores else None,
     }
-    for problem in list(data.problems) + report.errors:
+    for problem in list(rows.problems) + built.errors:
         click.echo(f"kvstore: skipped: {problem}", err=True)
-    emit_summary("build", summary, opts.fmt)
+    emit_summary("build", summary, report.fmt)
+
+
+def _stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in values)
 
 
 @click.command()
-@_dataset_options
-@_model_options
+@_run_flags
+@flags.work_flags(SampleOptions)
 @click.option(
     "--max-new-tokens",
     "-n",
-    default=20,
+    "num_new_tokens",
+    default=field_default(SampleOptions, "num_new_tokens"),
     show_default=True,
     type=click.IntRange(min=1),
     help="Tokens to generate per answer.",
 )
-@click.option(
-    "--no-cache", is_flag=True, help="Reference path: run context + question through the model, ignore the store."
-)
-@click.option(
-    "--output", "-o", type=click.Path(dir_okay=False, writable=True), help="Write one JSON object per question here."
-)
-@click.option("--readonly-store", is_flag=True, help="Do not store contexts computed for missing entries.")
+@flags.cache_flags(SampleOptions)
+@flags.output_flag("question")
 @click.option(
     "--stop",
     "stop_strings",
     multiple=True,
+    callback=_stop_strings,
     help="End an answer once its text contains this string (repeatable; \\n and \\t are newline and tab), "
     "e.g. --stop '\\n'.",
 )
 @click.option(
-    "--max-batch-tokens",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Memory budget: at most this many padded tokens (context + question + new) x rows per batch.",
+    "--load-ahead/--no-load-ahead",
+    default=field_default(SampleOptions, "load_ahead"),
+    hidden=True,
+    help="Benchmarks: load the next batch early.",
 )
-@click.option("--load-ahead/--no-load-ahead", default=True, hidden=True, help="Benchmarks: load the next batch early.")
 @click.option(
     "--compile",
-    "compile_steps",
+    "steps",
     is_flag=True,
+    flag_value="compiled",
+    default=field_default(SampleOptions, "steps"),
     help="Decode with fixed shapes under torch.compile (compiled once per batch size and 256-slot length bucket; "
     "the first batch of each shape pays the compile). Same tokens; see the README for when it pays.",
 )
@@ -323,54 +311,39 @@ def build(
     "a lossy one (int8[:G], int4[:G], fp8, int4r, int8r, ecq) uses only entries built with it, and stores missing "
     "contexts with it."
 )
-@variant_option
+@flags.variant_flags("answer", "answered")
+@flags.receives(data=Data, model=ModelChoice, prompting=Prompting, options=flags.fill(SampleOptions),
+                sweep=flags.sweep_of, store=StoreChoice, report=Report)  # fmt: skip
 def sample(
-    dataset: str, context_field: str, question_field: str, answers_field: str, id_field: str, skip_bad_rows: bool,
-    limit: int | None, model: str | None, dtype: str, device: str, batch_size: int | None, prefill_chunk: int | None,
-    chat: bool | None, template: str | None, system: str | None, truncate: bool, max_context_tokens: int | None,
-    store: str, quiet: bool, fmt: str, max_new_tokens: int, no_cache: bool, output: str | None, readonly_store: bool,
-    stop_strings: tuple[str, ...], max_batch_tokens: int | None, load_ahead: bool, compile_steps: bool,
-    codec: str | None, variants: tuple[str, ...],
+    data: Data, model: ModelChoice, prompting: Prompting, options: SampleOptions, sweep: tuple, store: StoreChoice,
+    report: Report,
 ) -> None:  # fmt: skip
     """Answer every question of DATASET with greedy decoding from stored context caches.
 
     Missing contexts are computed, stored and used. --no-cache runs the same decoding without
-    the store (the reference): both give the same predictions. --variant (or its aliases --press
-    and --decode-attention) answers under presses and decode-time attention (docs/presses.md,
-    docs/hooks.md); repeated, every batch is loaded once and answered under each.
+    the store (the reference): both give the same predictions. --press and --decode-attention
+    answer under one variant composed of both (docs/presses.md, docs/hooks.md); --variant,
+    repeated, sweeps: every batch is loaded once and answered under each.
     """
-    from kvstore.data.metrics import clean_prediction, contains_match, lenient_match
-    from kvstore.model.options import SampleOptions
-    from kvstore.store.kvstore import KVStore
+    from kvstore.model.variants.hooks import check_steps
 
-    opts = RunOptions(
-        dataset, context_field, question_field, answers_field, id_field, skip_bad_rows, limit, model, dtype, device,
-        batch_size, prefill_chunk, chat, template, system, truncate, max_context_tokens, store, quiet, fmt,
-    )  # fmt: skip
-    stop_strings = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop_strings)
-    _check_codec(codec)
-    chosen = parse_variants(variants, compile_steps)  # a bad spec fails here, before the model loads
-    data, adapter, prompt = _load_everything(opts, require_question=True)
-    dataset = opts.dataset
-    examples = data.examples
+    store.check_codec()
+    check_steps(list(sweep) or [options.variant()], options.steps)  # refused before the model loads
+    rows = data.load(require_question=True)
+    adapter = model.load(report.quiet)
+    prompt = prompting.format(adapter.tokenizer)
+    examples = rows.examples
     contexts = [ex.context for ex in examples]
     questions = [ex.question for ex in examples]
-    labels = [f"{dataset}: row {ex.id}" for ex in examples]
-    kv = None if no_cache else KVStore(opts.store, readonly=readonly_store, codec=codec, **store_options())
-    lossy = kv is not None and not kv.codec.lossless
-    bar = progress_bar(len(examples), "sample", opts.quiet, unit="q", rate="tok")
+    labels = [f"{data.dataset}: row {ex.id}" for ex in examples]
+    kv = store.open() if options.use_cache else None
+    bar = progress_bar(len(examples), "sample", report.quiet, unit="q", rate="tok")
     t0 = time.perf_counter()
-    options = SampleOptions(
-        num_new_tokens=max_new_tokens, use_cache=not no_cache, batch_size=opts.batch_size or 8,
-        max_batch_tokens=max_batch_tokens, stop_strings=stop_strings, truncate=opts.truncate,
-        max_context_tokens=opts.max_context_tokens, steps="compiled" if compile_steps else "dynamic",
-        load_ahead=load_ahead,
-    )  # fmt: skip
     common = dict(store=kv, prompt=prompt, labels=labels, progress=bar)
     try:
         with corrupt_entries_as_warnings(bar):
-            if chosen:
-                results = list(adapter.sweep(contexts, questions, options, variants=chosen, **common).values())
+            if sweep:
+                results = list(adapter.sweep(contexts, questions, options, variants=sweep, **common).values())
             else:
                 results = [adapter.sample(contexts, questions, options, **common)]
     finally:
@@ -378,8 +351,46 @@ def sample(
         if kv is not None:
             kv.close()
     seconds = time.perf_counter() - t0
-    result = results[0]
-    rows = []
+    named = bool(sweep) or not options.variant().dense  # rows say which variant answered them
+    out_rows = _answer_rows(adapter, examples, results, options.use_cache, named)
+    if report.output:
+        with Path(report.output).open("w", encoding="utf-8") as f:
+            for r in out_rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    result, n = results[0], len(examples)
+    summary = {
+        "dataset": data.dataset,
+        "model": adapter.name,
+        "mode": "cache" if options.use_cache else "no-cache",
+        "compiled": options.steps == "compiled",
+        "variant": result.variant if named and not sweep else None,
+        "questions": n,
+        "bad_rows_skipped": rows.skipped,
+        **(dict.fromkeys(METRIC_KEYS) if sweep else metrics(out_rows[:n])),  # a sweep's metrics are per variant
+        "seconds": round(seconds, 3),
+        "questions_per_second": round(n / seconds, 3) if seconds else None,
+        "cache_hit_rate": round(sum(result.cache_hit) / n, 4) if n else None,
+        "codec": kv.codec.spec if kv is not None else None,
+        "lossy": kv is not None and not kv.codec.lossless,
+        "prefill_tokens_saved": result.prefill_tokens_saved,
+        "prefill_tokens_computed": result.prefill_tokens_computed,
+        "window_tokens_computed": result.window_tokens_computed if named else None,
+        "replay_tokens_computed": result.replay_tokens_computed if named else None,
+        "scoring_tokens_computed": result.scoring_tokens_computed if named else None,
+        "output": report.output,
+    }
+    if sweep:
+        summary["variants"] = variant_table(results, out_rows, n)
+    _echo_answers(out_rows, summary, report)
+    emit_summary("sample", summary, report.fmt)
+    sys.stdout.flush()
+
+
+def _answer_rows(adapter: Any, examples: list, results: list, use_cache: bool, named: bool) -> list[dict]:
+    """One output row per question and variant (the variants' rows in turn)."""
+    from kvstore.data.metrics import clean_prediction, contains_match, lenient_match
+
+    out = []
     for res in results:
         for i, ex in enumerate(examples):
             text = adapter.decode(res.tokens[i][: res.lengths[i]])
@@ -392,51 +403,26 @@ def sample(
                 "correct": bool(ex.answers) and lenient_match(pred, ex.answers),
                 "contains_answer": bool(ex.answers) and contains_match(pred, ex.answers),
                 "cache_hit": bool(res.cache_hit[i]),
-                "cached_tokens": res.cached_tokens[i] if not no_cache else 0,
-                "codec": res.codecs[i] if not no_cache else None,
+                "cached_tokens": res.cached_tokens[i] if use_cache else 0,
+                "codec": res.codecs[i] if use_cache else None,
                 "raw_output": text,
             }
-            if chosen:
+            if named:
                 row["variant"] = res.variant
                 row["kept_tokens"] = res.kept_tokens[i]
-            rows.append(row)
-    if output:
-        out = Path(output)
-        with out.open("w", encoding="utf-8") as f:
-            for r in rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    n = len(examples)
-    summary = {
-        "dataset": dataset,
-        "model": adapter.name,
-        "mode": "no-cache" if no_cache else "cache",
-        "compiled": compile_steps,
-        "questions": n,
-        "bad_rows_skipped": data.skipped,
-        **(dict.fromkeys(METRIC_KEYS) if chosen else metrics(rows[:n])),  # a sweep's metrics are per variant
-        "seconds": round(seconds, 3),
-        "questions_per_second": round(n / seconds, 3) if seconds else None,
-        "cache_hit_rate": round(sum(result.cache_hit) / n, 4) if n else None,
-        "codec": kv.codec.spec if kv is not None else None,
-        "lossy": lossy,
-        "prefill_tokens_saved": result.prefill_tokens_saved,
-        "prefill_tokens_computed": result.prefill_tokens_computed,
-        "window_tokens_computed": result.window_tokens_computed if chosen else None,
-        "output": output,
-    }
-    if chosen:
-        summary["variants"] = variant_table(results, rows, n)
-    if not output and opts.fmt == "text" and not opts.quiet:
+            out.append(row)
+    return out
+
+
+def _echo_answers(rows: list[dict], summary: dict, report: Report) -> None:
+    """The first answers (text summaries without --output), and the lossy-codec remark, on stderr."""
+    if not report.output and report.fmt == "text" and not report.quiet:
         for r in rows[:5]:
-            click.echo(
-                f"  {r['id']}: {r['question']!r} -> {r['prediction']!r} ({'correct' if r['correct'] else 'wrong'})",
-                err=True,
-            )
-    if lossy:
+            verdict = "correct" if r["correct"] else "wrong"
+            click.echo(f"  {r['id']}: {r['question']!r} -> {r['prediction']!r} ({verdict})", err=True)
+    if summary["lossy"]:
         click.echo(
-            f"kvstore: answers came from lossy {kv.codec.spec} caches (quantized keys and values, not the model's "
+            f"kvstore: answers came from lossy {summary['codec']} caches (quantized keys and values, not the model's "
             "own); see the codec table in the README for how often they differ",
             err=True,
         )
-    emit_summary("sample", summary, opts.fmt)
-    sys.stdout.flush()

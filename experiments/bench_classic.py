@@ -28,9 +28,7 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import time
 import traceback
 
 import torch
@@ -42,7 +40,7 @@ DEFAULT_CODECS = ("zstd-shuffle:1", "raw")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__)
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--codecs", default=",".join(DEFAULT_CODECS))
@@ -51,14 +49,7 @@ def main() -> None:
         action="store_true",
         help="only the torch.compile run: dynamic, static and static + torch.compile (results to classic_compile.json)",
     )
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
-    p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads")
-    args = p.parse_args()
-    if args.quick:
-        args.new_tokens, args.repeats = 20, 1
-    bl.setup(args.threads)
-    bl.wait_for_quiet(max_wait_s=args.wait)
+    args = bl.start(p, quick=dict(new_tokens=20, repeats=1))
     adapter = bl.load_adapter("float32")
     model, tok = adapter.model, adapter.tokenizer
     from kvstore.store.kvstore import KVStore
@@ -113,12 +104,12 @@ def main() -> None:
     if args.compile:
         methods = {m: methods[m] for m in ("generate, dynamic cache", "generate, static cache")}
         try:
-            t0 = time.perf_counter()
-            compiled = torch.compile(model.forward)
-            model.forward = compiled
-            gen(cache_implementation="static")  # compiles the prefill and the decode step
-            gen(cache_implementation="static")
-            notes["compile_seconds"] = round(time.perf_counter() - t0, 1)
+            with bl.timed() as t:
+                compiled = torch.compile(model.forward)
+                model.forward = compiled
+                gen(cache_implementation="static")  # compiles the prefill and the decode step
+                gen(cache_implementation="static")
+            notes["compile_seconds"] = round(t.seconds, 1)
             del model.forward
             print(f"torch.compile warm-up: {notes['compile_seconds']} s", flush=True)
 

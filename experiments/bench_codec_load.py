@@ -20,9 +20,7 @@ cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import time
 
 import torch
 
@@ -32,14 +30,12 @@ CODECS = ("zstd-split:1:16", "raw", "zstd-shuffle:1", "zstd-split:1")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__, quick=False)
     p.add_argument("--lengths", default="256,1024,2048,4096")
     p.add_argument("--codecs", default=",".join(CODECS))
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=bl.THREADS)
-    args = p.parse_args()
-    bl.setup(args.threads)
+    args = bl.start(p)
     adapter = bl.load_adapter(args.dtype)
     from kvstore.model.compute.cache import new_buffers
     from kvstore.model.stages.load import load_prefix
@@ -74,10 +70,9 @@ def main() -> None:
                 load_prefix(adapter.handle, store, plan, bufs, 0, 0)
             for _ in range(args.repeats):
                 for c, store in stores.items():
-                    t0 = time.perf_counter()
-                    with torch.inference_mode():
+                    with bl.timed() as t, torch.inference_mode():
                         got = load_prefix(adapter.handle, store, plan, bufs, 0, 0)
-                    times[c].append(time.perf_counter() - t0)
+                    times[c].append(t.seconds)
                     assert got == n, f"{c}: loaded {got} of {n} tokens"
                     exact = all(
                         torch.equal(kb[0, :, :n].view(torch.uint8), k.view(torch.uint8))

@@ -23,7 +23,6 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
@@ -34,19 +33,8 @@ DEFAULT_CODECS = ("raw", "zstd:1", "zstd:3", "zstd:9", "zstd-shuffle:1", "zstd-s
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--codecs", default=",".join(DEFAULT_CODECS))
-    p.add_argument("--dtypes", default="float32,bfloat16,float16")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
-    p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads")
-    args = p.parse_args()
-    if args.quick:
-        args.tokens, args.repeats = 256, 2
-    bl.setup(args.threads)
-    bl.wait_for_quiet(max_wait_s=args.wait)
+    p = bl.parser(__doc__)
+    args = bl.start(p, quick=bl.codec_args(p, DEFAULT_CODECS, "float32,bfloat16,float16", repeats=5))
     from kvstore.store.codecs import get_codec
 
     rows = []

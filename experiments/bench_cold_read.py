@@ -19,9 +19,7 @@ it writes to cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
 from pathlib import Path
 
 import lmdb
@@ -39,11 +37,11 @@ def evict(path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__, quick=False)
     p.add_argument("store", type=Path)
     p.add_argument("--entries", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args()
+    args = bl.start(p)
     data = args.store / "data.mdb"
     rows = []
     for r in range(args.repeats):
@@ -56,19 +54,17 @@ def main() -> None:
                     ]
                 keys = keys[: args.entries]
                 evict(data)
-                t0 = time.perf_counter()
                 total = 0
-                with env.begin(buffers=True) as txn:
+                with bl.timed() as t, env.begin(buffers=True) as txn:
                     for k in keys:
                         buf = txn.get(k)
                         xxhash.xxh3_64_intdigest(buf)
                         total += len(buf)
-                cold = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                with env.begin(buffers=True) as txn:
+                cold = t.seconds
+                with bl.timed() as t, env.begin(buffers=True) as txn:
                     for k in keys:
                         xxhash.xxh3_64_intdigest(txn.get(k))
-                warm = time.perf_counter() - t0
+                warm = t.seconds
             finally:
                 env.close()
             rows.append(

@@ -30,10 +30,8 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import time
 
 import torch
 
@@ -43,21 +41,14 @@ ROWS = ("hf-dynamic", "hf-static", "hf-static+compile", "no-cache", "kvstore", "
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--context-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=200)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", default=",".join(ROWS))
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
-    p.add_argument("--threads", type=int, default=bl.THREADS)
     p.add_argument("--out", default="decode", help="results file stem")
-    args = p.parse_args()
-    if args.quick:
-        args.new_tokens, args.repeats, args.context_tokens = 24, 1, 128
-    bl.setup(args.threads)
-    bl.wait_for_quiet(max_wait_s=args.wait)
+    args = bl.start(p, quick=dict(new_tokens=24, repeats=1, context_tokens=128))
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
 
@@ -121,9 +112,9 @@ def main() -> None:
         ref = None
         tokens: dict[str, torch.Tensor] = {}
         for name in rows:  # warm-up (compiles what compiles), untimed
-            t0 = time.perf_counter()
-            tokens[name] = runners[name](batch, N)
-            first[name] = time.perf_counter() - t0
+            with bl.timed() as t:
+                tokens[name] = runners[name](batch, N)
+            first[name] = t.seconds
             runners[name](batch, 1)
             print(f"batch {batch} {name}: first run {first[name]:.1f} s", flush=True)
         ref = tokens.get("hf-dynamic")
@@ -131,12 +122,12 @@ def main() -> None:
         ones: dict[str, list[float]] = {k: [] for k in rows}
         for rep in range(args.repeats):
             for name in rows:
-                t0 = time.perf_counter()
-                got = runners[name](batch, N)
-                walls[name].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                runners[name](batch, 1)
-                ones[name].append(time.perf_counter() - t0)
+                with bl.timed() as t:
+                    got = runners[name](batch, N)
+                walls[name].append(t.seconds)
+                with bl.timed() as t:
+                    runners[name](batch, 1)
+                ones[name].append(t.seconds)
                 if not torch.equal(got, tokens[name]):
                     print(f"  note: {name} gave other tokens in repeat {rep}")
             print(f"batch {batch} repeat {rep + 1}: " + ", ".join(f"{k} {walls[k][-1]:.2f}s" for k in rows), flush=True)

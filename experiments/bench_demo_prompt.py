@@ -15,7 +15,6 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -41,11 +40,11 @@ VARIANTS = {
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    args = bl.start(bl.parser(__doc__, quick=False))
     data = bl.HERE / "data" / "demo.jsonl"
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(bl.THREADS), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     rows = []
     for name, extra in VARIANTS.items():
         out = WORK / f"{len(rows)}.jsonl"

@@ -54,14 +54,12 @@ what matter.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import benchlib as bl
@@ -113,9 +111,9 @@ def kvstore(*args: str) -> dict:
         "--quiet",
     ]
     print("$ kvstore " + " ".join(args), flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=bl.ROOT, stdout=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - t0
+    with bl.timed() as t:
+        proc = subprocess.run(cmd, cwd=bl.ROOT, stdout=subprocess.PIPE, text=True)
+    wall = t.seconds
     if proc.returncode != 0:
         sys.exit(f"kvstore {' '.join(args)} failed with exit code {proc.returncode}")
     summary = json.loads(proc.stdout)
@@ -326,14 +324,14 @@ def part_overhead(args, data: Path) -> dict:
     adapter.prefill([ids[0][:8]])  # warm-up
     plain, plain_b1, stored, store_s, wait_s = [], [], [], [], []
     for r in range(args.overhead_repeats):
-        t0 = time.perf_counter()
-        for batch in batches:
-            adapter.prefill([ids[i] for i in batch])
-        plain.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for i in order:  # the same contexts one at a time: does batching pay on this CPU?
-            adapter.prefill([ids[i]])
-        plain_b1.append(time.perf_counter() - t0)
+        with bl.timed() as t:
+            for batch in batches:
+                adapter.prefill([ids[i] for i in batch])
+        plain.append(t.seconds)
+        with bl.timed() as t:
+            for i in order:  # the same contexts one at a time: does batching pay on this CPU?
+                adapter.prefill([ids[i]])
+        plain_b1.append(t.seconds)
         path = WORK / "overhead-store"
         shutil.rmtree(path, ignore_errors=True)
         with KVStore(str(path)) as kv:
@@ -428,10 +426,10 @@ def part_variants(args, data: Path) -> dict:
         )
 
     for bs in (args.batch_size, 1):
-        t0 = time.perf_counter()
-        for batch in ka.batches(order, [len(x) for x in ids], bs, None):
-            adapter.prefill([ids[i] for i in batch])
-        record(f"prefill only, batch {bs}", time.perf_counter() - t0)
+        with bl.timed() as t:
+            for batch in ka.batches(order, [len(x) for x in ids], bs, None):
+                adapter.prefill([ids[i] for i in batch])
+        record(f"prefill only, batch {bs}", t.seconds)
     two_chunks = 2 * 512 * adapter.kv_bytes_per_token()
     for name, codec, bs, patch in (
         (f"build, batch {args.batch_size}", None, args.batch_size, False),
@@ -455,7 +453,7 @@ def part_variants(args, data: Path) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__, batch_size=8)
     p.add_argument("--parts", default="main,sweep,cold,overhead")
     p.add_argument("--contexts", type=int, default=40)
     p.add_argument(
@@ -465,7 +463,6 @@ def main() -> None:
         help="words per context (~1.1 tokens each; ~1.5k tokens with the chat template)",
     )
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--cache-repeats", type=int, default=3)
     p.add_argument("--nocache-repeats", type=int, default=3)
     p.add_argument("--sweep-rows", type=int, default=16)
@@ -473,19 +470,13 @@ def main() -> None:
     p.add_argument("--sweep-cache-repeats", type=int, default=2)
     p.add_argument("--overhead-contexts", type=int, default=16)
     p.add_argument("--overhead-repeats", type=int, default=2)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
-    p.add_argument("--threads", type=int, default=bl.THREADS, help="torch threads in this process (overhead part)")
     p.add_argument("--stem", default="", help="results file stem of a run of one part (default: e2e_PART)")
-    args = p.parse_args()
+    quick = dict(contexts=4, words=200, cache_repeats=1, sweep_cache_repeats=1, sweep_rows=4, sweep_lengths="1,4",
+                 overhead_contexts=2, overhead_repeats=1)  # fmt: skip
+    args = bl.start(p, quick=quick)
     parts = args.parts.split(",")
     if args.stem and len(parts) != 1:
         p.error("--stem names the result of one part: give --parts one part")
-    if args.quick:
-        args.contexts, args.words, args.cache_repeats, args.sweep_cache_repeats = 4, 200, 1, 1
-        args.sweep_rows, args.sweep_lengths, args.overhead_contexts, args.overhead_repeats = 4, "1,4", 2, 1
-    bl.setup(args.threads)
-    bl.wait_for_quiet(max_wait_s=args.wait)
     data = WORK / ("trivia_quick.jsonl" if args.quick else f"trivia_{args.contexts}.jsonl")
     store = WORK / ("store_quick" if args.quick else f"store_{args.contexts}")
     shape = make_dataset(data, args.contexts, args.words)
@@ -495,9 +486,9 @@ def main() -> None:
         bl.write_result(args.stem or f"e2e_{part}", params=vars(args), rows=rows, notes=notes)
 
     if "main" in parts:
-        t0 = time.perf_counter()
-        rows, m = part_main(args, data, store)
-        m = {"dataset": shape} | m | {"bench_seconds": round(time.perf_counter() - t0, 1)}
+        with bl.timed() as t:
+            rows, m = part_main(args, data, store)
+        m = {"dataset": shape} | m | {"bench_seconds": round(t.seconds, 1)}
         write("main", rows, m)
         print(
             f"cached {m['cached_qps']:.2f} q/s vs no-cache {m['nocache_qps']:.2f} q/s -> {m['speedup']:.1f}x; "

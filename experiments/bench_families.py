@@ -20,9 +20,7 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 
 import torch
 from transformers import AutoModelForCausalLM, Mamba2Config, MistralConfig
@@ -55,21 +53,17 @@ def _model(kind: str) -> torch.nn.Module:
 
 
 def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    with bl.timed() as t:
+        fn()
+    return t.seconds
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bl.parser(__doc__, threads=1)
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    if args.quick:
-        args.rows, args.tokens, args.repeats = 4, 256, 2
-    torch.set_num_threads(1)
+    args = bl.start(ap, quick=dict(rows=4, tokens=256, repeats=2))
     g = torch.Generator().manual_seed(0)
     contexts = [torch.randint(1, 512, (args.tokens,), generator=g).tolist() for _ in range(args.rows)]
     questions = [torch.randint(1, 512, (16,), generator=g).tolist() for _ in range(args.rows)]

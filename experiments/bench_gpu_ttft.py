@@ -15,11 +15,10 @@ gpu_ttft [ARGS]`` writes experiments/results/; run by hand it writes to cache/be
 
 from __future__ import annotations
 
-import argparse
+import os
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -40,11 +39,11 @@ def smollm2_shaped(dtype: torch.dtype):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__, threads=os.cpu_count() or 1, quick=False)  # a GPU machine: torch's own thread count
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=7)
-    args = p.parse_args()
+    args = bl.start(p)
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
@@ -60,16 +59,17 @@ def main() -> None:
     rows = []
     scratch = Path(tempfile.mkdtemp(prefix="kvstore-gpu-ttft-"))
 
-    def timed(fn, n):
+    def synchronized(fn, n):
+        """Seconds of ``n`` calls of ``fn`` after one untimed, each up to the GPU's last kernel."""
         fn()
         torch.cuda.synchronize()
         out = []
         for _ in range(n):
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            out.append(time.perf_counter() - t0)
+            with bl.timed() as t:
+                fn()
+                torch.cuda.synchronize()
+            out.append(t.seconds)
         return out
 
     try:
@@ -107,7 +107,7 @@ def main() -> None:
                         [ctx], [q_ids], 1, store=s, batch_size=1
                     )
                 for name, fn in methods.items():
-                    ts = timed(fn, args.repeats)
+                    ts = synchronized(fn, args.repeats)
                     rows.append({"dtype": dname, "context_tokens": n, "method": name, "runs_s": ts,
                                  "median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts)})  # fmt: skip
                 by = {r["method"]: r for r in rows if r["dtype"] == dname and r["context_tokens"] == n}

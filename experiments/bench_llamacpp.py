@@ -34,7 +34,6 @@ cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import shutil
 import time
@@ -129,9 +128,9 @@ def run_length(n, q_ids, lcpp: LlamaCpp, adapter, stores, scratch: Path, repeats
             # llama.cpp's worker threads spin for a while after a call: let them go to sleep, so
             # that no method pays for the one before it (torch's own threads included)
             time.sleep(SETTLE_S)
-            t0 = time.perf_counter()
-            tok = fn()
-            return tok, time.perf_counter() - t0
+            with bl.timed() as t:
+                tok = fn()
+            return tok, t.seconds
 
         return run
 
@@ -194,20 +193,15 @@ def run_length(n, q_ids, lcpp: LlamaCpp, adapter, stores, scratch: Path, repeats
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__)
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=bl.THREADS)
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args()
-    if args.quick:
-        args.lengths, args.repeats = "256,512", 2
+    args = bl.start(p, quick=dict(lengths="256,512", repeats=2))
     try:
         import llama_cpp
     except ImportError as exc:
         raise SystemExit("llama-cpp-python is missing: pip install llama-cpp-python (builds from source)") from exc
     lengths = [int(x) for x in args.lengths.split(",")]
-    bl.setup(args.threads)
     adapter = bl.load_adapter("float32")
     from kvstore.store.kvstore import KVStore
 

@@ -27,18 +27,16 @@ the medians.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
+
+import benchlib as bl
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-from benchlib import SCRATCH, loadavg, setup, write_result  # noqa: E402
 
 TASKS_DIR = Path(__file__).resolve().parent / "data" / "lm_eval"
 TASKS = {"mc": "kv_bench_mc", "gen": "kv_bench_gen"}
@@ -59,11 +57,11 @@ def timed_requests(lm) -> dict[str, float]:
         method = getattr(lm, name)
 
         def wrapped(requests, *args, _method=method, **kwargs):
-            t0 = time.perf_counter()
+            t = bl.timed()
             try:
                 return _method(requests, *args, **kwargs)
             finally:
-                spent["s"] += time.perf_counter() - t0
+                spent["s"] += t.elapsed()
 
         setattr(lm, name, wrapped)
     return spent
@@ -74,11 +72,10 @@ def evaluate(lm, task: str, task_manager, limit: int | None = None) -> tuple[dic
     import lm_eval
 
     spent = timed_requests(lm)
-    before = loadavg()
-    t0 = time.perf_counter()
-    out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager, log_samples=True, limit=limit)
-    wall = time.perf_counter() - t0
-    return out, wall, spent["s"], before
+    before = bl.loadavg()
+    with bl.timed() as t:
+        out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager, log_samples=True, limit=limit)
+    return out, t.seconds, spent["s"], before
 
 
 def metrics(out: dict, task: str) -> dict:
@@ -110,7 +107,8 @@ def compare(ref: dict, got: dict, task: str) -> dict:
 
 
 def document_tokens(tokenizer, limit: int | None) -> dict:
-    sys.path.insert(0, str(TASKS_DIR))
+    if str(TASKS_DIR) not in sys.path:  # the tasks' own data module
+        sys.path.insert(0, str(TASKS_DIR))
     import kv_bench_data
 
     lengths = sorted(len(tokenizer(r["document"])["input_ids"]) for r in kv_bench_data.rows()[:limit])
@@ -152,17 +150,12 @@ def summary(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bl.parser(__doc__, batch_size=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--tasks", default="mc,gen", help="comma-separated: mc, gen")
     parser.add_argument("--documents", type=int, default=None, help="use the first N documents (default all 12)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 2 documents, 1 repeat")
-    args = parser.parse_args()
-    limit = 2 if args.quick else args.documents
-    if args.quick:
-        args.repeats = 1
-    setup()
+    args = bl.start(parser, quick=dict(documents=2, repeats=1))  # a smoke run: 2 documents, 1 repeat
+    limit = args.documents
     import lm_eval.models.huggingface  # noqa: F401 - registers "hf"
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -182,7 +175,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for task in wanted:
             run: dict = {"task": task, "repeat": rep}
-            store = SCRATCH / f"lm_eval_{task}"
+            store = bl.SCRATCH / f"lm_eval_{task}"
             shutil.rmtree(store, ignore_errors=True)
             kv_results = {}
             for phase in ("cold", "warm"):  # kvstore first: a failure shows before hf's long run
@@ -206,9 +199,9 @@ def main() -> None:
             run["hf"] = {"wall_s": wall, "model_s": inside, "load_before": la, "metrics": metrics(ref, task)}
             for phase in ("cold", "warm"):
                 run[f"kvstore_{phase}"]["check"] = compare(ref, kv_results[phase], task)
-            run["load_after"] = loadavg()
+            run["load_after"] = bl.loadavg()
             runs.append(run)
-            write_result("lm_eval", params=params, rows=runs, notes=notes | {"summary": summary(runs)})
+            bl.write_result("lm_eval", params=params, rows=runs, notes=notes | {"summary": summary(runs)})
             print(
                 f"  hf {run['hf']['wall_s']:.1f}s  cold {run['kvstore_cold']['wall_s']:.1f}s  "
                 f"warm {run['kvstore_warm']['wall_s']:.1f}s  checks {run['kvstore_cold']['check']} "

@@ -23,7 +23,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import benchlib as bl
@@ -36,8 +35,7 @@ def _status(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def child(tokens: int, piece: int, attn: str, threads: int) -> dict:
-    bl.setup(threads)
+def child(tokens: int, piece: int, attn: str) -> dict:
     import torch
 
     from kvstore.model.adapter import Adapter
@@ -54,10 +52,9 @@ def child(tokens: int, piece: int, attn: str, threads: int) -> dict:
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     before = _status("VmRSS")
-    t0 = time.perf_counter()
-    with torch.inference_mode(), grouped_kv():  # as build runs it
+    with bl.timed() as t, torch.inference_mode(), grouped_kv():  # as build runs it
         layers = adapter.prefill([ids])[0]
-    seconds = time.perf_counter() - t0
+    seconds = t.seconds
     peak = _status("VmHWM")
     kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
     params = sum(p.numel() * p.element_size() for p in adapter.model.parameters())
@@ -67,21 +64,16 @@ def child(tokens: int, piece: int, attn: str, threads: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__)
     p.add_argument("--tokens", default="2048,8000")
     p.add_argument("--chunks", default="0,2048,512")
     p.add_argument("--attn", default="sdpa,eager")
-    p.add_argument("--threads", type=int, default=bl.THREADS)
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--child", nargs=3, metavar=("TOKENS", "CHUNK", "ATTN"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = bl.start(p, quick=dict(tokens="1024", chunks="0,256", attn="sdpa"))
     if args.child:
         n, c, a = args.child
-        print(json.dumps(child(int(n), int(c), a, args.threads)))
+        print(json.dumps(child(int(n), int(c), a)))
         return
-    if args.quick:
-        args.tokens, args.chunks, args.attn = "1024", "0,256", "sdpa"
-    bl.setup(args.threads)
     rows = []
     for attn in args.attn.split(","):
         for n in map(int, args.tokens.split(",")):

@@ -35,12 +35,10 @@ repository's history; a shallow clone cannot run the ``v1`` rows).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import benchlib as bl
@@ -125,16 +123,16 @@ def kvstore_cmd(fmt: int) -> list[str]:
     return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(code)!r}); from cli.main import main; main()"]
 
 
-def build(fmt: int, dataset: Path, store: Path, *extra: str, fresh: bool = True) -> dict:
+def build(fmt: int, dataset: Path, store: Path, *extra: str, threads: int, fresh: bool = True) -> dict:
     if fresh and store.exists():
         shutil.rmtree(store)
     cmd = [*kvstore_cmd(fmt), "build", str(dataset), "--store", str(store), "-q", "--format", "json", *extra]
-    env = {"OMP_NUM_THREADS": str(bl.THREADS), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     import os
 
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
-    wall = time.perf_counter() - t0
+    with bl.timed() as t:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    wall = t.seconds
     if proc.returncode != 0:
         raise SystemExit(f"format-{fmt} build failed:\n{proc.stderr[-2000:]}")
     summary = json.loads(proc.stdout)
@@ -170,7 +168,7 @@ def part_fewshot(args, tokenizer) -> list[dict]:
     rows = []
     for fmt in (1, 2):
         store = WORK / f"fewshot-v{fmt}"
-        summary = build(fmt, data, store, *opts)
+        summary = build(fmt, data, store, *opts, threads=args.threads)
         rows.append(
             row("fewshot", "few-shot head + documents", fmt, summary, store_bytes(store), prefix_tokens=block_tokens)
         )
@@ -190,11 +188,11 @@ def part_longer(args) -> list[dict]:
     )
     rows = []
     store = WORK / "longer"
-    s = build(2, half, store)
+    s = build(2, half, store, threads=args.threads)
     rows.append(row("longer", "halves (stored first)", 2, s, store_bytes(store)))
-    s = build(2, whole, store, fresh=False)
+    s = build(2, whole, store, threads=args.threads, fresh=False)
     rows.append(row("longer", "wholes on stored halves", 2, s, store_bytes(store)))
-    s = build(2, whole, WORK / "longer-fresh")
+    s = build(2, whole, WORK / "longer-fresh", threads=args.threads)
     rows.append(row("longer", "wholes recomputed (fresh store)", 2, s, store_bytes(WORK / "longer-fresh")))
     ext, fresh = rows[1], rows[2]
     ext["time_vs_recompute"] = ext["build_seconds"] / fresh["build_seconds"]
@@ -210,26 +208,22 @@ def part_chat(args) -> list[dict]:
     for variant, opts in (("template's system turn", []), ("long --system prompt", ["--system", LONG_SYSTEM])):
         for fmt in (1, 2):
             store = WORK / f"chat-v{fmt}"
-            summary = build(fmt, data, store, "--chat", *opts)
+            summary = build(fmt, data, store, "--chat", *opts, threads=args.threads)
             rows.append(row("chat", variant, fmt, summary, store_bytes(store)))
             print(f"  chat v{fmt} {variant}: {rows[-1]}", flush=True)
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bl.parser(__doc__)
     ap.add_argument("--parts", default="fewshot,longer,chat")
     ap.add_argument("--docs", type=int, default=50)
     ap.add_argument("--doc-words", type=int, default=250)
     ap.add_argument("--prefix-tokens", type=int, default=500)
     ap.add_argument("--long-docs", type=int, default=20)
     ap.add_argument("--long-words", type=int, default=800)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
-    args = ap.parse_args()
-    if args.quick:
-        args.docs, args.doc_words, args.prefix_tokens, args.long_docs, args.long_words = 4, 60, 120, 3, 200
-    bl.setup()
+    quick = dict(docs=4, doc_words=60, prefix_tokens=120, long_docs=3, long_words=200)
+    args = bl.start(ap, quick=quick, wait=False)  # waits for a quiet machine once the tokenizer is loaded
     from kvstore.model.load.loading import load_model
 
     tokenizer = load_model(None, dtype="float32", device="cpu").tokenizer

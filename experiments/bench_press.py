@@ -34,10 +34,8 @@ cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
-import time
 
 import benchlib as bl
 
@@ -122,25 +120,19 @@ def plot(rows: list[dict], path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bl.parser(__doc__, batch_size=8)
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--limit", type=int, default=None, help="the first N questions of the long set")
-    bl.run_args(ap, batch_size=8)
-    args = ap.parse_args()
+    args = bl.start(ap, quick=dict(limit=6))
     ratios = [float(r) for r in args.ratios.split(",")]
-    variants = grid(ratios)
-    if args.quick:
-        args.limit = 6
-        variants = ["dense", "knorm:0.5", "snapkv:0.5:q"]
-    bl.setup(args.threads)
+    variants = ["dense", "knorm:0.5", "snapkv:0.5:q"] if args.quick else grid(ratios)
     from kvstore.data.prompts import PromptFormat
     from kvstore.store.kvstore import KVStore
 
     questions = bl.question_sets()["long"][: args.limit]
-    bl.wait_for_quiet(max_wait_s=args.wait)
-    t0 = time.perf_counter()
-    adapter = bl.load_adapter("float32")
-    load_s = time.perf_counter() - t0
+    with bl.timed() as t:
+        adapter = bl.load_adapter("float32")
+    load_s = t.seconds
     fmt = PromptFormat.from_chat_template(adapter.tokenizer)
     contexts = [q["context"] for q in questions]
     asked = [q["question"] for q in questions]
@@ -151,16 +143,16 @@ def main() -> None:
         built = adapter.build(sorted(set(contexts)), store, prompt=fmt)
         print(f"built {built.built} contexts, {built.tokens} tokens in {built.seconds:.1f} s", flush=True)
         load_before_sweep = bl.loadavg()
-        t0 = time.perf_counter()
-        results = adapter.sweep(contexts, asked, variants=variants, store=store, prompt=fmt, num_new_tokens=N_NEW,
-                                stop_at_eos=True, batch_size=args.batch_size)  # fmt: skip
-        sweep_s = time.perf_counter() - t0
+        with bl.timed() as t:
+            results = adapter.sweep(contexts, asked, variants=variants, store=store, prompt=fmt, num_new_tokens=N_NEW,
+                                    stop_at_eos=True, batch_size=args.batch_size)  # fmt: skip
+        sweep_s = t.seconds
         codec = store.codec.spec
     assert all(all(r.cache_hit) and r.prefill_tokens_computed == 0 for r in results.values()), "prefilled a context"
-    t0 = time.perf_counter()
-    plain = adapter.sample(contexts, asked, prompt=fmt, use_cache=False, num_new_tokens=N_NEW, stop_at_eos=True,
-                           batch_size=args.batch_size)  # fmt: skip
-    dense_vs_plain = agreement(plain, results["dense"]) | {"no_cache_s": time.perf_counter() - t0}
+    with bl.timed() as t:
+        plain = adapter.sample(contexts, asked, prompt=fmt, use_cache=False, num_new_tokens=N_NEW, stop_at_eos=True,
+                               batch_size=args.batch_size)  # fmt: skip
+    dense_vs_plain = agreement(plain, results["dense"]) | {"no_cache_s": t.seconds}
     print(f"dense against a plain run: {dense_vs_plain}", flush=True)
     rows = variant_rows(adapter, questions, results, ctx_tokens)
     for r in rows:

@@ -35,11 +35,9 @@ writes to cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
-import time
 
 import benchlib as bl
 
@@ -83,17 +81,17 @@ def evaluate(lm, tasks: dict, limit: int) -> tuple[dict, float, float]:
     method = lm.generate_until
 
     def timed(requests, *args, **kwargs):
-        t0 = time.perf_counter()
+        t = bl.timed()
         try:
             return method(requests, *args, **kwargs)
         finally:
-            spent[0] += time.perf_counter() - t0
+            spent[0] += t.elapsed()
 
     lm.generate_until = timed
-    t0 = time.perf_counter()
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), limit=limit, log_samples=True,
-                                  verbosity="WARNING")  # fmt: skip
-    return out, time.perf_counter() - t0, spent[0]
+    with bl.timed() as t:
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), limit=limit, log_samples=True,
+                                      verbosity="WARNING")  # fmt: skip
+    return out, t.seconds, spent[0]
 
 
 def per_sample(out: dict, task: str) -> list[dict]:
@@ -118,20 +116,17 @@ def plot(rows: list[dict], tasks: list[str], path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bl.parser(__doc__, batch_size=8)
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--limit", type=int, default=10, help="samples per task")
     ap.add_argument("--hf-limit", type=int, default=None, help="samples per task compared with hf (default: all)")
     ap.add_argument("--presses", default=",".join(PRESSES))
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--niah-gen-toks", type=int, default=32, help="max_gen_toks of the niah tasks (theirs: 128)")
-    bl.run_args(ap, batch_size=8)
-    args = ap.parse_args()
-    if args.quick:
-        args.tasks, args.limit, args.presses, args.ratios = "niah_single_1", 1, "knorm", "0.5"
+    quick = dict(tasks="niah_single_1", limit=1, presses="knorm", ratios="0.5")
+    args = bl.start(ap, quick=quick, wait=False)  # waits for a quiet machine once the tasks are loaded
     args.hf_limit = args.limit if args.hf_limit is None else min(args.hf_limit, args.limit)
     (NLTK_DATA / "tokenizers" / "punkt_tab").mkdir(parents=True, exist_ok=True)
-    bl.setup(args.threads)
     import lm_eval.models.huggingface  # noqa: F401 - registers "hf"
     from lm_eval.models.huggingface import HFLM
 
@@ -142,9 +137,9 @@ def main() -> None:
 
     model_dir = str(convert_gguf(bundled_gguf_path()))
     names = args.tasks.split(",")
-    t0 = time.perf_counter()
-    tasks = load_tasks(names, model_dir, args.niah_gen_toks)
-    tasks_s = time.perf_counter() - t0
+    with bl.timed() as t:
+        tasks = load_tasks(names, model_dir, args.niah_gen_toks)
+    tasks_s = t.seconds
     variants = ["dense"] + [parse_press(f"{p}:{r}").name for p in args.presses.split(",")
                             for r in args.ratios.split(",")]  # fmt: skip
     store = WORK / "store"

@@ -38,10 +38,8 @@ Command (from the repository root; the suite ``press_sweep``: ``python -m experi
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
-import time
 
 import torch
 
@@ -80,7 +78,7 @@ class StepTimer:
 
     def __init__(self, model):
         self.times: list[float] = []
-        self._t0 = 0.0
+        self._step: bl.Timer | None = None
         self._handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post, with_kwargs=True),
@@ -88,12 +86,12 @@ class StepTimer:
 
     def _pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        self._t0 = time.perf_counter() if ids is not None and ids.shape[1] == 1 else 0.0
+        self._step = bl.timed() if ids is not None and ids.shape[1] == 1 else None
 
     def _post(self, module, args, kwargs, output):
-        if self._t0:
-            self.times.append(time.perf_counter() - self._t0)
-            self._t0 = 0.0
+        if self._step is not None:
+            self.times.append(self._step.elapsed())
+            self._step = None
 
     def close(self) -> None:
         for h in self._handles:
@@ -167,31 +165,27 @@ def kvpress_way(adapter, contexts: list[list[int]], questions: list[list[list[in
         press = parse_variant(name).press
         got = []
         for ctx, qs in zip(contexts, questions):
-            t0 = time.perf_counter()
+            t = bl.timed()
             cache, c = pressed_prefill(model, ctx, press, cache_arg)
-            t1 = time.perf_counter()
+            spent["prefill_s"] += t.lap()
             got += [answer(model, cache, c, q, N_NEW, eos, cache_arg) for q in qs]
-            spent["prefill_s"] += t1 - t0
-            spent["answer_s"] += time.perf_counter() - t1
+            spent["answer_s"] += t.lap()
         out[name] = got
     return out, spent
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bl.parser(__doc__, batch_size=8)
     ap.add_argument("--contexts", type=int, default=4)
     ap.add_argument("--min-tokens", type=int, default=2048)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--step-variants", default=",".join(STEP_VARIANTS))
     ap.add_argument("--repeats", type=int, default=3)
-    bl.run_args(ap, batch_size=8)
-    args = ap.parse_args()
-    if args.quick:
-        args.contexts, args.min_tokens, args.repeats = 2, 400, 1
-        args.variants, args.step_variants = "dense,knorm:0.5,snapkv:0.5", "dense,knorm:0.5"
+    quick = dict(contexts=2, min_tokens=400, repeats=1, variants="dense,knorm:0.5,snapkv:0.5",
+                 step_variants="dense,knorm:0.5")  # fmt: skip
+    args = bl.start(ap, quick=quick, wait=False)  # waits for a quiet machine once the model and rows are ready
     variants = args.variants.split(",")
     step_variants = args.step_variants.split(",")
-    bl.setup(args.threads)
     torch.set_grad_enabled(False)
     from kvstore.data.metrics import answer_metrics, clean_prediction
     from kvstore.data.prompts import PromptFormat
@@ -213,9 +207,9 @@ def main() -> None:
     bl.wait_for_quiet(max_wait_s=args.wait)
     shutil.rmtree(WORK, ignore_errors=True)
     with KVStore(str(WORK)) as store:
-        t0 = time.perf_counter()
-        built = adapter.build(distinct, store)
-        build_s = time.perf_counter() - t0
+        with bl.timed() as t:
+            built = adapter.build(distinct, store)
+        build_s = t.seconds
         print(f"built {built.built} contexts, {built.tokens} tokens in {build_s:.1f} s", flush=True)
 
         def sweep():
@@ -231,13 +225,13 @@ def main() -> None:
         sweep_decode_s: list[float] = []
         kvpress_parts: list[dict] = []
         for rep in range(args.repeats):
-            t0 = time.perf_counter()
-            timed = sweep()
-            sweep_s.append(time.perf_counter() - t0)
+            with bl.timed() as t:
+                timed = sweep()
+            sweep_s.append(t.seconds)
             sweep_decode_s.append(sum(r.decode_seconds for r in timed.values()))
-            t0 = time.perf_counter()
-            got, parts = kvpress_way(adapter, distinct, per_context, variants)
-            kvpress_s.append(time.perf_counter() - t0)
+            with bl.timed() as t:
+                got, parts = kvpress_way(adapter, distinct, per_context, variants)
+            kvpress_s.append(t.seconds)
             kvpress_parts.append(parts)
             theirs = theirs or {v: {i: got[v][k] for k, i in enumerate(order)} for v in variants}
             print(f"  repeat {rep + 1}: sweep {sweep_s[-1]:.1f} s, the kvpress way {kvpress_s[-1]:.1f} s "

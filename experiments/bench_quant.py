@@ -36,7 +36,6 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 from pathlib import Path
@@ -158,26 +157,20 @@ def run_set(adapter, fmt, name: str, rows: list[dict], dtype: str, args) -> list
 
 def main() -> None:
     global WORK
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bl.parser(__doc__)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--sets", default="demo,long")
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument(
         "--no-floor", dest="floor", action="store_false",
         help="skip the no-cache rows (the floor; it does not depend on the codecs: quant.json has it)",
     )  # fmt: skip
-    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
-    ap.add_argument("--threads", type=int, default=bl.THREADS)
     ap.add_argument("--stem", default="quant", help="results file stem: STEM.json")
     ap.add_argument("--work", default=str(WORK), help="scratch directory of the stores (one per concurrent run)")
-    args = ap.parse_args()
+    args = bl.start(ap, quick=dict(dtypes="float32", sets="demo", repeats=2, codecs="int8,int4"), wait=False)
     WORK = Path(args.work)
     args.codecs = args.codecs.split(",")
-    if args.quick:
-        args.dtypes, args.sets, args.repeats, args.codecs = "float32", "demo", 2, ["int8", "int4"]
-    bl.setup(args.threads)
     from kvstore.data.prompts import PromptFormat
 
     sets = bl.question_sets()

@@ -42,11 +42,10 @@ Commands (from the repository root; the suite ``realsize``: ``python -m experime
 
 from __future__ import annotations
 
-import argparse
 import gc
+import os
 import shutil
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -85,12 +84,12 @@ def build_model(shape: str, dtype: torch.dtype, device: torch.device):
     config = config_of(shape)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    t0 = time.perf_counter()
+    t = bl.timed()
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
-    print(f"{shape} {dtype}: {params / 1e9:.2f}B parameters built in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"{shape} {dtype}: {params / 1e9:.2f}B parameters built in {t.elapsed():.1f} s", flush=True)
     return model, params
 
 
@@ -121,10 +120,10 @@ def timed(fn, n: int, device: torch.device, warmup: int = 1) -> list[float]:
         gc.disable()
         try:
             sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            out.append(time.perf_counter() - t0)
+            with bl.timed() as t:
+                fn()
+                sync(device)
+            out.append(t.seconds)
         finally:
             gc.enable()
     return out
@@ -179,10 +178,10 @@ def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scrat
 
     # the first recompute run also gives the KV the floor and the stores start from
     sync(dev)
-    t0 = time.perf_counter()
-    layers = recompute_fn()
-    sync(dev)
-    recompute_runs = [time.perf_counter() - t0]
+    with bl.timed() as t:
+        layers = recompute_fn()
+        sync(dev)
+    recompute_runs = [t.seconds]
     while len(recompute_runs) < args.recompute_repeats and sum(recompute_runs) < args.recompute_budget_s:
         recompute_runs += timed(recompute_fn, 1, dev, warmup=0)
     rows.append(row(base, "recompute", recompute_runs))
@@ -283,7 +282,8 @@ def _floor(adapter, bufs, n: int, q_ids: list[int], first: dict):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cuda = torch.cuda.is_available()
+    p = bl.parser(__doc__, threads=(os.cpu_count() or 1) if cuda else bl.THREADS)  # CUDA: torch's own CPU threads
     p.add_argument("--shapes", default=",".join(CPU_SHAPES), help="comma list, or 'all' (8B only with CUDA)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--contexts", default="2048,4096")
@@ -296,15 +296,8 @@ def main() -> None:
         default=400.0,
         help="stop repeating recompute after 2 runs once they took this long together",
     )
-    p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads (CPU)")
-    p.add_argument("--quick", action="store_true", help="smoke test: 256/512 tokens, 1 repeat")
-    args = p.parse_args()
-    cuda = torch.cuda.is_available()
+    args = bl.start(p, quick=dict(contexts="256,512", repeats=1, recompute_repeats=1))
     dev = torch.device("cuda" if cuda else "cpu")
-    if not cuda:
-        bl.setup(args.threads)
-    if args.quick:
-        args.contexts, args.repeats, args.recompute_repeats = "256,512", 1, 1
     shapes = list(CPU_SHAPES) + ["llama-3.1-8b"] if args.shapes == "all" else args.shapes.split(",")
     skipped = []
     if "llama-3.1-8b" in shapes and not cuda:

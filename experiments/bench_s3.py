@@ -35,7 +35,6 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -43,12 +42,11 @@ import resource
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 
 import benchlib as bl
 
-sys.path.insert(0, str(bl.ROOT / "tests"))  # the SeaweedFS helper lives with the test fixtures
+bl.use_test_helpers()  # the SeaweedFS helper lives with the test fixtures
 
 from helpers.seaweed import SeaweedServer  # noqa: E402
 
@@ -104,9 +102,10 @@ def part_load(server: SeaweedServer, sizes_mb: list[int], repeats: int) -> list[
                     gc.collect()  # outside the measured CPU time (bl.repeat would count it)
                     gc.disable()
                     try:
-                        c0, t0 = cpu_seconds(), time.perf_counter()
-                        fn()
-                        times[m].append(time.perf_counter() - t0)
+                        c0 = cpu_seconds()
+                        with bl.timed() as t:
+                            fn()
+                        times[m].append(t.seconds)
                         cpu[m] += cpu_seconds() - c0
                     finally:
                         gc.enable()
@@ -259,13 +258,13 @@ def part_failures(server: SeaweedServer) -> list[dict]:
     rows = []
 
     def timed(case: str, fn) -> None:
-        t0 = time.perf_counter()
+        t = bl.timed()
         try:
             fn()
             message, kind = "no error", ""
         except KVStoreError as exc:
             message, kind = str(exc), type(exc).__name__
-        seconds = time.perf_counter() - t0
+        seconds = t.elapsed()
         rows.append({"case": case, "seconds": round(seconds, 2), "error": kind, "message": message})
         print(f"  {case:<44} {seconds:6.2f} s  {kind}: {message}", flush=True)
 
@@ -362,20 +361,14 @@ def part_estimate(machines: list[int]) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__)
     p.add_argument("--parts", default="load,sample,shards,failures,estimate")
     p.add_argument("--sizes-mb", default="10,50,200")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--sample-repeats", type=int, default=3)
     p.add_argument("--new-tokens", default="20,1")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
-    args = p.parse_args()
-    if args.quick:
-        args.sizes_mb, args.repeats, args.sample_repeats, args.new_tokens = "10,50", 2, 1, "1"
+    args = bl.start(p, quick=dict(sizes_mb="10,50", repeats=2, sample_repeats=1, new_tokens="1"))
     parts = args.parts.split(",")
-    bl.setup()
-    bl.wait_for_quiet(max_wait_s=args.wait)
     root = bl.SCRATCH / "s3" / "seaweed"
     shutil.rmtree(root, ignore_errors=True)
     server = SeaweedServer(root)

@@ -19,13 +19,11 @@ experiments run score [ARGS]``) into experiments/results/, run by hand into cach
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import shutil
 import statistics
-import time
 
-from benchlib import HERE, SCRATCH, load_adapter, loadavg, setup, write_result
+from benchlib import HERE, SCRATCH, load_adapter, loadavg, parser, start, timed, write_result
 
 
 def _rows(n: int) -> list[dict]:
@@ -44,12 +42,10 @@ def _accuracy(lls: list[list[float]], rows: list[dict]) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, batch_size=8, quick=False)
     ap.add_argument("--documents", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=8)
-    args = ap.parse_args()
-    setup()
+    args = start(ap)
     from kvstore.store.kvstore import KVStore
 
     rows = _rows(args.documents)
@@ -78,13 +74,13 @@ def main() -> None:
         scored = {}
         for mode in ("no_cache", "cold", "warm"):
             load = loadavg()
-            t0 = time.perf_counter()
-            if mode == "no_cache":
-                got = adapter.score(prompts, options, use_cache=False, batch_size=args.batch_size)
-            else:
-                with KVStore(str(store_dir)) as store:
-                    got = adapter.score(prompts, options, store=store, batch_size=args.batch_size)
-            seconds = time.perf_counter() - t0
+            with timed() as t:
+                if mode == "no_cache":
+                    got = adapter.score(prompts, options, use_cache=False, batch_size=args.batch_size)
+                else:
+                    with KVStore(str(store_dir)) as store:
+                        got = adapter.score(prompts, options, store=store, batch_size=args.batch_size)
+            seconds = t.seconds
             scored[mode] = got
             lls = [[s.logprob for j, s in enumerate(got.rows) if owner[j] == n] for n in range(len(rows))]
             acc, acc_norm = _accuracy(lls, rows)

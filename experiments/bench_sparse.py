@@ -33,10 +33,8 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
-import time
 
 import benchlib as bl
 
@@ -106,11 +104,11 @@ def run_set(adapter, fmt, name: str, rows: list[dict], variants: list[str]) -> t
             sorted(set(contexts)), store, prefix=fmt.head or None, special_tokens=fmt.add_special_tokens
         )
         print(f"  {name}: built {built.built} contexts, {built.tokens} tokens in {built.seconds:.1f} s", flush=True)
-        t0 = time.perf_counter()
-        results = adapter.sweep(
-            contexts, questions, num_new_tokens=N_NEW, variants=variants, store=store, **kwargs(fmt)
-        )
-        sweep_s = time.perf_counter() - t0
+        with bl.timed() as t:
+            results = adapter.sweep(
+                contexts, questions, num_new_tokens=N_NEW, variants=variants, store=store, **kwargs(fmt)
+            )
+        sweep_s = t.seconds
         assert all(results["dense"].cache_hit), "the sweep should prefill nothing"
         computed = results["dense"].prefill_tokens_computed
     out = variant_rows(adapter, name, rows, results, ctx_tokens)
@@ -163,27 +161,21 @@ def cost(adapter, fmt, rows: list[dict], repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bl.parser(__doc__)
     ap.add_argument("--sets", default="demo,long")
     ap.add_argument("--limit", type=int, default=None, help="first N questions of each set (after --every)")
     ap.add_argument("--every", default="demo:3,long:4", help="SET:S keeps every S-th question of SET")
     ap.add_argument("--cost-rows", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    bl.run_args(ap)
     ap.add_argument("--stem", default="sparse")
-    args = ap.parse_args()
-    variants = grid()
-    if args.quick:
-        args.sets, args.limit, args.every, args.cost_rows, args.repeats = "demo", 16, "", 8, 1
-        variants = ["dense", "topk:16", "sparq:8:16"]
-    bl.setup(args.threads)
+    args = bl.start(ap, quick=dict(sets="demo", limit=16, every="", cost_rows=8, repeats=1))
+    variants = ["dense", "topk:16", "sparq:8:16"] if args.quick else grid()
     from kvstore.data.prompts import PromptFormat
 
     sets = bl.question_sets()
-    bl.wait_for_quiet(max_wait_s=args.wait)
-    t0 = time.perf_counter()
-    adapter = bl.load_adapter("float32")
-    notes: dict = {"model_load_s": round(time.perf_counter() - t0, 3), "sets": [], "cost": None}
+    with bl.timed() as t:
+        adapter = bl.load_adapter("float32")
+    notes: dict = {"model_load_s": round(t.seconds, 3), "sets": [], "cost": None}
     fmt = PromptFormat.from_chat_template(adapter.tokenizer)
     params = vars(args) | {"new_tokens": N_NEW, "stop_strings": STOPS}
     rows: list[dict] = []

@@ -36,9 +36,7 @@ The suite ``ttft_codecs`` runs it per lossless codec (``--codecs ... --no-v1 --o
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
 import time
 
 import torch
@@ -58,11 +56,11 @@ class ForwardTimer:
         self.model, self.orig, self.seconds, self.calls = model, model.forward, 0.0, 0
 
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t = bl.timed()
             try:
                 return self.orig(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
+                self.seconds += t.elapsed()
                 self.calls += 1
 
         model.forward = timed
@@ -134,9 +132,9 @@ def run_length(
     def via_adapter(**kw):
         def fn():
             ft.reset()
-            t0 = time.perf_counter()
-            res = adapter.greedy_sample([ctx], [q_ids], 1, batch_size=1, return_details=True, **kw)
-            total = time.perf_counter() - t0
+            with bl.timed() as t:
+                res = adapter.greedy_sample([ctx], [q_ids], 1, batch_size=1, return_details=True, **kw)
+            total = t.seconds
             if kw.get("use_cache") and not res.cache_hit[0]:
                 raise SystemExit(f"{n} tokens: expected a cache hit ({kw})")
             return int(res.tokens[0, 0]), {"total": total, "load": total - ft.seconds, "forward": ft.seconds}
@@ -146,12 +144,12 @@ def run_length(
     def via_dynamic(load):
         def fn():
             ft.reset()
-            t0 = time.perf_counter()
+            t = bl.timed()
             cache = load()
-            t1 = time.perf_counter()
+            loaded = t.lap()
             tok = question_forward(model, cache, n, q_ids)
-            t2 = time.perf_counter()
-            return tok, {"total": t2 - t0, "load": t1 - t0, "forward": t2 - t1}
+            forward = t.lap()
+            return tok, {"total": loaded + forward, "load": loaded, "forward": forward}
 
         return fn
 
@@ -173,10 +171,9 @@ def run_length(
 
     def floor_dynamic():
         cache = DynamicCache([(k[None], v[None]) for k, v in layers])  # untimed
-        t0 = time.perf_counter()
-        tok = question_forward(model, cache, n, q_ids)
-        t = time.perf_counter() - t0
-        return tok, {"total": t, "load": 0.0, "forward": t}
+        with bl.timed() as t:
+            tok = question_forward(model, cache, n, q_ids)
+        return tok, {"total": t.seconds, "load": 0.0, "forward": t.seconds}
 
     methods = {"recompute": via_adapter(use_cache=False)}
     for name, store in stores.items():
@@ -307,7 +304,7 @@ def plot(rows: list[dict], path, threads: int, dtype: str = "float32") -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__)
     p.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)))
     p.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="store codecs to compare (comma-separated)")
     p.add_argument("--repeats", type=int, default=5)
@@ -315,19 +312,12 @@ def main() -> None:
     p.add_argument("--no-v1", action="store_true", help="skip the format-1 entry rows")
     p.add_argument("--chunk-sweep", action="store_true", help="add stores with other chunk sizes (SWEEP_CHUNKS)")
     p.add_argument("--sweep-lengths", default="2048", help="context lengths that get the chunk-size rows")
-    p.add_argument("--quick", action="store_true", help="smoke test: 256 and 512 tokens, 2 repeats")
-    p.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before starting")
-    p.add_argument("--threads", type=int, default=bl.THREADS, help="torch intra-op threads")
     p.add_argument("--dtype", default="float32", help="model and KV dtype (not float32: results to ttft_<dtype>.*)")
     p.add_argument("--out", default="", help="results file stem (default: ttft, or ttft_<dtype>)")
-    args = p.parse_args()
-    if args.quick:
-        args.lengths, args.repeats, args.recompute_repeats, args.sweep_lengths = "256,512", 2, 2, "512"
+    args = bl.start(p, quick=dict(lengths="256,512", repeats=2, recompute_repeats=2, sweep_lengths="512"))
     args.recompute_repeats = min(args.recompute_repeats, args.repeats)
-    sys.path.insert(0, str(bl.ROOT / "tests"))  # helpers.entries.encode_v1 writes the format-1 entries
+    bl.use_test_helpers()  # helpers.entries.encode_v1 writes the format-1 entries
     lengths = [int(x) for x in args.lengths.split(",")]
-    bl.setup(args.threads)
-    bl.wait_for_quiet(max_wait_s=args.wait)
     adapter = bl.load_adapter(args.dtype)
     from kvstore.store.kvstore import KVStore
 
@@ -351,7 +341,7 @@ def main() -> None:
     rows = []
     try:
         for n in lengths:
-            t0 = time.perf_counter()
+            t = bl.timed()
             rs = run_length(
                 adapter,
                 n,
@@ -363,7 +353,7 @@ def main() -> None:
                 v1_stores,
             )
             rows += rs
-            print(f"{n} tokens ({time.perf_counter() - t0:.0f} s, load {bl.loadavg()}):")
+            print(f"{n} tokens ({t.elapsed():.0f} s, load {bl.loadavg()}):")
             for r in rs:
                 print(
                     f"  {r['method']:<22} {bl.fmt_s(r['total_median_s']):>10}  (load "

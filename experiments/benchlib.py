@@ -6,9 +6,15 @@ GPU, library versions, torch threads, the load average when the run started and 
 the command and the commit are recorded here, so no script builds a result of its own shape and
 the runner (``python -m experiments run SUITE``) commits the file as it is.
 
-Timing: :func:`repeat` runs a callable untimed ``warmup`` times, then ``n`` timed times, and
-:func:`summarize` reports the median with min/max and the quartiles (never a mean: the machine is
-shared and noisy).
+The run: every script builds its command line with :func:`parser` (its docstring as the help, and
+the options every run shares, :func:`run_args`: ``--threads``, ``--wait``, ``--quick``) and starts
+with :func:`start` (parse, apply the script's quick settings, pin torch's threads, wait for a quiet
+machine): the common preamble, written once, here.
+
+Timing: every duration is measured by :func:`timed` (a :class:`Timer`: ``with bl.timed() as t:``
+then ``t.seconds``, or ``t.lap()`` between phases); :func:`repeat` runs a callable untimed
+``warmup`` times, then ``n`` timed times, and :func:`summarize` reports the median with min/max and
+the quartiles (never a mean: the machine is shared and noisy).
 
 Synthetic inputs use fixed seeds: token ids drawn uniformly from the ordinary vocabulary (no
 special tokens), or word salad from :func:`synthetic_text` when a command needs text. Shapes
@@ -21,6 +27,7 @@ compute import it when called.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -30,7 +37,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -66,14 +73,69 @@ def setup(threads: int = THREADS) -> None:
     hf_logging.set_verbosity_error()
 
 
-def run_args(ap, batch_size: int | None = None) -> None:
-    """The options every benchmark run shares: ``--threads``, ``--wait`` (seconds to wait for a quiet
-    machine), ``--quick`` (a smoke run) and, given a default, ``--batch-size``."""
+def run_args(ap: argparse.ArgumentParser, batch_size: int | None = None, *, threads: int = THREADS,
+             quick: bool = True) -> None:  # fmt: skip
+    """The options every benchmark run shares: ``--threads`` (torch's intra-op threads, default
+    ``threads``), ``--wait`` (seconds to wait for a quiet machine), ``--quick`` (a smoke run; left
+    out for a script without one) and, given a default, ``--batch-size``."""
     if batch_size is not None:
         ap.add_argument("--batch-size", type=int, default=batch_size)
-    ap.add_argument("--threads", type=int, default=THREADS)
-    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a quiet machine")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=threads, help="torch intra-op threads")
+    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for load average < 1.5 before measuring")
+    if quick:
+        ap.add_argument("--quick", action="store_true", help="a smoke run: small sizes, few repeats")
+
+
+def parser(doc: str | None, *, batch_size: int | None = None, threads: int = THREADS,
+           quick: bool = True) -> argparse.ArgumentParser:  # fmt: skip
+    """A benchmark's command line: its docstring ``doc`` as the help and the shared run options
+    (:func:`run_args`); the script adds its own."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run_args(ap, batch_size, threads=threads, quick=quick)
+    return ap
+
+
+def start(
+    ap: argparse.ArgumentParser, quick: Mapping[str, object] | Callable[[argparse.Namespace], None] | None = None,
+    *, wait: bool = True, rest: bool = False,
+) -> argparse.Namespace:  # fmt: skip
+    """The run's options: the command line parsed; with ``--quick``, ``quick`` applied (the values
+    to set, or a function of the options); torch's threads pinned (:func:`setup`); then, unless
+    ``wait`` is False (a script that warms up first calls :func:`wait_for_quiet` itself), up to
+    ``--wait`` seconds for a quiet machine. ``rest``: arguments the parser does not know are kept,
+    in ``args.rest``, for the script to pass on (instead of refused)."""
+    if rest:
+        args, args.rest = ap.parse_known_args()
+    else:
+        args = ap.parse_args()
+    if getattr(args, "quick", False) and quick is not None:
+        if callable(quick):
+            quick(args)
+        else:
+            for name, value in quick.items():
+                setattr(args, name, value)
+    setup(args.threads)
+    if wait:
+        wait_for_quiet(max_wait_s=args.wait)
+    return args
+
+
+def codec_args(ap: argparse.ArgumentParser, codecs: Sequence[str], dtypes: str, repeats: int) -> dict:
+    """The options of a codec measurement on the KV of a real context: ``--tokens`` (2048),
+    ``--codecs``, ``--dtypes``, ``--repeats``; returns its quick settings (256 tokens, 2 repeats)."""
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--codecs", default=",".join(codecs))
+    ap.add_argument("--dtypes", default=dtypes)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    return {"tokens": 256, "repeats": 2}
+
+
+def use_test_helpers() -> None:
+    """Put ``tests/`` on ``sys.path``: the scripts that start a SeaweedFS server or write old-format
+    entries use the test suite's helpers (``helpers.seaweed``, ``helpers.entries``)."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
 
 
 def load_adapter(dtype: str = "float32"):
@@ -155,6 +217,36 @@ def wait_for_quiet(max_load: float = 1.5, max_wait_s: float = 0.0, poll_s: float
 
 
 # -- timing -------------------------------------------------------------------------------------
+class Timer:
+    """Wall seconds (``time.perf_counter``) from its start: ``with timed() as t: ...`` sets
+    ``t.seconds`` when the block ends; ``t.lap()`` is the seconds since the start or the last lap
+    (phases one after another), ``t.elapsed()`` the seconds since the start."""
+
+    def __init__(self) -> None:
+        self.begun = self._last = time.perf_counter()
+        self.seconds = 0.0
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
+        return seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.begun
+
+    def __enter__(self) -> Timer:
+        self.begun = self._last = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = self.elapsed()
+
+
+def timed() -> Timer:
+    """A :class:`Timer` started now: the one way the benchmarks measure a duration."""
+    return Timer()
+
+
 def repeat(fn: Callable[[], object], n: int, warmup: int = 1) -> list[float]:
     """Seconds of ``n`` timed calls of ``fn`` after ``warmup`` untimed ones (GC off while timing)."""
     for _ in range(warmup):
@@ -164,9 +256,9 @@ def repeat(fn: Callable[[], object], n: int, warmup: int = 1) -> list[float]:
         gc.collect()
         gc.disable()
         try:
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
+            with timed() as t:
+                fn()
+            out.append(t.seconds)
         finally:
             gc.enable()
     return out
@@ -300,12 +392,11 @@ def floor(adapter, layers, q_ids: list[int]):
     @torch.inference_mode()
     def run() -> tuple[int, float]:
         cache = PreallocatedCache(bufs, n)  # wraps the buffers, copies nothing
-        with grouped_kv():
-            t0 = time.perf_counter()
+        with grouped_kv(), timed() as t:
             out = adapter.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                                 use_cache=True, logits_to_keep=1)  # fmt: skip
             tok = int(out.logits[0, -1].argmax())
-            return tok, time.perf_counter() - t0
+        return tok, t.seconds
 
     return run
 

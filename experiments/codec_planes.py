@@ -20,9 +20,6 @@ writes experiments/results/; run by hand it writes to cache/bench/raw/):
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
 import zstandard
 
@@ -37,11 +34,10 @@ def planes(t: torch.Tensor, width: int) -> list[bytes]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__, threads=1, quick=False)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
-    bl.setup(1)
+    args = bl.start(p)
     adapter = bl.load_adapter()
     ids = bl.real_context_ids(adapter.tokenizer, args.tokens)
     with torch.inference_mode():
@@ -61,20 +57,17 @@ def main() -> None:
         ]  # fmt: skip
         dec, put, copy = [], [], []
         for _ in range(args.repeats):
-            t0 = time.perf_counter()
+            clock = bl.timed()
             outs = [[dctx.decompress(f) for f in fr] for fr in frames]
-            t1 = time.perf_counter()
+            dec.append(clock.lap())
             for d, out in zip(dest, outs):
                 target = d.view(-1).view(unit).view(-1, n_planes)
                 for j, o in enumerate(out):
                     target[:, j].copy_(torch.frombuffer(o, dtype=unit))
-            t2 = time.perf_counter()
+            put.append(clock.lap())
             for d, t in zip(dest, tensors):
                 d.copy_(t)
-            t3 = time.perf_counter()
-            dec.append(t1 - t0)
-            put.append(t2 - t1)
-            copy.append(t3 - t2)
+            copy.append(clock.lap())
             for d, out in zip(dest, outs):  # check the layout round-trips
                 target = d.view(-1).view(unit).view(-1, n_planes)
                 for j, o in enumerate(out):

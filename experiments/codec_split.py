@@ -25,8 +25,6 @@ Command (from the repository root; the suite ``codec_split``: ``python -m experi
 
 from __future__ import annotations
 
-import argparse
-import time
 import warnings
 
 import torch
@@ -76,13 +74,12 @@ def place(dest: torch.Tensor, parts: list[tuple[bool, bytes]], planes: Planes, d
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__, threads=1, quick=False)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--levels", default="1")
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
-    bl.setup(1)
+    args = bl.start(p)
     warnings.simplefilter("ignore", UserWarning)  # read-only frombuffer views: never written
     adapter = bl.load_adapter()
     ids = bl.real_context_ids(adapter.tokenizer, args.tokens)
@@ -103,26 +100,24 @@ def main() -> None:
         for name, planes in layouts(dtype.itemsize):
             for level in [int(x) for x in args.levels.split(",")] if name != "raw" else [0]:
                 cctx = zstandard.ZstdCompressor(level=max(level, 1), write_content_size=True)
-                t0 = time.perf_counter()
-                enc = [encode(c, planes, cctx) for _, _, c in chunks]
-                comp = time.perf_counter() - t0
+                with bl.timed() as t:
+                    enc = [encode(c, planes, cctx) for _, _, c in chunks]
+                comp = t.seconds
                 stored = sum(len(b) for parts in enc for _, b in parts)
                 load, copy = [], []
                 for _ in range(args.repeats):
                     for b in bufs:
                         b.zero_()
-                    t0 = time.perf_counter()
-                    for (i, s, c), parts in zip(chunks, enc):
-                        place(bufs[i][:, pad + s : pad + s + c.shape[1]], parts, planes, dctx)
-                    t1 = time.perf_counter()
+                    with bl.timed() as t:
+                        for (i, s, c), parts in zip(chunks, enc):
+                            place(bufs[i][:, pad + s : pad + s + c.shape[1]], parts, planes, dctx)
+                    load.append(t.seconds * 1e3)
                     unit = UNIT[dtype.itemsize]
-                    assert all(torch.equal(b[:, pad:].view(unit), t.view(unit)) for b, t in zip(bufs, kv))
-                    t2 = time.perf_counter()
-                    for i, s, c in chunks:
-                        bufs[i][:, pad + s : pad + s + c.shape[1]].copy_(c)
-                    t3 = time.perf_counter()
-                    load.append((t1 - t0) * 1e3)
-                    copy.append((t3 - t2) * 1e3)
+                    assert all(torch.equal(b[:, pad:].view(unit), x.view(unit)) for b, x in zip(bufs, kv))
+                    with bl.timed() as t:
+                        for i, s, c in chunks:
+                            bufs[i][:, pad + s : pad + s + c.shape[1]].copy_(c)
+                    copy.append(t.seconds * 1e3)
                 row = {
                     "dtype": str(dtype).removeprefix("torch."), "layout": name, "level": level,
                     "ratio": stored / raw, "compress_ms": comp * 1e3, "load_ms": load, "copy_ms": copy,

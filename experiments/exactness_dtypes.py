@@ -14,9 +14,6 @@ writes experiments/results/exactness_dtypes.json (run by hand, the script writes
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
 
 import benchlib as bl
@@ -41,12 +38,12 @@ def measure(dtype: str, n_questions: int, new_tokens: int, batch_size: int) -> d
         return_details=True,
         return_scores=True,
     )
-    t0 = time.perf_counter()
-    with KVStore("memory://") as store:
-        adapter.generate_kv_cache(contexts, store, special_tokens=fmt.add_special_tokens, batch_size=batch_size)
-        cached = adapter.greedy_sample(contexts, questions, new_tokens, store=store, **kw)
-    ref = adapter.greedy_sample(contexts, questions, new_tokens, use_cache=False, **kw)
-    seconds = time.perf_counter() - t0
+    with bl.timed() as t:
+        with KVStore("memory://") as store:
+            adapter.generate_kv_cache(contexts, store, special_tokens=fmt.add_special_tokens, batch_size=batch_size)
+            cached = adapter.greedy_sample(contexts, questions, new_tokens, store=store, **kw)
+        ref = adapter.greedy_sample(contexts, questions, new_tokens, use_cache=False, **kw)
+    seconds = t.seconds
     same_rows = sum(bool(torch.equal(a, b)) for a, b in zip(cached.tokens, ref.tokens))
     first = sum(int(a[0] == b[0]) for a, b in zip(cached.tokens, ref.tokens))
     # tokens that agree before the first divergence, as a share of all generated tokens
@@ -71,12 +68,11 @@ def measure(dtype: str, n_questions: int, new_tokens: int, batch_size: int) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bl.parser(__doc__, batch_size=8, quick=False)
     ap.add_argument("--questions", type=int, default=40)
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--dtypes", default="float32,bfloat16,float16")
-    args = ap.parse_args()
+    args = bl.start(ap)
     torch.manual_seed(0)
     results = [measure(d, args.questions, args.new_tokens, args.batch_size) for d in args.dtypes.split(",")]
     bl.write_result("exactness_dtypes", params=vars(args), rows=results)

@@ -17,7 +17,6 @@ prerope_ranges`` writes experiments/results/; run by hand it writes to cache/ben
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
@@ -29,8 +28,7 @@ SINK = 4
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    bl.setup(1)
+    bl.start(bl.parser(__doc__, threads=1, quick=False))
     from kvstore.data.prompts import PromptFormat
     from kvstore.model.pipelines.build import prefill
     from kvstore.store.codecs.prerope import rotate

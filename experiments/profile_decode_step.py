@@ -14,9 +14,6 @@ profile_decode_step`` writes experiments/results/; run by hand it writes to cach
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
 from torch.profiler import profile
 
@@ -24,8 +21,7 @@ import benchlib as bl
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    bl.setup()
+    bl.start(bl.parser(__doc__, quick=False))
     from kvstore.model.compute.attention import grouped_kv
     from kvstore.model.compute.cache import PreallocatedCache
     from kvstore.model.compute.static import StaticSteps, bucket_slots
@@ -52,19 +48,18 @@ def main() -> None:
                          past_key_values=eager_cache, use_cache=True, logits_to_keep=1)  # fmt: skip
 
         fixed = StaticSteps(adapter, [(k.clone(), v.clone()) for k, v in bufs], mask, C, pos, compiled=True)
-        t0 = time.perf_counter()
-        fixed(tok, 0)
-        notes["first_compiled_step_s"] = time.perf_counter() - t0
+        with bl.timed() as clock:
+            fixed(tok, 0)
+        notes["first_compiled_step_s"] = clock.seconds
         print(f"first compiled step (compilation included): {notes['first_compiled_step_s']:.1f} s", flush=True)
         runs = (("eager", eager, 0), ("compiled fixed-shape", lambda t: fixed(tok, t), 1))
         for name, step, start in runs:
             for t in range(start, start + 3):
                 step(t)
-            with profile() as prof:
-                t0 = time.perf_counter()
+            with profile() as prof, bl.timed() as clock:
                 for t in range(start + 3, start + 3 + steps):
                     step(t)
-                wall = time.perf_counter() - t0
+            wall = clock.seconds
             notes["ms_per_step"][name] = wall / steps * 1e3
             rows += [{"section": name} | r for r in bl.profile_rows(prof, 12)]
             print(f"\n{name}: {wall / steps * 1e3:.1f} ms per step (profiled)\n", flush=True)

@@ -14,19 +14,16 @@ profile_question_step [ARGS]`` writes experiments/results/; run by hand it write
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 import benchlib as bl
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bl.parser(__doc__, quick=False)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
-    bl.setup()
+    args = bl.start(p)
     adapter = bl.load_adapter("float32")
     ctx = bl.synthetic_ids(args.tokens, seed=1000 + args.tokens)
     q_ids = bl.synthetic_ids(bl.QUESTION_TOKENS, seed=7)

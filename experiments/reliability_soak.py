@@ -18,7 +18,6 @@ Command (from the repository root; the suite ``reliability``: ``python -m experi
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -29,17 +28,18 @@ from pathlib import Path
 
 import benchlib as bl
 
-sys.path.insert(0, str(bl.ROOT / "tests"))  # the soak's own option parser, and the helpers it imports
+bl.use_test_helpers()  # the soak's own option parser, and the helpers it imports
 
 from reliability.test_soak import parse_args  # noqa: E402
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _, soak_args = p.parse_known_args()  # every other argument is the soak's
+    args = bl.start(bl.parser(__doc__, quick=False), rest=True)  # every other argument is the soak's
+    soak_args = args.rest
     options = vars(parse_args(soak_args))  # a wrong option stops here, not ten minutes in
     with tempfile.TemporaryDirectory(prefix="kvstore-soak-") as out:
-        env = os.environ | {"KVSTORE_SOAK": "1", "KVSTORE_SOAK_ARGS": shlex.join([*soak_args, "--out", out])}
+        env = os.environ | {"KVSTORE_SOAK": "1", "KVSTORE_SOAK_ARGS": shlex.join([*soak_args, "--out", out]),
+                            "OMP_NUM_THREADS": str(args.threads)}  # fmt: skip
         test = bl.ROOT / "tests" / "reliability" / "test_soak.py"
         rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", str(test)], cwd=bl.ROOT, env=env).returncode
         results = Path(out) / "results.json"

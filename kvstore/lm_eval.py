@@ -35,7 +35,8 @@ the same task with the same store computes none.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 try:
@@ -50,13 +51,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from kvstore.errors import ModelError, PressError, RequestError
 from kvstore.model.adapter import Adapter
+from kvstore.model.keywords import documented, field_default, option, takes_options
+from kvstore.model.options import ScoreOptions, press_of
 from kvstore.model.pipelines.sample import SampleResult
-from kvstore.model.press.spec import Press, parse_press
+from kvstore.model.press.spec import Press, is_press_spec
 from kvstore.store.kvstore import KVStore
 
 _log = logging.getLogger(__name__)
 MODEL_NAME = "kvstore"
-DEFAULT_BATCH_SIZE = 8  # what ``batch_size=auto`` means here (no probing)
+DEFAULT_BATCH_SIZE = field_default(ScoreOptions, "batch_size")  # what ``batch_size=auto`` means (no probing)
 DEFAULT_MAX_LENGTH = 2048  # lm-eval's default when neither the config nor the tokenizer names one
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's ``hf`` default
 # A head shared by every context of a call is stored as its own chunk when at least this long.
@@ -89,20 +92,33 @@ def _optional_int(value: Any, name: str) -> int | None:
 
 
 def _press(spec: str | None) -> Press | None:
-    """The ``press`` model arg, parsed (None: no press); ModelError (one line) for a bad or
-    question-aware one."""
-    if spec is None or not str(spec).strip() or str(spec).strip().lower() in ("none", "dense"):
+    """The ``press`` model arg, parsed (None: no press, ``none`` or ``dense``); ModelError (one
+    line) for a bad or question-aware one."""
+    text = "" if spec is None else str(spec).strip()
+    if text.lower() in ("", "none") or (not is_press_spec(text) and _is_dense(text)):
         return None
     try:
-        press = parse_press(str(spec))
+        press = press_of(text)
     except PressError as exc:
         raise ModelError(f"model arg press={spec!r}: {exc}") from None
+    assert press is not None
     if press.question:
         raise ModelError(
             f"model arg press={spec!r}: a question-aware press needs the question apart from its context; in lm-eval "
             "requests the question is part of the context: use the press without ':q'"
         )
     return press
+
+
+def _is_dense(text: str) -> bool:
+    """Whether ``text`` is the dense variant (read by the variant parser, the one that knows it)."""
+    from kvstore.errors import KVStoreError
+    from kvstore.model.variants.variant import parse_variant
+
+    try:
+        return parse_variant(text).dense
+    except KVStoreError:
+        return False
 
 
 def _device(device: str | None) -> str:
@@ -137,84 +153,74 @@ def shared_head(rows: Sequence[Sequence[int]]) -> list[int]:
     return list(first[:n])
 
 
+@documented
+@dataclass(frozen=True)
+class ModelArgs:
+    """The ``kvstore`` model's args (``--model_args k=v,...``: text, checked by :class:`KVStoreLM`;
+    in Python, values). Most mirror lm-eval's ``hf`` model."""
+
+    pretrained: str | None = option(
+        None, "a local model directory, a hub id, a .gguf file, or None / default: the bundled SmolLM2-135M-Instruct"
+    )
+    store: str | None = option(None, "a store path or URL (None: $KVSTORE_STORE or <kvstore home>/store)")
+    dtype: str | None = option(None, "float32 (None: kvstore's exact setting), ..., auto (the config's)")
+    device: str | None = option(None, "None, or a cuda:N that does not exist: CUDA when available, else CPU, as hf")
+    batch_size: int | str | None = option(None, f"an integer; auto or None: {DEFAULT_BATCH_SIZE}, or max_batch_size")
+    max_batch_size: int | None = option(None, "caps an auto batch_size")
+    max_length: int | str | None = option(None, "positions a request may use (None: the model's, as hf resolves it)")
+    max_gen_toks: int | str | None = option(None, f"new tokens when a task does not say (None: {DEFAULT_MAX_GEN_TOKS})")
+    use_cache: bool | str = option(True, "false: no store, everything computed (kvstore's reference path)")
+    readonly: bool | str = option(False, "true: read the store, never write it")
+    codec: str | None = option(None, "as for KVStore")
+    chunk_tokens: int | str | None = option(None, "as for KVStore (applies when the store is created)")
+    attn_implementation: str | None = option(None, "as for hf")
+    add_bos_token: bool | str | None = option(None, "as for hf")
+    prefix_token_id: int | str | None = option(None, "as for hf")
+    press: str | None = option(
+        None, "a press spec (snapkv:0.5) applied to every request's stored context; not question-aware (a request's "
+        "question is part of its context); the store keeps dense caches, so other presses compute no context token"
+    )  # fmt: skip
+
+
+def _unknown_args(names: Iterable[str]) -> None:
+    known = ", ".join(f.name for f in fields(ModelArgs) if f.name != "max_batch_size")
+    raise ModelError(f"unknown model arg(s) for model {MODEL_NAME!r}: {', '.join(names)}; known: {known}")
+
+
 @register_model(MODEL_NAME)
 class KVStoreLM(TemplateLM):
-    """lm-eval's ``LM`` on a :class:`kvstore.Adapter` and a :class:`kvstore.KVStore`.
+    """lm-eval's ``LM`` on a :class:`kvstore.Adapter` and a :class:`kvstore.KVStore`, built from
+    :class:`ModelArgs` (each a keyword). Raises :class:`~kvstore.errors.ModelError` for an unknown
+    model arg or a bad value, before the model loads."""
 
-    Model args (``--model_args k=v,...``; most mirror lm-eval's ``hf`` model):
-
-    * ``pretrained``: a local model directory, a hub id, a ``.gguf`` file, or omitted / ``default``
-      for the bundled SmolLM2-135M-Instruct (see :func:`kvstore.load_model`);
-    * ``store``: a store path or URL (default ``$KVSTORE_STORE`` or ``<kvstore home>/store``);
-      ``use_cache=false``: no store, everything computed (kvstore's reference path);
-      ``readonly=true``: read the store, never write it; ``codec``, ``chunk_tokens``: as for
-      :class:`kvstore.KVStore` (``chunk_tokens`` only applies when the store is created);
-    * ``dtype`` (default float32, kvstore's exact setting; ``auto`` = the config's), ``device``
-      (default, and for a ``cuda:N`` that does not exist: CUDA when available, else CPU, as ``hf``
-      picks it), ``attn_implementation``;
-    * ``batch_size`` (an integer; ``auto`` means 8, or ``max_batch_size`` if smaller),
-      ``max_length`` (default: the model's positions, as ``hf`` resolves it), ``max_gen_toks``
-      (default 256);
-    * ``add_bos_token``, ``prefix_token_id``: as for ``hf``;
-    * ``press``: a press spec (``snapkv:0.5``, :mod:`kvstore.model.press`) applied to every
-      request's stored context before it is scored or answered (not question-aware: a request's
-      question is part of its context); the store keeps dense caches, so runs with other presses
-      over the same store compute no context token.
-
-    Raises :class:`~kvstore.errors.ModelError` for an unknown model arg or a bad value.
-    """
-
-    def __init__(
-        self,
-        pretrained: str | None = None,
-        store: str | None = None,
-        dtype: str | None = None,
-        device: str | None = None,
-        batch_size: int | str | None = None,
-        max_batch_size: int | None = None,
-        max_length: int | str | None = None,
-        max_gen_toks: int | str | None = None,
-        use_cache: bool | str = True,
-        readonly: bool | str = False,
-        codec: str | None = None,
-        chunk_tokens: int | str | None = None,
-        attn_implementation: str | None = None,
-        add_bos_token: bool | str | None = None,
-        prefix_token_id: int | str | None = None,
-        press: str | None = None,
-        **unknown: Any,
-    ) -> None:
+    @takes_options(ModelArgs, unknown=_unknown_args)
+    def __init__(self, options: ModelArgs) -> None:
+        """The model and store of ``options`` (see :class:`ModelArgs`)."""
         super().__init__()
-        if unknown:
-            names = ", ".join(sorted(unknown))
-            raise ModelError(
-                f"unknown model arg(s) for model {MODEL_NAME!r}: {names}; known: pretrained, store, dtype, device, "
-                "batch_size, max_length, max_gen_toks, use_cache, readonly, codec, chunk_tokens, attn_implementation, "
-                "add_bos_token, prefix_token_id, press"
-            )
         # every argument is checked before the (slow) model load
-        self.use_cache = _bool(use_cache, "use_cache")
-        ro = _bool(readonly, "readonly")
-        ct = _optional_int(chunk_tokens, "chunk_tokens")
-        if batch_size is None or str(batch_size).strip().lower().startswith("auto"):
+        self.use_cache = _bool(options.use_cache, "use_cache")
+        ro = _bool(options.readonly, "readonly")
+        ct = _optional_int(options.chunk_tokens, "chunk_tokens")
+        if options.batch_size is None or str(options.batch_size).strip().lower().startswith("auto"):
             # no probing: a fixed size, capped by max_batch_size as lm-eval caps its probe
-            self._batch_size = min(DEFAULT_BATCH_SIZE, int(max_batch_size)) if max_batch_size else DEFAULT_BATCH_SIZE
+            cap = options.max_batch_size
+            self._batch_size = min(DEFAULT_BATCH_SIZE, int(cap)) if cap else DEFAULT_BATCH_SIZE
         else:
-            self._batch_size = _optional_int(batch_size, "batch_size") or DEFAULT_BATCH_SIZE
-        self._max_length = _optional_int(max_length, "max_length")
-        self._max_gen_toks = _optional_int(max_gen_toks, "max_gen_toks") or DEFAULT_MAX_GEN_TOKS
-        self.add_bos_token = None if add_bos_token is None else _bool(add_bos_token, "add_bos_token")
-        self.custom_prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
-        self.press = _press(press)
-        name = None if pretrained in (None, "", "default") else str(pretrained)
+            self._batch_size = _optional_int(options.batch_size, "batch_size") or DEFAULT_BATCH_SIZE
+        self._max_length = _optional_int(options.max_length, "max_length")
+        self._max_gen_toks = _optional_int(options.max_gen_toks, "max_gen_toks") or DEFAULT_MAX_GEN_TOKS
+        self.add_bos_token = None if options.add_bos_token is None else _bool(options.add_bos_token, "add_bos_token")
+        self.custom_prefix_token_id = None if options.prefix_token_id is None else int(options.prefix_token_id)
+        self.press = _press(options.press)
+        name = None if options.pretrained in (None, "", "default") else str(options.pretrained)
         self.adapter = Adapter.from_pretrained(
-            name, dtype=dtype, device=_device(device), attn_implementation=attn_implementation
+            name, dtype=options.dtype, device=_device(options.device), attn_implementation=options.attn_implementation
         )
         self.tokenizer = self.adapter.tokenizer
         self.store: KVStore | None = None
         if self.use_cache:
-            self.store = KVStore(store, readonly=True, codec=codec) if ro else KVStore(
-                store, codec=codec, chunk_tokens=ct
+            self.store = KVStore(options.store, readonly=True, codec=options.codec) if ro else KVStore(
+                options.store, codec=options.codec, chunk_tokens=ct
             )  # fmt: skip
             try:
                 self.adapter.check_supported(self.store)

@@ -291,3 +291,67 @@ def test_list_runs_from_the_repository_root():
     out = subprocess.run([sys.executable, "-m", "experiments", "list"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert {line.split()[0] for line in out.stdout.splitlines()} == {s.name for s in suites.SUITES}
+
+
+# the kvpress comparison is maintained apart (its own side virtual environment and owner)
+OWN_PREAMBLE = {"experiments/bench_press_kvpress.py"}
+
+
+def test_every_benchmark_takes_the_shared_run_options_and_times_through_benchlib():
+    """No script keeps its own copy of the preamble (argparse set-up, --threads/--wait/--quick, torch
+    threads, waiting for a quiet machine) or its own clock: ``bl.parser``/``bl.start`` and
+    ``bl.timed`` (``repeat`` is built on it) are the one place."""
+    import ast
+
+    scripts = sorted({s.script for s in suites.SUITES if s.script.endswith(".py")} - OWN_PREAMBLE)
+    assert len(scripts) > 25
+    found = []
+    for script in scripts:
+        tree = ast.parse((ROOT / script).read_text())
+        called = {
+            node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call)
+        }
+        if not {"parser", "start"} <= called:
+            found.append(f"{script}: does not start through benchlib.parser/start")
+        for node in ast.walk(tree):
+            dotted = ast.unparse(node) if isinstance(node, ast.Attribute) else ""
+            if dotted in ("argparse.ArgumentParser", "time.perf_counter", "time.monotonic", "bl.setup"):
+                found.append(f"{script}:{node.lineno}: {dotted}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("add_argument"):
+                flag = node.args[0].value if node.args and isinstance(node.args[0], ast.Constant) else None
+                if flag in ("--threads", "--wait", "--quick"):
+                    found.append(f"{script}:{node.lineno}: its own {flag}")
+    assert not found, "\n".join(found)
+
+
+def test_start_applies_quick_settings_and_keeps_unknown_arguments(monkeypatch):
+    calls = []
+    monkeypatch.setattr(benchlib, "setup", lambda threads: calls.append(("setup", threads)))
+    monkeypatch.setattr(benchlib, "wait_for_quiet", lambda max_wait_s: calls.append(("wait", max_wait_s)))
+    ap = benchlib.parser("doc", batch_size=4)
+    ap.add_argument("--tokens", type=int, default=2048)
+    monkeypatch.setattr(sys, "argv", ["x", "--quick", "--threads", "3", "--wait", "9"])
+    args = benchlib.start(ap, quick={"tokens": 256})
+    assert (args.tokens, args.batch_size, args.quick) == (256, 4, True)
+    assert calls == [("setup", 3), ("wait", 9.0)]
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", ["x", "--soak-option", "1"])
+    args = benchlib.start(benchlib.parser("doc", quick=False), wait=False, rest=True)
+    assert args.rest == ["--soak-option", "1"] and not hasattr(args, "quick")
+    assert calls == [("setup", benchlib.THREADS)]
+
+
+def test_timed_measures_blocks_and_laps():
+    import time
+
+    with benchlib.timed() as t:
+        time.sleep(0.01)
+    assert 0.009 < t.seconds < 5
+    clock = benchlib.timed()
+    time.sleep(0.01)
+    first = clock.lap()
+    second = clock.lap()
+    assert first >= 0.009 and 0 <= second < first and clock.elapsed() >= first
+    assert len(benchlib.repeat(lambda: None, 3, warmup=1)) == 3

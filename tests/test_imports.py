@@ -1,5 +1,6 @@
 """The library's shape: no import cycle in ``kvstore/`` or ``cli/``, no module over 500 lines, no
-function over 8 parameters, one home per public name, layer kinds spelled in one table.
+function over 10 parameters, one home per public name, layer kinds spelled in one table, options
+declared once.
 
 The import graph is read from the source with :mod:`ast` (nothing is imported): every ``import``
 and ``from ... import`` counts, at module level, inside functions and under ``if TYPE_CHECKING:``
@@ -30,9 +31,16 @@ KNOWN_CYCLES: set[frozenset[str]] = set()
 KNOWN_LONG: set[str] = set()
 
 
-# Functions allowed more than MAX_PARAMS parameters: constructors, and the public Adapter methods,
-# whose keywords mirror the options objects.
-MAX_PARAMS = 8
+# No function in kvstore/ or cli/ (click commands included, counted by their Python parameters) takes
+# more than MAX_PARAMS parameters: functions with many knobs take an options object. Exempt: the
+# constructors of frozen options dataclasses (generated) and the public methods whose option keywords
+# come from an options class (``takes_options``), counted without them. KNOWN_MANY_PARAMS: the
+# exceptions, each with why; a stale entry fails.
+MAX_PARAMS = 10
+KNOWN_MANY_PARAMS: dict[str, str] = {
+    "kvstore.store.backends.s3:S3Backend.__init__": "kvstore/store is another engineer's (issue 36 asks for an "
+    "S3Options value there)",
+}
 # package facades whose __all__ re-exports what their modules define
 FACADES = {"kvstore", "kvstore.store.codecs"}
 # the layer kinds as written on disk: spelled only in kvstore/facts.py
@@ -172,7 +180,7 @@ def test_import_walk_counts_function_level_and_type_checking() -> None:
 def test_graph_resolves_relative_submodule_and_cli_imports() -> None:
     graph = import_graph()
     # `from kvstore import dtypes` names a module: the edge goes to it, not to the package
-    assert "kvstore.dtypes" in graph["kvstore.cli.workflow"]
+    assert "kvstore.dtypes" in graph["kvstore.cli.flags"]
     assert "kvstore.store.backends.lmdb" in graph["kvstore.store.backends.tiered"]
     assert "kvstore.store.backends.tiered" in graph["kvstore.store.backends"]  # inside a function
     assert "kvstore.cli.common" in graph["kvstore.cli.workflow"]  # the cli/ folder is kvstore.cli
@@ -207,21 +215,41 @@ def _functions(tree: ast.AST):
             yield owner.get(id(node)), node
 
 
-def test_no_function_takes_more_than_eight_parameters() -> None:
-    """Functions with many knobs take an options object (constructors and the public Adapter
-    methods, whose keywords mirror the options objects, aside)."""
-    long = []
+def _is_options_taker(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Decorated with ``takes_options(...)``: its option keywords come from an options class."""
+    for d in fn.decorator_list:
+        call = d.func if isinstance(d, ast.Call) else d
+        if getattr(call, "id", getattr(call, "attr", None)) == "takes_options":
+            return True
+    return False
+
+
+def test_no_function_takes_more_than_ten_parameters() -> None:
+    """Functions with many knobs take an options object; click commands take the objects their flags
+    build (``cli/flags.py:receives``)."""
+    long, seen = [], set()
     for name, path in module_files().items():
-        if not name.startswith("kvstore.") or name.startswith("kvstore.cli"):
-            continue
         for cls, fn in _functions(ast.parse(path.read_text())):
             a = fn.args
             params = [x for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
             n = len(params) + bool(a.vararg) + bool(a.kwarg)
-            allowed = fn.name == "__init__" or (cls == "Adapter" and not fn.name.startswith("_"))
-            if n > MAX_PARAMS and not allowed:
-                long.append(f"{name}:{fn.lineno} {fn.name} ({n})")
-    assert not long, "functions over 8 parameters (take an options object):\n" + "\n".join(long)
+            where = f"{name}:{cls + '.' if cls else ''}{fn.name}"
+            public_taker = _is_options_taker(fn) and not fn.name.startswith("_")
+            if n > MAX_PARAMS and not public_taker:
+                if where in KNOWN_MANY_PARAMS:
+                    seen.add(where)
+                else:
+                    long.append(f"{where} (line {fn.lineno}): {n}")
+    assert not long, f"functions over {MAX_PARAMS} parameters (take an options object):\n" + "\n".join(long)
+    stale = set(KNOWN_MANY_PARAMS) - seen
+    assert not stale, f"allow-listed functions that no longer take over {MAX_PARAMS} parameters: {sorted(stale)}"
+
+
+def test_the_parameter_count_sees_click_commands() -> None:
+    """A click command counts by its Python parameters: the objects it receives."""
+    tree = ast.parse((REPO / "cli" / "workflow.py").read_text())
+    sample = next(fn for _, fn in _functions(tree) if fn.name == "sample")
+    assert [a.arg for a in sample.args.args] == ["data", "model", "prompting", "options", "sweep", "store", "report"]
 
 
 def test_every_public_name_is_exported_by_one_module() -> None:
@@ -255,26 +283,75 @@ def test_layer_kind_names_are_spelled_only_in_the_facts_table() -> None:
     assert not found, "layer kinds spelled outside kvstore/facts.py:\n" + "\n".join(found)
 
 
-def test_documented_keywords_are_visible_in_the_signatures() -> None:
-    """``greedy_sample`` and the Adapter methods declare their keywords (no ``**kwargs``): readers,
-    ``inspect.signature`` and tools see every input; the options' fields are keywords there."""
+def _takers():
+    """Every public method of the Adapter (and lm-eval's model) that takes an options class."""
+    from kvstore.model.adapter import Adapter
+
+    out = [getattr(Adapter, m) for m in dir(Adapter) if not m.startswith("_")]
+    out = [fn for fn in out if getattr(fn, "__options__", None) is not None]
+    assert {fn.__name__ for fn in out} >= {"build", "sample", "sweep", "greedy_sample", "score", "score_sweep",
+                                           "score_rolling"}  # fmt: skip
+    return out
+
+
+def test_every_options_field_is_a_visible_keyword_of_each_method_that_takes_it() -> None:
+    """``inspect.signature`` and ``help()`` show every field of the options class as a keyword (with
+    its default, which lives in the options class only) and its line of doc; no ``**kwargs``."""
     import dataclasses
     import inspect
 
+    for fn in _takers():
+        cls = fn.__options__
+        params = inspect.signature(fn).parameters
+        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), fn.__name__
+        for f in dataclasses.fields(cls):
+            assert f.name in params and params[f.name].default == f.default, (fn.__name__, f.name)
+            assert f"``{f.name}``" in fn.__doc__ and f.metadata["doc"] in fn.__doc__, (fn.__name__, f.name)
+        assert params["options"].default is None, fn.__name__
     from kvstore.model.adapter import Adapter
+
+    assert list(inspect.signature(Adapter.greedy_sample).parameters)[:4] == [
+        "self", "contexts", "questions", "num_new_tokens"
+    ]  # greedy_sample(contexts, questions, 20, ...), as the research code calls it  # fmt: skip
+
+
+def test_options_fields_are_written_once() -> None:
+    """No function in kvstore/ or cli/ declares a parameter named like an options field with a
+    literal default of its own (the options class holds it), and no options class is built field by
+    field from loose values in the Adapter (``_given(...)``)."""
+    import dataclasses
+
     from kvstore.model.options import BuildOptions, SampleOptions, ScoreOptions
 
-    def keywords(fn) -> set[str]:
-        params = inspect.signature(fn).parameters.values()
-        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params), fn.__name__
-        return {p.name for p in params}
+    names = {f.name for cls in (BuildOptions, SampleOptions, ScoreOptions) for f in dataclasses.fields(cls)}
+    found = []
+    adapter = (REPO / "kvstore" / "model" / "adapter.py").read_text()
+    for fn in (f for _, f in _functions(ast.parse(adapter))):
+        a = fn.args
+        declared = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
+        found += [f"adapter.py:{fn.name} declares {n}" for n in sorted(declared & names)]
+    assert "_given(" not in adapter
+    for name, path in module_files().items():
+        if name == "kvstore.model.options":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", "") in {"SampleOptions", "ScoreOptions", "BuildOptions"}
+                and node.args
+            ):
+                found.append(f"{name}:{node.lineno} builds {node.func.id} positionally")  # type: ignore[attr-defined]
+    assert not found, "\n".join(found)
 
-    fields = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
-    assert fields(SampleOptions) <= keywords(Adapter.sample)
-    assert fields(SampleOptions) - {"press", "decode_attention"} <= keywords(Adapter.sweep)
-    assert fields(SampleOptions) - {"steps"} <= keywords(Adapter.greedy_sample)  # compile= sets steps
-    assert fields(BuildOptions) <= keywords(Adapter.build)
-    assert fields(ScoreOptions) <= keywords(Adapter.score)
-    assert {"store", "prompt", "prefix", "press", "decode_attention", "generation_context"} <= keywords(
-        Adapter.greedy_sample
-    )
+
+def test_the_cli_passes_no_call_more_than_ten_positional_arguments() -> None:
+    """The CLI builds its values by name (``RunOptions(dataset, context_field, ...)`` with 20
+    positional arguments could be read by position only)."""
+    found = []
+    for name, path in module_files().items():
+        if not name.startswith("kvstore.cli"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and len(node.args) > MAX_PARAMS:
+                found.append(f"{name}:{node.lineno} ({len(node.args)} positional arguments)")
+    assert not found, "\n".join(found)

@@ -16,7 +16,6 @@ Deterministic: the same configs give the same bytes on every run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import benchlib as bl  # noqa: E402
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    bl.start(bl.parser(__doc__, quick=False))
     plot = bl.RESULTS / "size_pythia.png"
     plot.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "kvstore.cli.main", "size", "--dtype", "all", "--format", "json", "--plot", str(plot)]

@@ -11,7 +11,6 @@ Deterministic: the same contexts and weights give the same stored bytes on every
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -30,7 +29,7 @@ SEQ_LEN = 2048  # the estimate's context length (the stored bytes are per token)
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    bl.start(bl.parser(__doc__, quick=False))
     contexts = list(dict.fromkeys(json.loads(line)["context"] for line in (bl.HERE / "data" / "demo.jsonl").open()))
     with tempfile.TemporaryDirectory() as tmp:
         stores = []

@@ -8,8 +8,10 @@ its arguments into the typed values the pipelines take: options objects
 (:mod:`kvstore.model.variants.variant`). Building is :mod:`kvstore.model.pipelines.build`, sampling
 and sweeps :mod:`kvstore.model.pipelines.sample`, scoring :mod:`kvstore.model.pipelines.score`.
 
-Every keyword of ``build``/``sample``/``sweep``/``greedy_sample``/``score``... that names a field of
-its options object overrides that field (left out: the options' value).
+``build``/``sample``/``sweep``/``greedy_sample``/``score``... take one options object; every field of
+it is also a keyword of the method (:func:`kvstore.model.keywords.takes_options` builds their
+signatures and docs from the options classes), which overrides that field (left out: the options'
+value).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvstore.errors import ModelError
 from kvstore.model.compute.cache import LayerKV
 from kvstore.model.compute.forward import prefill
 from kvstore.model.handle import DEFAULT_RESERVE_TOKENS, ModelHandle, TextOrIds
+from kvstore.model.keywords import takes_options
 from kvstore.model.options import BuildOptions, SampleOptions, ScoreOptions, apply_prompt
 from kvstore.model.paths.choice import check_supported, path_of
 from kvstore.model.pipelines import build, sample, score
@@ -34,7 +37,7 @@ from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import Press
 from kvstore.model.scoring.scores import RollingResults, ScoreResult
 from kvstore.model.variants import sparse
-from kvstore.model.variants.variant import Attention, GenerationContext, Variant
+from kvstore.model.variants.variant import GenerationContext, Variant
 from kvstore.model.variants.variant import variants as parse_variants
 from kvstore.model.view import ModelView
 from kvstore.progress import Progress
@@ -44,19 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.data.prompts import PromptFormat
 
 
-class _Unset:
-    """The value of an options keyword left out of a call (the options object's value stands)."""
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Any = _Unset()
 VariantLike = str | Variant | Press | sparse.AttentionFunction | None
-
-
-def _given(**fields: Any) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if v is not UNSET}
 
 
 class Adapter(ModelView):
@@ -138,26 +129,18 @@ class Adapter(ModelView):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- building ------------------------------------------------------------------------------
+    @takes_options(BuildOptions)
     def build(
         self,
         contexts: Sequence[TextOrIds],
         store: KVStore,
-        options: BuildOptions | None = None,
+        options: BuildOptions,
         *,
         prompt: PromptFormat | None = None,
         special_tokens: bool = True,
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
-        batch_size: int | None = UNSET,
-        max_batch_tokens: int | None = UNSET,
-        truncate: bool = UNSET,
-        max_context_tokens: int | None = UNSET,
-        skip_errors: bool = UNSET,
-        shard: tuple[int, int] | None = UNSET,
-        presses: Sequence[Press | str] = UNSET,
-        scores: Sequence[Press | str] = UNSET,
-        dense: bool = UNSET,
     ) -> BuildReport:
         """Store the cache of every distinct context not stored whole and intact in ``store``.
 
@@ -182,49 +165,37 @@ class Adapter(ModelView):
         scorer's scores once per context; ``dense=False`` keeps only those (the dense caches are
         computed in memory and dropped). PressError (one line) for a question-aware press or a
         scorer whose scores cannot be stored; ReadOnlyStoreError for a read-only store."""
-        opts = BuildOptions.of(options, **_given(
-            batch_size=batch_size, max_batch_tokens=max_batch_tokens, truncate=truncate,
-            max_context_tokens=max_context_tokens, skip_errors=skip_errors, shard=shard,
-            presses=tuple(presses) if presses is not UNSET else UNSET,
-            scores=tuple(scores) if scores is not UNSET else UNSET, dense=dense,
-        ))  # fmt: skip
         texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
-        return build.build_caches(self.handle, texts, store, opts, Keying(special_tokens, prefix), labels, progress)
+        keying = Keying(special_tokens, prefix)
+        return build.build_caches(self.handle, texts, store, options, keying, labels, progress)
 
+    generate_kv_cache = build  # the research code's name for build (same arguments)
+
+    @takes_options(BuildOptions)
     def plan_build(
         self,
         contexts: Sequence[TextOrIds],
         store: KVStore,
-        options: BuildOptions | None = None,
+        options: BuildOptions,
         *,
         prompt: PromptFormat | None = None,
         special_tokens: bool = True,
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
-        presses: Sequence[Press | str] = UNSET,
-        scores: Sequence[Press | str] = UNSET,
-        dense: bool = UNSET,
     ) -> BuildPlan:
         """What :meth:`build` would do, and nothing more (``kvstore build --dry-run``): a
-        :class:`kvstore.model.plan.build.BuildPlan` per distinct context (skip, record,
-        migrate or compute; pressed caches and scores to make). Arguments as for :meth:`build`."""
-        opts = BuildOptions.of(options, **_given(
-            presses=tuple(presses) if presses is not UNSET else UNSET,
-            scores=tuple(scores) if scores is not UNSET else UNSET, dense=dense,
-        ))  # fmt: skip
+        :class:`kvstore.model.plan.build.BuildPlan` per distinct context (skip, record, migrate or
+        compute; pressed caches and scores to make). Arguments as for :meth:`build`."""
         texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
-        return plan_build(self.handle, texts, store, opts, Keying(special_tokens, prefix), labels)
-
-    def generate_kv_cache(self, contexts: Sequence[TextOrIds], store: KVStore, **kwargs: Any) -> BuildReport:
-        """:meth:`build` under the research code's name (same arguments)."""
-        return self.build(contexts, store, **kwargs)
+        return plan_build(self.handle, texts, store, options, Keying(special_tokens, prefix), labels)
 
     # -- sampling ------------------------------------------------------------------------------
+    @takes_options(SampleOptions)
     def sample(
         self,
         contexts: Sequence[TextOrIds],
         questions: Sequence[TextOrIds],
-        options: SampleOptions | None = None,
+        options: SampleOptions,
         *,
         store: KVStore | None = None,
         prompt: PromptFormat | None = None,
@@ -233,19 +204,6 @@ class Adapter(ModelView):
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
         generation_context: GenerationContext | None = None,
-        num_new_tokens: int = UNSET,
-        use_cache: bool = UNSET,
-        batch_size: int = UNSET,
-        max_batch_tokens: int | None = UNSET,
-        stop_at_eos: bool = UNSET,
-        stop_strings: Sequence[str] = UNSET,
-        truncate: bool = UNSET,
-        max_context_tokens: int | None = UNSET,
-        return_scores: bool = UNSET,
-        steps: str = UNSET,
-        load_ahead: bool = UNSET,
-        press: Press | str | None = UNSET,
-        decode_attention: Attention | str | sparse.AttentionFunction | None = UNSET,
     ) -> SampleResult:
         """Greedy answers to ``questions[i]`` about ``contexts[i]``: a :class:`SampleResult`.
 
@@ -265,23 +223,19 @@ class Adapter(ModelView):
         ``generation_context`` (``model -> context manager``) and ``decode_attention``
         (``topk:K``, ``sparq:R:K``, ``module:function`` or an attention function) are entered
         around each batch's question forward and decode steps only, never a prefill
-        (:mod:`kvstore.model.variants.hooks`); an error under them is a one-line HookError.
+        (:mod:`kvstore.model.variants.hooks`); an error under them is a one-line HookError. The
+        three compose into one variant; several variants from one load are :meth:`sweep`.
         Full-attention models, eager steps only."""
-        opts = SampleOptions.of(options, **_given(
-            num_new_tokens=num_new_tokens, use_cache=use_cache, batch_size=batch_size,
-            max_batch_tokens=max_batch_tokens, stop_at_eos=stop_at_eos, stop_strings=stop_strings, truncate=truncate,
-            max_context_tokens=max_context_tokens, return_scores=return_scores, steps=steps, load_ahead=load_ahead,
-            press=press, decode_attention=decode_attention,
-        ))  # fmt: skip
-        variant = opts.variant(generation_context)
         texts, asked, keying = self._prompted(prompt, contexts, questions, special_tokens, prefix)
-        return self._sample([variant], texts, asked, opts, store, keying, labels, progress)[0]
+        return self._sample([options.variant(generation_context)], texts, asked, options, store, keying, labels,
+                            progress)[0]  # fmt: skip
 
+    @takes_options(SampleOptions)
     def sweep(
         self,
         contexts: Sequence[TextOrIds],
         questions: Sequence[TextOrIds],
-        options: SampleOptions | None = None,
+        options: SampleOptions,
         *,
         variants: Sequence[VariantLike],
         store: KVStore | None = None,
@@ -290,41 +244,25 @@ class Adapter(ModelView):
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
-        num_new_tokens: int = UNSET,
-        use_cache: bool = UNSET,
-        batch_size: int = UNSET,
-        max_batch_tokens: int | None = UNSET,
-        stop_at_eos: bool = UNSET,
-        stop_strings: Sequence[str] = UNSET,
-        truncate: bool = UNSET,
-        max_context_tokens: int | None = UNSET,
-        return_scores: bool = UNSET,
-        steps: str = UNSET,
-        load_ahead: bool = UNSET,
     ) -> dict[str, SampleResult]:
         """:meth:`sample` under each of ``variants`` (specs such as ``dense``, ``knorm:0.5``,
         ``snapkv:0.5+sparq:16:64``, ``topk:64``, presses, attention functions or
-        :class:`kvstore.model.variants.variant.Variant`) from one load of each batch: results by
-        variant name, in order. Other arguments as for :meth:`sample`."""
-        chosen = parse_variants(variants)
-        opts = SampleOptions.of(options, **_given(
-            num_new_tokens=num_new_tokens, use_cache=use_cache, batch_size=batch_size,
-            max_batch_tokens=max_batch_tokens, stop_at_eos=stop_at_eos, stop_strings=stop_strings, truncate=truncate,
-            max_context_tokens=max_context_tokens, return_scores=return_scores, steps=steps, load_ahead=load_ahead,
-        ))  # fmt: skip
-        if opts.press is not None or opts.decode_attention is not None:
-            raise ValueError("a sweep takes its presses and decode attention from variants=, not from its options")
+        :class:`kvstore.model.variants.variant.Variant`, which are used as they are) from one load
+        of each batch: results by variant name, in order. Other arguments as for :meth:`sample`;
+        a sweep's presses and decode attention are its variants (ValueError for ``press`` or
+        ``decode_attention`` in its options)."""
+        chosen = _swept(variants, options)
         texts, asked, keying = self._prompted(prompt, contexts, questions, special_tokens, prefix)
-        results = self._sample(chosen, texts, asked, opts, store, keying, labels, progress)
+        results = self._sample(chosen, texts, asked, options, store, keying, labels, progress)
         return {r.variant: r for r in results}
 
+    @takes_options(SampleOptions, first="num_new_tokens")
     def greedy_sample(
         self,
         contexts: Sequence[TextOrIds],
         questions: Sequence[TextOrIds],
-        num_new_tokens: int = 20,
         *,
-        use_cache: bool = True,
+        options: SampleOptions,
         return_details: bool = False,
         compile: bool = False,
         store: KVStore | None = None,
@@ -334,30 +272,16 @@ class Adapter(ModelView):
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
         generation_context: GenerationContext | None = None,
-        decode_attention: Attention | str | sparse.AttentionFunction | None = None,
-        press: Press | str | None = None,
-        batch_size: int = 8,
-        max_batch_tokens: int | None = None,
-        stop_at_eos: bool = True,
-        stop_strings: Sequence[str] = (),
-        truncate: bool = False,
-        max_context_tokens: int | None = None,
-        return_scores: bool = False,
-        load_ahead: bool = True,
     ) -> torch.Tensor | SampleResult:
-        """:meth:`sample` as the research code calls it: ``[n_rows, num_new_tokens]`` int64 token ids
-        (the :class:`SampleResult` with ``return_details``); ``compile``: fixed-shape decode steps
-        under ``torch.compile`` (:mod:`kvstore.model.compute.static`). Other arguments as for
+        """:meth:`sample` as the research code calls it (``greedy_sample(contexts, questions, 20,
+        ...)``): ``[n_rows, num_new_tokens]`` int64 token ids (the :class:`SampleResult` with
+        ``return_details``); ``compile``: fixed-shape decode steps under ``torch.compile``
+        (``steps="compiled"``, :mod:`kvstore.model.compute.static`). Other arguments as for
         :meth:`sample`."""
-        opts = SampleOptions(
-            num_new_tokens=num_new_tokens, use_cache=use_cache, batch_size=batch_size,
-            max_batch_tokens=max_batch_tokens, stop_at_eos=stop_at_eos, stop_strings=tuple(stop_strings),
-            truncate=truncate, max_context_tokens=max_context_tokens, return_scores=return_scores,
-            steps="compiled" if compile else "dynamic", load_ahead=load_ahead, press=press,
-            decode_attention=decode_attention,
-        )  # fmt: skip
+        if compile:
+            options = SampleOptions.of(options, steps="compiled")
         result = self.sample(
-            contexts, questions, opts, store=store, prompt=prompt, special_tokens=special_tokens, prefix=prefix,
+            contexts, questions, options, store=store, prompt=prompt, special_tokens=special_tokens, prefix=prefix,
             labels=labels, progress=progress, generation_context=generation_context,
         )  # fmt: skip
         return result if return_details else result.tokens
@@ -384,11 +308,12 @@ class Adapter(ModelView):
         return sample.sample_variants(self.handle, rows, opts, chosen, store, progress)
 
     # -- scoring -------------------------------------------------------------------------------
+    @takes_options(ScoreOptions)
     def score(
         self,
         contexts: Sequence[TextOrIds],
         continuations: Sequence[TextOrIds],
-        options: ScoreOptions | None = None,
+        options: ScoreOptions,
         *,
         store: KVStore | None = None,
         special_tokens: bool = True,
@@ -396,13 +321,6 @@ class Adapter(ModelView):
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
         generation_context: GenerationContext | None = None,
-        use_cache: bool = UNSET,
-        batch_size: int = UNSET,
-        max_batch_tokens: int | None = UNSET,
-        token_logprobs: bool = UNSET,
-        truncate: bool = UNSET,
-        press: Press | str | None = UNSET,
-        decode_attention: Attention | str | sparse.AttentionFunction | None = UNSET,
     ) -> ScoreResult:
         """Log-likelihood of ``continuations[i]`` given ``contexts[i]`` per row, from stored contexts
         (``use_cache``) or without them, as lm-eval's ``hf`` model computes it: a
@@ -423,20 +341,17 @@ class Adapter(ModelView):
         ``truncate``, which drops the context's first tokens as lm-eval does), ModelError for a
         model whose cache kvstore cannot reuse exactly (windowed and state models: with
         ``use_cache=False`` only)."""
-        opts = ScoreOptions.of(options, **_given(
-            use_cache=use_cache, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
-            token_logprobs=token_logprobs, truncate=truncate, press=press, decode_attention=decode_attention,
-        ))  # fmt: skip
-        check_supported(self.handle, store if opts.use_cache else None)  # a refused model: before any tokenizing
-        rows = score.encode_rows(self.handle, contexts, continuations, special_tokens, labels, opts.truncate)
-        keying = Keying(special_tokens, prefix)
-        return score.score_rows(self.handle, rows, opts, [opts.variant(generation_context)], store, keying, progress)[0]
+        check_supported(self.handle, store if options.use_cache else None)  # a refused model: before any tokenizing
+        rows = score.encode_rows(self.handle, contexts, continuations, special_tokens, labels, options.truncate)
+        variant, keying = options.variant(generation_context), Keying(special_tokens, prefix)
+        return score.score_rows(self.handle, rows, options, [variant], store, keying, progress)[0]
 
+    @takes_options(ScoreOptions)
     def score_sweep(
         self,
         contexts: Sequence[TextOrIds],
         continuations: Sequence[TextOrIds],
-        options: ScoreOptions | None = None,
+        options: ScoreOptions,
         *,
         variants: Sequence[VariantLike],
         store: KVStore | None = None,
@@ -444,47 +359,33 @@ class Adapter(ModelView):
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
-        use_cache: bool = UNSET,
-        batch_size: int = UNSET,
-        max_batch_tokens: int | None = UNSET,
-        token_logprobs: bool = UNSET,
-        truncate: bool = UNSET,
     ) -> dict[str, ScoreResult]:
         """:meth:`score` under each of ``variants`` (as for :meth:`sweep`) from one load of each
         batch; results by variant name, in order."""
-        chosen = parse_variants(variants)
-        opts = ScoreOptions.of(options, **_given(
-            use_cache=use_cache, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
-            token_logprobs=token_logprobs, truncate=truncate,
-        ))  # fmt: skip
-        check_supported(self.handle, store if opts.use_cache else None)
-        rows = score.encode_rows(self.handle, contexts, continuations, special_tokens, labels, opts.truncate)
-        results = score.score_rows(self.handle, rows, opts, chosen, store, Keying(special_tokens, prefix), progress)
+        chosen = _swept(variants, options)
+        check_supported(self.handle, store if options.use_cache else None)
+        rows = score.encode_rows(self.handle, contexts, continuations, special_tokens, labels, options.truncate)
+        results = score.score_rows(self.handle, rows, options, chosen, store, Keying(special_tokens, prefix), progress)
         return {v.name: r for v, r in zip(chosen, results)}
 
+    @takes_options(ScoreOptions)
     def score_rolling(
         self,
         texts: Sequence[TextOrIds],
-        options: ScoreOptions | None = None,
+        options: ScoreOptions,
         *,
         store: KVStore | None = None,
         max_length: int | None = None,
         store_documents: bool = True,
         progress: Progress | None = None,
         generation_context: GenerationContext | None = None,
-        use_cache: bool = UNSET,
-        batch_size: int = UNSET,
-        max_batch_tokens: int | None = UNSET,
-        token_logprobs: bool = UNSET,
-        press: Press | str | None = UNSET,
-        decode_attention: Attention | str | sparse.AttentionFunction | None = UNSET,
     ) -> RollingResults:
         """Log-likelihood of whole documents, as lm-eval's ``loglikelihood_rolling`` computes it:
         text encoded without special tokens, the first token scored from the BOS (or EOS) token,
         documents longer than ``max_length`` (default: the model's positions) in lm-eval's
-        windows. A list of one :class:`RollingResult` per document (perplexity, bits per token
-        and, for text, bits per character) that also carries the run's
-        ``prefill_tokens_computed`` and ``prefill_tokens_saved``.
+        windows (so ``truncate`` changes nothing here). A list of one :class:`RollingResult` per
+        document (perplexity, bits per token and, for text, bits per character) that also carries
+        the run's ``prefill_tokens_computed`` and ``prefill_tokens_saved``.
 
         With the cache, each window's context (the prefix token; a last short window's overlap) is
         loaded from or stored in ``store``, so a second run computes no context token; every scored
@@ -492,12 +393,20 @@ class Adapter(ModelView):
         position, which stored keys and values do not give). With ``store_documents`` the keys and
         values that forward computed for a document's first window are stored as a chain too, at
         no extra compute, for later requests whose context starts with it."""
-        opts = ScoreOptions.of(options, **_given(
-            use_cache=use_cache, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
-            token_logprobs=token_logprobs, press=press, decode_attention=decode_attention,
-        ))  # fmt: skip
-        variant = opts.variant(generation_context)
-        return score.score_rolling(self.handle, texts, opts, variant, store, (max_length, store_documents), progress)
+        variant = options.variant(generation_context)
+        documents = (max_length, store_documents)
+        return score.score_rolling(self.handle, texts, options, variant, store, documents, progress)
 
 
-__all__ = ["UNSET", "Adapter"]
+def _swept(variants: Sequence[VariantLike], options: SampleOptions | ScoreOptions) -> list[Variant]:
+    """A sweep's variants, each parsed once (a :class:`Variant` is used as it is); ValueError when
+    the options also name a press or decode attention (a sweep's are its variants)."""
+    if options.press is not None or options.decode_attention is not None:
+        raise ValueError(
+            "a sweep takes its presses and decode attention from variants= (e.g. variants=['snapkv:0.5+topk:64']), "
+            "not from press= or decode_attention="
+        )
+    return parse_variants(variants)
+
+
+__all__ = ["Adapter"]

@@ -9,7 +9,8 @@ special tokens and cut from the left to that limit.
 
 This module holds the one place kvstore reads a pickle-based file: ``torch.load`` with
 ``weights_only=True`` (tensors only, no code) on the CPU; nothing else in kvstore loads pickles,
-and the source scan in ``tests/reliability/test_reliability.py`` names this exception. Imported contexts are
+and the source scan in ``tests/reliability/test_reliability.py`` names this exception (and the
+``pickletools`` opcode walk that names what a refused file would have called: it imports nothing). Imported contexts are
 spot-checked by recomputing a few of them before anything is stored, then stored as chains like
 any other context (keyed as plain, template-free contexts: sample them with ``--no-chat`` and a
 template whose context part is the context itself, such as the default one).
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickletools  # reads a pickle's opcodes, never unpickles: to say what a refused file would call
 import struct
 import warnings
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
@@ -60,23 +63,87 @@ def cache_name(config_json: str, context: str, limit: int) -> str:
 
 def _load(path: Path) -> torch.Tensor:
     """The one tensor in ``path``. Raises ValueError with a one-line reason for any file that is not
-    one: not a tensor archive, truncated, a pickle of something else (a hostile one is refused by
-    ``weights_only`` before anything runs)."""
+    one: not a tensor archive, truncated, a pickle of something else, or a pickle that would run code
+    (refused by ``weights_only`` before anything runs; the reason names what it would have called,
+    read from the pickle itself, never torch's advice to load it without ``weights_only``)."""
     try:
         with warnings.catch_warnings():  # torch's remarks on a foreign pickle: the rejection line says enough
             warnings.simplefilter("ignore")
             value = torch.load(path, map_location="cpu", weights_only=True)  # the one pickle reader in kvstore
     except Exception as exc:  # noqa: BLE001 - any failure to read one file rejects that file only
-        text = str(exc)
-        refused = text.partition("WeightsUnpickler error:")[2]  # torch's own reason, after its advice
-        lines = [line.strip() for line in (refused or text).splitlines() if line.strip()]
-        reason = (lines[0] if lines else "no reason given")[:160]
-        if refused:
-            raise ValueError(f"holds a pickle that is not only tensors (refused, nothing ran: {reason})") from None
-        raise ValueError(f"is not a readable tensor file ({type(exc).__name__}: {reason})") from None
+        raise ValueError(_unreadable(path, exc)) from None
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"holds a {type(value).__name__}, not a tensor")
     return value
+
+
+def _unreadable(path: Path, exc: Exception) -> str:
+    """Why ``path`` could not be read, in one line, from the file's own pickle where it has one (what
+    it would call), never from torch's message about loading it without ``weights_only``."""
+    calls = pickle_globals(path)
+    foreign = [c for c in calls or () if not c.startswith(SAFE_GLOBAL_PREFIXES)]
+    if foreign:
+        return (
+            f"is not a plain tensor file (refused: its pickle would call {', '.join(foreign[:3])}, which could run "
+            "code; nothing ran)"
+        )
+    if type(exc).__name__ == "UnpicklingError":  # the tensors-only reader refused it, or it is no pickle
+        if calls is None:
+            return "is not a readable tensor file (neither a torch archive nor a pickle)"
+        return "is not a plain tensor file (a pickle torch's tensors-only reader refuses; nothing ran)"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"is not a readable tensor file ({type(exc).__name__}: {(lines[0] if lines else 'no reason given')[:160]})"
+
+
+# what a plain tensor file's pickle imports: torch's rebuild functions and storages, and the ordered dict
+SAFE_GLOBAL_PREFIXES = ("torch.", "collections.OrderedDict")
+_STRING_OPS = {"UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "STRING", "BINSTRING", "SHORT_BINSTRING"}
+
+
+def pickle_globals(path: Path) -> list[str] | None:
+    """The globals (``module.name``) the pickle in ``path`` imports, in order and each once: the
+    pickle inside a torch archive (``*/data.pkl``), else the file's own pickles in turn (torch's
+    legacy format writes several, then raw bytes). None when no pickle could be read at all. Reads
+    the opcodes only (:func:`pickletools.genops`); nothing is imported or run."""
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                members = [n for n in archive.namelist() if n.endswith("data.pkl")]
+                if not members:
+                    return None
+                with archive.open(members[0]) as f:
+                    return _globals_of(f, archive.getinfo(members[0]).file_size)
+        with open(path, "rb") as f:
+            return _globals_of(f, path.stat().st_size)
+    except (OSError, zipfile.BadZipFile):
+        return None
+
+
+def _globals_of(f: IO[bytes], size: int) -> list[str] | None:
+    found: dict[str, None] = {}
+    parsed = False
+    while True:
+        strings: list[Any] = []
+        memo: dict[Any, Any] = {}
+        try:
+            for op, arg, _ in pickletools.genops(f):
+                if op.name in _STRING_OPS:
+                    strings.append(arg)
+                elif op.name in ("GLOBAL", "INST"):
+                    found[".".join(str(arg).split(" ", 1))] = None
+                elif op.name == "STACK_GLOBAL":
+                    found[".".join(str(x) for x in strings[-2:])] = None
+                elif op.name == "MEMOIZE" and strings:
+                    memo[len(memo)] = strings[-1]
+                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT") and strings:
+                    memo[arg] = strings[-1]
+                elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                    strings.append(memo.get(arg))
+        except Exception:  # noqa: BLE001 - the end of the pickles (raw bytes follow, or not a pickle at all)
+            return list(found) if parsed else None
+        parsed = True
+        if f.tell() >= size:
+            return list(found)
 
 
 def import_caches(

@@ -4,81 +4,143 @@
 shared by the Python API (:meth:`kvstore.model.adapter.Adapter.build`,
 :meth:`~kvstore.model.adapter.Adapter.sample`, :meth:`~kvstore.model.adapter.Adapter.score`, the
 sweeps) and the CLI (``kvstore build`` / ``sample`` / ``score`` build one from their flags); the
-functions below the front take them whole instead of re-declaring every knob. A field named in a
-call overrides the options given (:meth:`SampleOptions.of`). ``press`` and ``decode_attention``
-are parsed here, once, into typed values (:class:`~kvstore.model.press.spec.Press`,
-:class:`~kvstore.model.variants.variant.Attention`) that travel down unchanged.
+functions below the front take them whole instead of re-declaring every knob. Each field is
+declared once, here, with its default and what it means (:func:`kvstore.model.keywords.option`):
+the Adapter's methods take every field as a keyword (:func:`kvstore.model.keywords.takes_options`)
+and the CLI reads the defaults from here. A field named in a call overrides the options given
+(:meth:`SampleOptions.of`).
+
+``press`` and ``decode_attention`` are parsed here, once, into typed values
+(:class:`~kvstore.model.press.spec.Press`, :class:`~kvstore.model.variants.variant.Attention`)
+that travel down unchanged (:func:`press_of`, :func:`attention_of`: the CLI calls the same two with
+its flag names, so a message names what the user typed). One variant composes them
+(:meth:`SampleOptions.variant`); a sweep's variants are ``variants=`` (``--variant``).
 
 The prompt format (:class:`kvstore.data.prompts.PromptFormat`: template, head, special tokens) is
 one value given to both ``build`` and ``sample``: :func:`apply_prompt` turns it into the context
 and question texts, the ``special_tokens`` flag and the shared head (``prefix``) that keys depend
 on, so the two cannot drift apart the way separately passed ``special_tokens``/``prefix`` could.
+
+Importing this module imports no torch (the variant and decoding types are imported when used).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from kvstore.errors import PressError
-from kvstore.model.compute.forward import Decoding
-from kvstore.model.press.spec import Press, parse_press, parse_scorer
-from kvstore.model.press.stored import check_storable
-from kvstore.model.variants import sparse
-from kvstore.model.variants.variant import Attention, Variant, make_variant, parse_attention
+from kvstore.errors import HookError, PressError
+from kvstore.model.keywords import documented, option, replaced
+from kvstore.model.press.spec import Press, check_storable, parse_press, parse_scorer
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.data.prompts import PromptFormat
+    from kvstore.model.compute.forward import Decoding
+    from kvstore.model.variants.sparse import AttentionFunction
+    from kvstore.model.variants.variant import Attention, Variant
+
+    PressLike = Press | str | None
+    AttentionLike = Attention | str | AttentionFunction | None
 
 STEPS = ("dynamic", "static", "compiled")
-Opts = TypeVar("Opts", "BuildOptions", "SampleOptions", "ScoreOptions")
-PressLike = Press | str | None
-AttentionLike = Attention | str | sparse.AttentionFunction | None
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How messages about ``press``/``decode_attention``/variants spell them: as the API's keywords
+    (:data:`KEYWORDS`: ``press='snapkv:0.5'``) or as flags (``flags=True``: ``--press snapkv:0.5``)."""
+
+    press: str = "press"
+    decode_attention: str = "decode_attention"
+    variants: str = "variants"
+    flags: bool = False
+
+    def __call__(self, name: str, value: str) -> str:
+        """``name`` (``press``, ``decode_attention`` or ``variants``) given ``value``, as typed."""
+        label = getattr(self, name)
+        if self.flags:
+            return f"{label} {value}"
+        return f"{label}=[{value!r}]" if name == "variants" else f"{label}={value!r}"
+
+
+KEYWORDS = Spelling()
+
+
+def press_of(value: PressLike, spelling: Spelling = KEYWORDS) -> Press | None:
+    """The :class:`Press` of a ``press`` value: a spec (parsed by
+    :func:`kvstore.model.press.spec.parse_press`: PressError naming the presses for a bad one), a
+    Press, or None. A spec that also names a decode attention (``snapkv:0.5+topk:4``) is a
+    PressError pointing to ``decode_attention`` (one variant) and to ``variants`` (a sweep)."""
+    if value is None or isinstance(value, Press):
+        return value
+    if not isinstance(value, str):
+        raise PressError(f"{spelling('press', repr(value))}: a press spec such as snapkv:0.5 or a Press")
+    text = value.strip()
+    head, plus, tail = text.partition("+")
+    press = parse_press(head)
+    if plus:
+        attention = attention_of(tail, spelling)
+        name = attention.name if attention is not None else tail.strip()
+        raise PressError(
+            f"{spelling('press', text)} is a press and a decode attention: give {spelling('press', press.name)} and "
+            f"{spelling('decode_attention', name)} for one variant, or {spelling('variants', text)} in a sweep"
+        )
+    return press
+
+
+def attention_of(value: AttentionLike, spelling: Spelling = KEYWORDS) -> Attention | None:
+    """The :class:`~kvstore.model.variants.variant.Attention` of a ``decode_attention`` value: a
+    spec (``topk:64``, ``sparq:16:64``, ``module:function``; ``dense``: None), read by
+    :func:`kvstore.model.variants.variant.parse_variant` (HookError for a bad one), an attention
+    function, an Attention, or None. A spec naming a press is a HookError pointing to ``press``."""
+    from kvstore.model.variants.variant import Attention, parse_attention, parse_variant
+
+    if value is None or isinstance(value, Attention):
+        return value
+    if not isinstance(value, str):
+        return parse_attention(value)
+    variant = parse_variant(value)
+    if variant.press is not None:
+        hint = spelling("press", variant.press.name)
+        if variant.decode_attention is not None:
+            hint += f" and {spelling('decode_attention', variant.decode_attention.name)}"
+        raise HookError(f"{spelling('decode_attention', value.strip())} names a press: give {hint}")
+    return variant.decode_attention
 
 
 def _typed(options: Any) -> None:
     """Parse a frozen options object's ``press`` and ``decode_attention`` in place (the API edge)."""
-    press = options.press
-    object.__setattr__(options, "press", parse_press(press) if isinstance(press, str) else press)
-    object.__setattr__(options, "decode_attention", parse_attention(options.decode_attention))
+    object.__setattr__(options, "press", press_of(options.press))
+    object.__setattr__(options, "decode_attention", attention_of(options.decode_attention))
 
 
-def _of(cls: type[Opts], options: Opts | None, fields: dict[str, Any]) -> Opts:
-    base = options if options is not None else cls()
-    if not isinstance(base, cls):
-        raise TypeError(f"options must be a {cls.__name__}, not {type(base).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise TypeError(f"unknown {cls.__name__} field(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    return dataclasses.replace(base, **fields) if fields else base
+def _make_variant(options: SampleOptions | ScoreOptions, generation_context: Any) -> Variant:
+    from kvstore.model.variants.variant import make_variant
+
+    return make_variant(options.press, options.decode_attention, generation_context)  # type: ignore[arg-type]
 
 
+@documented
 @dataclass(frozen=True)
 class BuildOptions:
-    """How contexts are built into a store.
+    """How contexts are built into a store."""
 
-    ``batch_size``: contexts per prefill (None: 1 on CPU, where it measured faster than padded
-    batches, 8 on accelerators); ``max_batch_tokens``: padded tokens per batch; ``truncate``: keep
-    a too long context's last tokens instead of refusing it; ``max_context_tokens``: the context
-    limit (default: the model's positions less the handle's reserve); ``skip_errors``: count a
-    bad row in the report and build the others; ``shard=(i, n)``: build only the contexts whose
-    key is ``i`` modulo ``n``; ``presses``: press specs whose pressed caches are stored beside each
-    context (``kvzip:0.75``), with the store's codec; ``scores``: scorers whose scores are stored
-    once per context (``kvzip``, ``expected_attention``: a press spec without its ratio);
-    ``dense``: store the dense chains too (False keeps only what ``presses`` and ``scores`` make)."""
-
-    batch_size: int | None = None
-    max_batch_tokens: int | None = 16384
-    truncate: bool = False
-    max_context_tokens: int | None = None
-    skip_errors: bool = False
-    shard: tuple[int, int] | None = None
-    presses: tuple[Press, ...] = ()
-    scores: tuple[Press, ...] = ()
-    dense: bool = True
+    batch_size: int | None = option(
+        None, "contexts per prefill (None: 1 on CPU, where it measured faster than padded batches, 8 on accelerators)"
+    )
+    max_batch_tokens: int | None = option(16384, "padded tokens per batch")
+    truncate: bool = option(False, "keep a too long context's last tokens instead of refusing it")
+    max_context_tokens: int | None = option(None, "the context limit (None: the model's positions less the reserve)")
+    skip_errors: bool = option(False, "count a bad row in the report and build the others")
+    shard: tuple[int, int] | None = option(None, "(i, n): build only the contexts whose key is i modulo n")
+    presses: tuple[Press, ...] = option(
+        (), "press specs whose pressed caches are stored beside each context (kvzip:0.75), with the store's codec"
+    )
+    scores: tuple[Press, ...] = option(
+        (), "scorers whose scores are stored once per context (kvzip, expected_attention: a press without its ratio)"
+    )
+    dense: bool = option(True, "store the dense chains too (False keeps only what presses and scores make)")
 
     def __post_init__(self) -> None:
         presses = tuple(parse_press(p) if isinstance(p, str) else p for p in self.presses)
@@ -99,37 +161,33 @@ class BuildOptions:
     def of(cls, options: BuildOptions | None = None, **fields: Any) -> BuildOptions:
         """``options`` (default: the defaults) with ``fields`` replaced; TypeError for a field
         that does not exist."""
-        return _of(cls, options, fields)
+        return replaced(cls, options, fields)
 
 
+@documented
 @dataclass(frozen=True)
 class SampleOptions:
-    """How questions are answered.
+    """How questions are answered."""
 
-    ``num_new_tokens`` per row; ``use_cache``: load contexts from (and store them in) the store,
-    else the no-cache reference; ``batch_size`` rows and ``max_batch_tokens`` padded tokens per
-    batch; ``stop_at_eos`` and ``stop_strings`` end a row (pads after it); ``truncate`` and
-    ``max_context_tokens`` as for :class:`BuildOptions` (use the same values, or keys differ);
-    ``return_scores``: keep each step's logits; ``steps``: ``dynamic`` (eager, the key length
-    grows), ``static`` (fixed shapes, eager) or ``compiled`` (fixed shapes under
-    ``torch.compile``); ``load_ahead``: load the next batch's stored prefixes on a worker while a
-    batch decodes; ``press``: a press spec or :class:`~kvstore.model.press.spec.Press` applied to
-    each batch's loaded contexts before answering (``snapkv:0.5``); ``decode_attention``: a
-    decode-attention spec or function the question and answer steps run under (``topk:64``)."""
-
-    num_new_tokens: int = 20
-    use_cache: bool = True
-    batch_size: int = 8
-    max_batch_tokens: int | None = None
-    stop_at_eos: bool = True
-    stop_strings: tuple[str, ...] = ()
-    truncate: bool = False
-    max_context_tokens: int | None = None
-    return_scores: bool = False
-    steps: str = "dynamic"
-    load_ahead: bool = True
-    press: PressLike = None
-    decode_attention: AttentionLike = None
+    num_new_tokens: int = option(20, "tokens generated per row")
+    use_cache: bool = option(True, "load contexts from (and store them in) the store; else the no-cache reference")
+    batch_size: int = option(8, "rows per batch")
+    max_batch_tokens: int | None = option(None, "padded tokens per batch: rows x (context + question + new tokens)")
+    stop_at_eos: bool = option(True, "end a row at its first EOS (pads after it)")
+    stop_strings: tuple[str, ...] = option((), "end a row once its text contains one of these (pads after it)")
+    truncate: bool = option(False, "keep a too long context's last tokens (as for BuildOptions: use the same value)")
+    max_context_tokens: int | None = option(None, "the context limit (as for BuildOptions: use the same value)")
+    return_scores: bool = option(False, "keep each step's logits")
+    steps: str = option(
+        "dynamic", "dynamic (eager, the key length grows), static (fixed shapes) or compiled (static, torch.compile)"
+    )
+    load_ahead: bool = option(True, "load the next batch's stored prefixes on a worker while a batch decodes")
+    press: Press | str | None = option(
+        None, "a press spec (snapkv:0.5) or Press applied to each batch's loaded contexts before answering"
+    )
+    decode_attention: Attention | str | AttentionFunction | None = option(
+        None, "a decode-attention spec (topk:64) or function the question and answer steps run under"
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
@@ -143,38 +201,36 @@ class SampleOptions:
     def of(cls, options: SampleOptions | None = None, **fields: Any) -> SampleOptions:
         """``options`` (default: the defaults) with ``fields`` replaced; TypeError for a field
         that does not exist."""
-        return _of(cls, options, fields)
+        return replaced(cls, options, fields)
 
     def decoding(self) -> Decoding:
         """How each batch decodes under these options."""
+        from kvstore.model.compute.forward import Decoding
+
         return Decoding(self.num_new_tokens, self.stop_at_eos, tuple(s for s in self.stop_strings if s), self.steps,
                         self.return_scores)  # fmt: skip
 
     def variant(self, generation_context: Any = None) -> Variant:
         """The one variant a plain ``sample`` answers under: its press, ``generation_context`` and
         decode attention (``dense`` without any)."""
-        return make_variant(self.press, self.decode_attention, generation_context)  # type: ignore[arg-type]
+        return _make_variant(self, generation_context)
 
 
+@documented
 @dataclass(frozen=True)
 class ScoreOptions:
-    """How continuations are scored.
+    """How continuations are scored (``use_cache=False``: context and continuation in one forward,
+    as lm-eval's ``hf`` model runs it)."""
 
-    ``use_cache``: load contexts from (and store them in) the store, else the reference (context and
-    continuation in one forward, as lm-eval's ``hf`` model runs it); ``batch_size`` rows and
-    ``max_batch_tokens`` padded tokens per batch (the continuations of one context together);
-    ``token_logprobs``: keep each token's log-probability; ``truncate``: drop a too long row's first
-    context tokens, as lm-eval does, instead of refusing it; ``press`` and ``decode_attention`` as
-    for :class:`SampleOptions` (a question-aware press is refused: the question is part of the
-    scored context)."""
-
-    use_cache: bool = True
-    batch_size: int = 8
-    max_batch_tokens: int | None = None
-    token_logprobs: bool = False
-    truncate: bool = False
-    press: PressLike = None
-    decode_attention: AttentionLike = None
+    use_cache: bool = option(True, "load contexts from (and store them in) the store; else the reference forward")
+    batch_size: int = option(8, "rows per batch (the continuations of one context together)")
+    max_batch_tokens: int | None = option(None, "padded tokens per batch")
+    token_logprobs: bool = option(False, "keep each token's log-probability")
+    truncate: bool = option(False, "drop a too long row's first context tokens (lm-eval's rule) instead of refusing it")
+    press: Press | str | None = option(
+        None, "as for SampleOptions; not question-aware (the question is part of the scored context)"
+    )
+    decode_attention: Attention | str | AttentionFunction | None = option(None, "as for SampleOptions")
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -185,11 +241,11 @@ class ScoreOptions:
     def of(cls, options: ScoreOptions | None = None, **fields: Any) -> ScoreOptions:
         """``options`` (default: the defaults) with ``fields`` replaced; TypeError for a field
         that does not exist."""
-        return _of(cls, options, fields)
+        return replaced(cls, options, fields)
 
     def variant(self, generation_context: Any = None) -> Variant:
         """The one variant a plain ``score`` runs under (``dense`` without a press or hook)."""
-        return make_variant(self.press, self.decode_attention, generation_context)  # type: ignore[arg-type]
+        return _make_variant(self, generation_context)
 
 
 def apply_prompt(
@@ -217,4 +273,14 @@ def apply_prompt(
     return [prompt.context_part(c) for c in contexts], out_q, prompt.add_special_tokens, prompt.head or None
 
 
-__all__ = ["STEPS", "BuildOptions", "SampleOptions", "ScoreOptions", "apply_prompt"]
+__all__ = [
+    "KEYWORDS",
+    "STEPS",
+    "BuildOptions",
+    "SampleOptions",
+    "ScoreOptions",
+    "Spelling",
+    "apply_prompt",
+    "attention_of",
+    "press_of",
+]

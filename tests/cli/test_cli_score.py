@@ -234,9 +234,7 @@ def test_a_sweep_scores_every_variant_from_one_load_as_separate_runs_do(tiny_lla
     base = ["score", data, "--model", tiny_llama_dir, "--dtype", "float64", "--format", "json", "-q",
             "--store", tmp_path / "store"]  # fmt: skip
     variants = ["dense", "topk:2", "sparq:2:3"]
-    swept = _json(
-        _run(*base, "-o", tmp_path / "sweep.jsonl", *[a for v in variants for a in ("--decode-attention", v)])
-    )
+    swept = _json(_run(*base, "-o", tmp_path / "sweep.jsonl", *[a for v in variants for a in ("--variant", v)]))
     rows = [json.loads(x) for x in (tmp_path / "sweep.jsonl").read_text().splitlines()]
     assert [r["variant"] for r in rows] == [v for v in variants for _ in ROWS]
     assert [t["variant"] for t in swept["variants"]] == variants
@@ -253,3 +251,19 @@ def test_a_sweep_scores_every_variant_from_one_load_as_separate_runs_do(tiny_lla
         table = next(t for t in swept["variants"] if t["variant"] == v)
         assert (table["acc"], table["acc_norm"]) == (one["acc"], one["acc_norm"])
     assert next(t for t in swept["variants"] if t["variant"] == "dense")["agreement_with_dense"] == 1.0
+
+
+def test_press_and_decode_attention_compose_into_one_variant(tiny_llama_dir, tmp_path):
+    """``score --press P --decode-attention A`` scores under the one variant ``P+A``, as
+    ``--variant P+A`` and ``Adapter.score(press=P, decode_attention=A)`` do."""
+    data = _write(tmp_path / "mc.jsonl", ROWS[:2])
+    base = ["score", data, "--model", tiny_llama_dir, "--dtype", "float64", "--format", "json", "-q",
+            "--store", tmp_path / "store"]  # fmt: skip
+    logprobs = {}
+    for name, extra in {"flags": ["--press", "knorm:0.5", "--decode-attention", "topk:2"],
+                        "variant": ["--variant", "knorm:0.5+topk:2"]}.items():  # fmt: skip
+        out = tmp_path / f"{name}.jsonl"
+        summary = _json(_run(*base, "-o", out, *extra))
+        assert summary["variant"] == "knorm:0.5+topk:2" and "variants" not in summary
+        logprobs[name] = [c["logprob"] for line in out.read_text().splitlines() for c in json.loads(line)["choices"]]
+    assert logprobs["flags"] == logprobs["variant"]

@@ -150,25 +150,33 @@ class _Hostile:
 
 
 def test_import_rejects_each_bad_file_in_one_line_and_imports_the_rest(tiny_neox_dir, tmp_path, capsys):
-    """A .pt that is a pickle but not a tensor archive (a hostile one), a truncated archive and one
-    of the wrong shape: one rejection line each, the good files imported, exit 0 (issue 31, item 4).
-    Before, the first such file stopped the import with a multi-line internal error."""
+    """A raw pickle and a torch archive that would each run code (hostile), a truncated archive and
+    one of the wrong shape: one rejection line each, naming the file and why (a hostile one: what its
+    pickle would call, never torch's advice to load it without weights_only), the good files
+    imported, exit 0 (issue 31, item 4; issue 36, item 3)."""
     import pickle
 
-    dataset, contexts, config, cache = _cache_of(tiny_neox_dir, tmp_path, 5, 256)
-    path = {i: cache / f"{cache_name(config, contexts[i], 256)}.pt" for i in range(5)}
+    dataset, contexts, config, cache = _cache_of(tiny_neox_dir, tmp_path, 6, 256)
+    path = {i: cache / f"{cache_name(config, contexts[i], 256)}.pt" for i in range(6)}
     marker = tmp_path / "pwned"
     path[2].write_bytes(pickle.dumps(_Hostile(marker)))
     path[3].write_bytes(path[3].read_bytes()[:200])  # truncated
     torch.save(torch.zeros(2, 2, 1, 2, 3, 16, dtype=torch.float64), path[4])  # wrong shape
+    torch.save(_Hostile(marker), path[5])  # a real torch archive whose pickle would run a command
     args = ["import-llminference", cache, dataset, "--model", tiny_neox_dir, "--dtype", "float64",
             "--max-context-length", "256", "--quiet"]  # fmt: skip
     code, out, err = run_main(capsys, *args, "--store", tmp_path / "store")
     assert code == 0, err
     assert not marker.exists()  # nothing ran
     rejected = [line for line in out.splitlines() if line.startswith("rejected")]
-    assert {line.split()[1].rstrip(":") for line in rejected} == {path[i].name for i in (2, 3, 4)}
-    assert "holds a pickle that is not only tensors (refused, nothing ran: " in out and "is (2, 2, 1, 2, 3, 16)" in out
+    assert {line.split()[1].rstrip(":") for line in rejected} == {path[i].name for i in (2, 3, 4, 5)}
+    hostile = (
+        "is not a plain tensor file (refused: its pickle would call posix.system, which could run code; nothing ran)"
+    )
+    for i in (2, 5):
+        assert f"rejected   {path[i].name}: {hostile}" in rejected
+    assert "weights_only" not in out and "Re-running" not in out  # torch's advice is not repeated
+    assert "is (2, 2, 1, 2, 3, 16)" in out
     assert "is not a readable tensor file (" in out  # the truncated one
     assert out.startswith("Imported 2 context(s)") and err == ""
     with KVStore(str(tmp_path / "store"), readonly=True) as s:
@@ -177,8 +185,8 @@ def test_import_rejects_each_bad_file_in_one_line_and_imports_the_rest(tiny_neox
     for i in (0, 1):
         path[i].write_bytes(b"not a tensor")
     code, out, err = run_main(capsys, *args, "--store", tmp_path / "other")
-    assert code == 1 and len([line for line in out.splitlines() if line.startswith("rejected")]) == 5
+    assert code == 1 and len([line for line in out.splitlines() if line.startswith("rejected")]) == 6
     assert err == (
-        f"kvstore: error: none of the 5 llminference cache(s) in {cache} that match a context of {dataset} could be "
+        f"kvstore: error: none of the 6 llminference cache(s) in {cache} that match a context of {dataset} could be "
         "imported (each is listed above with why)\n"
     )

@@ -114,3 +114,83 @@ def test_load_ahead_is_an_option_not_a_global(adapter, monkeypatch):
     assert torch.equal(on.tokens, off.tokens)
     assert any(t.startswith("kvstore-load") for t in ahead)
     assert threads and not any(t.startswith("kvstore-load") for t in threads)
+
+
+def test_press_and_decode_attention_keywords_say_what_to_give_instead(adapter):
+    """One line naming the value given and what to write: a composed spec given to ``press=``
+    points to ``decode_attention=`` (one variant) and ``variants=`` (a sweep); a press given to
+    ``decode_attention=`` points to ``press=``; a bad press gets the press parser's message."""
+    from kvstore.errors import HookError, PressError
+    from kvstore.model.options import ScoreOptions
+
+    contexts, questions = _rows()
+    composed = [
+        lambda: SampleOptions(press="snapkv:0.5+topk:4"),
+        lambda: ScoreOptions(press="snapkv:0.5+topk:4"),
+        lambda: adapter.sample(contexts, questions, use_cache=False, press="snapkv:0.5+topk:4"),
+        lambda: adapter.score(contexts, questions, use_cache=False, press="snapkv:0.5+topk:4"),
+    ]
+    for call in composed:
+        with pytest.raises(PressError) as exc:
+            call()
+        assert str(exc.value) == (
+            "press='snapkv:0.5+topk:4' is a press and a decode attention: give press='snapkv:0.5' and "
+            "decode_attention='topk:4' for one variant, or variants=['snapkv:0.5+topk:4'] in a sweep"
+        )
+    with pytest.raises(HookError, match=r"^decode_attention='knorm:0.5' names a press: give press='knorm:0.5'$"):
+        SampleOptions(decode_attention="knorm:0.5")
+    with pytest.raises(PressError, match=r"unknown press 'bogus' \(presses: knorm, "):
+        SampleOptions(press="bogus:0.5")
+    with pytest.raises(ValueError, match=r"a sweep takes its presses and decode attention from variants="):
+        adapter.sweep(contexts, questions, use_cache=False, variants=["dense"], press="knorm:0.5")
+    assert SampleOptions(decode_attention="dense").decode_attention is None  # dense: read by the variant parser
+
+
+def test_takes_options_builds_keywords_signature_and_docs_from_the_fields():
+    """The mechanism behind the Adapter's keywords: a field added to an options class is a keyword
+    of every method that takes the class, with its default and doc; nothing else to edit."""
+    import inspect
+    from dataclasses import dataclass
+
+    from kvstore.model.keywords import documented, field_default, option, takes_options
+
+    @documented
+    @dataclass(frozen=True)
+    class Knobs:
+        """Some knobs."""
+
+        depth: int = option(3, "how deep")
+        name: str = option("x", "what it is called")
+
+    class Thing:
+        @takes_options(Knobs)
+        def run(self, items: list, options: Knobs, *, label: str = "") -> tuple:
+            """Run over ``items``."""
+            return items, options, label
+
+        @takes_options(Knobs, first="depth")
+        def legacy(self, items: list, *, options: Knobs) -> Knobs:
+            """The old call."""
+            return options
+
+    sig = inspect.signature(Thing.run)
+    assert list(sig.parameters) == ["self", "items", "options", "label", "depth", "name"]
+    assert sig.parameters["depth"].default == 3 and sig.parameters["depth"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "``depth`` (int, default 3): how deep" in Thing.run.__doc__ and "``depth``" in Knobs.__doc__
+    thing = Thing()
+    assert thing.run([1], depth=5) == ([1], Knobs(depth=5), "")
+    assert thing.run([1], Knobs(name="y"), depth=4)[1] == Knobs(depth=4, name="y")  # a keyword overrides a field
+    assert thing.legacy([1], 7) == Knobs(depth=7)  # a field as the positional parameter after the written ones
+    with pytest.raises(TypeError, match="unexpected keyword argument 'deep'"):
+        thing.run([1], deep=2)
+    with pytest.raises(TypeError, match="must be a Knobs"):
+        thing.run([1], BuildOptions())
+    assert field_default(Knobs, "name") == "x"
+    with pytest.raises(TypeError, match="depth come from Knobs; do not declare them"):
+        takes_options(Knobs)(lambda self, options, depth=1: None)
+    with pytest.raises(TypeError, match="declare size with option"):
+
+        @documented
+        @dataclass(frozen=True)
+        class Bare:
+            size: int = 1

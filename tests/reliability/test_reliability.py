@@ -602,8 +602,10 @@ def test_no_pickle_or_code_execution_in_the_library():
     risks = [r for f in files for r in code_execution_risks(f.read_text(), str(f.relative_to(REPO)))]
     # The one exception, named: importing llminference's torch.save files, tensors only
     # (weights_only=True), in a module of its own that no load path imports.
-    exception = [r for r in risks if r.startswith("kvstore/model/llminference.py:") and r.endswith(": torch.load")]
-    assert len(exception) == 1
+    # And there, pickletools: it walks a refused file's opcodes to name what it would call (never unpickles).
+    mine = [r for r in risks if r.startswith("kvstore/model/llminference.py:")]
+    exception = [r for r in mine if r.endswith((": torch.load", ": import pickletools", ": pickletools"))]
+    assert len([r for r in exception if r.endswith(": torch.load")]) == 1
     importers = {str(f.relative_to(REPO)) for f in files if "kvstore.model.llminference import" in f.read_text()}
     assert importers == {"cli/exchange.py"}  # only the import command reaches it
     assert "weights_only=True" in (REPO / "kvstore/model/llminference.py").read_text()

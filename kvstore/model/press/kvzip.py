@@ -105,29 +105,42 @@ def kvzip_scores(row: RowContext) -> list[torch.Tensor]:
     return scores
 
 
+QUERY_BLOCK = 256  # replay queries scored at a time: the weights of a block stay small (a few MB)
+
+
 def _chunk_scorer(
     scores: list[torch.Tensor], norms: dict[int, torch.Tensor] | None, start: int, end: int, sink: int, q_len: int
 ):
     """The ``on_layer`` of one chunk's replay: writes each layer's scores of context tokens
-    ``start..end`` into ``scores`` (``norms``: the hidden-state norms of KVzip+, else None)."""
+    ``start..end`` into ``scores`` (``norms``: the hidden-state norms of KVzip+, else None). The
+    replay's queries are taken :data:`QUERY_BLOCK` at a time (each query's softmax is its own row,
+    so the blocks give the same weights as one pass) and only the running maximum is kept."""
 
     def on_layer(layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, module) -> None:
         heads, _, d = queries.shape
         kv_heads = keys.shape[0]
         groups = heads // kv_heads
         picked = torch.cat([keys[:, :sink], keys[:, start:end], keys[:, -q_len:]], dim=1)  # [kv, n, d]
-        q = queries.view(kv_heads, groups, q_len, d)
-        logits = torch.matmul(q, picked[:, None].transpose(-1, -2).to(q.dtype)) / math.sqrt(d)
         n = picked.shape[1]
-        mask = torch.zeros((q_len, n), dtype=torch.bool, device=q.device)
-        mask[:, n - q_len :] = torch.ones((q_len, q_len), dtype=torch.bool, device=q.device).triu(1)  # causal
-        weights = torch.softmax(logits.masked_fill(mask, -math.inf), dim=-1)  # [kv, groups, q, n]
+        keys_t = picked[:, None].transpose(-1, -2).to(queries.dtype)  # [kv, 1, d, n]
+        q = queries.view(kv_heads, groups, q_len, d)
+        hidden = norms.pop(layer) if norms is not None else None
+        wov = None
         if norms is not None:
-            weights = weights / norms.pop(layer)[None, None, :, None].to(weights.dtype)
             vals = torch.cat([values[:, :sink], values[:, start:end], values[:, -q_len:]], dim=1)
-            weights = weights * _output_norms(module, vals, groups)[:, :, None, :].to(weights.dtype)
-        chunk_weights = weights[..., sink : sink + end - start]
-        scores[layer][:, start:end] = chunk_weights.amax(dim=(1, 2)).to(scores[layer].dtype)
+            wov = _output_norms(module, vals, groups)[:, :, None, :]  # [kv, groups, 1, n]
+        best = scores[layer][:, start:end]
+        best.fill_(-torch.inf)
+        for a in range(0, q_len, QUERY_BLOCK):
+            b = min(q_len, a + QUERY_BLOCK)
+            logits = torch.matmul(q[:, :, a:b], keys_t) / math.sqrt(d)  # [kv, groups, rows, n]
+            own = torch.arange(q_len, device=q.device)[None, :] > torch.arange(a, b, device=q.device)[:, None]
+            logits[..., n - q_len :].masked_fill_(own, -math.inf)  # causal within the replay
+            weights = torch.softmax(logits, dim=-1)
+            if hidden is not None and wov is not None:
+                weights = weights / hidden[a:b][None, None, :, None].to(weights.dtype) * wov.to(weights.dtype)
+            block = weights[..., sink : sink + end - start].amax(dim=(1, 2)).to(best.dtype)
+            torch.maximum(best, block, out=best)
 
     return on_layer
 

@@ -319,9 +319,20 @@ def parse_scorer(spec: str) -> Press:
     return Press(press.method, 0.0, press.question, press.params)
 
 
+def check_storable(press: Press) -> None:
+    """PressError (one line) unless ``press``'s scores can be stored (``build --score``)."""
+    if press.question:
+        raise PressError(
+            f"--score {press.method}:q: a question-aware press scores with each question's queries, so its scores "
+            "cannot be stored once per context; drop ':q'"
+        )
+    if not press.record.ratio_free:
+        raise PressError(f"--score {press.method}: its scores depend on the ratio; nothing to store once")
+
+
 def is_press_spec(spec: str) -> bool:
     """Whether ``spec`` names a press (its first field is a registered press)."""
     return isinstance(spec, str) and press_method(spec.strip().split(":", 1)[0]) is not None
 
 
-__all__ = ["Press", "ScoringTokens", "is_press_spec", "parse_press", "parse_scorer", "ratio_text"]
+__all__ = ["Press", "ScoringTokens", "check_storable", "is_press_spec", "parse_press", "parse_scorer", "ratio_text"]

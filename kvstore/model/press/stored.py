@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.errors import CorruptEntryWarning, PressError
+from kvstore.errors import CorruptEntryWarning
 from kvstore.model.plan.chains import Chain
 from kvstore.model.press.spec import Press
 from kvstore.store.codecs import Codec
@@ -53,17 +53,6 @@ FORWARD_READS = ("window", "context", "replay")  # presses whose scores cost a f
 def storable(press: Press) -> bool:
     """Whether ``press``'s scores depend on the context alone (no ratio, no question)."""
     return press.record.ratio_free and not press.question
-
-
-def check_storable(press: Press) -> None:
-    """PressError (one line) unless ``press``'s scores can be stored (``build --score``)."""
-    if press.question:
-        raise PressError(
-            f"--score {press.method}:q: a question-aware press scores with each question's queries, so its scores "
-            "cannot be stored once per context; drop ':q'"
-        )
-    if not press.record.ratio_free:
-        raise PressError(f"--score {press.method}: its scores depend on the ratio; nothing to store once")
 
 
 def facts(handle: ModelHandle, chain: Chain) -> DerivedFacts:
@@ -209,7 +198,6 @@ __all__ = [
     "FORWARD_READS",
     "KeptLayers",
     "StoredScores",
-    "check_storable",
     "encode_kept",
     "facts",
     "derived_fits",
