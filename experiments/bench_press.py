@@ -6,9 +6,13 @@ questions, each about one of the four articles asked of the joined context) in t
 (``PromptFormat.from_chat_template``, as ``bench_quant.py`` and ``bench_sparse.py`` ask it). The
 contexts are built into a fresh store once; then every question is answered under every variant in
 **one sweep** (:meth:`Adapter.sweep`: each batch loaded once, no context token prefilled): ``dense``,
-each press (``knorm``, ``streaming_llm``, ``random``, ``keydiff``, ``snapkv``, ``tova``) at the ratios
-0.25, 0.5 and 0.75, and the question-aware ``snapkv:R:q`` and ``tova:R:q`` at the same ratios. Greedy,
-12 new tokens, stopping at EOS.
+each press (``knorm``, ``streaming_llm``, ``random``, ``keydiff``, ``snapkv``, ``tova``, ``kvzip`` and
+``kvzip:layer``, ``expected_attention``, and the AdaKV and PyramidKV budgets ``snapkv:adakv``,
+``expected_attention:adakv``, ``snapkv:pyramid``) at the ratios 0.25, 0.5 and 0.75, and the
+question-aware ``snapkv:R:q`` and ``tova:R:q`` at the same ratios. Every press but the question-aware
+ones compresses each context **without the question**, and every question about it is answered from the
+same kept tokens (SCBench's multi-request protocol: a context compressed once serves many questions);
+the ``:q`` rows are the question-aware upper reference. Greedy, 12 new tokens, stopping at EOS.
 
 Per variant (one row each): ``accuracy`` (lenient), ``contains``, ``exact_match``, ``f1``
 (:mod:`kvstore.data.metrics`), ``rows_identical`` (rows whose tokens equal dense's), ``tokens_agree``
@@ -16,7 +20,8 @@ Per variant (one row each): ``accuracy`` (lenient), ``contains``, ``exact_match`
 ``first_token_agree``, ``kept_frac`` (mean over rows of kept / context tokens), ``cache_bytes`` (keys
 and values answered over, summed over rows) and ``cache_vs_dense``, ``decode_s`` (the variant's question
 forwards and decode steps, every batch) and ``tokens_per_s`` (generated tokens / ``decode_s``),
-``window_tokens`` (context tokens the observation windows re-ran, shared by the whole sweep).
+``window_tokens``, ``replay_tokens`` and ``scoring_tokens`` (context tokens the observation windows,
+KVzip's replays and all scoring forwards ran, shared by the whole sweep).
 ``notes.dense_vs_no_cache``: the dense row against a plain run (``use_cache=False``: each context and
 question through the model together, no store), rows and tokens identical. The plot
 (``press_accuracy.png``, in docs/img/ through the suite): accuracy as ``contains`` (SmolLM2 answers in
@@ -40,17 +45,17 @@ import statistics
 import benchlib as bl
 
 WORK = bl.SCRATCH / "press"
-PRESSES = ("knorm", "streaming_llm", "random", "keydiff", "snapkv", "tova")
+# a press as NAME[:FIELDS]: the ratio goes after the name (snapkv:adakv -> snapkv:0.5:adakv)
+PRESSES = ("knorm", "streaming_llm", "random", "keydiff", "snapkv", "tova", "kvzip", "kvzip:layer",
+           "expected_attention", "snapkv:adakv", "expected_attention:adakv", "snapkv:pyramid")  # fmt: skip
 QUESTION_AWARE = ("snapkv", "tova")
 RATIOS = (0.25, 0.5, 0.75)
 N_NEW = 12
 
 
-def grid(ratios) -> list[str]:
-    from kvstore.model.press.spec import ratio_text
-
-    out = ["dense"] + [f"{p}:{ratio_text(r)}" for p in PRESSES for r in ratios]
-    return out + [f"{p}:{ratio_text(r)}:q" for p in QUESTION_AWARE for r in ratios]
+def grid(ratios, presses=PRESSES) -> list[str]:
+    out = ["dense"] + [bl.press_spec(p, r) for p in presses for r in ratios]
+    return out + [bl.press_spec(f"{p}:q", r) for p in QUESTION_AWARE for r in ratios]
 
 
 def agreement(res, dense) -> dict:
@@ -81,7 +86,7 @@ def variant_rows(adapter, questions: list[dict], results: dict, ctx_tokens: list
         generated = sum(res.lengths)
         out.append({
             "variant": name,
-            "press": press.method if press else "dense",
+            "press": bl.press_label(name) if press else "dense",
             "ratio": press.ratio if press else 0.0,
             "question_aware": bool(press and press.question),
             "questions": len(questions),
@@ -95,6 +100,8 @@ def variant_rows(adapter, questions: list[dict], results: dict, ctx_tokens: list
             "decode_s": res.decode_seconds,
             "tokens_per_s": generated / res.decode_seconds if res.decode_seconds else None,
             "window_tokens": res.window_tokens_computed,
+            "scoring_tokens": res.scoring_tokens_computed,
+            "replay_tokens": res.replay_tokens_computed,
             "prefill_tokens_computed": res.prefill_tokens_computed,
         })  # fmt: skip
     return out
@@ -107,8 +114,7 @@ def plot(rows: list[dict], path) -> None:
         for r in rows:
             if r["variant"] == "dense":
                 continue
-            label = r["press"] + (":q" if r["question_aware"] else "")
-            xs, ys = by_label.setdefault(label, ([0.0], [dense[metric]]))  # ratio 0 keeps every token: dense
+            xs, ys = by_label.setdefault(r["press"], ([0.0], [dense[metric]]))  # ratio 0 keeps every token: dense
             xs.append(r["ratio"])
             ys.append(r[metric])
     n = dense["questions"]

@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--presses", default=",".join(PRESSES))
     ap.add_argument("--ratios", default=",".join(map(str, RATIOS)))
     ap.add_argument("--niah-gen-toks", type=int, default=32, help="max_gen_toks of the niah tasks (theirs: 128)")
+    ap.add_argument("--codec", default=None, help="the store's codec for every variant (default: the store's)")
+    ap.add_argument("--stem", default="press_ruler", help="the result's name")
     quick = dict(tasks="niah_single_1", limit=1, presses="knorm", ratios="0.5")
     args = bl.start(ap, quick=quick, wait=False)  # waits for a quiet machine once the tasks are loaded
     args.hf_limit = args.limit if args.hf_limit is None else min(args.hf_limit, args.limit)
@@ -140,7 +142,7 @@ def main() -> None:
     with bl.timed() as t:
         tasks = load_tasks(names, model_dir, args.niah_gen_toks)
     tasks_s = t.seconds
-    variants = ["dense"] + [parse_press(f"{p}:{r}").name for p in args.presses.split(",")
+    variants = ["dense"] + [bl.press_spec(p, float(r)) for p in args.presses.split(",")
                             for r in args.ratios.split(",")]  # fmt: skip
     store = WORK / "store"
     shutil.rmtree(store, ignore_errors=True)
@@ -158,11 +160,11 @@ def main() -> None:
     params = vars(args) | {"length": LENGTH, "variants": variants}
 
     def save():
-        bl.write_result("press_ruler", params=params, rows=rows, notes=notes)
+        bl.write_result(args.stem, params=params, rows=rows, notes=notes)
 
     for v in variants:
         lm = KVStoreLM(pretrained=model_dir, store=str(store), dtype="float32", batch_size=args.batch_size,
-                       press=None if v == "dense" else v)  # fmt: skip
+                       press=None if v == "dense" else v, codec=args.codec)  # fmt: skip
         try:
             before = bl.loadavg()
             out, wall, inside = evaluate(lm, tasks, args.limit)
@@ -170,7 +172,7 @@ def main() -> None:
         finally:
             lm.close()
         press = parse_press(v) if v != "dense" else None
-        method, ratio = (press.method, press.ratio) if press else ("dense", 0.0)
+        method, ratio = (bl.press_label(v), press.ratio) if press else ("dense", 0.0)
         inv = {"variant": v, "wall_s": wall, "generate_s": inside, "context_tokens_computed": computed,
                "context_tokens_loaded": loaded, "load_before": before, "load_after": bl.loadavg()}  # fmt: skip
         notes["invocations"].append(inv)
@@ -199,7 +201,7 @@ def main() -> None:
     notes["dense_equals_hf"] = all(c["identical"] == c["samples"] for c in compared.values())
     print(f"dense against hf: {compared}", flush=True)
     save()
-    plot(rows, names, bl.RESULTS / "press_ruler.png")
+    plot(rows, names, bl.RESULTS / f"{args.stem}.png")
 
 
 if __name__ == "__main__":

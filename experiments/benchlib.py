@@ -460,6 +460,21 @@ def demo_rows() -> list[dict]:
     return [json.loads(line) for line in (HERE / "data" / "demo.jsonl").open(encoding="utf-8")]
 
 
+def press_spec(press: str, ratio: float) -> str:
+    """The printed spec of ``press`` (``NAME[:FIELDS]``, e.g. ``snapkv:adakv``) at ``ratio``: the ratio
+    goes after the name (``snapkv:0.5:adakv``)."""
+    from kvstore.model.press.spec import parse_press, ratio_text
+
+    head, _, rest = press.partition(":")
+    return parse_press(f"{head}:{ratio_text(ratio)}" + (f":{rest}" if rest else "")).name
+
+
+def press_label(name: str) -> str:
+    """A variant's press without its ratio (``snapkv:0.5:adakv`` -> ``snapkv:adakv``)."""
+    parts = name.split(":")
+    return ":".join(parts[:1] + parts[2:])
+
+
 def question_sets() -> dict[str, list[dict]]:
     """``demo``: the demo rows; ``long``: the demo articles four at a time (5 contexts of ~1.3k
     tokens), every question about one of the four asked of the joined context."""

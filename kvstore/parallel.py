@@ -6,24 +6,24 @@ None) instead of raising, so that a caller can tell which piece of a load failed
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kvstore.process import POOL
+
 GROUPS_PER_THREAD = 4
-_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_size = 0
 
 
 def _executor(threads: int) -> ThreadPoolExecutor:
-    global _pool, _size
-    with _lock:
-        if _pool is None or _size < threads:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool, _size = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-load"), threads
-        return _pool
+    """The process's shared pool (:data:`kvstore.process.POOL`), grown to ``threads`` workers."""
+    pool = POOL
+    with pool.lock:
+        if pool.executor is None or pool.size < threads:
+            if pool.executor is not None:
+                pool.executor.shutdown(wait=False)
+            pool.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-load")
+            pool.size = threads
+        return pool.executor
 
 
 def _guarded(fn: Callable[[], object]) -> BaseException | None:

@@ -355,3 +355,20 @@ def test_the_cli_passes_no_call_more_than_ten_positional_arguments() -> None:
             if isinstance(node, ast.Call) and len(node.args) > MAX_PARAMS:
                 found.append(f"{name}:{node.lineno} ({len(node.args)} positional arguments)")
     assert not found, "\n".join(found)
+
+
+def test_process_wide_state_lives_in_one_documented_place() -> None:
+    """No ``global`` statement in kvstore/ or cli/: what is process-wide is a field of the objects in
+    kvstore/process.py, whose docstring names each user (docs/architecture.md: no module-level
+    switches besides those)."""
+    found = []
+    for root in ROOTS.values():
+        for path in root.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Global):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno} global {', '.join(node.names)}")
+    assert not found, found
+    doc = (REPO / "kvstore" / "process.py").read_text()
+    for user in ("kvstore.model.compute.attention", "kvstore.model.variants.hooks", "kvstore.parallel",
+                 "kvstore.store.backends.lmdb_env"):  # fmt: skip
+        assert user in doc, user

@@ -17,7 +17,8 @@ or when transformers lacks the function.
 On this machine (torch 2.13 CPU) the logits are bit-identical with and without it.
 
 Nothing is patched at import: :class:`kvstore.model.handle.ModelHandle` calls :func:`install` when
-it is made (the patch is process-wide, as transformers' function is).
+it is made. The patch is process-wide, as transformers' function is, and stays (why, and the rest of
+kvstore's process-wide state: :mod:`kvstore.process`).
 """
 
 from __future__ import annotations
@@ -30,25 +31,33 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from kvstore.process import ATTENTION
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
 _state = threading.local()
-_installed = False
 
 
 def install() -> bool:
-    """Install the hook (once); False when this transformers has no ``use_gqa_in_sdpa``."""
-    global _installed
-    if _installed:
+    """Install the hook (once per process: :data:`kvstore.process.ATTENTION`); False when this
+    transformers has no ``use_gqa_in_sdpa``."""
+    with ATTENTION.lock:
+        if ATTENTION.installed:
+            return True
+        try:
+            from transformers.integrations import sdpa_attention as sdpa
+        except ImportError:  # pragma: no cover - other transformers layouts: nothing to do
+            return False
+        original = getattr(sdpa, "use_gqa_in_sdpa", None)
+        if original is None:  # pragma: no cover
+            return False
+        sdpa.use_gqa_in_sdpa = _wrapped(original)
+        ATTENTION.installed = True
         return True
-    try:
-        from transformers.integrations import sdpa_attention as sdpa
-    except ImportError:  # pragma: no cover - other transformers layouts: nothing to do
-        return False
-    original = getattr(sdpa, "use_gqa_in_sdpa", None)
-    if original is None:  # pragma: no cover
-        return False
+
+
+def _wrapped(original: Callable) -> Callable:
 
     def use_gqa_in_sdpa(attention_mask, key, value, *args, **kwargs):
         if key.device.type == "cpu" and attention_mask is not None and attention_mask.dim() == 4:
@@ -58,15 +67,13 @@ def install() -> bool:
                 return True
         return original(attention_mask, key, value, *args, **kwargs)
 
-    sdpa.use_gqa_in_sdpa = use_gqa_in_sdpa
-    _installed = True
-    return True
+    return use_gqa_in_sdpa
 
 
 @contextlib.contextmanager
 def grouped_kv(enabled: bool = True) -> Iterator[None]:
     """Within the block, this thread's SDPA forwards on CPU attend to grouped KV heads in place."""
-    if not enabled or not _installed:
+    if not enabled or not ATTENTION.installed:
         yield
         return
     before = getattr(_state, "on", False)
