@@ -1,16 +1,16 @@
 """What a press's scoring costs against a prefill of the same context: KVzip's replay above all.
 
-The bundled SmolLM2-135M-Instruct (float32, CPU, sdpa, grouped-KV attention as kvstore's forwards run),
-contexts of ``--lengths`` tokens (real text: the demo articles run together and cut to length, as
-:func:`benchlib.real_context_ids` gives them; no chat template, so KVzip replays every token). Per length and ``--repeats`` runs
-(min/median/max): the prefill of the context (``kvstore.model.compute.forward.prefill``, the build's),
-then each scorer's whole scoring of that context from its dense cache in memory
-(``kvstore.model.press.select.row_scores`` with a fresh memo: what a press runs once per context, its
-forward included): ``kvzip`` (the context replayed after the repeat prompt, in 2,048-token chunks),
-``expected_attention`` (the context's tokens after the sinks run again for their queries), ``snapkv``
-(its 64-token window again) and ``knorm`` (keys only). Rows: the seconds and their ratio to the
-prefill's median, and the scoring tokens each ran. KVzip's goal: at most 2.5x a prefill (kvpress states
-2-3x for its implementation).
+The bundled SmolLM2-135M-Instruct (float32, CPU, sdpa, grouped-KV attention as kvstore's forwards
+run), contexts of ``--lengths`` tokens (real text: the demo articles run together and cut to
+length, as :func:`benchlib.real_context_ids` gives them; no chat template, so KVzip replays every
+token). Per length and ``--repeats`` runs (min/median/max): the prefill of the context
+(``kvstore.model.compute.forward.prefill``, the build's), then each scorer's whole scoring of that
+context from its dense cache in memory (``kvstore.model.press.select.row_scores`` with a fresh memo:
+what a press runs once per context, its forward included): ``kvzip`` (the context replayed after the
+repeat prompt, in 2,048-token chunks), ``expected_attention`` (the context's tokens after the sinks
+run again for their queries), ``snapkv`` (its 64-token window again) and ``knorm`` (keys only).
+Rows: the seconds and their ratio to the prefill's median, and the scoring tokens each ran. KVzip's
+goal: at most 2.5x a prefill (kvpress states 2-3x for its implementation).
 
 Command (from the repository root; the suite ``press_cost``: ``python -m experiments run press_cost``
 writes ``press_cost.json`` into experiments/results/; run by hand it writes to cache/bench/raw/)::
