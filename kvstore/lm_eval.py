@@ -177,8 +177,9 @@ class ModelArgs:
     add_bos_token: bool | str | None = option(None, "as for hf")
     prefix_token_id: int | str | None = option(None, "as for hf")
     press: str | None = option(
-        None, "a press spec (snapkv:0.5) applied to every request's stored context; not question-aware (a request's "
-        "question is part of its context); the store keeps dense caches, so other presses compute no context token"
+        None, "a press spec of the registry (snapkv:0.5, kvzip:0.75, expected_attention:0.5:adakv) applied to every "
+        "request's stored context; not question-aware (a request's question is part of its context); the store keeps "
+        "dense caches, so another press or ratio computes no context token"
     )  # fmt: skip
 
 

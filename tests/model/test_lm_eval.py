@@ -291,6 +291,23 @@ def test_a_press_from_the_store_equals_the_press_without_it_and_reuses_the_dense
     other.close()
 
 
+@pytest.mark.parametrize("spec", ["kvzip:0.5", "expected_attention:0.5:adakv", "snapkv:0.5:pyramid"])
+def test_a_leaderboard_press_from_the_store_equals_the_press_without_it(tiny_llama_dir, tmp_path, task_manager, spec):
+    """The leaderboard's presses and budgets, registered in the press registry, are lm-eval model
+    args like any other: scores and generations from the store equal the press without a store
+    (KVzip's replay and ExpectedAttention's statistics read the stored dense cache)."""
+    tasks = ["kv_tiny_mc", "kv_tiny_gen"]
+    stored = _kvstore(tiny_llama_dir, tmp_path / "store", press=spec)
+    got = _evaluate(stored, task_manager, tasks=tasks)
+    assert stored.get_model_info()["kvstore_press"] == spec
+    stored.close()
+    ref = _kvstore(tiny_llama_dir, None, press=spec)
+    assert_same(_evaluate(ref, task_manager, tasks=tasks), got, tasks)
+    # the press is applied on both sides, not ignored on both: the dense log-likelihoods differ
+    dense = _evaluate(_kvstore(tiny_llama_dir, None), task_manager, tasks=["kv_tiny_mc"])
+    assert [s["resps"] for s in dense["samples"]["kv_tiny_mc"]] != [s["resps"] for s in got["samples"]["kv_tiny_mc"]]
+
+
 def test_a_question_aware_or_bad_press_is_refused_before_loading(tmp_path):
     from kvstore.errors import ModelError
     from kvstore.lm_eval import KVStoreLM
