@@ -47,7 +47,17 @@ class ThreadPool:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+@dataclass
+class LmdbEnvironments:
+    """The open LMDB environments by path (``SharedEnv`` values) and the lock over them; a forked
+    child replaces the lock (the parent's other threads, which might hold it, are gone)."""
+
+    envs: dict[str, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 ATTENTION = AttentionSwitch()
 POOL = ThreadPool()
+LMDB = LmdbEnvironments()
 
-__all__ = ["ATTENTION", "POOL", "AttentionSwitch", "ThreadPool"]
+__all__ = ["ATTENTION", "LMDB", "POOL", "AttentionSwitch", "LmdbEnvironments", "ThreadPool"]

@@ -36,8 +36,7 @@ from typing import Any
 import lmdb
 
 from kvstore.errors import ReadOnlyStoreError, StoreError
-
-_LOCK = threading.Lock()
+from kvstore.process import LMDB  # the open environments and their lock (process-wide: see there)
 
 
 @dataclass(eq=False)
@@ -56,16 +55,14 @@ class SharedEnv:
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """Count a transaction as in progress for its duration (see the module docstring)."""
-        with _LOCK:
+        with LMDB.lock:
             self.active += 1
         try:
             yield
         finally:
-            with _LOCK:
+            with LMDB.lock:
                 self.active -= 1
 
-
-_ENVS: dict[str, SharedEnv] = {}
 
 
 def _open(path: Path, *, map_size: int, sync: bool, max_readers: int, writable: bool):
@@ -96,8 +93,8 @@ def acquire(path: Path, *, readonly: bool, map_size: int, sync: bool, max_reader
     cannot be opened, ReadOnlyStoreError when a writable handle asks for an environment that could
     only be opened read-only."""
     key = os.path.realpath(path)
-    with _LOCK:
-        shared = _ENVS.get(key)
+    with LMDB.lock:
+        shared = LMDB.envs.get(key)
         if shared is not None and shared.busy_at_fork:
             raise StoreError(
                 f"store {path} was inside a transaction in the parent process when this process was forked, so "
@@ -109,7 +106,7 @@ def acquire(path: Path, *, readonly: bool, map_size: int, sync: bool, max_reader
             writable = os.access(path, os.W_OK) and (not data.exists() or os.access(data, os.W_OK))
             env = _open(path, map_size=map_size, sync=sync, max_readers=max_readers, writable=writable)
             shared = SharedEnv(key, env, writable, sync, os.getpid())
-            _ENVS[key] = shared
+            LMDB.envs[key] = shared
         elif not readonly and not shared.writable:
             raise ReadOnlyStoreError(f"store {path} is not writable (it is open read-only in this process)")
         shared.users += 1
@@ -118,40 +115,39 @@ def acquire(path: Path, *, readonly: bool, map_size: int, sync: bool, max_reader
 
 def release(shared: SharedEnv) -> None:
     """One handle is done with ``shared``; the last one closes the environment."""
-    with _LOCK:
+    with LMDB.lock:
         shared.users -= 1
         if shared.users > 0:
             return
-        if _ENVS.get(shared.key) is shared:
-            del _ENVS[shared.key]
+        if LMDB.envs.get(shared.key) is shared:
+            del LMDB.envs[shared.key]
     with contextlib.suppress(Exception):
         shared.env.close()
 
 
 def open_count() -> int:
     """Environments open in this process (for tests)."""
-    with _LOCK:
-        return len(_ENVS)
+    with LMDB.lock:
+        return len(LMDB.envs)
 
 
 def _before_fork() -> None:
-    _LOCK.acquire()
+    LMDB.lock.acquire()
 
 
 def _after_fork_in_parent() -> None:
-    _LOCK.release()
+    LMDB.lock.release()
 
 
 def _after_fork_in_child() -> None:
-    global _LOCK
-    inherited = list(_ENVS.values())
-    _LOCK = threading.Lock()  # the parent's other threads, which might hold it, are gone
+    inherited = list(LMDB.envs.values())
+    LMDB.lock = threading.Lock()  # the parent's other threads, which might hold it, are gone
     for shared in inherited:
         if shared.active:
             # closing would end the parent's transactions in its reader table: leave it alone
             shared.busy_at_fork, shared.users, shared.active = True, 0, 0
             continue
-        del _ENVS[shared.key]
+        del LMDB.envs[shared.key]
         with contextlib.suppress(Exception):
             shared.env.close()  # this process's mapping and file handles only
 
