@@ -64,7 +64,6 @@ class SharedEnv:
                 self.active -= 1
 
 
-
 def _open(path: Path, *, map_size: int, sync: bool, max_readers: int, writable: bool):
     try:
         return lmdb.open(
