@@ -19,9 +19,15 @@ from kvstore.store.codecs import codec_from_params
 from kvstore.store.keyspace import is_key
 
 # The newest entry format this kvstore reads: 2 (chains of chunks), 3 and 4 (the same layout, written
-# by entries whose codec an older reader does not know: 3 for zstd-split, int4r, int8r; 4 for ecq).
-# The store's own layout (meta, e/, r/, a/) is STORE_FORMAT, unchanged since format 2.
-FORMAT_VERSION = 4
+# by entries whose codec an older reader does not know: 3 for zstd-split, int4r, int8r; 4 for ecq),
+# and 5: a derived entry (a context's scores or pressed cache, :mod:`kvstore.store.derived`), the same
+# framing around another header, read only as such (a chunk reader takes it for corrupt; a reader of
+# format 4 or older refuses it as "written by format version 5 ... upgrade kvstore").
+# The store's own layout (meta, e/, r/, a/, x/) is STORE_FORMAT, unchanged since format 2: a store
+# without derived entries has no x/ keys, and an older kvstore ignores them.
+FORMAT_VERSION = 5
+CHUNK_FORMAT = 4  # the newest format of a chunk entry
+DERIVED_FORMAT = 5
 STORE_FORMAT = 2
 # A chunk ends by this context position at most (a trillion tokens): the rotation of a pre-RoPE codec
 # computes angles from positions, which float64 stops counting exactly past 2**53.
@@ -74,7 +80,7 @@ class EntryHeader:
     codec: Mapping = field(hash=False, compare=False)
     raw_bytes: int
     created: float
-    format: int = FORMAT_VERSION
+    format: int = CHUNK_FORMAT
     parent: str = ""
     start: int = 0
     numerics: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
@@ -147,7 +153,8 @@ def check_layer(spec: LayerSpec, n_tokens: int, i: int, error: type[Exception]) 
         raise error(f"layer {i}: only sliding and chunked layers have a window")
 
 
-def _int(h: Mapping, name: str, low: int = 0) -> int:
+def field_int(h: Mapping, name: str, low: int = 0) -> int:
+    """The integer field ``name`` of a parsed header, at least ``low``; CorruptEntryError otherwise."""
     v = h.get(name)
     if not isinstance(v, int) or isinstance(v, bool) or v < low:
         raise CorruptEntryError(f"entry header field {name!r} is missing or invalid")
@@ -180,18 +187,18 @@ def _layers_v2(h: Mapping, n_tokens: int) -> tuple[LayerSpec, ...]:
         if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
             raise CorruptEntryError(f"entry header layer {i} has a malformed window")
         spec = LayerSpec(
-            kind, _int(r, "length") if has_kv else 0, _int(r, "kv_heads", 1) if has_kv else 0,
-            _int(r, "head_dim", 1) if has_kv else 0, window, tuple(state),
+            kind, field_int(r, "length") if has_kv else 0, field_int(r, "kv_heads", 1) if has_kv else 0,
+            field_int(r, "head_dim", 1) if has_kv else 0, window, tuple(state),
         )  # fmt: skip
         check_layer(spec, n_tokens, i, CorruptEntryError)
         specs.append(spec)
     return tuple(specs)
 
 
-def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
-    """Parse an entry's header (format 1 or 2) without verifying the checksum.
-
-    Returns ``(header, payload_offset)``. Raises CorruptEntryError or FormatVersionError."""
+def read_frame(buf: bytes | memoryview) -> tuple[dict, int, int]:
+    """The framing every stored entry shares (magic, header length, canonical JSON header), read
+    without verifying the checksum: ``(header JSON, its format, payload offset)``. Raises
+    CorruptEntryError, or FormatVersionError for a format newer than :data:`FORMAT_VERSION`."""
     if len(buf) < _PREFIX + TRAILER_BYTES or bytes(buf[: len(MAGIC)]) != MAGIC:
         raise CorruptEntryError("not a kvstore entry (bad magic or too short)")
     (hlen,) = struct.unpack_from("<I", buf, len(MAGIC))
@@ -203,12 +210,18 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
         raise CorruptEntryError("entry header is not valid JSON") from None
     if not isinstance(h, dict):
         raise CorruptEntryError("entry header is not a JSON object")
-    fmt = _int(h, "format", 1)
+    fmt = field_int(h, "format", 1)
     if fmt > FORMAT_VERSION:
         raise FormatVersionError(
             f"entry was written by format version {fmt}; this kvstore reads up to {FORMAT_VERSION} - upgrade kvstore"
         )
-    for name in ("key", "model", "model_name", "dtype"):
+    return h, fmt, _PREFIX + hlen
+
+
+def check_facts(h: Mapping, names: tuple[str, ...] = ("key", "model", "model_name", "dtype")) -> float:
+    """Check the fields every entry header has (the string ``names``, a known KV ``dtype``, a
+    ``codec`` record, a printable ``created``); returns ``created``. Raises CorruptEntryError."""
+    for name in names:
         if not isinstance(h.get(name), str):
             raise CorruptEntryError(f"entry header field {name!r} is missing or invalid")
     try:
@@ -221,14 +234,26 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
     # a printable date (json.loads also accepts NaN, Infinity and 10**400; datetime stops at 9999)
     if not isinstance(created, (int, float)) or isinstance(created, bool) or not 0 <= created < 2.5e11:
         raise CorruptEntryError("entry header field 'created' is missing or invalid")
-    n_tokens = _int(h, "n_tokens", 1)
+    return float(created)
+
+
+def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
+    """Parse a chunk entry's header (formats 1 to 4) without verifying the checksum.
+
+    Returns ``(header, payload_offset)``. Raises CorruptEntryError (a derived entry, format 5, is
+    not a chunk) or FormatVersionError."""
+    h, fmt, offset = read_frame(buf)
+    if fmt == DERIVED_FORMAT:
+        raise CorruptEntryError("a derived entry (format 5) is stored where a chunk belongs")
+    created = check_facts(h)
+    n_tokens = field_int(h, "n_tokens", 1)
     if fmt == 1:
-        spec = LayerSpec(ATTN, n_tokens, _int(h, "kv_heads", 1), _int(h, "head_dim", 1))
-        layers = (spec,) * _int(h, "n_layers", 1)
+        spec = LayerSpec(ATTN, n_tokens, field_int(h, "kv_heads", 1), field_int(h, "head_dim", 1))
+        layers = (spec,) * field_int(h, "n_layers", 1)
         parent, start, numerics = "", 0, {}  # type: ignore[var-annotated]
     else:
         layers = _layers_v2(h, n_tokens)
-        parent, start, numerics = h.get("parent"), _int(h, "start"), h.get("numerics")  # type: ignore[assignment]
+        parent, start, numerics = h.get("parent"), field_int(h, "start"), h.get("numerics")  # type: ignore[assignment]
         if start + n_tokens > MAX_POSITION:
             raise CorruptEntryError("entry header field 'start' is out of range")
         if not isinstance(parent, str) or (parent and not is_key(parent)):
@@ -243,14 +268,14 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
         n_tokens=n_tokens,
         layers=layers,
         codec=h["codec"],
-        raw_bytes=_int(h, "raw_bytes"),
-        created=float(created),
+        raw_bytes=field_int(h, "raw_bytes"),
+        created=created,
         format=fmt,
         parent=parent,
         start=start,
         numerics=numerics,
     )
-    return header, _PREFIX + hlen
+    return header, offset
 
 
 def check_sizes(header: EntryHeader, payload_bytes: int) -> None:
@@ -277,6 +302,8 @@ def verify_checksum(buf: bytes | memoryview) -> None:
 
 
 __all__ = [
+    "CHUNK_FORMAT",
+    "DERIVED_FORMAT",
     "FORMAT_VERSION",
     "MAX_COMPRESSION_RATIO",
     "MAX_QUANTIZATION_RATIO",
@@ -288,7 +315,10 @@ __all__ = [
     "EntryHeader",
     "LayerSpec",
     "check_layer",
+    "check_facts",
     "check_sizes",
+    "field_int",
+    "read_frame",
     "read_header",
     "verify_checksum",
 ]

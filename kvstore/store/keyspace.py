@@ -3,9 +3,13 @@
 * ``meta``: the store's own description (format version, default codec, chunk size, created);
 * ``e/<key>``: an entry (a chunk, or a format-1 whole context), :mod:`kvstore.store.entry`;
 * ``r/<key>``: a context record (its chain of chunk keys; the key is the chain's last chunk's);
-* ``a/<key>``: the last access time of an entry (float64 seconds, little-endian).
+* ``a/<key>``: the last access time of an entry or a derived entry (float64 seconds, little-endian);
+* ``x/<context>/<key>``: a derived entry of the context ``<context>`` (its scores, or a pressed
+  cache: :mod:`kvstore.store.derived`), ``<key>`` the derived key. Listing ``x/<context>/`` finds
+  every derived entry of one context; a store written before derived entries has no ``x/`` keys.
 
-``<key>`` is always 64 lowercase hex digits (a sha256, :mod:`kvstore.store.keys`).
+``<key>`` and ``<context>`` are always 64 lowercase hex digits (sha256s: :mod:`kvstore.store.keys`,
+:func:`kvstore.store.derived.derived_key_of`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ META = b"meta"
 ENTRY = b"e/"
 RECORD = b"r/"
 ACCESS = b"a/"
+DERIVED = b"x/"
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -39,10 +44,44 @@ def access_key(key: str) -> bytes:
     return ACCESS + key.encode("ascii")
 
 
+def derived_prefix(context: str) -> bytes:
+    """The backend prefix of every derived entry of the context ``context``."""
+    return DERIVED + context.encode("ascii") + b"/"
+
+
+def derived_entry_key(context: str, key: str) -> bytes:
+    """The backend key of the derived entry ``key`` of the context ``context``."""
+    return derived_prefix(context) + key.encode("ascii")
+
+
+def derived_of(backend_key: bytes) -> tuple[str, str] | None:
+    """``(context, derived key)`` named by a backend key under ``x/``, or None when it is not one
+    (a malformed name: both parts must be keys)."""
+    if not backend_key.startswith(DERIVED):
+        return None
+    context, sep, key = backend_key[len(DERIVED) :].decode("utf-8", errors="replace").partition("/")
+    return (context, key) if sep and is_key(context) and is_key(key) else None
+
+
 def key_of(backend_key: bytes, prefix: bytes, errors: str = "strict") -> str:
     """The store key inside ``backend_key`` (which starts with ``prefix``). ``errors="replace"``
     names a damaged key in a report instead of raising UnicodeDecodeError."""
     return backend_key[len(prefix) :].decode("utf-8", errors=errors)
 
 
-__all__ = ["ACCESS", "ENTRY", "HEX64", "META", "RECORD", "access_key", "entry_key", "is_key", "key_of", "record_key"]
+__all__ = [
+    "ACCESS",
+    "DERIVED",
+    "ENTRY",
+    "HEX64",
+    "META",
+    "RECORD",
+    "access_key",
+    "derived_entry_key",
+    "derived_of",
+    "derived_prefix",
+    "entry_key",
+    "is_key",
+    "key_of",
+    "record_key",
+]

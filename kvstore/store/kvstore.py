@@ -8,11 +8,13 @@
         with store.open_chain(chunk_keys) as views:   # the longest verified prefix, zero-copy
             views[0].layers[0][0].copy_into(dest)     # keys of layer 0, decoded into dest
         info = store.scan()                   # headers only; scan(verify=True) checks every byte
+        store.put_derived(blob)               # a context's scores or pressed cache (kvstore.store.derived)
 
 Backend keys: ``e/<key>`` entries (chunks, or format-1 whole contexts), ``r/<key>`` context records
 (JSON: the chain's chunk keys, its tokens, its creation time; the key is the last chunk's),
 ``a/<key>`` last access time (float64 seconds, written in one batch when the store closes, and at
-once for chunks a build reuses, so that a concurrent gc's grace period sees them), ``meta`` the
+once for chunks a build reuses, so that a concurrent gc's grace period sees them), ``x/<context>/<key>``
+a context's derived entries (scores, pressed caches: :mod:`kvstore.store.derived_store`), ``meta`` the
 store's own description (format version, default codec, chunk size, creation time). Reopening a
 store reads its description back; a store from a newer format is refused, never misread; a
 format-1 store opened for writing is upgraded in place (its entries stay readable).
@@ -45,6 +47,7 @@ from kvstore.parallel import run_all
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import Codec, get_codec, identity_of
+from kvstore.store.derived_store import DerivedEntries
 from kvstore.store.entry import Entry, EntryView, decode_entry, encode_entry
 from kvstore.store.header import (
     MAX_ENTRY_HEADER,
@@ -54,7 +57,17 @@ from kvstore.store.header import (
     read_header,
     verify_checksum,
 )
-from kvstore.store.keyspace import ACCESS, ENTRY, RECORD, access_key, entry_key, is_key, key_of, record_key
+from kvstore.store.keyspace import (
+    ACCESS,
+    ENTRY,
+    RECORD,
+    access_key,
+    derived_entry_key,
+    entry_key,
+    is_key,
+    key_of,
+    record_key,
+)
 from kvstore.store.meta import MAX_CHUNK_TOKENS, load_meta
 from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
 
@@ -80,7 +93,7 @@ def _same_entry(stored: memoryview, blob: bytes, key: str) -> bool:
     return facts(old.header) == facts(new.header) and old.token_ids() == new.token_ids()
 
 
-class KVStore:
+class KVStore(DerivedEntries):
     """A KV-cache store. ``path_or_url``: a directory (LMDB), ``lmdb://DIR``, ``s3://BUCKET[/PREFIX]``
     or ``memory://NAME``; default ``$KVSTORE_STORE`` or ``<home>/store``.
 
@@ -309,11 +322,14 @@ class KVStore:
         if items and not self.readonly:
             self.backend.put_many(items)
 
-    def prefetch(self, keys: Iterable[str]) -> None:
-        """Start fetching these entries in the background where the backend can (a remote one:
-        ``sample`` asks for the next batch's chunks while the current batch decodes); later loads
-        take them from there. Local backends (LMDB, memory) need nothing: a no-op."""
-        self.backend.prefetch([entry_key(k) for k in dict.fromkeys(keys)])
+    def prefetch(self, keys: Iterable[str], *, derived: Iterable[tuple[str, str]] = ()) -> None:
+        """Start fetching these entries, and the ``derived`` entries ``(context, derived key)``, in
+        the background where the backend can (a remote one: ``sample`` asks for the next batch's
+        chunks while the current batch decodes); later loads take them from there. Local backends
+        (LMDB, memory) need nothing: a no-op."""
+        names = [entry_key(k) for k in dict.fromkeys(keys)]
+        names += [derived_entry_key(c, k) for c, k in dict.fromkeys(derived)]
+        self.backend.prefetch(names)
 
     # -- chains ---------------------------------------------------------------------------------
     def stored_prefix(self, keys: Sequence[str]) -> int:

@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 from kvstore.store.entry import Entry, EntryView, decode_entry, encode_entry
-from kvstore.store.header import MAGIC, read_header
+from kvstore.store.header import MAGIC, read_frame
 from kvstore.store.keys import chain_keys, chain_seed
 from kvstore.store.kvstore import KVStore
 
@@ -61,8 +61,8 @@ def small_entry(codec: str, n_layers: int = 1, n_tokens: int = 6, head_dim: int 
 
 
 def split(blob: bytes) -> tuple[dict, bytes]:
-    """(header JSON, payload) of an entry."""
-    _, offset = read_header(blob)
+    """(header JSON, payload) of an entry (a chunk or a derived entry)."""
+    _, _, offset = read_frame(blob)
     return json.loads(blob[12:offset]), blob[offset:-8]
 
 

@@ -24,7 +24,7 @@ from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.model.load.identity import config_digest
 from kvstore.store.codecs import get_codec
 from kvstore.store.entry import Entry, decode_entry, encode_entry
-from kvstore.store.header import FORMAT_VERSION, MAGIC, read_header, verify_checksum
+from kvstore.store.header import CHUNK_FORMAT, DERIVED_FORMAT, FORMAT_VERSION, MAGIC, read_header, verify_checksum
 from kvstore.store.keys import cache_key, chain_keys, chain_seed, chunk_spans
 
 REGEN = os.environ.get("KVSTORE_REGEN_GOLDEN") == "1"  # rewrite the golden files (after a format bump)
@@ -220,8 +220,10 @@ def golden_v1() -> dict:
 
 
 def test_golden_format_version(golden, golden_v1):
-    # this kvstore reads formats 1 to 3; raw and zstd-shuffle entries are still written as format 2
-    assert FORMAT_VERSION == 4 and golden["format_version"] == 2 and golden_v1["format_version"] == 1
+    # this kvstore reads formats 1 to 5 (chunks up to 4, derived entries 5); raw and zstd-shuffle
+    # entries are still written as format 2
+    assert FORMAT_VERSION == 5 and CHUNK_FORMAT == 4 and DERIVED_FORMAT == 5
+    assert golden["format_version"] == 2 and golden_v1["format_version"] == 1
 
 
 @pytest.mark.parametrize("kind", list(GOLDEN_ENTRIES))

@@ -35,6 +35,18 @@ def test_a_store_writes_what_keyspace_names(tmp_path):
     assert not keyspace.is_key("A" * 64) and not keyspace.is_key("a" * 63) and not keyspace.is_key(None)
 
 
+def test_derived_entries_live_under_their_context():
+    context, key = "0123456789abcdef" * 4, "fedcba9876543210" * 4
+    assert keyspace.DERIVED == b"x/"
+    assert keyspace.derived_prefix(context) == b"x/" + context.encode() + b"/"
+    assert keyspace.derived_entry_key(context, key) == b"x/" + context.encode() + b"/" + key.encode()
+    assert keyspace.derived_of(keyspace.derived_entry_key(context, key)) == (context, key)
+    for bad in (b"x/" + context.encode(), b"x/abc/" + key.encode(), b"x/" + context.encode() + b"/zz",
+                b"e/" + context.encode()):  # fmt: skip
+        assert keyspace.derived_of(bad) is None
+    assert keyspace.derived_entry_key(context, key).startswith(keyspace.derived_prefix(context))
+
+
 def test_the_scheme_is_what_earlier_releases_wrote():
     """Stores already written keep opening: these bytes are part of the on-disk format."""
     key = "0123456789abcdef" * 4
@@ -45,7 +57,7 @@ def test_the_scheme_is_what_earlier_releases_wrote():
 
 
 def test_no_other_library_module_spells_the_scheme():
-    spelled = {b"e/", b"r/", b"a/", b"meta", "e/", "r/", "a/", r"^[0-9a-f]{64}$"}
+    spelled = {b"e/", b"r/", b"a/", b"x/", b"meta", "e/", "r/", "a/", "x/", r"^[0-9a-f]{64}$"}
     found = []
     for path in sorted((REPO / "kvstore").rglob("*.py")) + sorted((REPO / "cli").rglob("*.py")):
         if path.name == "keyspace.py":

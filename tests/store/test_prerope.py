@@ -355,7 +355,7 @@ def test_convert_needs_and_takes_the_rotary(llama64, tmp_path):
         with KVStore(str(tmp_path / "b"), codec="int4r", chunk_tokens=16) as built:
             llama64.generate_kv_cache(ctx, built)
             for ids in ctx:  # convert writes what a build writes
-                for key in llama64.plan(ids, built).keys:
+                for key in llama64.chain(ids, built).keys:
                     a, b = built.get(key), store.get(key)
                     assert a is not None and b is not None
                     for x, y in zip(a.layers, b.layers):

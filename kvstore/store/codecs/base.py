@@ -52,19 +52,24 @@ class Quantizer(Protocol):
         """What an entry header records to decode (JSON-serialisable)."""
         ...
 
-    def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
+    def encode(
+        self, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
         """The stored tensors for ``tensor`` (a chunk starting at context position ``start``):
         ``(suffix, tensor)`` pairs, stored under ``name + suffix`` (suffix ``""``: under the
-        tensor's own name). Raises CodecError for a tensor this quantizer cannot store."""
+        tensor's own name). ``positions`` (int64 ``[n_tokens]``, ascending), when given, are the
+        context positions of the tensor's tokens, which need not be contiguous (a pressed cache's
+        kept tokens) and replace ``start``. Raises CodecError for a tensor this quantizer cannot
+        store."""
         ...
 
     def reader(
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
-        start: int = 0,
+        start: int = 0, positions: torch.Tensor | None = None,
     ) -> StoredTensor:  # fmt: skip
         """Check the stored parts of ``name`` against the ``shape`` and ``dtype`` the entry header
-        declares and return a reader for them (``start``: the chunk's first context position, as
-        given to ``encode``). Raises CorruptEntryError when they do not fit."""
+        declares and return a reader for them (``start`` or ``positions``: the tokens' context
+        positions, as given to ``encode``). Raises CorruptEntryError when they do not fit."""
         ...
 
     def stored_names(self, name: str) -> list[str]:

@@ -44,13 +44,13 @@ from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import register_quantizer
 from kvstore.store.codecs.prerope import Rotary, need_rotary, rotate
 from kvstore.store.codecs.quant import (
-    SINK_TOKENS,
     Stage,
     _param_dtype,
     _rec,
     _scratch,
     _view,
     checked_sink,
+    sink_count,
     sink_then_rest,
 )
 from kvstore.store.codecs.records import TensorRecord
@@ -98,15 +98,18 @@ class EntropyQuantizer:
         return min(8.0, max(1.0, math.log2(math.sqrt(2 * math.pi * math.e) / s)))
 
     # -- encoding -------------------------------------------------------------------------------
-    def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
+    def encode(
+        self, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
         x = tensor.detach().to("cpu")
         heads, n, dim = x.shape
-        k = min(SINK_TOKENS, n) if start == 0 else 0
+        k = sink_count(n, start, positions)
         sink = x[:, :k].contiguous()
         wdt = torch.float64 if x.dtype == torch.float64 else torch.float32  # as the reader decodes
         if role == "keys":
             rotary = need_rotary(self.rotary, self.spec, CodecError, dim)
-            body = rotate(x[:, k:].double(), rotary, start + k, inverse=True).to(wdt)
+            rest = None if positions is None else positions[k:]
+            body = rotate(x[:, k:].double(), rotary, start + k, inverse=True, positions=rest).to(wdt)
         else:
             body = x[:, k:].to(wdt)
         m = body.shape[1]
@@ -135,7 +138,7 @@ class EntropyQuantizer:
     # -- decoding -------------------------------------------------------------------------------
     def reader(
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
-        start: int = 0,
+        start: int = 0, positions: torch.Tensor | None = None,
     ) -> _EntropyReader:  # fmt: skip
         heads, n, dim = shape
         codes, offsets, steps, sink = (_rec(records, name + p) for p in PARTS)
@@ -152,7 +155,7 @@ class EntropyQuantizer:
         rotary = None
         if role == "keys":
             rotary = need_rotary(self.rotary, self.spec, CorruptEntryError, dim)
-        return _EntropyReader(name, tuple(shape), dtype, codes, o, s, sink, rotary, start)
+        return _EntropyReader(name, tuple(shape), dtype, codes, o, s, sink, rotary, (start, positions))
 
 
 class _EntropyReader:
@@ -162,10 +165,11 @@ class _EntropyReader:
 
     device_decode = True
 
-    def __init__(self, name, shape, dtype, codes, offsets, steps, sink, rotary, start):
+    def __init__(self, name, shape, dtype, codes, offsets, steps, sink, rotary, where):
         self.name, self.shape, self.dtype = name, shape, dtype
         self.codes, self.offsets, self.steps, self.sink = codes, offsets, steps, sink
-        self.rotary, self.start = rotary, start
+        self.rotary = rotary
+        self.start, self.positions = where  # the first token's position, or every token's
 
     def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
         """Decode into ``dest``: on the host, or with ``stage`` (``stage(source, device)``, see
@@ -189,7 +193,8 @@ class _EntropyReader:
         work.copy_(codes)
         torch.addcmul(offsets, work, steps, out=work)
         if self.rotary is not None:
-            rotate(work, self.rotary, self.start + k, out=work)
+            rest = None if self.positions is None else self.positions[k:]
+            rotate(work, self.rotary, self.start + k, out=work, positions=rest)
         if work is not d:
             d.copy_(work)
 

@@ -30,7 +30,9 @@ class Identity:
     def params(self) -> dict:
         return {}
 
-    def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
+    def encode(
+        self, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
         return [("", tensor)]
 
     def stored_names(self, name: str) -> list[str]:
@@ -41,7 +43,7 @@ class Identity:
 
     def reader(
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
-        start: int = 0,
+        start: int = 0, positions: torch.Tensor | None = None,
     ) -> TensorRecord:  # fmt: skip
         rec = records.get(name)
         if rec is None:

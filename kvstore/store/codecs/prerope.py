@@ -15,7 +15,9 @@ re-rotate`` is the identity up to rounding whatever the angles); matching the mo
 what makes the pre-rotation channels steady, i.e. what makes the codes small. The angles come from
 the model's inverse frequencies (``Rotary``), recorded in every entry's header (``codec.quant.rotary``)
 so decoding needs no model; a chunk's token ``t`` is at context position ``start + t`` (entries of
-full-attention layers, the only ones lossy codecs store).
+full-attention layers, the only ones lossy codecs store). A pressed cache's kept tokens are not
+contiguous: encoded with their ``positions``, each token is un-rotated at its own position (and the
+reader, given the same positions, rotates it back there).
 
 Error bound: the pre-rotation values are within half a step of their codes (as for ``int4``); a
 rotation is orthonormal, so an output element ``a cos - b sin`` is off by at most
@@ -44,7 +46,7 @@ import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import Codec, register_quantizer
-from kvstore.store.codecs.quant import PARTS, SINK_TOKENS, IntQuantizer, _scratch, _view, int_factory, sink_then_rest
+from kvstore.store.codecs.quant import PARTS, IntQuantizer, _scratch, _view, int_factory, sink_count, sink_then_rest
 from kvstore.store.codecs.records import TensorRecord
 
 LAYOUTS = ("half",)  # channel j pairs with j + R/2 (transformers' rotate_half); the only one handled
@@ -107,14 +109,29 @@ def _angles(inv_freq: tuple[float, ...], start: int, n: int) -> tuple[torch.Tens
     return ang.cos(), ang.sin()
 
 
-def rotate(x: torch.Tensor, rotary: Rotary, start: int, *, inverse: bool = False, out: torch.Tensor | None = None):
-    """Keys ``x`` ``[heads, n, head_dim]`` of positions ``start..`` rotated as the model rotates
-    them (``inverse``: un-rotated), computed in ``x``'s dtype (pass float64 for an exact inverse)
-    into ``out`` (default a new tensor; may be ``x`` itself or a view of another dtype)."""
+def _angles_at(inv_freq: tuple[float, ...], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_angles` of any positions (int64 ``[n]``): the same float32 products, so that a token
+    gets the angles it would get in a contiguous chunk."""
+    pos = positions.detach().to("cpu", torch.float64).float()
+    ang = (pos[:, None] * torch.tensor(inv_freq, dtype=torch.float32)[None, :]).double()
+    return ang.cos(), ang.sin()
+
+
+def rotate(
+    x: torch.Tensor, rotary: Rotary, start: int, *, inverse: bool = False, out: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+):  # fmt: skip
+    """Keys ``x`` ``[heads, n, head_dim]`` of positions ``start..`` (or of ``positions``, int64
+    ``[n]``, when given) rotated as the model rotates them (``inverse``: un-rotated), computed in
+    ``x``'s dtype (pass float64 for an exact inverse) into ``out`` (default a new tensor; may be
+    ``x`` itself or a view of another dtype)."""
     r, h = rotary.dim, rotary.dim // 2
     if r > x.shape[-1]:
         raise CodecError(f"rotary dimension {r} exceeds head_dim {x.shape[-1]}")
-    cos, sin = (t.to(device=x.device, dtype=x.dtype) for t in _angles(rotary.inv_freq, start, x.shape[1]))
+    angles = (
+        _angles(rotary.inv_freq, start, x.shape[1]) if positions is None else _angles_at(rotary.inv_freq, positions)
+    )
+    cos, sin = (t.to(device=x.device, dtype=x.dtype) for t in angles)
     if inverse:
         sin = -sin
     a, b = x[..., :h], x[..., h:r]
@@ -148,39 +165,43 @@ class PreRopeQuantizer(IntQuantizer):
             out["rotary"] = self.rotary.record()
         return out
 
-    def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
+    def encode(
+        self, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
         if role != "keys":
-            return super().encode(role, tensor, start)
+            return super().encode(role, tensor, start, positions)
         x = tensor.detach().to("cpu")
         heads, n, dim = x.shape
         rotary = need_rotary(self.rotary, self.spec, CodecError, dim)
-        k = min(SINK_TOKENS, n) if start == 0 else 0
+        k = sink_count(n, start, positions)
         sink = x[:, :k].contiguous()
-        pre = rotate(x[:, k:].double(), rotary, start + k, inverse=True).float()
+        rest = None if positions is None else positions[k:]
+        pre = rotate(x[:, k:].double(), rotary, start + k, inverse=True, positions=rest).float()
         # the same per-channel codes int4/int8 store, of the pre-rotation values (start > 0: no sink)
-        parts = dict(super().encode(role, pre, start=max(start, 1)))
+        parts = dict(super().encode(role, pre, start=max(start, 1) if positions is None else 1))
         parts[".sink"] = sink
         return [(p, parts[p]) for p in PARTS]
 
     def reader(
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
-        start: int = 0,
+        start: int = 0, positions: torch.Tensor | None = None,
     ):  # fmt: skip
         if role != "keys":
             return super().reader(role, name, records, shape, dtype)
         rotary = need_rotary(self.rotary, self.spec, CorruptEntryError, shape[2])
         codes, s, z, sink, _ = self.checked_parts(role, name, records, shape, dtype)
-        return _PreRopeReader(self, rotary, name, tuple(shape), dtype, codes, s, z, sink, start)
+        return _PreRopeReader(self, rotary, name, tuple(shape), dtype, codes, s, z, sink, (start, positions))
 
 
 class _PreRopeReader:
     """Decodes one pre-rotation key tensor into a destination buffer: codes -> float32 (float64
     for a float64 model) -> rotated -> destination."""
 
-    def __init__(self, q: PreRopeQuantizer, rotary: Rotary, name, shape, dtype, codes, scales, zeros, sink, start):
+    def __init__(self, q: PreRopeQuantizer, rotary: Rotary, name, shape, dtype, codes, scales, zeros, sink, where):
         self.q, self.rotary, self.name = q, rotary, name
         self.shape, self.dtype = shape, dtype
-        self.codes, self.scales, self.zeros, self.sink, self.start = codes, scales, zeros, sink, start
+        self.codes, self.scales, self.zeros, self.sink = codes, scales, zeros, sink
+        self.start, self.positions = where  # the first token's position, or every token's
 
     def copy_into(self, dest: torch.Tensor) -> None:
         d = sink_then_rest(self, dest)
@@ -206,7 +227,8 @@ class _PreRopeReader:
             torch.addcmul(z[:, : m // g].unsqueeze(2), wv, s[:, : m // g].unsqueeze(2), out=wv)
         if m > full:
             torch.addcmul(z[:, -1:], work[:, full:], s[:, -1:], out=work[:, full:])
-        rotated = rotate(work, self.rotary, self.start + k)
+        rest = None if self.positions is None else self.positions[k:]
+        rotated = rotate(work, self.rotary, self.start + k, positions=rest)
         d.copy_(rotated)
 
     def materialize(self) -> torch.Tensor:

@@ -21,6 +21,10 @@ Stored tensors, for a key or value tensor ``NAME`` ``[kv_heads, n, head_dim]`` (
 ``NAME.sink``   any  ``[H, k, D]`` in the model's dtype (``k = 0`` past a context's first chunk)
 ============== ===== =============================================================================
 
+A tensor whose tokens are not contiguous (a pressed cache's kept tokens, encoded with their
+``positions``) keeps as its sink those of its first tokens that are among the context's first
+``SINK_TOKENS`` (:func:`sink_count`).
+
 ``fp8`` stores e4m3 codes (``F8_E4M3``) of ``x / scale`` with one float16 scale per head and token
 (``NAME.scales`` ``[H, n, 1]``, the row's largest magnitude over 448); it decodes through the
 float16 bit pattern (exact for every finite code) because torch's own cast is not vectorized on CPU.
@@ -116,6 +120,15 @@ def checked_sink(sink: TensorRecord, shape: tuple[int, ...], dtype: torch.dtype)
     return k
 
 
+def sink_count(n: int, start: int = 0, positions: torch.Tensor | None = None) -> int:
+    """How many leading tokens of an ``n``-token tensor stay unquantized: the context's first
+    ``SINK_TOKENS`` tokens among them. Without ``positions`` the tensor covers ``start..start+n``;
+    with them (ascending context positions), its tokens at positions below ``SINK_TOKENS``."""
+    if positions is None:
+        return min(SINK_TOKENS, n) if start == 0 else 0
+    return int((positions[:SINK_TOKENS] < SINK_TOKENS).sum())
+
+
 def sink_then_rest(reader: Any, dest: torch.Tensor, stage: Stage | None = None) -> torch.Tensor:
     """Check ``dest`` against ``reader``'s shape and dtype (ValueError), copy the reader's sink
     tokens into its first slots (through ``stage`` when given) and return the view of the rest,
@@ -164,12 +177,14 @@ class IntQuantizer:
         return g
 
     # -- encoding -------------------------------------------------------------------------------
-    def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
+    def encode(
+        self, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
         x = tensor.detach().to("cpu")
         heads, n, dim = x.shape
         if self.bits == 4 and dim % 2:
             raise CodecError(f"{self.spec} needs an even head_dim, not {dim}")
-        k = min(SINK_TOKENS, n) if start == 0 else 0
+        k = sink_count(n, start, positions)
         sink, x = x[:, :k].contiguous(), x[:, k:].float()
         g = self._group(role, dim)
         qmax = (1 << self.bits) - 1
@@ -200,7 +215,7 @@ class IntQuantizer:
     # -- decoding -------------------------------------------------------------------------------
     def reader(
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
-        start: int = 0,
+        start: int = 0, positions: torch.Tensor | None = None,
     ) -> _IntReader:  # fmt: skip
         return _IntReader(self, role, name, shape, dtype, *self.checked_parts(role, name, records, shape, dtype))
 
@@ -311,7 +326,9 @@ class Fp8Quantizer:
     def bits_per_value(self, head_dim: int, dtype_bits: int) -> float:
         return 8.0 + 16.0 / head_dim  # one 16-bit scale per head and token
 
-    def encode(self, role: str, tensor: torch.Tensor, start: int = 0) -> list[tuple[str, torch.Tensor]]:
+    def encode(
+        self, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
         x = tensor.detach().to("cpu").float()
         amax = x.abs().amax(dim=2, keepdim=True)
         pdt = _param_dtype(amax)
@@ -321,7 +338,7 @@ class Fp8Quantizer:
 
     def reader(
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
-        start: int = 0,
+        start: int = 0, positions: torch.Tensor | None = None,
     ) -> _Fp8Reader:  # fmt: skip
         codes, scales = _rec(records, name + ".codes"), _rec(records, name + ".scales")
         if codes.shape != tuple(shape) or codes.dtype != torch.float8_e4m3fn:
@@ -399,4 +416,4 @@ register_quantizer("int8", int_factory(IntQuantizer, "int8", 8, 128, 64))
 register_quantizer("int4", int_factory(IntQuantizer, "int4", 4, 32, 64))
 register_quantizer("fp8", _fp8)
 
-__all__ = ["FP8_MAX", "SINK_TOKENS", "Fp8Quantizer", "IntQuantizer", "checked_sink", "sink_then_rest"]
+__all__ = ["FP8_MAX", "SINK_TOKENS", "Fp8Quantizer", "IntQuantizer", "checked_sink", "sink_count", "sink_then_rest"]
