@@ -2,7 +2,11 @@
 
 Every record of SRC that DST lacks is copied byte for byte: entries (``e/KEY``, each verified
 with :func:`kvstore.store.entry.decode_entry` before it is written, so a corrupt one is reported
-and never copied), access times, and any other ``NAME/HEX`` record. Writes use
+and never copied), derived entries (``x/CONTEXT/KEY``, verified with
+:func:`kvstore.store.derived.decode_derived`), access times, and any other ``NAME/HEX`` record.
+Entries go first, then the records about them, then the derived entries (the reverse of a
+removal's order: an interrupted sync leaves entries no record names yet, never a record whose
+chunks did not arrive, nor a derived entry whose context did not). Writes use
 ``put_if_absent``: a record DST already holds is never replaced, so syncs are idempotent and a
 sync that was killed resumes by copying only what is still missing.
 
@@ -26,9 +30,10 @@ from dataclasses import dataclass, field
 from kvstore.errors import CorruptEntryError, FormatVersionError, KVStoreError, StoreNotFoundError
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
+from kvstore.store.derived import decode_derived
 from kvstore.store.entry import decode_entry
 from kvstore.store.header import STORE_FORMAT
-from kvstore.store.keyspace import ENTRY, META, key_of
+from kvstore.store.keyspace import DERIVED, ENTRY, META, derived_of, key_of
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,11 @@ class SyncPlan:
         """Entries among the records to copy."""
         return sum(k.startswith(ENTRY) for k in self.missing)
 
+    @property
+    def derived(self) -> int:
+        """Derived entries among the records to copy."""
+        return sum(k.startswith(DERIVED) for k in self.missing)
+
 
 @dataclass(frozen=True)
 class SyncReport:
@@ -62,6 +72,7 @@ class SyncReport:
     copied: int = 0
     copied_entries: int = 0
     copied_bytes: int = 0
+    copied_derived: int = 0
     vanished: int = 0
     corrupt: tuple[tuple[str, str], ...] = field(default=())
     seconds: float = 0.0
@@ -74,6 +85,7 @@ class SyncReport:
             "already_present": self.present,
             "copied": self.copied,
             "copied_entries": self.copied_entries,
+            "copied_derived": self.copied_derived,
             "copied_bytes": self.copied_bytes,
             "vanished": self.vanished,
             "corrupt": len(self.corrupt),
@@ -115,7 +127,7 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
     have = set() if dst is None else set(dst.keys())
     records = [k for k in src.keys() if k != META]
     missing = [k for k in records if k not in have]
-    missing.sort(key=lambda k: (not k.startswith(ENTRY), k))  # entries before the records about them
+    missing.sort(key=lambda k: (_phase(k), k))  # entries, then the records about them, then derived entries
     return SyncPlan(
         src=src_name,
         dst=dst_name,
@@ -126,18 +138,42 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
     )
 
 
+def _phase(key: bytes) -> int:
+    """When a record is copied: entries (0), the records about them (1), derived entries (2)."""
+    return 0 if key.startswith(ENTRY) else 2 if key.startswith(DERIVED) else 1
+
+
+def _check(key: bytes, buf: memoryview) -> None:
+    """Raise CorruptEntryError or FormatVersionError unless the entry or derived entry ``key`` reads."""
+    if key.startswith(ENTRY):
+        decode_entry(buf, key=key_of(key, ENTRY, errors="replace"))
+    elif key.startswith(DERIVED):
+        named = derived_of(key)
+        if named is None:
+            raise CorruptEntryError("its name names no context and key")
+        if decode_derived(buf, key=named[1]).header.context != named[0]:
+            raise CorruptEntryError(f"it belongs to another context than {named[0][:12]}")
+
+
 def _copy(src: Backend, dst: Backend, key: bytes) -> tuple[str, int, str]:
     """Copy one record: ("copied", bytes, ""), ("present", 0, ""), ("vanished", 0, "") or
     ("corrupt", bytes, reason)."""
     with src.view(key) as buf:
         if buf is None:
             return "vanished", 0, ""
-        if key.startswith(ENTRY):
-            try:
-                decode_entry(buf, key=key_of(key, ENTRY, errors="replace"))
-            except (CorruptEntryError, FormatVersionError) as exc:
-                return "corrupt", len(buf), str(exc)
+        try:
+            _check(key, buf)
+        except (CorruptEntryError, FormatVersionError) as exc:
+            return "corrupt", len(buf), str(exc)
         return ("copied", len(buf), "") if dst.put_if_absent(key, buf) else ("present", 0, "")
+
+
+def _name(key: bytes) -> str:
+    """How a report names a stored entry: its key (a derived entry's with its context)."""
+    named = derived_of(key)
+    if named is not None:
+        return f"{named[1]} (derived entry of context {named[0][:16]})"
+    return key_of(key, ENTRY, errors="replace")
 
 
 def execute_sync(
@@ -150,15 +186,13 @@ def execute_sync(
     if plan.meta == "copy":
         dst.put_if_absent(META, plan.src_meta)
     counts = {"copied": 0, "present": 0, "vanished": 0, "corrupt": 0}
-    entries = nbytes = 0
+    entries = derived = nbytes = 0
     corrupt: list[tuple[str, str]] = []
     with ThreadPoolExecutor(max(1, jobs), thread_name_prefix="kvstore-sync") as pool:
-        # every entry is in DST before any record that names it: an interrupted sync leaves
-        # entries no record names yet, never a record whose chunks did not arrive
-        for phase in (
-            [k for k in plan.missing if k.startswith(ENTRY)],
-            [k for k in plan.missing if not k.startswith(ENTRY)],
-        ):
+        # every entry is in DST before any record that names it, and every context's record
+        # before its derived entries: an interrupted sync leaves entries no record names yet,
+        # never a record whose chunks did not arrive
+        for phase in ([k for k in plan.missing if _phase(k) == n] for n in range(3)):
             keys = iter(phase)
             running: dict[Future, bytes] = {}
             try:
@@ -178,8 +212,9 @@ def execute_sync(
                         if outcome == "copied":
                             nbytes += size
                             entries += key.startswith(ENTRY)
+                            derived += key.startswith(DERIVED)
                         elif outcome == "corrupt":
-                            corrupt.append((key_of(key, ENTRY, errors="replace"), reason))
+                            corrupt.append((_name(key), reason))
                         if progress is not None:
                             progress(1, size if outcome == "copied" else 0)
             finally:
@@ -192,6 +227,7 @@ def execute_sync(
         present=plan.present + counts["present"],
         copied=counts["copied"],
         copied_entries=entries,
+        copied_derived=derived,
         copied_bytes=nbytes,
         vanished=counts["vanished"],
         corrupt=tuple(corrupt),

@@ -31,6 +31,7 @@ from kvstore.store.backends.base import BackendBase
 
 DEFAULT_MAP_SIZE = 1 << 30  # 1 GiB of address space to start; grows by doubling
 DISK_FULL_BYTES = 16 << 20  # a failed write with less free space than this is a full disk
+KEYS_PAGE = 4096  # keys listed per read transaction
 
 
 class LMDBBackend(BackendBase):
@@ -186,15 +187,33 @@ class LMDBBackend(BackendBase):
             return txn.get(key) is not None
 
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
+        """Keys starting with ``prefix``, in order, read a page at a time (one short read
+        transaction each, none held between pages: a listing of a million keys holds one page);
+        keys written or deleted meanwhile may or may not be listed."""
+        first = self._page(prefix, prefix, skip=False)  # the store's errors now, not at the first next()
+        return self._pages(first, prefix)
+
+    def _pages(self, page: list[bytes], prefix: bytes) -> Iterator[bytes]:
+        while True:
+            yield from page
+            if len(page) < KEYS_PAGE:
+                return
+            page = self._page(page[-1], prefix, skip=True)
+
+    def _page(self, start: bytes, prefix: bytes, *, skip: bool) -> list[bytes]:
+        """Up to ``KEYS_PAGE`` keys with ``prefix`` from ``start`` on (``skip``: after it)."""
+        found: list[bytes] = []
         with self._read_txn() as txn:
             cur = txn.cursor()
-            found = []
-            if cur.set_range(prefix):
+            if cur.set_range(start):
                 for k in cur.iternext(keys=True, values=False):
-                    if not k.startswith(prefix):
+                    if skip and k == start:
+                        skip = False
+                        continue
+                    if not k.startswith(prefix) or len(found) >= KEYS_PAGE:
                         break
                     found.append(k)
-        return iter(found)
+        return found
 
     def disk_bytes(self) -> int:
         """Bytes the environment occupies on disk (LMDB files never shrink; freed pages are reused)."""
