@@ -10,7 +10,9 @@ Reads through :meth:`LMDBBackend.view` are zero-copy: the memoryview points into
 valid until the ``with`` block ends.
 
 Handles on one directory in one process share its environment (:mod:`.lmdb_env`: LMDB allows one
-per process), so a store can be opened any number of times; a forked child opens its own.
+per process), so a store can be opened any number of times; a forked child opens its own. A handle
+used in a forked child (opened by its parent) raises one StoreError naming that rule, never a raw
+``lmdb.Error``.
 """
 
 from __future__ import annotations
@@ -100,6 +102,12 @@ class LMDBBackend(BackendBase):
     def _txns(self):
         if self._shared is None:
             raise StoreError(f"store {self.path} is closed")
+        if self._shared.pid != os.getpid():
+            raise StoreError(
+                f"store {self.path} was opened in process {self._shared.pid} and used in its forked child "
+                f"{os.getpid()}; an open store is not shared across fork(): open your own store in each process "
+                "(KVStore(path) in the child)"
+            )
         return self._shared.transaction()
 
     def _write(self, fn) -> None:
@@ -221,7 +229,9 @@ class LMDBBackend(BackendBase):
         return data.stat().st_size if data.exists() else 0
 
     def close(self) -> None:
-        """Give this handle's share of the environment back (the last handle closes it)."""
+        """Give this handle's share of the environment back (the last handle closes it). In a
+        forked child a handle inherited from the parent lets go without touching the environment
+        (the fork closed the child's copy, or left it alone while a transaction was in progress)."""
         shared, self._shared = self._shared, None
-        if shared is not None:
+        if shared is not None and shared.pid == os.getpid():
             lmdb_env.release(shared)
