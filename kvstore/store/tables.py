@@ -49,8 +49,16 @@ class Codecs:
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[str, bool]] = {}
+        self._last: tuple[Mapping | None, tuple[str, bool]] = (None, ("?", True))
 
     def __call__(self, params: Mapping) -> tuple[str, bool]:
+        if params is self._last[0]:  # the same header's codec, asked again (its sizes, then its row)
+            return self._last[1]
+        got = self._parse(params)
+        self._last = (params, got)
+        return got
+
+    def _parse(self, params: Mapping) -> tuple[str, bool]:
         try:
             key = json.dumps({k: v for k, v in params.items() if k not in _PER_ENTRY_PARAMS}, sort_keys=True)
         except (TypeError, ValueError, AttributeError):

@@ -179,6 +179,12 @@ class LMDBBackend(BackendBase):
 
         self._write(fn)
 
+    def put_many_if_absent(self, items: Iterable[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        items = list(items)
+        stored: list[list[bool]] = []
+        self._write(lambda txn: stored.append([bool(txn.put(k, v, overwrite=False)) for k, v in items]))
+        return stored[-1] if stored else []
+
     def delete(self, key: bytes) -> bool:
         result = []
         self._write(lambda txn: result.append(txn.delete(key)))
