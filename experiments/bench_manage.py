@@ -1,0 +1,209 @@
+"""Managing a large store: ``kvstore ls``, ``stats``, ``verify``, ``gc --dry-run`` and ``sync`` as whole
+commands at 10^4 and 10^5 entries, and the Python memory of a scan per entry (issue 35, item 3).
+
+The store is made by hand, without a model: contexts of a made-up float32 model with a tiny shape
+(2 layers, 2 KV heads, head_dim 4) as chains of ~10 chunks of 8 tokens (groups of 5 contexts share
+their first 2 chunks, as prompts with a common head do), under the default codec, plus a pressed
+cache and scores for every 10th context (derived entries) and last-use records for half the chunks;
+entries go in through the backend in batches (one LMDB transaction per 2,000 values). ``--entries``
+counts every stored entry (chunks and derived entries).
+
+Each command runs as ``python -m kvstore CMD --store STORE`` in a fresh process (interpreter start and
+imports included), ``--repeats`` times after one untimed warm-up (the page cache warm);
+``sync`` copies into a new LMDB store each time. The scan's memory is measured in a child process:
+``tracemalloc``'s peak while ``KVStore.scan()`` runs (and the result it holds), over the entries.
+The goal (issue 35): time linear in entries, at most 0.5 KB of Python memory per entry.
+
+Command (from the repository root; the suite ``manage``: ``python -m experiments run manage`` writes
+experiments/results/manage.json; run by hand it writes to cache/bench/raw/)::
+
+    .venv/bin/python experiments/bench_manage.py               # 10^4 and 10^5 entries, 3 repeats
+    .venv/bin/python experiments/bench_manage.py --quick       # 2,000 and 5,000 entries, 1 repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import benchlib as bl
+
+WORK = bl.SCRATCH / "manage"
+COMMANDS = {
+    "ls": ["ls"],
+    "stats": ["stats"],
+    "verify": ["verify", "-q"],
+    "gc --dry-run": ["gc", "--dry-run", "-q"],
+    "sync": ["sync"],
+}
+CHUNK_TOKENS, CHUNKS, SHARED, GROUP = 8, 10, 2, 5  # tokens per chunk, chunks per context, shared head, group
+DERIVED_EVERY = 10  # every 10th context has a pressed cache and scores
+
+
+def make_store(path: Path, n_entries: int, seed: int = 0) -> dict:
+    """A store of about ``n_entries`` entries (see the module docstring); returns its counts."""
+    import torch
+
+    from kvstore.store.derived import DerivedFacts, encode_pressed, encode_scores
+    from kvstore.store.entry import Entry
+    from kvstore.store.keys import chain_keys, chain_seed
+    from kvstore.store.keyspace import access_key, derived_entry_key, entry_key, record_key
+    from kvstore.store.kvstore import KVStore
+    from kvstore.store.scan import ContextRecord
+
+    fp = "b" * 64
+    seed_key = chain_seed(fp, torch.float32, device="cpu", attn="sdpa")
+    g = torch.Generator().manual_seed(seed)
+    now = time.time()
+    counts = {"contexts": 0, "chunks": 0, "derived": 0, "access": 0}
+    seen: set[str] = set()
+    with KVStore(str(path), chunk_tokens=CHUNK_TOKENS) as store:
+        batch: list[tuple[bytes, bytes]] = []
+
+        def flush(force: bool = False) -> None:
+            if batch and (force or len(batch) >= 2000):
+                store.backend.put_many(batch)
+                batch.clear()
+
+        c = 0
+        while counts["chunks"] + counts["derived"] < n_entries:
+            head = [7, 7, c // GROUP] * (SHARED * CHUNK_TOKENS // 3 + 1)
+            ids = head[: SHARED * CHUNK_TOKENS] + torch.randint(100, 1000, ((CHUNKS - SHARED) * CHUNK_TOKENS,),
+                                                                generator=g).tolist()  # fmt: skip
+            spans = [(s, s + CHUNK_TOKENS) for s in range(0, len(ids), CHUNK_TOKENS)]
+            keys = chain_keys(seed_key, ids, spans)
+            parent = ""
+            for key, (start, end) in zip(keys, spans):
+                if key not in seen:
+                    seen.add(key)
+                    layers = tuple((torch.randn(2, end - start, 4, generator=g), torch.randn(2, end - start, 4,
+                                    generator=g)) for _ in range(2))  # fmt: skip
+                    entry = Entry(key, fp, "bench-tiny", torch.tensor(ids[start:end]), layers, now - c, parent, start,
+                                  numerics={"device": "cpu", "attn": "sdpa"})  # fmt: skip
+                    batch.append((entry_key(key), store.encode(entry)))
+                    counts["chunks"] += 1
+                    if counts["chunks"] % 2:
+                        batch.append((access_key(key), struct.pack("<d", now - c / 2)))
+                        counts["access"] += 1
+                parent = key
+            context = keys[-1]
+            batch.append((record_key(context), ContextRecord(context, tuple(keys), len(ids), now - c).to_bytes()))
+            if c % DERIVED_EVERY == 0:
+                facts = DerivedFacts(context, fp, "bench-tiny", "float32", len(ids), {"device": "cpu", "attn": "sdpa"})
+                scores = [torch.rand(2, len(ids), generator=g) for _ in range(2)]
+                key, blob = encode_scores(facts, "knorm", {"method": "knorm"}, scores, "raw")
+                batch.append((derived_entry_key(context, key), blob))
+                kept = [[(torch.randn(len(ids) // 2, 4, generator=g), torch.randn(len(ids) // 2, 4, generator=g),
+                          torch.arange(0, len(ids), 2)) for _ in range(2)] for _ in range(2)]  # fmt: skip
+                key, blob = encode_pressed(facts, "knorm:0.5", {"method": "knorm", "ratio": 0.5}, kept, "raw")
+                batch.append((derived_entry_key(context, key), blob))
+                counts["derived"] += 2
+            counts["contexts"] += 1
+            c += 1
+            flush()
+        flush(force=True)
+    return counts
+
+
+_MEASURE = """
+import json, sys, time, tracemalloc
+from kvstore.store.kvstore import KVStore
+with KVStore(sys.argv[1], readonly=True) as s:
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    info = s.scan()
+    seconds = time.perf_counter() - t0
+    current, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+print(json.dumps({"peak_bytes": peak, "held_bytes": current, "seconds_traced": seconds,
+                  "entries": info.n_entries + len(info.derived), "contexts": len(info.contexts)}))
+"""
+
+
+def scan_memory(path: Path) -> dict:
+    """tracemalloc's peak and what the result holds, while ``KVStore.scan()`` runs in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(path)], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_command(name: str, store: Path) -> float:
+    """Seconds of one whole command (a fresh process)."""
+    argv = [sys.executable, "-m", "kvstore", *COMMANDS[name]]
+    if name == "sync":
+        dst = store.parent / f"{store.name}-sync"
+        shutil.rmtree(dst, ignore_errors=True)
+        argv += [str(store), str(dst), "-q"]
+    else:
+        argv += ["--store", str(store)]
+    t0 = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="10000,100000", help="entries per store, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--commands", default=",".join(COMMANDS))
+    bl.run_args(ap)
+    args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.repeats = "2000,5000", 1
+    bl.setup(args.threads)
+    load = bl.wait_for_quiet(max_wait_s=args.wait)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    names = [c for c in args.commands.split(",") if c]
+    rows: list[dict] = []
+    per_size: dict[int, dict] = {}
+    for n in sizes:
+        store = WORK / f"store_{n}"
+        if not (store / "data.mdb").exists():
+            shutil.rmtree(store, ignore_errors=True)
+            t0 = time.perf_counter()
+            counts = make_store(store, n)
+            (store / "counts.json").write_text(json.dumps(counts))
+            print(f"made {store} in {time.perf_counter() - t0:.0f} s: {counts}", flush=True)
+        counts = json.loads((store / "counts.json").read_text())
+        entries = counts["chunks"] + counts["derived"]
+        memory = scan_memory(store)
+        memory["per_entry"] = memory["peak_bytes"] / entries
+        rows.append({"entries": entries, "measure": "scan_memory", **counts, **memory})
+        print(f"{entries:>7} entries: scan peak {memory['peak_bytes'] / 2**20:.1f} MiB, "
+              f"{memory['per_entry']:.0f} B per entry", flush=True)  # fmt: skip
+        per_size[n] = {"entries": entries, "per_entry": memory["per_entry"]}
+        for name in names:
+            times = bl.repeat(lambda: run_command(name, store), args.repeats, warmup=1)
+            stats = bl.summarize(times)
+            rows.append({"entries": entries, "measure": "command", "command": f"kvstore {name}", **stats,
+                         "seconds": times, "per_entry_us": stats["median"] / entries * 1e6})  # fmt: skip
+            per_size[n][name] = stats["median"]
+            print(f"{entries:>7} entries: kvstore {name:<13} median {bl.fmt_s(stats['median'])} "
+                  f"(min {bl.fmt_s(stats['min'])}, max {bl.fmt_s(stats['max'])})", flush=True)  # fmt: skip
+    notes: dict = {"load_before": load}
+    if len(sizes) >= 2:
+        small, big = per_size[sizes[0]], per_size[sizes[-1]]
+        scale = big["entries"] / small["entries"]
+        notes["linearity"] = {
+            "entries_ratio": round(scale, 3),
+            "time_ratio": {name: round(big[name] / small[name], 3) for name in names},
+            "memory_per_entry_ratio": round(big["per_entry"] / small["per_entry"], 3),
+        }
+        notes["goal"] = {
+            "memory_per_entry_bytes_max": 512,
+            "memory_met": all(v["per_entry"] <= 512 for v in per_size.values()),
+        }
+    bl.write_result("manage", params=vars(args) | {"chunk_tokens": CHUNK_TOKENS, "chunks_per_context": CHUNKS,
+                    "shared_chunks": SHARED, "derived_every": DERIVED_EVERY}, rows=rows, notes=notes)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
