@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import CorruptEntryError, FormatVersionError, ReadOnlyStoreError
 from kvstore.store.derived import decode_derived
@@ -202,7 +202,7 @@ def _derived_busy(store: KVStore, plan: GcPlan, used: Mapping[str, str], context
                 store.backend.contains(record_key(context)) or set(store.derived_keys(context)) - plan.gone[context]
             ):
                 out[d] = "its context was recorded since the plan"
-            elif key in plan.derived_corrupt and d in saved and _intact_derived(saved[d], key):
+            elif key in plan.derived_corrupt and d in saved and _intact(saved[d], key, decode_derived):
                 out[d] = "intact again since the plan"
         return out
 
@@ -233,17 +233,10 @@ def _recorded_chunks(store: KVStore, plan: GcPlan) -> set[str]:
     return chunks
 
 
-def _intact(value: bytes, key: str) -> bool:
+def _intact(value: bytes, key: str, decode: Callable[..., Any] = decode_entry) -> bool:
+    """Whether ``value`` decodes (``decode_entry``, or ``decode_derived``) as the entry ``key``."""
     try:
-        decode_entry(value, key=key)
-    except (CorruptEntryError, FormatVersionError):
-        return False
-    return True
-
-
-def _intact_derived(value: bytes, key: str) -> bool:
-    try:
-        decode_derived(value, key=key)
+        decode(value, key=key)
     except (CorruptEntryError, FormatVersionError):
         return False
     return True

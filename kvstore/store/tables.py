@@ -17,7 +17,7 @@ import math
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import overload
+from typing import TypeVar, overload
 
 from kvstore.errors import CorruptEntryError
 from kvstore.store.codecs import codec_from_params
@@ -28,6 +28,7 @@ _NONE = math.nan  # no recorded use
 _NO_PARENT = bytes(32)
 # codec params that differ per entry (frame and part tables) and never change the codec's spec
 _PER_ENTRY_PARAMS = ("frames", "parts")
+T = TypeVar("T")
 
 
 class Profile:
@@ -75,7 +76,31 @@ class Codecs:
         return got
 
 
-class EntryTable(Sequence[EntryInfo]):
+class _Values(Sequence[T]):
+    """A table as the sequence of the values its rows make (``info(row)``), one row per key."""
+
+    keys: list[str]
+
+    def info(self, row: int) -> T:  # pragma: no cover - each table's
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.info(j) for j in range(len(self))[i]]
+        return self.info(range(len(self))[i])
+
+    def __iter__(self) -> Iterator[T]:
+        return (self.info(i) for i in range(len(self)))
+
+
+class EntryTable(_Values[EntryInfo]):
     """Every intact chunk entry of a scan, one row each, in key order (see the module docstring).
     ``touched``: this handle's uses not yet recorded; ``other_access``: recorded last uses of keys
     that are no chunk (derived entries, stale records)."""
@@ -220,21 +245,6 @@ class EntryTable(Sequence[EntryInfo]):
         row = self.row(key)
         return None if row < 0 else self.info(row)
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @overload
-    def __getitem__(self, i: int) -> EntryInfo: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[EntryInfo]: ...
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self.info(j) for j in range(len(self))[i]]
-        return self.info(range(len(self))[i])
-
-    def __iter__(self) -> Iterator[EntryInfo]:
-        return (self.info(i) for i in range(len(self)))
-
 
 class ByKey(Mapping[str, EntryInfo]):
     """A scan's intact chunk entries by key (:class:`EntryTable` rows, made when asked for)."""
@@ -303,7 +313,7 @@ class Recorded(Mapping[str, float]):
 RECORDED, WHOLE_ENTRY, PRESSED_ONLY = 0, 1, 2
 
 
-class ContextTable(Sequence[ContextInfo]):
+class ContextTable(_Values[ContextInfo]):
     """Every context of a scan: its key, its chain as rows of an :class:`EntryTable` (a chunk that
     is not intact is a negative number naming it in ``missing_keys``), its tokens, its record's
     creation time, what makes it a context, and its derived entries."""
@@ -425,21 +435,6 @@ class ContextTable(Sequence[ContextInfo]):
             missing=len(rows) - len(present), first=e.info(rows[0]) if rows and rows[0] >= 0 else None,
             created=self.created(i), last_access=self.last_access(i), derived=self.derived_of(i),
         )  # fmt: skip
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @overload
-    def __getitem__(self, i: int) -> ContextInfo: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[ContextInfo]: ...
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self.info(j) for j in range(len(self))[i]]
-        return self.info(range(len(self))[i])
-
-    def __iter__(self) -> Iterator[ContextInfo]:
-        return (self.info(i) for i in range(len(self)))
 
 
 def entry_table_of(entries: Iterable[EntryInfo], recorded: Mapping[str, float] | None = None) -> EntryTable:

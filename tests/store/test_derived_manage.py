@@ -293,3 +293,24 @@ def test_a_scan_keeps_little_python_memory_per_entry(tmp_path):
         tracemalloc.stop()
     n = info.n_entries + len(info.derived)
     assert n > 600 and peak / n < 2000, peak / n
+
+
+def test_a_bad_tier_copy_of_a_derived_entry_is_named_and_only_dropped(tmp_path):
+    remote, tier = str(tmp_path / "remote"), str(tmp_path / "tier")
+    a, *_, da, _ = populated(remote)
+    name = derived_entry_key(a[-1].key, da[PRESSED])
+    with KVStore(remote, cache_dir=tier) as s:
+        with s.open_derived(a[-1].key, da[PRESSED]) as view:  # read through: the tier holds a copy
+            assert view is not None
+        with s.backend.local_copy(name) as copy:
+            bad = bytearray(copy)
+        bad[-30] ^= 0xFF
+        s.backend.tier.put(b"v/" + name, bytes(bad))
+        info = s.verify()
+        assert not info.corrupt and [(c.context, c.key) for c in info.local_corrupt] == [(a[-1].key, da[PRESSED])]
+        plan = plan_gc(info, GcOptions(corrupt=True))
+        assert not plan.derived and [k for _, k, _, _ in plan.derived_local] == [da[PRESSED]]
+        assert execute_plan(s, plan).dropped_local == 1
+        with s.backend.local_copy(name) as copy:
+            assert copy is None  # dropped from the tier; the remote's copy stays
+        assert s.has_derived(a[-1].key, da[PRESSED]) and not s.verify().local_corrupt

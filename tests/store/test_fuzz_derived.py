@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import struct
 import warnings
 
@@ -25,6 +24,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from helpers.entries import assemble, seal, split
+from helpers.fuzz import SOAK_EXAMPLES, big_ints, ci_settings, json_values
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store.codecs import codec_from_params
 from kvstore.store.derived import DerivedFacts, decode_derived, derived_key_of, encode_pressed, encode_scores
@@ -32,17 +32,7 @@ from kvstore.store.header import MAX_COMPRESSION_RATIO
 from kvstore.store.keyspace import derived_entry_key
 from kvstore.store.kvstore import KVStore
 
-CI_EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "150"))
-SOAK_EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_SOAK_EXAMPLES", "10000"))
 CONTEXT = "c" * 64
-
-ci_settings = settings(
-    max_examples=CI_EXAMPLES,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 
 @functools.cache
@@ -73,15 +63,6 @@ def base_entries() -> tuple[tuple[str, bytes], ...]:
 
 
 base = st.integers(0, len(base_entries()) - 1).map(lambda i: base_entries()[i])
-big_ints = st.one_of(
-    st.integers(-3, 64), st.sampled_from([2**31, 2**32, 2**40, 2**62, 2**63, 2**64, 10**30]), st.integers()
-)
-json_scalars = st.one_of(st.none(), st.booleans(), big_ints, st.floats(), st.text(max_size=12))
-json_values = st.recursive(
-    json_scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
-    max_leaves=12,
-)
 HEADER_FIELDS = ["format", "key", "context", "kind", "spec", "model", "model_name", "dtype", "n_tokens", "layers",
                  "numerics", "codec", "raw_bytes", "created", "press", "scores_dtype", "extra"]  # fmt: skip
 LAYER_FIELDS = ["kv_heads", "head_dim", "counts", "extra"]
@@ -252,40 +233,23 @@ def test_base_entries_decode():
     assert all(check("valid", k, b) == "decoded" for k, b in base_entries())
 
 
+STRATEGIES = {
+    "flipped": flipped(),
+    "truncated or extended": truncated_or_extended(),
+    "spliced": spliced(),
+    "header edits": header_edits(),
+    "consistent size edits": consistent_size_edits(),
+    "safetensors edits": safetensors_edits(),
+}
+MUST_FAIL = ("flip", "truncate", "extend", "splice")  # damage the checksum still covers
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
 @ci_settings
-@given(flipped())
-def test_flipped_bytes_are_always_detected(case):
-    check(*case, must_fail=True)
-
-
-@ci_settings
-@given(truncated_or_extended())
-def test_truncated_or_extended_entries_are_always_detected(case):
-    check(*case, must_fail=True)
-
-
-@ci_settings
-@given(spliced())
-def test_splices_raise_only_kvstore_errors(case):
-    check(*case, must_fail=case[0] == "splice")
-
-
-@ci_settings
-@given(header_edits())
-def test_resealed_header_edits_raise_only_kvstore_errors(case):
-    check(*case)
-
-
-@ci_settings
-@given(consistent_size_edits())
-def test_resealed_size_claims_raise_only_kvstore_errors(case):
-    check(*case)
-
-
-@ci_settings
-@given(safetensors_edits())
-def test_resealed_safetensors_edits_raise_only_kvstore_errors(case):
-    check(*case)
+@given(data=st.data())
+def test_damage_raises_only_kvstore_errors(name, data):
+    kind, key, blob = data.draw(STRATEGIES[name])
+    check(kind, key, blob, must_fail=kind in MUST_FAIL)
 
 
 @pytest.mark.soak
@@ -293,4 +257,4 @@ def test_resealed_safetensors_edits_raise_only_kvstore_errors(case):
 @given(ALL)
 def test_fuzz_derived_soak(case):
     kind, key, blob = case
-    check(kind, key, blob, must_fail=kind in ("flip", "truncate", "extend", "splice"))
+    check(kind, key, blob, must_fail=kind in MUST_FAIL)
