@@ -5,17 +5,19 @@ The store is made by hand, without a model: contexts of a made-up float32 model 
 (2 layers, 2 KV heads, head_dim 4) as chains of ~10 chunks of 8 tokens (groups of 5 contexts share
 their first 2 chunks, as prompts with a common head do), under the default codec, plus a pressed
 cache and scores for every 10th context (derived entries) and last-use records for half the chunks;
-entries go in through the backend in batches (one LMDB transaction per 2,000 values). ``--entries``
-counts every stored entry (chunks and derived entries).
+entries go in through the backend in batches (one LMDB transaction per 2,000 values). ``--sizes``
+counts every stored entry (chunks and derived entries); an empty store is measured too.
 
-Each command runs as ``python -m kvstore CMD --store STORE`` in a fresh process (interpreter start and
-imports included), ``--repeats`` rounds after one untimed warm-up round (the page cache warm), the
-commands taking turns within a round (so that a burst of load from other jobs falls on all of them);
-``sync`` copies into a new LMDB store each time. The same commands on an empty store give what a
-command costs before it reads anything (starting Python, importing torch): linearity is judged on
-the times above that. The scan's memory is measured in a child process: ``tracemalloc``'s peak while
-``KVStore.scan()`` runs (and the result it holds), over the entries. The goal (issue 35): time linear
-in entries, at most 0.5 KB of Python memory per entry.
+Each command runs as ``python -m kvstore CMD --store STORE`` in a fresh process (interpreter start
+and imports included; the rows ``command``), ``--repeats`` rounds after one untimed warm-up round
+(the page cache warm), the commands taking turns within a round (so that a burst of load from other
+jobs falls on all of them); ``sync`` copies into a new LMDB store each time. The same commands on an
+empty store give what a command costs before it reads anything (starting Python, importing torch).
+The rows ``in_process`` time the same commands through click in one process that imported everything
+first (a warm-up round, then the rounds): the commands' own work, on which linearity is judged. The
+scan's memory is measured in a child process: ``tracemalloc``'s peak while ``KVStore.scan()`` runs
+(and the result it holds), over the entries. The goal (issue 35): time linear in entries, at most
+0.5 KB of Python memory per entry.
 
 Command (from the repository root; the suite ``manage``: ``python -m experiments run manage`` writes
 experiments/results/manage.json; run by hand it writes to cache/bench/raw/)::
@@ -129,6 +131,38 @@ print(json.dumps({"peak_bytes": peak, "held_bytes": current, "seconds_traced": s
 """
 
 
+_IN_PROCESS = """
+import json, shutil, sys, time
+from click.testing import CliRunner
+from kvstore.cli.main import app
+store, repeats, commands = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+runner, out = CliRunner(), {name: [] for name in commands}
+for r in range(repeats + 1):
+    for name, argv in commands.items():
+        if name == "sync":
+            shutil.rmtree(store + "-sync-in", ignore_errors=True)
+            argv = argv + [store, store + "-sync-in", "-q"]
+        else:
+            argv = argv + ["--store", store]
+        t0 = time.perf_counter()
+        done = runner.invoke(app, argv)
+        seconds = time.perf_counter() - t0
+        assert done.exit_code == 0, (argv, done.output)
+        if r:
+            out[name].append(seconds)
+print(json.dumps(out))
+"""
+
+
+def in_process(names: list[str], store: Path, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each command's own work: run through click in one process that imported
+    everything first (a warm-up round, then ``repeats`` rounds, the commands taking turns)."""
+    commands = json.dumps({name: COMMANDS[name] for name in names})
+    argv = [sys.executable, "-c", _IN_PROCESS, str(store), str(repeats), commands]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def scan_memory(path: Path) -> dict:
     """tracemalloc's peak and what the result holds, while ``KVStore.scan()`` runs in a fresh process."""
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(path)], check=True, capture_output=True, text=True)
@@ -196,28 +230,36 @@ def main() -> None:
             print(f"{entries:>7} entries: scan peak {memory['peak_bytes'] / 2**20:.1f} MiB, "
                   f"{memory['per_entry']:.0f} B per entry", flush=True)  # fmt: skip
             per_size[n]["per_entry"] = memory["per_entry"]
-        for name, times in timed(names, store, args.repeats).items():
-            stats = bl.summarize(times)
-            rows.append({"entries": entries, "measure": "command", "command": f"kvstore {name}", **stats,
-                         "seconds": times})  # fmt: skip
-            per_size[n][name] = stats["median"]
-            print(f"{entries:>7} entries: kvstore {name:<13} median {bl.fmt_s(stats['median'])} "
-                  f"(min {bl.fmt_s(stats['min'])}, max {bl.fmt_s(stats['max'])})", flush=True)  # fmt: skip
+        for measure, times_of in (("command", timed), ("in_process", in_process)):
+            for name, times in times_of(names, store, args.repeats).items():
+                stats = bl.summarize(times)
+                rows.append({"entries": entries, "measure": measure, "command": f"kvstore {name}", **stats,
+                             "seconds": times})  # fmt: skip
+                per_size[n][(measure, name)] = stats["median"]
+                print(f"{entries:>7} entries: {measure:<10} kvstore {name:<13} median {bl.fmt_s(stats['median'])} "
+                      f"(min {bl.fmt_s(stats['min'])}, max {bl.fmt_s(stats['max'])})", flush=True)  # fmt: skip
     notes: dict = {"load_before": load}
-    empty = per_size[0]
-    above = {n: {name: per_size[n][name] - empty[name] for name in names} for n in sizes[1:]}
-    notes["seconds_above_an_empty_store"] = {str(per_size[n]["entries"]): v for n, v in above.items()}
-    notes["microseconds_per_entry"] = {
-        str(per_size[n]["entries"]): {name: round(v / per_size[n]["entries"] * 1e6, 1) for name, v in above[n].items()}
-        for n in sizes[1:]
+    empty, sized = per_size[0], sizes[1:]
+    above = {n: {name: per_size[n]["command", name] - empty["command", name] for name in names} for n in sized}
+    notes["whole_command_seconds_above_an_empty_store"] = {str(per_size[n]["entries"]): above[n] for n in sized}
+    notes["in_process_microseconds_per_entry"] = {
+        str(per_size[n]["entries"]): {
+            name: round(per_size[n]["in_process", name] / per_size[n]["entries"] * 1e6, 1) for name in names
+        }
+        for n in sized
     }
-    if len(sizes) >= 3:
-        small, big = sizes[1], sizes[-1]
+    if len(sized) >= 2:
+        small, big = sized[0], sized[-1]
         notes["linearity"] = {
             "entries_ratio": round(per_size[big]["entries"] / per_size[small]["entries"], 3),
-            "time_ratio_above_an_empty_store": {
-                name: round(above[big][name] / above[small][name], 3) for name in names
-            },  # fmt: skip
+            "in_process_time_ratio": {
+                name: round(per_size[big]["in_process", name] / per_size[small]["in_process", name], 3)
+                for name in names
+            },
+            "whole_command_time_ratio_above_an_empty_store": {
+                name: round(above[big][name] / above[small][name], 3) if above[small][name] > 0 else None
+                for name in names
+            },
             "memory_per_entry_ratio": round(per_size[big]["per_entry"] / per_size[small]["per_entry"], 3),
         }
     notes["goal"] = {
