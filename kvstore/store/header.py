@@ -68,8 +68,35 @@ class LayerSpec:
         return out
 
 
+class CodecOf:
+    """What a header's codec record says (a header's ``codec`` params, read when asked; an
+    unreadable record gives ``"?"``, lossless and no identity)."""
+
+    codec: Mapping
+
+    @property
+    def codec_spec(self) -> str:
+        """The codec as a spec string (``zstd-split:1:16``, ``raw``, ``int8:64+zstd:1``...)."""
+        return self._codec_fact("spec", "?")
+
+    @property
+    def lossless(self) -> bool:
+        return self._codec_fact("lossless", True)
+
+    @property
+    def identity(self) -> str:
+        """The lossy quantizer's spec (part of a key), or ``""``."""
+        return self._codec_fact("identity", "")
+
+    def _codec_fact(self, name: str, otherwise: Any) -> Any:
+        try:
+            return getattr(codec_from_params(self.codec), name)
+        except CorruptEntryError:
+            return otherwise
+
+
 @dataclass(frozen=True)
-class EntryHeader:
+class EntryHeader(CodecOf):
     """What an entry says about itself (parsed from its header, no payload decoding)."""
 
     key: str
@@ -103,21 +130,6 @@ class EntryHeader:
     @property
     def head_dim(self) -> int:
         return next((s.head_dim for s in self.layers if s.kind in KV_KINDS), 0)
-
-    @property
-    def codec_spec(self) -> str:
-        """The codec as a spec string (``zstd-shuffle:1``, ``raw``, ``int8:64+zstd:1``...)."""
-        try:
-            return codec_from_params(self.codec).spec
-        except CorruptEntryError:
-            return "?"
-
-    @property
-    def lossless(self) -> bool:
-        try:
-            return codec_from_params(self.codec).lossless
-        except CorruptEntryError:
-            return True
 
     @property
     def kv_bytes(self) -> int:
@@ -340,6 +352,7 @@ __all__ = [
     "EntryHeader",
     "LayerSpec",
     "check_layer",
+    "CodecOf",
     "check_facts",
     "check_sizes",
     "field_int",
