@@ -24,6 +24,8 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
     Plain, uncompressed safetensors files that `safetensors.torch.load_file` reads:
     layers.{i}.keys / layers.{i}.values [kv_heads, tokens, head_dim] (lossy entries
     dequantized), token_ids, and the model fingerprint, name, dtype and codec in the metadata.
+    Each derived entry, verified, is DIRECTORY/<context>.<kind>.<key>.safetensors: scores as
+    layers.{i}.scores, a pressed cache as layers.{i}.heads.{h}.keys / .values / .positions.
     Files already there are skipped, so an interrupted export resumes.
     """
     from kvstore.store.export import export_store
@@ -31,15 +33,21 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
     with open_store(store, readonly=True) as s:
         with progress_bar(None, "export", quiet, unit="ctx") as bar:
             report = export_store(s, directory, model=model, progress=bar)
-    summary = {"directory": directory, "written": report.written, "skipped": report.skipped,
-               "incomplete": len(report.incomplete), "bytes": report.bytes}  # fmt: skip
+    summary = {"directory": directory, "written": report.written, "derived": report.derived,
+               "skipped": report.skipped, "incomplete": len(report.incomplete), "bytes": report.bytes,
+               "derived_corrupt": len(report.derived_bad)}  # fmt: skip
     if fmt == "json":
-        echo_json(summary | {"incomplete_keys": report.incomplete})
+        echo_json(summary | {"incomplete_keys": report.incomplete, "derived_corrupt_keys": report.derived_bad})
         return
-    click.echo(f"Exported {report.written} context(s) to {directory} ({report.bytes:,} bytes); "
+    derived = f" and {report.derived} derived entr{'y' if report.derived == 1 else 'ies'}" if report.derived else ""
+    click.echo(f"Exported {report.written} context(s){derived} to {directory} ({report.bytes:,} bytes); "
                f"{report.skipped} already there.")  # fmt: skip
     if report.incomplete:
         click.echo(f"Skipped {len(report.incomplete)} incomplete context(s) (`kvstore verify` names them).", err=True)
+    if report.derived_bad:
+        n = len(report.derived_bad)
+        click.echo(f"Skipped {n} corrupt derived entr{'y' if n == 1 else 'ies'} (`kvstore verify` names them).",
+                   err=True)  # fmt: skip
 
 
 @dataclass(frozen=True)

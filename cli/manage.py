@@ -33,7 +33,7 @@ from kvstore.cli.common import (
     warn,
     yes_option,
 )
-from kvstore.units import human_bytes, human_time
+from kvstore.units import human_bytes
 
 _SORTS = {
     # name -> (field of the record, newest/largest first?)
@@ -55,13 +55,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _count(n: int, word: str) -> str:
     plural = {"entry": "entries", "context": "contexts", "chunk": "chunks", "context record": "context records",
-              "bad tier copy": "bad tier copies"}[word]  # fmt: skip
+              "bad tier copy": "bad tier copies", "derived entry": "derived entries"}[word]  # fmt: skip
     return f"{n} {word if n == 1 else plural}"
 
 
 def _warn_corrupt(info: Any) -> None:
     for c in info.corrupt:
-        warn(f"skipped entry {c.key[:12]}: {c.reason}")
+        what = f"derived entry {c.key[:12]} of context {c.context[:12]}" if c.context else f"entry {c.key[:12]}"
+        warn(f"skipped {what}: {c.reason}")
     for c in info.malformed:
         warn(f"skipped context {c.key[:12]}: {c.reason}")
     if info.corrupt or info.malformed:
@@ -70,18 +71,15 @@ def _warn_corrupt(info: Any) -> None:
         warn(f"{' and '.join(parts)} unreadable, skipped; `kvstore gc --corrupt` removes them")
 
 
-def _time(ts: float | None) -> str:
-    try:
-        return human_time(ts)
-    except (ValueError, OverflowError, OSError):
-        return "?"
-
-
 # -- ls -----------------------------------------------------------------------------------------
 @click.command()
 @store_option
 @click.option("--model", metavar="NAME|FINGERPRINT", help="Only this model's (name, or fingerprint prefix).")
 @click.option("--chunks", is_flag=True, help="List the stored chunks (entries) instead of the contexts.")
+@click.option(
+    "--derived", "derived", is_flag=True,
+    help="List the derived entries (contexts' scores and pressed caches) instead of the contexts.",
+)  # fmt: skip
 @click.option(
     "--sort",
     "sort_by",
@@ -93,56 +91,49 @@ def _time(ts: float | None) -> str:
 @click.option("--reverse", is_flag=True, help="Reverse the order.")
 @click.option("--full-keys", is_flag=True, help="Show whole keys and fingerprints in the table.")
 @format_option
-def ls(store: str, model: str | None, chunks: bool, sort_by: str, reverse: bool, full_keys: bool, fmt: str) -> None:
-    """List the contexts of a store (or, with --chunks, its chunks).
+def ls(store: str, model: str | None, chunks: bool, derived: bool, sort_by: str, reverse: bool, full_keys: bool,
+       fmt: str) -> None:  # fmt: skip
+    """List the contexts of a store (or, with --chunks, its chunks; with --derived, its derived entries).
 
     A context row shows its key (its last chunk's), model name and fingerprint (both shortened to
     12 characters unless --full-keys), KV dtype, tokens, chunks, codec, size (its chunks, shared
     ones included), ratio (stored / uncompressed), creation time, last use (UTC) and the device and
-    attention implementation its numbers came from. JSON and CSV carry every field unabbreviated,
-    sizes in bytes and times in seconds since the epoch. Entries whose header cannot be read are
-    skipped with a warning (`kvstore verify` checks every byte).
+    attention implementation its numbers came from; in a store holding derived entries, also what
+    each context has of them (kind, spec, codec, kept fraction, size). A context stored only as
+    pressed caches shows 0 chunks. JSON and CSV carry every field unabbreviated, sizes in bytes and
+    times in seconds since the epoch. Entries whose header cannot be read are skipped with a
+    warning (`kvstore verify` checks every byte).
     """
+    from kvstore.cli.listing import context_rows, show
+
+    if chunks and derived:
+        raise click.UsageError("--chunks and --derived list different things; give one of them")
     with open_store(store, readonly=True) as s:
         info = s.scan()
     _warn_corrupt(info)
     field, descending = _SORTS[sort_by]
-    items = info.entries if chunks else info.contexts
-    records = [x.as_record() for x in items if x.matches_model(model)]
-    for r in records:
-        r["numerics_str"] = "/".join(filter(None, (r["numerics"].get("device"), r["numerics"].get("attn")))) or "-"
+    what = "derived entry" if derived else "chunk" if chunks else "context"
+    if derived or chunks:
+        records = [x.as_record() for x in (info.derived if derived else info.entries) if x.matches_model(model)]
+    else:
+        records = context_rows(info, model)
     records.sort(key=lambda r: r["key"])
     records.sort(key=lambda r: r[field], reverse=descending != reverse)
     if fmt != "table":
-        emit([{k: v for k, v in r.items() if k != "numerics_str"} for r in records], fmt)
+        for r in records:  # in CSV a context's derived entries are one cell, as the table shows them
+            r.pop("numerics_str", None)
+            phrase = r.pop("derived_str", None)
+            if fmt == "csv" and phrase is not None:
+                r["derived"] = phrase
+        emit(records, fmt)
         return
-    what = "chunk" if chunks else "context"
     if not records:
-        click.echo(f"No {_count(0, what).split()[1]} in {info.url}" + (f" for model {model}." if model else "."))
+        click.echo(f"No {_count(0, what).split(' ', 1)[1]} in {info.url}" + (f" for model {model}." if model else "."))
         return
-    n = 64 if full_keys else 12
-    columns = {"key": "KEY", "model_name": "MODEL", "model": "FINGERPRINT", "dtype": "DTYPE", "n_tokens": "TOKENS"}
-    columns |= {"start": "START"} if chunks else {"chunks": "CHUNKS"}
-    columns |= {
-        "codec": "CODEC", "stored_bytes": "SIZE", "ratio": "RATIO", "created": "CREATED", "last_access": "LAST USED",
-        "numerics_str": "NUMERICS",
-    }  # fmt: skip
-    emit(
-        records,
-        "table",
-        columns=columns,
-        formatters={
-            "key": lambda k: short(k, n),
-            "model": lambda m: short(m, n),
-            "stored_bytes": lambda b: human_bytes(b or 0),
-            "created": _time,
-            "last_access": _time,
-        },  # fmt: skip
-        align="llllrrlrrlll",
-    )
+    show(records, what, full_keys)
     total = sum(r["stored_bytes"] for r in records)
     raw = sum(r["raw_bytes"] for r in records)
-    shared = " (shared chunks counted per context)" if not chunks and info.dedupe_ratio > 1.0 else ""
+    shared = " (shared chunks counted per context)" if what == "context" and info.dedupe_ratio > 1.0 else ""
     click.echo(
         f"\n{_count(len(records), what)}, {human_bytes(total)} stored{shared} ({human_bytes(raw)} uncompressed)."
     )
@@ -162,12 +153,13 @@ def stats(store: str, fmt: str) -> None:
     disk, which can exceed the stored bytes: LMDB files never shrink, and space freed by rm/gc is
     reused by new entries.
     """
-    from kvstore.store.summary import summarize
+    from kvstore.store.summary import derived_totals, summarize
 
     with open_store(store, readonly=True) as s:
         info = s.scan()
     _warn_corrupt(info)
     rows = [g.as_record() for g in summarize(info)]
+    kinds = [d.as_record() for d in derived_totals(info)]
     totals = {
         "contexts": len(info.contexts),
         "entries": info.n_entries,
@@ -180,10 +172,13 @@ def stats(store: str, fmt: str) -> None:
         "dedupe_ratio": round(info.dedupe_ratio, 4),
         "ratio": round(info.stored_bytes / info.raw_bytes, 4) if info.raw_bytes else 1.0,
         "disk_bytes": info.disk_bytes,
+        "derived_entries": len(info.derived),
+        "derived_bytes": info.derived_bytes,
+        "orphan_derived": len(info.orphan_derived),
     }
     description = {"store": info.url, "format": info.format, "codec": info.codec, "chunk_tokens": info.chunk_tokens}
     if fmt == "json":
-        echo_json(description | {"groups": rows, "totals": totals})
+        echo_json(description | {"groups": rows, "totals": totals, "derived": kinds})
         return
     if fmt == "csv":
         emit(rows, "csv")
@@ -226,8 +221,20 @@ def stats(store: str, fmt: str) -> None:
         f"({human_bytes(totals['logical_bytes'])} logical, dedupe {totals['dedupe_ratio']:.2f}x; "
         f"{human_bytes(totals['raw_bytes'])} uncompressed, ratio {totals['ratio']:.2f})"
     )
+    for k in kinds:
+        kept = f", keeping {k['kept_fraction']:.1%} of their (token, head) pairs" if k["kept_pairs"] else ""
+        click.echo(
+            f"Derived, {k['kind']}: {_count(k['entries'], 'entry')} of {_count(k['contexts'], 'context')}, "
+            f"{human_bytes(k['stored_bytes'])} stored ({human_bytes(k['raw_bytes'])} uncompressed){kept}; "
+            f"{k['specs']}; {k['codecs']}"
+        )
     if info.orphans:
         click.echo(f"Unused: {_count(len(info.orphans), 'chunk')} no context uses (`kvstore gc` collects them)")
+    if info.orphan_derived:
+        click.echo(
+            f"Unused: {_count(len(info.orphan_derived), 'derived entry')} whose context is gone (`kvstore gc` "
+            "collects them)"
+        )
     if info.corrupt:
         bad = human_bytes(sum(c.stored_bytes for c in info.corrupt))
         click.echo(f"Unreadable: {_count(len(info.corrupt), 'entry')} ({bad})")
@@ -242,65 +249,74 @@ def stats(store: str, fmt: str) -> None:
 def verify(store: str, quiet: bool) -> None:
     """Check every entry's checksum and structure, and every context's chain.
 
-    Reads and decodes every entry (the checksum, then the header and tensors against each
-    other), then walks every context's chain (each chunk present, intact, continuing the one
+    Reads and decodes every entry and derived entry (the checksum, then the header and tensors
+    against each other), then walks every context's chain (each chunk present, intact, continuing the one
     before it). Prints each corrupt entry and broken context and what is wrong, and exits 1 if
     there is any; `kvstore gc --corrupt` removes corrupt entries (a broken context is rebuilt
     from where it breaks by the next build or sample). Changes nothing.
     """
-    from kvstore.store.scan import chain_problem
+    from kvstore.store.tables import RECORDED
 
     with open_store(store, readonly=True) as s:
-        with progress_bar(len(s), "verify", quiet, unit="entry") as bar:
+        with progress_bar(len(s) + len(s.all_derived()), "verify", quiet, unit="entry") as bar:
             info = s.verify(progress=bar)
-    entries = {e.key: e for e in info.entries}
-    broken = []
-    for c in info.contexts:
-        reason = chain_problem(c.chunks, entries)
-        if reason:
-            broken.append((c.key, reason))
+    contexts = info.contexts
+    broken = [(contexts.keys[i], reason) for i in range(len(contexts)) if (reason := contexts.problem(i))]
     tiered = "cache_dir" in store_options()  # through a local tier the remote's copies are what count
-    remote_bad = {c.key for c in info.corrupt}
+    remote_bad = {(c.context, c.key) for c in info.corrupt}
     for c in info.corrupt:
-        click.echo(f"corrupt  {c.key}  {c.reason}" + (" (the remote's copy)" if tiered else ""))
+        of = f" (derived entry of context {c.context})" if c.context else ""
+        click.echo(f"corrupt  {c.key}  {c.reason}{of}" + (" (the remote's copy)" if tiered else ""))
     for c in info.local_corrupt:
-        other = "corrupt too" if c.key in remote_bad else "intact"
-        click.echo(f"corrupt  {c.key}  {c.reason} (the local tier's copy; the remote's is {other})")
+        of = f" (derived entry of context {c.context})" if c.context else ""
+        other = "corrupt too" if (c.context, c.key) in remote_bad else "intact"
+        click.echo(f"corrupt  {c.key}  {c.reason}{of} (the local tier's copy; the remote's is {other})")
     for key, reason in broken:
         click.echo(f"broken   {key}  {reason}")
     for c in info.malformed:
         click.echo(f"malformed  {c.key}  {c.reason}")
-    total = info.n_entries + len(info.corrupt)
+    total = info.n_entries + len(info.derived) + len(info.corrupt)
+    entries = _count(total, "entry") + (f" ({len(info.derived)} derived)" if info.derived else "")
     if info.corrupt or broken or info.malformed:
-        parts = [f"{len(info.corrupt)} of {_count(total, 'entry')} corrupt"] if info.corrupt else []
-        parts += [f"{len(broken)} of {_count(len(info.contexts), 'context')} broken"] if broken else []
-        n_records = len(info.contexts) - sum(c.format == 1 for c in info.contexts) + len(info.malformed)
+        parts = [f"{len(info.corrupt)} of {entries} corrupt"] if info.corrupt else []
+        parts += [f"{len(broken)} of {_count(len(contexts), 'context')} broken"] if broken else []
+        n_records = sum(kind == RECORDED for kind in contexts.kind) + len(info.malformed)
         parts += [f"{len(info.malformed)} of {_count(n_records, 'context record')} malformed"] if info.malformed else []
         raise CLIError("; ".join(parts) + "; `kvstore gc --corrupt` removes corrupt entries")
     if info.local_corrupt:
         click.echo(
-            f"{_count(total, 'entry')} and {_count(len(info.contexts), 'context')} verified, all intact in the remote "
-            f"store; {len(info.local_corrupt)} bad in the local tier (a read drops such a copy and reads the "
-            "remote's; `kvstore gc --corrupt` with this --cache-dir drops them all)."
+            f"{entries} and {_count(len(contexts), 'context')} verified, all intact in the remote store; "
+            f"{len(info.local_corrupt)} bad in the local tier (a read drops such a copy and reads the remote's; "
+            "`kvstore gc --corrupt` with this --cache-dir drops them all)."
         )
         return
-    click.echo(f"{_count(total, 'entry')} and {_count(len(info.contexts), 'context')} verified, all intact.")
+    click.echo(f"{entries} and {_count(len(contexts), 'context')} verified, all intact.")
 
 
 # -- rm / gc ------------------------------------------------------------------------------------
 def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
-    names = {e.key: e.model_name for e in info.entries} | {c.key: c.model_name for c in info.contexts}
+    from kvstore.cli.listing import model_names
+
+    name = model_names(info)
     rows = [
-        {"what": "context", "key": k, "model_name": names.get(k, "?"), "stored_bytes": b, "reason": why}
+        {"what": "context", "key": k, "model_name": name(k), "stored_bytes": b, "reason": why}
         for k, why, b in plan.contexts
     ]
     rows += [
-        {"what": "entry", "key": k, "model_name": names.get(k, "?"), "stored_bytes": b, "reason": why}
+        {"what": "derived", "key": k, "model_name": name(k), "stored_bytes": b, "reason": why}
+        for _, k, why, b in plan.derived
+    ]
+    rows += [
+        {"what": "entry", "key": k, "model_name": name(k), "stored_bytes": b, "reason": why}
         for k, why, b in plan.remove
     ]
     rows += [
-        {"what": "tier copy", "key": k, "model_name": names.get(k, "?"), "stored_bytes": b, "reason": why}
+        {"what": "tier copy", "key": k, "model_name": name(k), "stored_bytes": b, "reason": why}
         for k, why, b in plan.local
+    ]
+    rows += [
+        {"what": "tier copy", "key": k, "model_name": name(k), "stored_bytes": b, "reason": why}
+        for _, k, why, b in plan.derived_local
     ]
     shown = rows if limit is None else rows[:limit]
     emit(
@@ -312,12 +328,20 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
     )
     if len(shown) < len(rows):
         click.echo(f"... and {len(rows) - len(shown)} more (--dry-run lists them all)")
-    local = f" {_count(len(plan.local), 'bad tier copy')} to drop from the local tier (the remote's stay)."
+    n_local = len(plan.local) + len(plan.derived_local)
+    local = f" {_count(n_local, 'bad tier copy')} to drop from the local tier (the remote's stay)."
     click.echo(
-        f"\n{_count(len(plan.contexts), 'context')} and {_count(len(plan.remove), 'entry')} to remove, "
-        f"{human_bytes(plan.freed_bytes)} freed; {human_bytes(plan.keep_bytes)} of entries stay."
-        + (local if plan.local else "")
+        f"\n{_what(plan)} to remove, {human_bytes(plan.freed_bytes)} freed; {human_bytes(plan.keep_bytes)} of entries "
+        "stay." + (local if n_local else "")
     )
+
+
+def _what(plan: Any) -> str:
+    """``N contexts and M entries`` (``, N contexts, M entries and D derived entries`` with derived ones)."""
+    contexts, entries = _count(len(plan.contexts), "context"), _count(len(plan.remove), "entry")
+    if plan.derived:
+        return f"{contexts}, {entries} and {_count(len(plan.derived), 'derived entry')}"
+    return f"{contexts} and {entries}"
 
 
 def _run_plan(store: str, options: GcOptions, *, verify_all: bool, dry_run: bool, yes: bool, quiet: bool) -> None:
@@ -328,25 +352,26 @@ def _run_plan(store: str, options: GcOptions, *, verify_all: bool, dry_run: bool
     # fails before the scan rather than after the question
     with open_store(store, readonly=dry_run) as s:
         if verify_all:
-            with progress_bar(len(s), "verify", quiet, unit="entry") as bar:
+            with progress_bar(len(s) + len(s.all_derived()), "verify", quiet, unit="entry") as bar:
                 info = s.verify(progress=bar)
         else:
             info = s.scan()
         plan = plan_gc(info, options, now=time.time())
-        if not plan.remove and not plan.contexts and not plan.local:
+        if not plan.remove and not plan.contexts and not plan.local and not plan.derived and not plan.derived_local:
             click.echo("Nothing to remove.")
             return
         _show_plan(plan, info, limit=None if dry_run else 20)
         if dry_run:
             click.echo("Dry run: nothing removed.")
             return
-        question = f"Remove {_count(len(plan.contexts), 'context')} and {_count(len(plan.remove), 'entry')}?"
+        question = f"Remove {_what(plan)}?"
         if not confirm(question, yes=yes, hint="or --dry-run to see the plan"):
             return
         report = execute_plan(s, plan)  # removes only what is still as planned
+    derived = f" and {_count(len(report.derived), 'derived entry')}" if report.derived else ""
     click.echo(
-        f"Removed {_count(len(report.contexts), 'context')} and {_count(len(report.entries), 'entry')}, freed "
-        f"{human_bytes(report.freed_bytes)} ({_LMDB_NOTE})."
+        f"Removed {_count(len(report.contexts), 'context')}{',' if derived else ' and'} "
+        f"{_count(len(report.entries), 'entry')}{derived}, freed {human_bytes(report.freed_bytes)} ({_LMDB_NOTE})."
     )
     if report.dropped_local:
         click.echo(f"Dropped {_count(report.dropped_local, 'bad tier copy')}; the remote's copies are intact.")

@@ -50,10 +50,10 @@ def sync(src: str, dst: str, dry_run: bool, jobs: int, codec: str | None, quiet:
     """Copy every record of store SRC that store DST lacks.
 
     SRC and DST are store directories or URLs (s3://BUCKET[/PREFIX], lmdb://DIR); DST is created
-    if absent. Records are copied byte for byte and every entry is verified first: a corrupt one
-    is reported and not copied (exit 1). Records DST already holds are never replaced, so a sync
-    that was interrupted resumes where it stopped. DST keeps its own description if it has one
-    (of the same or a newer format than SRC).
+    if absent. Records are copied byte for byte and every entry and derived entry (scores, pressed
+    caches) is verified first: a corrupt one is reported and not copied (exit 1). Records DST
+    already holds are never replaced, so a sync that was interrupted resumes where it stopped. DST
+    keeps its own description if it has one (of the same or a newer format than SRC).
     """
     from kvstore.store.transfer import execute_sync, plan_sync
 
@@ -69,17 +69,19 @@ def sync(src: str, dst: str, dry_run: bool, jobs: int, codec: str | None, quiet:
         target = _open(dst, readonly=dry_run)
         try:
             plan = plan_sync(source, target, src_name=src, dst_name=dst)
-            entries = plan.entries
+            entries, derived = plan.entries, plan.derived
+            with_derived = f"{derived:,} derived entries, " if derived else ""
             click.echo(
-                f"{src} -> {dst}: {len(plan.missing):,} records to copy ({entries:,} entries, "
-                f"{len(plan.missing) - entries:,} other), {plan.present:,} already there; "
+                f"{src} -> {dst}: {len(plan.missing):,} records to copy ({entries:,} entries, {with_derived}"
+                f"{len(plan.missing) - entries - derived:,} other), {plan.present:,} already there; "
                 + ("DST gets SRC's description" if plan.meta == "copy" else "DST keeps its description"),
                 err=fmt == "json",
             )
             if dry_run:
                 if fmt == "json":
                     echo_json({"src": src, "dst": dst, "dry_run": True, "to_copy": len(plan.missing),
-                               "entries": entries, "already_present": plan.present, "meta": plan.meta})  # fmt: skip
+                               "entries": entries, "derived": derived, "already_present": plan.present,
+                               "meta": plan.meta})  # fmt: skip
                 else:
                     click.echo("Dry run: nothing copied.")
                 return
@@ -92,13 +94,14 @@ def sync(src: str, dst: str, dry_run: bool, jobs: int, codec: str | None, quiet:
     finally:
         source.close()
     for key, reason in report.corrupt:
-        warn(f"entry {key[:16]} of {src} is corrupt ({reason}); not copied")
+        warn(f"entry {key if ' ' in key else key[:16]} of {src} is corrupt ({reason}); not copied")
     if fmt == "json":
         echo_json(report.as_dict())
     else:
         rate = report.copied_bytes / report.seconds if report.seconds else 0.0
+        derived = f"{report.copied_derived:,} derived entries, " if report.copied_derived else ""
         click.echo(
-            f"Copied {report.copied:,} records ({report.copied_entries:,} entries, "
+            f"Copied {report.copied:,} records ({report.copied_entries:,} entries, {derived}"
             f"{human_bytes(report.copied_bytes)}) in {report.seconds:.1f} s ({human_bytes(rate)}/s); "
             f"{report.present:,} were already there."
         )

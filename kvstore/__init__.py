@@ -28,7 +28,7 @@ _LAZY = {
     "BuildReport": "kvstore.model.pipelines.build",
     "Dataset": "kvstore.data.datasets",
     "Entry": "kvstore.store.entry",
-    "EntryInfo": "kvstore.store.scan",
+    "EntryInfo": "kvstore.store.infos",
     "EntryView": "kvstore.store.entry",
     "Example": "kvstore.data.datasets",
     "FORMAT_VERSION": "kvstore.store.header",
@@ -74,9 +74,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.entry import Entry as Entry
     from kvstore.store.entry import EntryView as EntryView
     from kvstore.store.header import FORMAT_VERSION as FORMAT_VERSION
+    from kvstore.store.infos import EntryInfo as EntryInfo
     from kvstore.store.keys import cache_key as cache_key
     from kvstore.store.kvstore import KVStore as KVStore
-    from kvstore.store.scan import EntryInfo as EntryInfo
     from kvstore.store.scan import StoreInfo as StoreInfo
 
 

@@ -285,6 +285,8 @@ SUITES: tuple[Suite, ...] = (
           artifacts=("size_pythia.png",)),
     Suite("size_smollm2", "KV bytes of the bundled model: estimated beside stored",
           ("experiments/size/measure_smollm2.py",), ("size_smollm2",), quick=None, adopt=size_measured),
+    Suite("manage", "ls, stats, verify, gc --dry-run and sync at 10^4 and 10^5 entries; a scan's memory per entry",
+          ("experiments/bench_manage.py",), ("manage",)),
     Suite("reliability", "Reliability soak: kills, interrupts, corruption, concurrency, fuzz",
           ("experiments/reliability_soak.py",), ("reliability",),
           quick=("--kill-trials", "8", "--corruptions", "100", "--fuzz-cases", "500", "--concurrency-runs", "1",

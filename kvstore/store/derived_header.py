@@ -17,6 +17,7 @@ from kvstore.store.header import (
     MAX_COMPRESSION_RATIO,
     MAX_POSITION,
     MAX_QUANTIZATION_RATIO,
+    CodecOf,
     check_facts,
     field_int,
     read_frame,
@@ -79,7 +80,7 @@ class DerivedLayer:
 
 
 @dataclass(frozen=True)
-class DerivedHeader:
+class DerivedHeader(CodecOf):
     """What a derived entry says about itself (parsed from its header; see the module docstring).
     ``scores_dtype``: the scores' dtype (``""`` for a pressed cache)."""
 
@@ -103,29 +104,6 @@ class DerivedHeader:
     @property
     def n_layers(self) -> int:
         return len(self.layers)
-
-    @property
-    def codec_spec(self) -> str:
-        """The codec as a spec string (``zstd-split:1:16``, ``int8:128/64+zstd:1``...)."""
-        try:
-            return codec_from_params(self.codec).spec
-        except CorruptEntryError:
-            return "?"
-
-    @property
-    def lossless(self) -> bool:
-        try:
-            return codec_from_params(self.codec).lossless
-        except CorruptEntryError:
-            return True
-
-    @property
-    def identity(self) -> str:
-        """The lossy quantizer's spec (part of the key), or ``""``."""
-        try:
-            return codec_from_params(self.codec).identity
-        except CorruptEntryError:
-            return ""
 
     @property
     def kept_pairs(self) -> int:

@@ -25,7 +25,7 @@ from kvstore.errors import CorruptEntryError, CorruptEntryWarning, FormatVersion
 from kvstore.store.derived import DerivedView, decode_derived
 from kvstore.store.derived_header import DerivedHeader, read_derived_header
 from kvstore.store.header import verify_checksum
-from kvstore.store.keyspace import derived_entry_key, derived_of, derived_prefix
+from kvstore.store.keyspace import DERIVED, derived_entry_key, derived_of, derived_prefix
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.backends.base import Backend
@@ -126,6 +126,10 @@ class DerivedEntries:
             self._touched[key] = time.time()
             return view
         return None  # pragma: no cover - the loop returns
+
+    def all_derived(self) -> list[tuple[str, str]]:
+        """``(context, derived key)`` of every derived entry of the store, in key order."""
+        return [got for got in map(derived_of, self.backend.keys(DERIVED)) if got is not None]
 
     def derived_keys(self, context: str) -> list[str]:
         """Keys of the derived entries of context ``context`` (any kind), in key order."""

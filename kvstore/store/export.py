@@ -11,8 +11,18 @@ One file per complete context, ``<DIR>/<context key>.safetensors``, uncompressed
 * ``token_ids`` ``[n_tokens]`` int64.
 
 The safetensors metadata holds the context key, model fingerprint and name, dtype, tokens, the
-codec it was stored with, its chunk keys and the numerics it was computed with. A file that
-already exists is skipped, so an interrupted export resumes.
+codec it was stored with, its chunk keys and the numerics it was computed with.
+
+Each derived entry (:mod:`kvstore.store.derived`), verified, becomes
+``<DIR>/<context key>.<kind>.<derived key>.safetensors``:
+
+* scores: ``layers.{i}.scores`` ``[kv_heads, tokens]`` as stored (float32 or float64);
+* a pressed cache: ``layers.{i}.heads.{h}.keys`` / ``.values`` ``[kept, head_dim]`` in the model's
+  dtype (dequantized) and ``layers.{i}.heads.{h}.positions`` ``[kept]`` int64, for every head that
+  keeps a token;
+
+with the context and derived keys, kind, spec, model, dtype, tokens, codec and the ``press`` record
+(JSON) in the metadata. A file that already exists is skipped, so an interrupted export resumes.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import torch
 
 from kvstore.errors import KVStoreError
 from kvstore.progress import Progress
+from kvstore.store.derived_header import SCORES
 from kvstore.store.kvstore import KVStore
 
 
@@ -36,6 +47,8 @@ class ExportReport:
     skipped: int = 0  # already exported
     incomplete: list[str] = field(default_factory=list)  # contexts with a missing or corrupt chunk
     bytes: int = 0
+    derived: int = 0  # derived entries written
+    derived_bad: list[str] = field(default_factory=list)  # derived entries that did not verify (not written)
 
 
 def export_context(store: KVStore, chunks: tuple[str, ...], path: Path) -> int | None:
@@ -82,6 +95,11 @@ def _write(views, chunks: tuple[str, ...], path: Path) -> int:
         "numerics": json.dumps(dict(first.numerics)),
         "format": str(first.format),
     }
+    return _save(tensors, metadata, path)
+
+
+def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> int:
+    """Write one safetensors file whole or not at all; returns its size."""
     from safetensors.torch import save_file
 
     try:
@@ -98,6 +116,34 @@ def _write(views, chunks: tuple[str, ...], path: Path) -> int:
     return path.stat().st_size
 
 
+def export_derived(store: KVStore, context: str, key: str, path: Path) -> int | None:
+    """Write the derived entry ``key`` of ``context`` to ``path`` (see the module docstring);
+    returns its size, or None when it is missing or does not verify (a warning says why)."""
+    with store.open_derived(context, key) as view:
+        if view is None:
+            return None
+        h = view.header
+        tensors: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(h.layers):
+            if h.kind == SCORES:
+                tensors[f"layers.{i}.scores"] = view.scores(i)
+                continue
+            positions = view.positions(i).split(list(layer.counts or ()))
+            for j, pos in enumerate(positions):
+                if pos.numel():
+                    keys, values = view.kv(i, j)
+                    tensors[f"layers.{i}.heads.{j}.keys"] = keys.materialize()[0]
+                    tensors[f"layers.{i}.heads.{j}.values"] = values.materialize()[0]
+                    tensors[f"layers.{i}.heads.{j}.positions"] = pos
+        metadata = {
+            "context": h.context, "key": h.key, "kind": h.kind, "spec": h.spec, "model": h.model,
+            "model_name": h.model_name, "dtype": h.dtype, "n_tokens": str(h.n_tokens), "codec": h.codec_spec,
+            "press": json.dumps(dict(h.press), sort_keys=True), "numerics": json.dumps(dict(h.numerics)),
+            "format": str(h.format),
+        }  # fmt: skip
+    return _save(tensors, metadata, path)
+
+
 def _cannot_write(directory: Path, exc: OSError) -> KVStoreError:
     """One line for a directory an export cannot write into (the store is only read)."""
     why = exc.strerror or str(exc)
@@ -110,8 +156,8 @@ def _cannot_write(directory: Path, exc: OSError) -> KVStoreError:
 def export_store(
     store: KVStore, directory: str | os.PathLike, *, model: str | None = None, progress: Progress | None = None
 ) -> ExportReport:
-    """Export every complete context of ``store`` (of ``model``: a name or fingerprint prefix)
-    into ``directory`` (created if absent). See the module docstring. Raises KVStoreError (one
+    """Export every complete context and every derived entry of ``store`` (of ``model``: a name or
+    fingerprint prefix) into ``directory`` (created if absent). See the module docstring. Raises KVStoreError (one
     line) when ``directory`` cannot be created or written."""
     out = Path(directory)
     try:
@@ -119,8 +165,11 @@ def export_store(
     except OSError as exc:
         raise _cannot_write(out, exc) from None
     report = ExportReport()
-    for c in store.scan().contexts:
+    info = store.scan()
+    for c in info.contexts:
         if not c.matches_model(model):
+            continue
+        if not c.chunks:  # stored only as pressed caches: those are exported below
             continue
         path = out / f"{c.key}.safetensors"
         if path.exists():
@@ -136,7 +185,20 @@ def export_store(
                 report.bytes += size
         if progress:
             progress(1, 0)
+    for d in info.derived:
+        if not d.matches_model(model):
+            continue
+        path = out / f"{d.context}.{d.kind}.{d.key}.safetensors"
+        if path.exists():
+            report.skipped += 1
+            continue
+        size = export_derived(store, d.context, d.key, path)
+        if size is None:
+            report.derived_bad.append(d.key)
+        else:
+            report.derived += 1
+            report.bytes += size
     return report
 
 
-__all__ = ["ExportReport", "export_context", "export_store"]
+__all__ = ["ExportReport", "export_context", "export_derived", "export_store"]

@@ -3,29 +3,36 @@ scan, :func:`kvstore.store.removal.execute_plan` removes them.
 
 A chunk goes only when no remaining context uses it; a chunk no context uses (an *orphan*) goes
 once its last use is older than a grace period (a build writes its chunks before its context
-record). The plan also keeps what it saw (each named entry's recorded last use, the contexts it
-keeps): execution removes only what is still as planned, so a plan that waited at a prompt while a
-build reused its chunks removes none of them.
+record). A derived entry (a context's scores or pressed cache) goes with its context, and one
+whose context is gone is an orphan too. The plan also keeps what it saw (each named entry's
+recorded last use, the contexts it keeps): execution removes only what is still as planned, so a
+plan that waited at a prompt while a build reused its chunks removes none of them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import EntryNotFoundError
+from kvstore.store.derived_header import SCORES
+from kvstore.store.infos import matches_model
 from kvstore.store.keyspace import is_key
 from kvstore.store.removal import GcPlan
+from kvstore.store.tables import PRESSED_ONLY
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.store.scan import ContextInfo, StoreInfo
+    from kvstore.store.scan import StoreInfo
+    from kvstore.store.tables import EntryTable
 
 DEFAULT_GRACE_SECONDS = 3600.0
 # Below this a chunk a running build has written and not recorded yet may be planned for removal;
 # the build then computes it again (its record checks its chunks), which costs time, not data.
 SAFE_GRACE_SECONDS = 600.0
+CORRUPT = "corrupt: "  # the reason of what is removed for failing its checks
 
 
 def _age_str(seconds: float) -> str:
@@ -52,21 +59,25 @@ class GcOptions:
 
 
 def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | None = None) -> GcPlan:
-    """Choose contexts and entries to remove from a scan (see
+    """Choose contexts, entries and derived entries to remove from a scan (see
     :func:`kvstore.store.removal.execute_plan`), as ``options`` (:class:`GcOptions`) say.
 
     ``model`` and ``keys`` narrow which contexts may go (the *scope*): contexts whose fingerprint
     starts with ``model`` or whose model name equals it, and whose key starts with one of ``keys``
-    (a key prefix may also name an entry that no context uses, a chunk or a corrupt entry). Within
-    the scope, ``older_than`` (seconds since last use) removes old contexts, then ``max_bytes``
-    removes least-recently-used contexts until the scope's chunks fit in that many stored bytes.
-    With a scope but none of ``older_than``/``max_bytes``/``corrupt``, the whole scope goes
-    (``kvstore rm``). A removed context's chunks go when no kept context uses them. ``corrupt``
-    removes the entries that failed the scan (through a local tier: whose remote copy failed; a
-    bad tier copy of an intact entry is listed in ``local``, to drop from the tier only), the
-    contexts that use one or miss a chunk, and malformed context records; ``orphans`` removes
-    chunks no context uses whose last use is older than ``grace`` seconds. With nothing at all,
-    nothing is removed.
+    (a key prefix may also name an entry that no context uses, a chunk, a derived entry or a
+    corrupt entry). Within the scope, ``older_than`` (seconds since last use) removes old contexts,
+    then ``max_bytes`` removes least-recently-used contexts until the scope's chunks and derived
+    entries fit in that many stored bytes. With a scope but none of
+    ``older_than``/``max_bytes``/``corrupt``, the whole scope goes (``kvstore rm``). A removed
+    context's chunks go when no kept context uses them, and its derived entries always. An entry
+    named by key that no context uses takes with it the chunks before it in its chain that no
+    context uses (found by their parent links: what an ``rm`` interrupted after removing its
+    records left). ``corrupt`` removes the entries and derived entries that failed the scan
+    (through a local tier: whose remote copy failed; a bad tier copy of an intact one is listed in
+    ``local``/``derived_local``, to drop from the tier only), the contexts that use a corrupt entry
+    or miss a chunk, and malformed context records; ``orphans`` removes chunks no context uses and
+    derived entries whose context is gone, once their last use is older than ``grace`` seconds.
+    With nothing at all, nothing is removed.
 
     Raises EntryNotFoundError when a key prefix matches nothing.
     """
@@ -74,97 +85,195 @@ def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | N
     corrupt, model, older_than, max_bytes = opts.corrupt, opts.model, opts.older_than, opts.max_bytes
     keys, orphans, grace = opts.keys, opts.orphans, opts.grace
     now = time.time() if now is None else now
-    contexts = {c.key: c for c in info.contexts}
-    entries = {e.key: e for e in info.entries}
+    E, C = info.entries, info.contexts
+    bad_chunks = [b for b in info.corrupt if not b.context]
     for k in keys:
-        if not any(x.startswith(k) for x in (*contexts, *entries, *(c.key for c in info.corrupt))):
+        if not _matches(info, k):
             raise EntryNotFoundError(f"no context or entry matches key {k!r} in {info.url}")
 
-    def in_keys(key: str) -> bool:
-        return not keys or any(key.startswith(k) for k in keys)
+    def in_keys(*names: str) -> bool:
+        return not keys or any(n.startswith(k) for k in keys for n in names)
 
-    scope = [c for c in info.contexts if in_keys(c.key) and c.matches_model(model)]
+    scope = [i for i in range(len(C)) if in_keys(C.keys[i]) and matches_model(*C.about(i), model)]
     has_criterion = corrupt or older_than is not None or max_bytes is not None or orphans
-    drop: dict[str, str] = {}  # context key -> reason
+    drop: dict[int, str] = {}  # context -> reason
     if (model or keys) and not has_criterion:
-        for c in scope:
-            drop[c.key] = f"model {c.model_name}" if model else "asked for"
+        for i in scope:
+            drop[i] = f"model {C.about(i)[1]}" if model else "asked for"
     if older_than is not None:
-        for c in scope:
-            if now - c.last_used > older_than:
-                drop[c.key] = f"unused for {_age_str(now - c.last_used)}"
-    refs = dict(info.refs)
+        for i in scope:
+            used = C.last_used(i)
+            if now - used > older_than:
+                drop[i] = f"unused for {_age_str(now - used)}"
+    refs = array("i", E.refs)
 
-    def release(c: ContextInfo) -> None:
-        for k in set(c.chunks):
-            refs[k] = refs.get(k, 1) - 1
+    def release(i: int) -> None:
+        for r in set(C.rows(i)):
+            if r >= 0:
+                refs[r] -= 1
 
-    for key in drop:
-        release(contexts[key])
+    for i in drop:
+        release(i)
     remove: dict[str, tuple[str, str, int]] = {}
     if max_bytes is not None:
-        kept = sorted((c for c in scope if c.key not in drop), key=lambda c: (c.last_used, c.key))
-        scope_chunks = {k for c in scope for k in c.chunks}
-        total = sum(entries[k].stored_bytes for k in scope_chunks if k in entries and refs.get(k, 0) > 0)
-        for c in kept:
+        kept = sorted((i for i in scope if i not in drop), key=lambda i: (C.last_used(i), C.keys[i]))
+        marked = bytearray(len(E))
+        for i in scope:
+            for r in C.rows(i):
+                if r >= 0:
+                    marked[r] = 1
+        total = sum(E.stored(r) for r in range(len(E)) if marked[r] and refs[r] > 0)
+        total += sum(C.derived_bytes(i) for i in scope if i not in drop)
+        for i in kept:
             if total <= max_bytes:
                 break
-            drop[c.key] = "least recently used over the size budget"
-            release(c)
-            total -= sum(entries[k].stored_bytes for k in set(c.chunks) if k in entries and refs.get(k, 0) == 0)
-    for key, why in drop.items():
-        for k in dict.fromkeys(contexts[key].chunks):
-            if k in entries and refs.get(k, 0) <= 0 and k not in remove:
-                remove[k] = (k, f"chunk of a removed context ({why})" if k != key else why, entries[k].stored_bytes)
-    if keys and not has_criterion:  # entries named by key that no context uses
-        for e in info.entries:
-            if in_keys(e.key) and not info.refs.get(e.key) and e.matches_model(model):
-                remove.setdefault(e.key, (e.key, "asked for", e.stored_bytes))
-    for bad in info.corrupt:
+            drop[i] = "least recently used over the size budget"
+            release(i)
+            total -= sum(E.stored(r) for r in set(C.rows(i)) if r >= 0 and refs[r] == 0) + C.derived_bytes(i)
+    for i, why in drop.items():
+        for r in dict.fromkeys(C.rows(i)):
+            k = E.keys[r] if r >= 0 else ""
+            if r >= 0 and refs[r] <= 0 and k not in remove:
+                remove[k] = (k, f"chunk of a removed context ({why})" if k != C.keys[i] else why, E.stored(r))
+    if keys and not has_criterion:  # entries named by key that no context uses, with their unused ancestors
+        for r in sorted({r for k in keys for r in E.rows_with_prefix(k)}):
+            p = E.profile(r)
+            if not E.refs[r] and matches_model(p.model, p.model_name, model) and E.keys[r] not in remove:
+                for a in _unused_ancestors(E, r, remove):
+                    remove[E.keys[a]] = (E.keys[a], "chunk of a removed context (asked for)", E.stored(a))
+                remove[E.keys[r]] = (E.keys[r], "asked for", E.stored(r))
+    for bad in bad_chunks:
         if (corrupt and in_keys(bad.key)) or (keys and not has_criterion and in_keys(bad.key)):
-            remove[bad.key] = (bad.key, f"corrupt: {bad.reason}", bad.stored_bytes)
+            remove[bad.key] = (bad.key, CORRUPT + bad.reason, bad.stored_bytes)
     broken: set[str] = set()
     if corrupt:  # a context that uses a removed entry, or misses a chunk, is dropped; its intact chunks stay
-        gone = {bad.key for bad in info.corrupt} & set(remove)
-        bad_keys = {bad.key for bad in info.corrupt}
-        for c in info.contexts:
-            if c.key in drop:
+        gone = {bad.key for bad in bad_chunks} & set(remove)
+        bad_keys = {bad.key for bad in bad_chunks}
+        for i in range(len(C)):
+            if i in drop:
                 continue
-            if gone & set(c.chunks):
-                drop[c.key] = "uses a corrupt entry"
-            elif problem := _broken_by_absence(c.chunks, entries, bad_keys):
-                drop[c.key] = problem  # e.g. an rm or gc killed between its two deletes, before records went first
-                broken.add(c.key)
+            chunks = C.chunk_keys(i)
+            if gone & set(chunks):
+                drop[i] = "uses a corrupt entry"
+            elif problem := _broken_by_absence(chunks, E, bad_keys):
+                drop[i] = problem  # e.g. an rm or gc killed between its two deletes, before records went first
+                broken.add(C.keys[i])
     if orphans:
-        for e in info.orphans:
-            if e.matches_model(model) and in_keys(e.key) and now - e.last_used > grace:
-                remove.setdefault(e.key, (e.key, f"no context uses it (unused for {_age_str(now - e.last_used)})",
-                                          e.stored_bytes))  # fmt: skip
+        for r in info.orphan_rows():
+            p, used = E.profile(r), E.last_used(r)
+            if matches_model(p.model, p.model_name, model) and in_keys(E.keys[r]) and now - used > grace:
+                remove.setdefault(E.keys[r], (E.keys[r], f"no context uses it (unused for {_age_str(now - used)})",
+                                              E.stored(r)))  # fmt: skip
+    derived = _plan_derived(info, opts, {C.keys[i]: why for i, why in drop.items()}, now, in_keys)
+    derived_ids = {(c, k) for c, k, _, _ in derived}
     local = tuple(
         (c.key, f"local tier copy corrupt: {c.reason}", c.stored_bytes)
         for c in info.local_corrupt
-        if corrupt and in_keys(c.key) and c.key not in remove
+        if corrupt and not c.context and in_keys(c.key) and c.key not in remove
     )
-    keep_bytes = sum(e.stored_bytes for e in info.entries if e.key not in remove)
-    context_rows = tuple((k, why, contexts[k].stored_bytes) for k, why in drop.items())
+    derived_local = tuple(
+        (c.context, c.key, f"local tier copy corrupt: {c.reason}", c.stored_bytes)
+        for c in info.local_corrupt
+        if corrupt and c.context and in_keys(c.context, c.key) and (c.context, c.key) not in derived_ids
+    )
+    keep_bytes = sum(E.stored(r) for r in range(len(E)) if E.keys[r] not in remove)
+    keep_bytes += sum(d.stored_bytes for d in info.derived if (d.context, d.key) not in derived_ids)
+    context_rows = tuple((C.keys[i], why, C.stored(i) + C.derived_bytes(i)) for i, why in drop.items())
     # context records that do not read (under a name a record can have): nothing can use them
     context_rows += tuple((b.key, b.reason, 0) for b in info.malformed if corrupt and is_key(b.key) and in_keys(b.key))
-    chains = {k: contexts[k].chunks for k in drop}
-    named = {*remove, *(k for chunks in chains.values() for k in chunks)}
+    chains = {C.keys[i]: C.chunk_keys(i) for i in drop}
+    named = {*remove, *(k for chunks in chains.values() for k in chunks), *(k for _, k, _, _ in derived)}
+    seen = {k: t for k in named if (t := E.recorded_of(k)) is not None}
     return GcPlan(
-        tuple(remove.values()), keep_bytes, context_rows, chains,
-        seen={k: t for k, t in info.recorded_access.items() if k in named},
-        kept_contexts=frozenset(contexts) - set(drop),
-        corrupt=frozenset(k for k, why, _ in remove.values() if why.startswith("corrupt: ")),
-        broken=frozenset(broken),
-        local=local,
+        tuple(remove.values()), keep_bytes, context_rows, chains, seen=seen,
+        kept_contexts=frozenset(C.keys) - set(chains),
+        corrupt=frozenset(k for k, why, _ in remove.values() if why.startswith(CORRUPT)),
+        broken=frozenset(broken), local=local, derived=derived, derived_local=derived_local,
+        pressed_only=frozenset(C.keys[i] for i in drop if C.kind[i] == PRESSED_ONLY),
+        derived_corrupt=frozenset(k for _, k, why, _ in derived if why.startswith(CORRUPT)),
+        gone=_gone(info, {c for c, _, _, _ in derived}),
     )  # fmt: skip
 
 
-def _broken_by_absence(chunks: Sequence[str], entries: Mapping, corrupt: set[str]) -> str:
+def _gone(info: StoreInfo, contexts: set[str]) -> dict[str, frozenset[str]]:
+    """Of ``contexts``, those the scan saw gone (neither recorded nor pressed), with the derived
+    keys it saw of each: execution keeps their derived entries if one comes back meanwhile."""
+    live = set(info.contexts.keys)
+    seen: dict[str, set[str]] = {c: set() for c in contexts - live}
+    for d in info.derived:
+        if d.context in seen:
+            seen[d.context].add(d.key)
+    for bad in info.corrupt:
+        if bad.context in seen:
+            seen[bad.context].add(bad.key)
+    return {c: frozenset(keys) for c, keys in seen.items()}
+
+
+def _plan_derived(info: StoreInfo, opts: GcOptions, dropped: Mapping[str, str], now: float,
+                  in_keys: Callable[..., bool]) -> tuple[tuple[str, str, str, int], ...]:  # fmt: skip
+    """The derived entries to remove, scores before pressed caches (so that a context known by its
+    pressed caches alone stays one until its last goes): those of the ``dropped`` contexts, those
+    named by key (or by the key of a context that is gone), the orphans past the grace, the corrupt."""
+    live = set(info.contexts.keys)
+    keys, model, criterion = opts.keys, opts.model, opts.corrupt or opts.orphans
+    criterion = criterion or opts.older_than is not None or opts.max_bytes is not None
+    out: dict[tuple[str, str], tuple[str, str, str, int]] = {}
+    kinds: dict[tuple[str, str], int] = {}
+    for d in info.derived:
+        ident = (d.context, d.key)
+        kinds[ident] = d.kind != SCORES
+        if d.context in dropped:
+            out[ident] = (
+                d.context,
+                d.key,
+                f"derived entry of a removed context ({dropped[d.context]})",
+                d.stored_bytes,
+            )
+        elif (
+            keys
+            and not criterion
+            and d.matches_model(model)
+            and (in_keys(d.key) or (d.context not in live and in_keys(d.context)))
+        ):
+            out[ident] = (d.context, d.key, "asked for", d.stored_bytes)
+        elif opts.orphans and d.context not in live and d.matches_model(model) and in_keys(d.context, d.key):
+            if now - d.last_used > opts.grace:
+                why = f"no context uses it (unused for {_age_str(now - d.last_used)})"
+                out[ident] = (d.context, d.key, why, d.stored_bytes)
+    for bad in info.corrupt:
+        if bad.context and (opts.corrupt or (keys and not criterion)) and in_keys(bad.context, bad.key):
+            out[bad.context, bad.key] = (bad.context, bad.key, CORRUPT + bad.reason, bad.stored_bytes)
+    return tuple(sorted(out.values(), key=lambda row: kinds.get((row[0], row[1]), 0)))
+
+
+def _matches(info: StoreInfo, prefix: str) -> bool:
+    """Whether a key prefix names anything: a context, a chunk, a derived entry or a corrupt entry."""
+    return (
+        bool(info.entries.rows_with_prefix(prefix))
+        or any(k.startswith(prefix) for k in info.contexts.keys)
+        or any(d.key.startswith(prefix) or d.context.startswith(prefix) for d in info.derived)
+        or any(c.key.startswith(prefix) or c.context.startswith(prefix) for c in info.corrupt)
+    )
+
+
+def _unused_ancestors(entries: EntryTable, row: int, remove: Mapping[str, Any]) -> list[int]:
+    """The chunks before ``row`` in its chain (by their parent links) that no context uses, the
+    first of the chain first: a context whose record went keeps its chunks linked."""
+    out: list[int] = []
+    parent = entries.parent(row)
+    while parent:
+        r = entries.row(parent)
+        if r < 0 or entries.refs[r] or r in out or parent in remove:
+            break
+        out.append(r)
+        parent = entries.parent(r)
+    return out[::-1]
+
+
+def _broken_by_absence(chunks: Sequence[str], entries: EntryTable, corrupt: set[str]) -> str:
     """``chunk i of n (key) is missing`` for the first chunk neither stored intact nor corrupt."""
     for i, k in enumerate(chunks):
-        if k not in entries and k not in corrupt:
+        if entries.row(k) < 0 and k not in corrupt:
             return f"chunk {i + 1} of {len(chunks)} ({k[:12]}) is missing"
     return ""
 

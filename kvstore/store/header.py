@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ MAGIC = b"\x89KVS\r\n\x1a\n"
 _PREFIX = len(MAGIC) + 4
 TRAILER_BYTES = 8
 MAX_ENTRY_HEADER = 1 << 20
+PEEK_BYTES = 64 << 10  # first read of an entry's header; a longer header is read again in full
 MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
 MAX_QUANTIZATION_RATIO = 32  # the fewest bits a lossy codec stores per value (int4 of float64) is 16x fewer
 STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # a state tensor's name in a layer record
@@ -67,8 +68,35 @@ class LayerSpec:
         return out
 
 
+class CodecOf:
+    """What a header's codec record says (a header's ``codec`` params, read when asked; an
+    unreadable record gives ``"?"``, lossless and no identity)."""
+
+    codec: Mapping
+
+    @property
+    def codec_spec(self) -> str:
+        """The codec as a spec string (``zstd-split:1:16``, ``raw``, ``int8:64+zstd:1``...)."""
+        return self._codec_fact("spec", "?")
+
+    @property
+    def lossless(self) -> bool:
+        return self._codec_fact("lossless", True)
+
+    @property
+    def identity(self) -> str:
+        """The lossy quantizer's spec (part of a key), or ``""``."""
+        return self._codec_fact("identity", "")
+
+    def _codec_fact(self, name: str, otherwise: Any) -> Any:
+        try:
+            return getattr(codec_from_params(self.codec), name)
+        except CorruptEntryError:
+            return otherwise
+
+
 @dataclass(frozen=True)
-class EntryHeader:
+class EntryHeader(CodecOf):
     """What an entry says about itself (parsed from its header, no payload decoding)."""
 
     key: str
@@ -102,21 +130,6 @@ class EntryHeader:
     @property
     def head_dim(self) -> int:
         return next((s.head_dim for s in self.layers if s.kind in KV_KINDS), 0)
-
-    @property
-    def codec_spec(self) -> str:
-        """The codec as a spec string (``zstd-shuffle:1``, ``raw``, ``int8:64+zstd:1``...)."""
-        try:
-            return codec_from_params(self.codec).spec
-        except CorruptEntryError:
-            return "?"
-
-    @property
-    def lossless(self) -> bool:
-        try:
-            return codec_from_params(self.codec).lossless
-        except CorruptEntryError:
-            return True
 
     @property
     def kv_bytes(self) -> int:
@@ -278,18 +291,42 @@ def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
     return header, offset
 
 
-def check_sizes(header: EntryHeader, payload_bytes: int) -> None:
+def check_sizes(header: EntryHeader, payload_bytes: int, lossless: bool | None = None) -> None:
     """Raise CorruptEntryError unless the sizes a header declares agree with each other: its
     uncompressed size with the shapes it lists, and both with the ``payload_bytes`` actually
     stored. Decoding checks this before allocating anything, and listings before they show a
-    size, so that a forged header cannot claim petabytes."""
+    size, so that a forged header cannot claim petabytes. ``lossless``: the header's codec's, when
+    the caller knows it (a scan parses each codec once)."""
     data_bytes = header.kv_bytes + header.state_bytes + 8 * header.n_tokens
-    if header.raw_bytes > data_bytes + (16 << 20) or (header.lossless and header.raw_bytes < data_bytes):
+    lossless = header.lossless if lossless is None else lossless
+    if header.raw_bytes > data_bytes + (16 << 20) or (lossless and header.raw_bytes < data_bytes):
         raise CorruptEntryError("entry declares a size that does not match its shape")
     if data_bytes > MAX_QUANTIZATION_RATIO * header.raw_bytes + (16 << 20):
         raise CorruptEntryError("entry declares a size that does not match its shape")
     if header.raw_bytes > MAX_COMPRESSION_RATIO * payload_bytes + (1 << 20):
         raise CorruptEntryError("entry declares an implausible compression ratio")
+
+
+def peek_frame(backend: Any, name: bytes, read: Callable[[bytes], tuple[Any, int]]) -> tuple[Any, int, int] | None:
+    """``(header, payload offset, stored size)`` of the stored value ``name``, its header parsed by
+    ``read`` (:func:`read_header`, or a derived entry's) from its first bytes (``backend.peek``: a
+    remote store reads no more); None when it is missing. A header longer than the first read is
+    read again in full. Raises what ``read`` raises."""
+    got = backend.peek(name, PEEK_BYTES)
+    if got is None:
+        return None
+    head, size = got
+    try:
+        header, offset = read(head)
+    except CorruptEntryError:
+        if size <= len(head):
+            raise
+        # a header longer than the first read (or a truncated entry): read as much as one can hold
+        got = backend.peek(name, MAX_ENTRY_HEADER + 64)
+        if got is None:
+            return None
+        (header, offset), size = read(got[0]), got[1]
+    return header, offset, size
 
 
 def verify_checksum(buf: bytes | memoryview) -> None:
@@ -315,9 +352,11 @@ __all__ = [
     "EntryHeader",
     "LayerSpec",
     "check_layer",
+    "CodecOf",
     "check_facts",
     "check_sizes",
     "field_int",
+    "peek_frame",
     "read_frame",
     "read_header",
     "verify_checksum",

@@ -49,14 +49,7 @@ from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import Codec, get_codec, identity_of
 from kvstore.store.derived_store import DerivedEntries
 from kvstore.store.entry import Entry, EntryView, decode_entry, encode_entry
-from kvstore.store.header import (
-    MAX_ENTRY_HEADER,
-    TRAILER_BYTES,
-    EntryHeader,
-    check_sizes,
-    read_header,
-    verify_checksum,
-)
+from kvstore.store.header import TRAILER_BYTES, EntryHeader, check_sizes, peek_frame, read_header, verify_checksum
 from kvstore.store.keyspace import (
     ACCESS,
     ENTRY,
@@ -70,8 +63,6 @@ from kvstore.store.keyspace import (
 )
 from kvstore.store.meta import MAX_CHUNK_TOKENS, load_meta
 from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
-
-_PEEK = 64 << 10  # first read of an entry's header; a longer header is read again in full
 
 
 def _same_entry(stored: memoryview, blob: bytes, key: str) -> bool:
@@ -288,21 +279,10 @@ class KVStore(DerivedEntries):
     def peek_header(self, key: str, *, origin: bool = False) -> tuple[EntryHeader, int] | None:
         """(header, stored size) from the first bytes of an entry, or None when it is missing.
         ``origin``: read the remote's copy even where a local tier holds one."""
-        backend = self.backend.origin() if origin else self.backend
-        got = backend.peek(entry_key(key), _PEEK)
+        got = peek_frame(self.backend.origin() if origin else self.backend, entry_key(key), read_header)
         if got is None:
             return None
-        head, size = got
-        try:
-            header, offset = read_header(head)
-        except CorruptEntryError:
-            if size <= len(head):
-                raise
-            # a header longer than the first read (or a truncated entry): read as much as one can hold
-            got = backend.peek(entry_key(key), MAX_ENTRY_HEADER + 64)
-            if got is None:
-                return None
-            (header, offset), size = read_header(got[0]), got[1]
+        header, offset, size = got
         check_sizes(header, size - offset - TRAILER_BYTES)  # what a listing shows is consistent
         return header, size
 

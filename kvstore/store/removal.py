@@ -5,14 +5,18 @@ build records a context in three steps (:meth:`kvstore.store.kvstore.KVStore.put
 marks the chunks it reuses as used (their ``a/`` records), writes the record, then checks that
 every chunk is still there and computes again whatever is not. :func:`execute_plan` removes, in this order:
 
-1. the planned context records (records before the chunks they name: an interruption leaves
+1. the planned derived entries (a context's scores, then its pressed caches), except those of a
+   planned context used since the plan;
+2. the planned context records (records before the chunks they name: an interruption leaves
    unused chunks, which a later gc collects, never a record whose chunks are gone);
-2. the planned entries, a batch at a time;
-3. the last-use records of the entries removed.
+3. the planned entries, a batch at a time;
+4. the last-use records of the entries and derived entries removed;
+5. through a local tier, the planned bad copies in the tier (the remote's stay).
 
 Each batch is read first (values are kept in memory until the batch is done); those that changed
-since the plan are kept: an entry marked used, a chunk named by a record the plan did not see, a
-corrupt entry repaired, a broken context complete again, a context used. The rest is deleted, then
+since the plan are kept: an entry or derived entry marked used, a chunk named by a record the plan
+did not see, a corrupt entry repaired, a broken context complete again, a context used (through any
+of its chunks' or derived entries' marks), a derived entry whose context was recorded since. The rest is deleted, then
 checked again, and what a writer marked or recorded in the meantime is put back
 (``put_if_absent``). Either that second check sees a build's record, or the build's own check,
 which follows its record, sees the deletion and computes the chunk again: a build running at the same time
@@ -25,11 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import CorruptEntryError, FormatVersionError, ReadOnlyStoreError
+from kvstore.store.derived import decode_derived
 from kvstore.store.entry import decode_entry
-from kvstore.store.keyspace import access_key, entry_key, record_key
+from kvstore.store.keyspace import access_key, derived_entry_key, entry_key, record_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.kvstore import KVStore
@@ -45,10 +50,11 @@ Busy = Callable[[Sequence[str], Mapping[str, bytes]], dict[str, str]]
 class GcPlan:
     """What to remove and why; nothing is removed until :func:`execute_plan`. ``contexts``:
     context records ``(key, reason, logical bytes)``; ``remove``: entries ``(key, reason, stored
-    bytes)`` (chunks no kept context uses, format-1 entries, corrupt entries)."""
+    bytes)`` (chunks no kept context uses, format-1 entries, corrupt entries); ``derived``: derived
+    entries ``(context, key, reason, stored bytes)``."""
 
     remove: tuple[tuple[str, str, int], ...]
-    keep_bytes: int  # stored bytes of the intact entries left afterwards
+    keep_bytes: int  # stored bytes of the intact entries and derived entries left afterwards
     contexts: tuple[tuple[str, str, int], ...] = ()
     # what the scan saw, checked again by execution before anything goes:
     chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict, compare=False)  # planned context -> chunks
@@ -58,27 +64,46 @@ class GcPlan:
     broken: frozenset[str] = field(default=frozenset(), compare=False)  # contexts planned as broken
     # bad copies in a local tier, to drop from the tier only (the remote's copies are intact)
     local: tuple[tuple[str, str, int], ...] = ()
+    derived: tuple[tuple[str, str, str, int], ...] = ()
+    derived_local: tuple[tuple[str, str, str, int], ...] = ()
+    pressed_only: frozenset[str] = field(default=frozenset(), compare=False)  # planned contexts without a record
+    derived_corrupt: frozenset[str] = field(default=frozenset(), compare=False)  # derived keys planned as corrupt
+    # contexts the scan saw gone (no record, no pressed cache) -> the derived keys it saw of each
+    gone: Mapping[str, frozenset[str]] = field(default_factory=dict, compare=False)
 
     @property
     def n(self) -> int:
-        return len(self.remove) + len([c for c in self.contexts if c[0] not in {r[0] for r in self.remove}])
+        return (
+            len(self.remove) + len([c for c in self.contexts if c[0] not in {r[0] for r in self.remove}])
+            + len(self.derived)
+        )  # fmt: skip
 
     @property
     def freed_bytes(self) -> int:
-        return sum(r[2] for r in self.remove)
+        return sum(r[2] for r in self.remove) + sum(d[3] for d in self.derived)
 
 
 @dataclass(frozen=True)
 class GcReport:
-    """What :func:`execute_plan` did: the context records and entries it removed, the stored bytes
-    freed, and ``kept``: ``(key, why)`` of what the plan named but execution left in place because
-    it was used, recorded or repaired since the plan."""
+    """What :func:`execute_plan` did: the context records, entries and derived entries (their
+    keys) it removed, the stored bytes freed, and ``kept``: ``(key, why)`` of what the plan named
+    but execution left in place because it was used, recorded or repaired since the plan."""
 
     contexts: tuple[str, ...] = ()
     entries: tuple[str, ...] = ()
     freed_bytes: int = 0
     kept: tuple[tuple[str, str], ...] = ()
     dropped_local: int = 0  # bad copies dropped from a local tier (the remote's untouched)
+    derived: tuple[str, ...] = ()
+
+
+def _derived_id(context: str, key: str) -> str:
+    return f"{context}/{key}"
+
+
+def _derived_name(ident: str) -> bytes:
+    context, _, key = ident.partition("/")
+    return derived_entry_key(context, key)
 
 
 def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
@@ -89,7 +114,13 @@ def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
         raise ReadOnlyStoreError(f"store {store.url} was opened read-only")
     kept: dict[str, str] = {}
     planned = [k for k, _, _ in plan.contexts]
-    contexts, held = _remove(store, planned, record_key, _contexts_busy(store, plan))
+    contexts_busy = _contexts_busy(store, plan)
+    used = contexts_busy(planned, {})  # a planned context used since the plan keeps its derived entries
+    sizes_d = {_derived_id(c, k): size for c, k, _, size in plan.derived}
+    derived, held = _remove(store, list(sizes_d), _derived_name, _derived_busy(store, plan, used, contexts_busy),
+                            lambda d: d.partition("/")[2] not in plan.derived_corrupt)  # fmt: skip
+    kept |= held
+    contexts, held = _remove(store, planned, record_key, contexts_busy)
     kept |= held
     unrecorded = [k for k in planned if k not in held and k not in contexts]  # format 1: the entry is the context
     sizes = {k: size for k, _, size in plan.remove}
@@ -99,10 +130,17 @@ def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
         entries += gone
         kept |= held
     contexts += [k for k in unrecorded if k in set(entries)]
-    now = store.recorded_access(entries)  # the last uses of what went, unless someone used it since
-    store.backend.delete_many([access_key(k) for k in entries if k in now and now[k] == plan.seen.get(k)])
-    dropped = store.backend.drop_local([entry_key(k) for k, _, _ in plan.local])  # a tier's fault stays local
-    return GcReport(tuple(contexts), tuple(entries), sum(sizes[k] for k in entries), tuple(kept.items()), dropped)
+    gone_derived = {d.partition("/")[0] for d in derived}
+    left = {c for c, k, _, _ in plan.derived if _derived_id(c, k) not in derived}
+    contexts += [k for k in unrecorded if k in plan.pressed_only and k in gone_derived and k not in left]
+    removed = entries + [d.partition("/")[2] for d in derived]
+    now = store.recorded_access(removed)  # the last uses of what went, unless someone used it since
+    store.backend.delete_many([access_key(k) for k in removed if k in now and now[k] == plan.seen.get(k)])
+    names = [entry_key(k) for k, _, _ in plan.local] + [derived_entry_key(c, k) for c, k, _, _ in plan.derived_local]
+    dropped = store.backend.drop_local(names) if names else 0  # a tier's fault stays local
+    freed = sum(sizes[k] for k in entries) + sum(sizes_d[d] for d in derived)
+    return GcReport(tuple(contexts), tuple(entries), freed, tuple(kept.items()), dropped,
+                    tuple(d.partition("/")[2] for d in derived))  # fmt: skip
 
 
 def _remove(
@@ -128,12 +166,44 @@ def _remove(
 
 
 def _contexts_busy(store: KVStore, plan: GcPlan) -> Busy:
+    derived_of: dict[str, list[str]] = {}
+    for c, k, _, _ in plan.derived:
+        derived_of.setdefault(c, []).append(k)
+
     def busy(keys: Sequence[str], saved: Mapping[str, bytes]) -> dict[str, str]:
-        now = store.recorded_access(keys)  # a context's use marks its last chunk, whose key it has
-        out = {k: "used since the plan" for k in keys if now.get(k) != plan.seen.get(k)}
+        # a context's use marks its last chunk, whose key it has, or one of its derived entries
+        marks = {k: [k, *derived_of.get(k, ())] for k in keys}
+        now = store.recorded_access([m for ms in marks.values() for m in ms])
+        out = {k: "used since the plan" for k, ms in marks.items() if any(now.get(m) != plan.seen.get(m) for m in ms)}
         for k in keys:
             if k in plan.broken and k not in out and all(store.contains(c) for c in plan.chains.get(k, ())):
                 out[k] = "complete again since the plan"
+        return out
+
+    return busy
+
+
+def _derived_busy(store: KVStore, plan: GcPlan, used: Mapping[str, str], contexts_busy: Busy) -> Busy:
+    planned = {k for k, _, _ in plan.contexts}
+
+    def busy(ids: Sequence[str], saved: Mapping[str, bytes]) -> dict[str, str]:
+        """A derived entry used since the plan, of a planned context used since, of a context gone
+        at the plan and recorded (or pressed) since, or corrupt and intact again."""
+        pairs = {d: d.partition("/")[::2] for d in ids}
+        now = store.recorded_access([k for _, k in pairs.values()])
+        late = contexts_busy(sorted({c for c, _ in pairs.values() if c in planned}), {}) if not saved else used
+        out: dict[str, str] = {}
+        for d, (context, key) in pairs.items():
+            if now.get(key) != plan.seen.get(key):
+                out[d] = "used since the plan"
+            elif context in late:
+                out[d] = f"its context was {late[context].replace(' since the plan', '')} since the plan"
+            elif context in plan.gone and (
+                store.backend.contains(record_key(context)) or set(store.derived_keys(context)) - plan.gone[context]
+            ):
+                out[d] = "its context was recorded since the plan"
+            elif key in plan.derived_corrupt and d in saved and _intact(saved[d], key, decode_derived):
+                out[d] = "intact again since the plan"
         return out
 
     return busy
@@ -163,9 +233,10 @@ def _recorded_chunks(store: KVStore, plan: GcPlan) -> set[str]:
     return chunks
 
 
-def _intact(value: bytes, key: str) -> bool:
+def _intact(value: bytes, key: str, decode: Callable[..., Any] = decode_entry) -> bool:
+    """Whether ``value`` decodes (``decode_entry``, or ``decode_derived``) as the entry ``key``."""
     try:
-        decode_entry(value, key=key)
+        decode(value, key=key)
     except (CorruptEntryError, FormatVersionError):
         return False
     return True

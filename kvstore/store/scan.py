@@ -1,10 +1,16 @@
-"""What a store holds: a scan of its entries and contexts.
+"""What a store holds: a scan of its entries, derived entries and contexts.
 
-A scan reads every entry's header (``verify=True``: every byte) and every context record. Intact
-entries are :class:`EntryInfo`, unreadable ones :class:`CorruptInfo` (never raised). Contexts are
-:class:`ContextInfo`: a chain of chunks (format 2) or one whole-context entry (format 1). A chunk
-shared by several contexts is stored once, so a store has *physical* bytes (its entries) and
-*logical* bytes (each context's chunks, counted per context); their ratio is the dedupe ratio.
+A scan reads every entry's header (``verify=True``: every byte), every derived entry's header, every
+last-use record and every context record, streaming: what it keeps is compact (:mod:`kvstore.store.tables`:
+a few hundred bytes per chunk, whatever the model), and the values callers read
+(:mod:`kvstore.store.infos`) are made when asked for. Intact entries are
+:class:`~kvstore.store.infos.EntryInfo`, unreadable ones :class:`~kvstore.store.infos.CorruptInfo`
+(never raised). Contexts are :class:`~kvstore.store.infos.ContextInfo`: a chain of chunks (format 2),
+one whole-context entry (format 1), or, in a store that keeps only pressed caches, a context known
+by its pressed entries alone. A chunk shared by several contexts is stored once, so a store has
+*physical* bytes (its entries) and *logical* bytes (each context's chunks, counted per context);
+their ratio is the dedupe ratio. A derived entry (:class:`~kvstore.store.infos.DerivedInfo`) lives
+with its context: one whose context is neither recorded nor pressed is an orphan.
 
 Per-group totals are :mod:`kvstore.store.summary`; removal plans, :mod:`kvstore.store.gc`.
 """
@@ -12,291 +18,149 @@ Per-group totals are :mod:`kvstore.store.summary`; removal plans, :mod:`kvstore.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import struct
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.progress import Progress
-from kvstore.store.keyspace import RECORD, entry_key, is_key, key_of
-from kvstore.units import human_bytes, human_time
+from kvstore.store.derived_header import PRESSED, check_derived_sizes, read_derived_header
+from kvstore.store.header import TRAILER_BYTES, check_sizes, peek_frame, read_header
+
+# the values a scan reports live in infos; importable from here, as before
+from kvstore.store.infos import (  # noqa: F401
+    ContextInfo,
+    ContextRecord,
+    CorruptInfo,
+    DerivedInfo,
+    EntryInfo,
+    chain_problem,
+    matches_model,
+)
+from kvstore.store.keyspace import ACCESS, DERIVED, ENTRY, RECORD, derived_of, entry_key, key_of
+from kvstore.store.tables import (
+    PRESSED_ONLY,
+    RECORDED,
+    WHOLE_ENTRY,
+    ByKey,
+    Codecs,
+    ContextTable,
+    EntryTable,
+    Recorded,
+    Refs,
+    context_table_of,
+    entry_table_of,
+)
+from kvstore.units import human_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Iterable, Mapping, Sequence
+
     from kvstore.store.backends.base import Backend
     from kvstore.store.codecs import Codec
     from kvstore.store.header import EntryHeader
     from kvstore.store.meta import StoreMeta
 
-
-@dataclass(frozen=True)
-class ContextRecord:
-    """A context's record (backend key ``r/<key>``): its chain of chunk keys, its tokens, when
-    it was recorded. ``key`` is the chain's last chunk key."""
-
-    key: str
-    chunks: tuple[str, ...]
-    n_tokens: int
-    created: float
-
-    def to_bytes(self) -> bytes:
-        return json.dumps({"chunks": list(self.chunks), "n_tokens": self.n_tokens, "created": self.created}).encode()
-
-    @classmethod
-    def parse(cls, key: str, raw: bytes | memoryview) -> ContextRecord | None:
-        """The record, or None when it is unreadable or inconsistent (see :meth:`read`)."""
-        try:
-            return cls.read(key, raw)
-        except ValueError:
-            return None
-
-    @classmethod
-    def read(cls, key: str, raw: bytes | memoryview) -> ContextRecord:
-        """The record stored under ``r/<key>``; raises ValueError saying what is wrong when it is
-        unreadable or inconsistent (its name a key, its last chunk that key, at least one token)."""
-        if not is_key(key):
-            raise ValueError("its name is not a key")
-        try:
-            d = json.loads(bytes(raw))
-            chunks = tuple(d["chunks"])
-            n, created = int(d["n_tokens"]), float(d["created"])
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
-            what = f"field {exc}" if isinstance(exc, KeyError) else "not a JSON object with chunks, n_tokens, created"
-            raise ValueError(f"unreadable: {what}") from None
-        if not chunks or not all(is_key(c) for c in chunks):
-            raise ValueError("its chunks are not a list of keys")
-        if chunks[-1] != key:
-            raise ValueError("its last chunk is not its own key")
-        if n < 1:
-            raise ValueError("it counts no tokens")
-        return cls(key, chunks, n, created)
+_BATCH = 256  # records read per backend call
 
 
-@dataclass(frozen=True)
-class EntryInfo:
-    """One intact entry as a scan saw it: its header, its stored size and its last use."""
-
-    header: EntryHeader
-    stored_bytes: int
-    last_access: float | None = None
-
-    # the header's facts, flat
-    @property
-    def key(self) -> str:
-        return self.header.key
-
-    @property
-    def model(self) -> str:
-        return self.header.model
-
-    @property
-    def model_name(self) -> str:
-        return self.header.model_name
-
-    @property
-    def dtype(self) -> str:
-        return self.header.dtype
-
-    @property
-    def n_tokens(self) -> int:
-        return self.header.n_tokens
-
-    @property
-    def n_layers(self) -> int:
-        return self.header.n_layers
-
-    @property
-    def codec(self) -> str:
-        return self.header.codec_spec
-
-    @property
-    def raw_bytes(self) -> int:
-        return self.header.raw_bytes
-
-    @property
-    def created(self) -> float:
-        return self.header.created
-
-    @property
-    def ratio(self) -> float:
-        """Stored size as a fraction of the uncompressed safetensors size (lower is better)."""
-        return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
-
-    @property
-    def last_used(self) -> float:
-        return self.last_access if self.last_access is not None else self.created
-
-    @property
-    def size_str(self) -> str:
-        return human_bytes(self.stored_bytes)
-
-    @property
-    def created_str(self) -> str:
-        return human_time(self.created)
-
-    def matches_model(self, model: str | None) -> bool:
-        """Whether ``model`` (a model name, or a prefix of a fingerprint) names this entry's model;
-        ``None`` matches everything."""
-        return not model or self.model.startswith(model) or self.model_name == model
-
-    def as_record(self) -> dict[str, Any]:
-        """Every field as a flat, JSON-serialisable dict (sizes in bytes, times in epoch seconds)."""
-        h = self.header
-        return {
-            "key": h.key,
-            "parent": h.parent,
-            "model_name": h.model_name,
-            "model": h.model,
-            "dtype": h.dtype,
-            "start": h.start,
-            "n_tokens": h.n_tokens,
-            "n_layers": h.n_layers,
-            "kv_heads": h.kv_heads,
-            "head_dim": h.head_dim,
-            "codec": h.codec_spec,
-            "format": h.format,
-            "numerics": dict(h.numerics),
-            "raw_bytes": h.raw_bytes,
-            "stored_bytes": self.stored_bytes,
-            "ratio": round(self.ratio, 4),
-            "created": h.created,
-            "last_access": self.last_access,
-            "last_used": self.last_used,
-        }
-
-
-@dataclass(frozen=True)
-class CorruptInfo:
-    key: str
-    reason: str
-    stored_bytes: int
-
-
-@dataclass(frozen=True)
-class ContextInfo:
-    """One context: its chain of chunk keys (a format-1 entry is a chain of one), what of it is
-    stored, and the facts of its first stored chunk. ``missing`` counts chunks absent or corrupt."""
-
-    key: str
-    n_tokens: int
-    chunks: tuple[str, ...]
-    stored_bytes: int  # logical: every chunk of this context, shared ones included
-    raw_bytes: int
-    kv_bytes: int
-    missing: int
-    first: EntryInfo | None
-    created: float
-    last_access: float | None
-
-    @property
-    def complete(self) -> bool:
-        return self.missing == 0
-
-    @property
-    def model(self) -> str:
-        return self.first.model if self.first else "?"
-
-    @property
-    def model_name(self) -> str:
-        return self.first.model_name if self.first else "?"
-
-    @property
-    def dtype(self) -> str:
-        return self.first.dtype if self.first else "?"
-
-    @property
-    def codec(self) -> str:
-        return self.first.codec if self.first else "?"
-
-    @property
-    def format(self) -> int:
-        return self.first.header.format if self.first else 2
-
-    @property
-    def numerics(self) -> dict[str, str]:
-        return dict(self.first.header.numerics) if self.first else {}
-
-    @property
-    def last_used(self) -> float:
-        return self.last_access if self.last_access is not None else self.created
-
-    def matches_model(self, model: str | None) -> bool:
-        return not model or self.model.startswith(model) or self.model_name == model
-
-    def as_record(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "model_name": self.model_name,
-            "model": self.model,
-            "dtype": self.dtype,
-            "n_tokens": self.n_tokens,
-            "chunks": len(self.chunks),
-            "complete": self.complete,
-            "codec": self.codec,
-            "format": self.format,
-            "numerics": self.numerics,
-            "raw_bytes": self.raw_bytes,
-            "stored_bytes": self.stored_bytes,
-            "ratio": round(self.stored_bytes / self.raw_bytes, 4) if self.raw_bytes else 1.0,
-            "created": self.created,
-            "last_access": self.last_access,
-            "last_used": self.last_used,
-        }
-
-
-@dataclass(frozen=True)
 class StoreInfo:
-    """A store's description and contents (see :meth:`KVStore.scan`)."""
+    """A store's description and contents (see :meth:`KVStore.scan`): ``entries`` (its intact
+    chunks, an :class:`~kvstore.store.tables.EntryTable`: a sequence of ``EntryInfo``),
+    ``contexts`` (a :class:`~kvstore.store.tables.ContextTable`: a sequence of ``ContextInfo``),
+    ``derived`` (its intact derived entries), what does not read (``corrupt``: chunk and derived
+    entries; ``malformed``: context records; ``local_corrupt``: through a local tier, its bad
+    copies), and ``refs`` / ``recorded_access`` / ``by_key`` (mappings by key, made when read).
 
-    url: str
-    format: int
-    codec: str
-    created: float
-    entries: tuple[EntryInfo, ...]
-    corrupt: tuple[CorruptInfo, ...]
-    disk_bytes: int | None
-    verified: bool
-    contexts: tuple[ContextInfo, ...] = ()
-    chunk_tokens: int = 0
-    refs: dict[str, int] = field(default_factory=dict, compare=False)  # chunk key -> contexts using it
-    # last-use records as stored when scanned (not this handle's unsaved uses): what a removal
-    # plan compares with before it removes anything
-    recorded_access: dict[str, float] = field(default_factory=dict, compare=False)
-    # through a local tier: its copies that failed (the remote's copies are what ``corrupt`` lists)
-    local_corrupt: tuple[CorruptInfo, ...] = ()
-    malformed: tuple[CorruptInfo, ...] = ()  # context records that do not read (r/ keys)
+    Made by a scan; also from values (``entries``/``contexts`` as sequences of ``EntryInfo`` and
+    ``ContextInfo``, ``recorded_access`` a dict), as tests do."""
+
+    def __init__(
+        self, url: str, format: int, codec: str, created: float, entries: EntryTable | Sequence[EntryInfo],
+        corrupt: Sequence[CorruptInfo], disk_bytes: int | None, verified: bool,
+        contexts: ContextTable | Sequence[ContextInfo] = (), chunk_tokens: int = 0, *,
+        recorded_access: Mapping[str, float] | None = None, local_corrupt: Sequence[CorruptInfo] = (),
+        malformed: Sequence[CorruptInfo] = (), derived: Sequence[DerivedInfo] = (),
+    ):  # fmt: skip
+        self.url, self.format, self.codec, self.created = url, format, codec, created
+        self.disk_bytes, self.verified, self.chunk_tokens = disk_bytes, verified, chunk_tokens
+        self.corrupt, self.local_corrupt, self.malformed = tuple(corrupt), tuple(local_corrupt), tuple(malformed)
+        if not isinstance(entries, EntryTable):
+            entries = entry_table_of(entries, recorded_access)
+        if not isinstance(contexts, ContextTable):
+            contexts = context_table_of(entries, contexts, derived)
+        self.entries: EntryTable = entries
+        self.contexts: ContextTable = contexts
+        self.derived: tuple[DerivedInfo, ...] = tuple(d for ds in contexts.derived.values() for d in ds)
 
     @property
     def n_entries(self) -> int:
+        """Intact chunk entries (derived entries are ``derived``)."""
         return len(self.entries)
 
     @property
+    def refs(self) -> Mapping[str, int]:
+        """Chunk key -> contexts using it (chunks no context uses are not in it)."""
+        return Refs(self.entries)
+
+    @property
+    def recorded_access(self) -> Mapping[str, float]:
+        """Last-use records as stored when scanned (not this handle's unsaved uses): what a removal
+        plan compares with before it removes anything."""
+        return Recorded(self.entries)
+
+    @property
+    def by_key(self) -> Mapping[str, EntryInfo]:
+        """The intact chunk entries by key."""
+        return ByKey(self.entries)
+
+    @property
     def stored_bytes(self) -> int:
-        """Physical bytes: every intact entry once."""
-        return sum(e.stored_bytes for e in self.entries)
+        """Physical bytes: every intact chunk entry once (derived entries: ``derived_bytes``)."""
+        return self.entries.stored_bytes
+
+    @property
+    def derived_bytes(self) -> int:
+        return sum(d.stored_bytes for d in self.derived)
 
     @property
     def logical_bytes(self) -> int:
         """Every context's chunks, a shared chunk counted once per context that uses it."""
-        return sum(c.stored_bytes for c in self.contexts)
+        return sum(self.contexts.stored(i) for i in range(len(self.contexts)))
 
     @property
     def dedupe_ratio(self) -> float:
         """Logical / physical bytes of the chunks contexts use (1.0: nothing shared)."""
-        used = sum(e.stored_bytes for e in self.entries if self.refs.get(e.key))
+        e = self.entries
+        used = sum(e.stored(r) for r in range(len(e)) if e.refs[r])
         return self.logical_bytes / used if used else 1.0
 
     @property
     def raw_bytes(self) -> int:
-        return sum(e.raw_bytes for e in self.entries)
+        return self.entries.raw_bytes
 
     @property
     def n_tokens(self) -> int:
         """Tokens of the contexts (not of the chunks, which a shared prefix would count once)."""
-        return sum(c.n_tokens for c in self.contexts)
+        return sum(self.contexts.n_tokens(i) for i in range(len(self.contexts)))
+
+    def orphan_rows(self) -> Iterator[int]:
+        """Rows of the chunks no context record uses (a build in progress, or left by removed contexts)."""
+        e = self.entries
+        return (r for r in range(len(e)) if not e.refs[r] and e.profile(r).format >= 2)
 
     @property
     def orphans(self) -> tuple[EntryInfo, ...]:
         """Chunks no context record uses (a build in progress, or left by removed contexts)."""
-        return tuple(e for e in self.entries if e.header.format >= 2 and not self.refs.get(e.key))
+        return tuple(self.entries.info(r) for r in self.orphan_rows())
+
+    @property
+    def orphan_derived(self) -> tuple[DerivedInfo, ...]:
+        """Derived entries whose context is neither recorded (a record, a format-1 entry) nor
+        stored as a pressed cache: nothing uses them (a context removed by an older kvstore, or a
+        removal interrupted after the context went)."""
+        live = set(self.contexts.keys)
+        return tuple(d for d in self.derived if d.context not in live)
 
     @property
     def size_str(self) -> str:
@@ -318,85 +182,109 @@ class ScannedStore(Protocol):
     @property
     def chunk_tokens(self) -> int: ...
 
-    def keys(self) -> list[str]: ...
-
-    def peek_header(self, key: str, *, origin: bool = False) -> tuple[EntryHeader, int] | None: ...
-
-    def recorded_access(self, keys: Any = None) -> dict[str, float]: ...
-
     def last_access(self, recorded: dict[str, float] | None = None) -> dict[str, float]: ...
 
 
 def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:
     """See :meth:`KVStore.scan`. Through a local tier the remote's copy of an entry is what counts:
-    a bad copy in the tier is listed in ``local_corrupt``, not in ``corrupt``."""
-    recorded = store.recorded_access()
-    access = store.last_access(recorded)
-    entries: dict[str, EntryInfo] = {}
+    a bad copy in the tier is listed in ``local_corrupt``, not in ``corrupt``. ``progress(1, stored
+    bytes)`` after each entry and derived entry."""
+    tiered = store.backend.origin() is not store.backend
+    codecs = Codecs()
+    entries = EntryTable(touched=store.last_access({}), codecs=codecs)  # this handle's unsaved uses
     corrupt: list[CorruptInfo] = []
     local_corrupt: list[CorruptInfo] = []
-    tiered = store.backend.origin() is not store.backend
-    for key in store.keys():
+    local_bad = local_corrupt if tiered else None
+    for name in store.backend.keys(ENTRY):  # streamed: nothing but the table grows with the store
+        key = key_of(name, ENTRY, errors="replace")
         size = 0
         try:
-            got = _read_entry(store, key, verify, local_corrupt if tiered else None)
+            got = _read_entry(store, key, verify, local_bad, codecs)
         except (CorruptEntryError, FormatVersionError) as exc:
-            peeked = store.backend.origin().peek(entry_key(key), 1)
-            size = 0 if peeked is None else peeked[1]
+            size = _size(store, name)
             corrupt.append(CorruptInfo(key, str(exc), size))
         else:
             if got is None:  # deleted while we scanned
                 continue
             header, size = got
-            entries[key] = EntryInfo(header, size, access.get(key))
+            entries.add(header, size)
         if progress is not None:
             progress(1, size)
-    contexts = []
-    records, malformed = _records(store)
-    for r in records:
-        contexts.append(_context(r.key, r.chunks, r.n_tokens, r.created, entries, access))
-    for e in entries.values():
-        if e.header.format == 1:  # a whole-context entry is its own context
-            contexts.append(_context(e.key, (e.key,), e.n_tokens, e.created, entries, access))
-    refs: dict[str, int] = {}
-    for c in contexts:
-        for k in set(c.chunks):
-            refs[k] = refs.get(k, 0) + 1
+    entries.finish()
+    _read_access(store.backend, entries)
+    derived, malformed = _scan_derived(store, entries, verify, corrupt, local_bad, progress)
+    contexts = ContextTable(entries)
+    for record in _records(store.backend, malformed):
+        contexts.add(record.key, record.chunks, record.n_tokens, record.created, RECORDED)
+    for row in range(len(entries)):
+        if entries.profile(row).format == 1:  # a whole-context entry is its own context
+            contexts.add(entries.keys[row], (entries.keys[row],), entries.n_tokens(row), entries.created(row),
+                         WHOLE_ENTRY)  # fmt: skip
+    known = set(contexts.keys)
+    for d in derived:  # a context stored only as pressed caches (build --no-dense)
+        if d.kind == PRESSED and d.context not in known:
+            known.add(d.context)
+            contexts.add(d.context, (), d.n_tokens, d.created, PRESSED_ONLY)
+    contexts.attach(derived)
+    contexts.finish()
     return StoreInfo(
-        url=store.url,
-        format=store.format,
-        codec=store.codec.spec,
-        created=float(store.meta.created),
-        entries=tuple(entries.values()),
-        corrupt=tuple(corrupt),
-        disk_bytes=store.backend.disk_bytes(),
-        verified=verify,
-        contexts=tuple(contexts),
-        chunk_tokens=store.chunk_tokens,
-        refs=refs,
-        recorded_access=recorded,
-        local_corrupt=tuple(local_corrupt),
-        malformed=malformed,
-    )
+        url=store.url, format=store.format, codec=store.codec.spec, created=float(store.meta.created),
+        entries=entries, corrupt=corrupt, disk_bytes=store.backend.disk_bytes(), verified=verify, contexts=contexts,
+        chunk_tokens=store.chunk_tokens, local_corrupt=local_corrupt, malformed=malformed,
+    )  # fmt: skip
 
 
-def _records(store: ScannedStore) -> tuple[list[ContextRecord], tuple[CorruptInfo, ...]]:
-    """Every context record that reads, and the malformed ones (``key``, what is wrong, size)."""
-    records, malformed = [], []
-    names = list(store.backend.keys(RECORD))
-    for name, raw in zip(names, store.backend.get_many(names)):
-        if raw is None:  # removed while we listed
-            continue
-        key = key_of(name, RECORD, errors="replace")
-        try:
-            records.append(ContextRecord.read(key, raw))
-        except ValueError as exc:
-            malformed.append(CorruptInfo(key, f"malformed context record: {exc}", len(raw)))
-    return records, tuple(malformed)
+def _size(store: ScannedStore, name: bytes) -> int:
+    peeked = store.backend.origin().peek(name, 1)
+    return 0 if peeked is None else peeked[1]
+
+
+def _batches(names: Iterable[bytes]) -> Iterator[list[bytes]]:
+    batch: list[bytes] = []
+    for name in names:
+        batch.append(name)
+        if len(batch) >= _BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _read_access(backend: Backend, entries: EntryTable) -> None:
+    """Every recorded last use (``a/`` records), into the table's rows (or ``other_access``)."""
+    for names in _batches(backend.keys(ACCESS)):
+        for name, raw in zip(names, backend.get_many(names)):
+            if raw is not None and len(raw) == 8:
+                entries.set_recorded(key_of(name, ACCESS), struct.unpack("<d", raw)[0])
+
+
+def _records(backend: Backend, malformed: list[CorruptInfo]) -> Iterator[ContextRecord]:
+    """Every context record that reads; the malformed ones go to ``malformed`` (key, what is wrong, size)."""
+    for names in _batches(backend.keys(RECORD)):
+        for name, raw in zip(names, backend.get_many(names)):
+            if raw is None:  # removed while we listed
+                continue
+            key = key_of(name, RECORD, errors="replace")
+            try:
+                yield ContextRecord.read(key, raw)
+            except ValueError as exc:
+                malformed.append(CorruptInfo(key, f"malformed context record: {exc}", len(raw)))
+
+
+def _peek_entry(backend: Backend, key: str, codecs: Codecs) -> tuple[EntryHeader, int] | None:
+    """(header, stored size) of a chunk entry from its first bytes, its sizes checked."""
+    got = peek_frame(backend, entry_key(key), read_header)
+    if got is None:
+        return None
+    header, offset, size = got
+    if header.key != key:
+        raise CorruptEntryError("entry header names another key")
+    check_sizes(header, size - offset - TRAILER_BYTES, codecs(header.codec)[1])  # what a listing shows is consistent
+    return header, size
 
 
 def _read_entry(
-    store: ScannedStore, key: str, verify: bool, local_bad: list[CorruptInfo] | None
+    store: ScannedStore, key: str, verify: bool, local_bad: list[CorruptInfo] | None, codecs: Codecs
 ) -> tuple[EntryHeader, int] | None:
     """(header, stored size) of an entry, or None when it is gone; raises CorruptEntryError or
     FormatVersionError for the copy that counts. ``verify``: every byte of the origin's copy
@@ -415,60 +303,98 @@ def _read_entry(
         with store.backend.origin().view(entry_key(key)) as buf:
             return None if buf is None else (decode_entry(buf, key=key).header, len(buf))
     try:
-        got = store.peek_header(key)
-        if got is not None and got[0].key != key:
-            raise CorruptEntryError("entry header names another key")
+        return _peek_entry(store.backend, key, codecs)
     except CorruptEntryError as exc:
         if local_bad is None:
             raise
-        got = store.peek_header(key, origin=True)  # the tier's copy is bad; the remote's decides
-        if got is not None and got[0].key != key:
-            raise CorruptEntryError("entry header names another key") from None
+        got = _peek_entry(store.backend.origin(), key, codecs)  # the tier's copy is bad; the remote's decides
         local_bad.append(CorruptInfo(key, str(exc), got[1] if got else 0))
-    return got
+        return got
 
 
-def chain_problem(chunks: tuple[str, ...], entries: dict[str, EntryInfo]) -> str:
-    """What is wrong with a context's chain given the intact entries of a scan (``""``: nothing):
-    a chunk missing or corrupt, or one that does not continue the chunk before it."""
-    parent, start = "", 0
-    for i, key in enumerate(chunks):
-        e = entries.get(key)
-        if e is None:
-            return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) is missing or corrupt"
-        h = e.header
-        if len(chunks) > 1 or h.format >= 2:
-            if h.parent != parent or h.start != start:
-                return f"chunk {i + 1} of {len(chunks)} ({key[:12]}) does not continue the chain"
-        parent, start = key, h.end
-    return ""
+def _peek_derived(backend: Backend, name: bytes, context: str, key: str) -> tuple[Any, int] | None:
+    """(header, stored size) of a derived entry from its first bytes (sizes checked), or None."""
+    got = peek_frame(backend, name, read_derived_header)
+    if got is None:
+        return None
+    header, offset, size = got
+    if header.key != key or header.context != context:
+        raise CorruptEntryError("derived entry header names another context or key")
+    check_derived_sizes(header, size - offset - TRAILER_BYTES)
+    return header, size
 
 
-def _context(key, chunks, n_tokens, created, entries: dict[str, EntryInfo], access) -> ContextInfo:
-    present = [entries[k] for k in chunks if k in entries]
-    used = [access[k] for k in chunks if k in access]
-    created = min((e.created for e in present), default=created)  # when its chain was first stored
-    return ContextInfo(
-        key=key,
-        n_tokens=n_tokens,
-        chunks=tuple(chunks),
-        stored_bytes=sum(e.stored_bytes for e in present),
-        raw_bytes=sum(e.raw_bytes for e in present),
-        kv_bytes=sum(e.header.kv_bytes for e in present),
-        missing=len(chunks) - len(present),
-        first=entries.get(chunks[0]),
-        created=created,
-        last_access=max(used) if used else None,
-    )
+def _read_derived(store: ScannedStore, name: bytes, context: str, key: str, verify: bool,
+                  local_bad: list[CorruptInfo] | None) -> tuple[Any, int] | None:  # fmt: skip
+    """As :func:`_read_entry`, for the derived entry ``key`` of ``context`` (backend key ``name``)."""
+    from kvstore.store.derived import decode_derived
+
+    def check(buf) -> Any:
+        header = decode_derived(buf, key=key).header
+        if header.context != context:
+            raise CorruptEntryError("derived entry header names another context")
+        return header
+
+    if verify:
+        if local_bad is not None:
+            with store.backend.local_copy(name) as copy:
+                if copy is not None:
+                    try:
+                        check(copy)
+                    except (CorruptEntryError, FormatVersionError) as exc:
+                        local_bad.append(CorruptInfo(key, str(exc), len(copy), context))
+        with store.backend.origin().view(name) as buf:
+            return None if buf is None else (check(buf), len(buf))
+    try:
+        return _peek_derived(store.backend, name, context, key)
+    except CorruptEntryError as exc:
+        if local_bad is None:
+            raise
+        got = _peek_derived(store.backend.origin(), name, context, key)
+        local_bad.append(CorruptInfo(key, str(exc), got[1] if got else 0, context))
+        return got
 
 
-__all__ = [
-    "ContextInfo",
-    "ContextRecord",
-    "CorruptInfo",
-    "EntryInfo",
-    "ScannedStore",
-    "StoreInfo",
-    "chain_problem",
-    "scan_store",
-]
+def _scan_derived(
+    store: ScannedStore, entries: EntryTable, verify: bool, corrupt: list[CorruptInfo],
+    local_bad: list[CorruptInfo] | None, progress: Progress | None,
+) -> tuple[list[DerivedInfo], list[CorruptInfo]]:  # fmt: skip
+    """Every derived entry: the intact ones (strings shared among them), the unreadable ones into
+    ``corrupt``; returns them and the names under ``x/`` that name no context and key."""
+    derived: list[DerivedInfo] = []
+    malformed: list[CorruptInfo] = []
+    shared: dict[Any, Any] = {}
+
+    def intern(value: Any) -> Any:
+        return shared.setdefault(value, value)
+
+    for name in store.backend.keys(DERIVED):
+        parsed = derived_of(name)
+        if parsed is None:
+            malformed.append(CorruptInfo(key_of(name, DERIVED, errors="replace"), "malformed derived entry name",
+                                         _size(store, name)))  # fmt: skip
+            continue
+        context, key = parsed
+        size = 0
+        try:
+            got = _read_derived(store, name, context, key, verify, local_bad)
+        except (CorruptEntryError, FormatVersionError) as exc:
+            size = _size(store, name)
+            corrupt.append(CorruptInfo(key, str(exc), size, context))
+        else:
+            if got is not None:
+                h, size = got
+                codec, _ = entries.codecs(h.codec)
+                press = json.dumps(h.press, sort_keys=True)
+                derived.append(DerivedInfo(
+                    intern(h.context), h.key, intern(h.kind), intern(h.spec), intern(h.model), intern(h.model_name),
+                    intern(h.dtype), h.n_tokens, intern(codec), h.kept_pairs, h.kept_fraction, h.raw_bytes,
+                    h.kv_bytes, size, h.created, h.format, shared.setdefault(press, h.press),
+                    entries.access_of(key),
+                ))  # fmt: skip
+        if progress is not None:
+            progress(1, size)
+    return derived, malformed
+
+
+__all__ = ["ScannedStore", "StoreInfo", "scan_store"]

@@ -1,6 +1,7 @@
 """Totals per group of contexts (model, dtype, codec...) from a scan: what ``kvstore stats`` and
 ``kvstore size --store`` both show. Logical bytes count each context's chunks; physical bytes count
-the group's distinct chunks once (their ratio is the dedupe ratio)."""
+the group's distinct chunks once (their ratio is the dedupe ratio). Derived entries (scores, pressed
+caches) are totalled per kind apart (:func:`derived_totals`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.store.scan import ContextInfo, StoreInfo
+    from kvstore.store.infos import DerivedInfo
+    from kvstore.store.scan import StoreInfo
+    from kvstore.store.tables import EntryTable
 
 
 @dataclass(frozen=True)
@@ -70,31 +73,91 @@ class GroupStats:
 
 
 def summarize(info: StoreInfo, by: Sequence[str] = ("model_name", "model", "dtype", "codec")) -> list[GroupStats]:
-    """Totals per group of contexts sharing the ``by`` fields (names of :class:`ContextInfo`
-    properties), sorted by those fields. Fields not grouped by are joined when they differ."""
-    groups: dict[tuple, list[ContextInfo]] = {}
-    for c in info.contexts:
-        groups.setdefault(tuple(str(getattr(c, f)) for f in by), []).append(c)
-    sizes = {e.key: e.stored_bytes for e in info.entries}
+    """Totals per group of the contexts that have chunks (a context stored only as pressed caches
+    is in :func:`derived_totals`), grouped by the ``by`` fields (``model_name``, ``model``,
+    ``dtype``, ``codec``: their first chunk's), sorted by those fields. Fields not grouped by are
+    joined when they differ."""
+    C, E = info.contexts, info.entries
+    groups: dict[tuple, list[int]] = {}
+    facts: dict[int, dict[str, str]] = {}
+    for i in range(len(C)):
+        rows = C.rows(i)
+        if not len(rows):
+            continue
+        f = _facts(E, rows[0])
+        facts[i] = f
+        groups.setdefault(tuple(f[name] for name in by), []).append(i)
 
-    def joined(items: list[ContextInfo], attr: str) -> str:
-        return ", ".join(sorted({str(getattr(c, attr)) for c in items}))
+    def joined(items: list[int], name: str) -> str:
+        return ", ".join(sorted({facts[i][name] for i in items}))
 
-    return [
-        GroupStats(
-            model_name=joined(items, "model_name"),
-            model=joined(items, "model"),
-            dtype=joined(items, "dtype"),
-            codec=joined(items, "codec"),
-            contexts=len(items),
-            n_tokens=sum(c.n_tokens for c in items),
-            kv_bytes=sum(c.kv_bytes for c in items),
-            raw_bytes=sum(c.raw_bytes for c in items),
-            stored_bytes=sum(c.stored_bytes for c in items),
-            physical_bytes=sum(sizes.get(k, 0) for k in {k for c in items for k in c.chunks}),
-        )
-        for _, items in sorted(groups.items())
-    ]
+    out = []
+    for _, items in sorted(groups.items()):
+        seen = bytearray(len(E))  # the group's distinct chunks, each counted once
+        physical = kv = raw = 0
+        for i in items:
+            for r in C.rows(i):
+                if r >= 0:
+                    kv, raw = kv + E.profile(r).kv_bytes, raw + E.raw(r)
+                    if not seen[r]:
+                        seen[r] = 1
+                        physical += E.stored(r)
+        out.append(GroupStats(
+            model_name=joined(items, "model_name"), model=joined(items, "model"), dtype=joined(items, "dtype"),
+            codec=joined(items, "codec"), contexts=len(items), n_tokens=sum(C.n_tokens(i) for i in items),
+            kv_bytes=kv, raw_bytes=raw, stored_bytes=sum(C.stored(i) for i in items), physical_bytes=physical,
+        ))  # fmt: skip
+    return out
 
 
-__all__ = ["GroupStats", "summarize"]
+def _facts(entries: EntryTable, row: int) -> dict[str, str]:
+    if row < 0:
+        return {"model_name": "?", "model": "?", "dtype": "?", "codec": "?"}
+    p = entries.profile(row)
+    return {"model_name": p.model_name, "model": p.model, "dtype": p.dtype, "codec": p.codec}
+
+
+@dataclass(frozen=True)
+class DerivedStats:
+    """Totals over the derived entries of one kind (``scores`` or ``pressed``): entries, the
+    contexts they belong to, their stored and uncompressed bytes, the (token, head) pairs a pressed
+    cache keeps and the share of its contexts' pairs that is, and the specs and codecs seen."""
+
+    kind: str
+    entries: int
+    contexts: int
+    stored_bytes: int
+    raw_bytes: int
+    kv_bytes: int
+    kept_pairs: int
+    kept_fraction: float
+    specs: str
+    codecs: str
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "entries": self.entries, "contexts": self.contexts, "stored_bytes": self.stored_bytes,
+            "raw_bytes": self.raw_bytes, "kv_bytes": self.kv_bytes, "kept_pairs": self.kept_pairs,
+            "kept_fraction": round(self.kept_fraction, 4), "specs": self.specs, "codecs": self.codecs,
+        }  # fmt: skip
+
+
+def derived_totals(info: StoreInfo) -> list[DerivedStats]:
+    """Totals of the store's derived entries per kind (none: an empty list)."""
+    by: dict[str, list[DerivedInfo]] = {}
+    for d in info.derived:
+        by.setdefault(d.kind, []).append(d)
+    out = []
+    for kind, items in sorted(by.items()):
+        pairs = sum(d.kept_pairs for d in items)
+        possible = sum(d.kept_pairs / d.kept_fraction for d in items if d.kept_fraction > 0)
+        out.append(DerivedStats(
+            kind, len(items), len({d.context for d in items}), sum(d.stored_bytes for d in items),
+            sum(d.raw_bytes for d in items), sum(d.kv_bytes for d in items), pairs,
+            pairs / possible if possible else 1.0, ", ".join(sorted({d.spec for d in items})),
+            ", ".join(sorted({d.codec for d in items})),
+        ))  # fmt: skip
+    return out
+
+
+__all__ = ["DerivedStats", "GroupStats", "derived_totals", "summarize"]

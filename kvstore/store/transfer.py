@@ -2,7 +2,11 @@
 
 Every record of SRC that DST lacks is copied byte for byte: entries (``e/KEY``, each verified
 with :func:`kvstore.store.entry.decode_entry` before it is written, so a corrupt one is reported
-and never copied), access times, and any other ``NAME/HEX`` record. Writes use
+and never copied), derived entries (``x/CONTEXT/KEY``, verified with
+:func:`kvstore.store.derived.decode_derived`), access times, and any other ``NAME/HEX`` record.
+Entries go first, then the records about them, then the derived entries, pressed caches before
+scores (the reverse of a removal's order: an interrupted sync leaves entries no record names yet,
+never a record whose chunks did not arrive, nor a derived entry whose context did not). Writes use
 ``put_if_absent``: a record DST already holds is never replaced, so syncs are idempotent and a
 sync that was killed resumes by copying only what is still missing.
 
@@ -17,18 +21,24 @@ Plan, then execute: :func:`plan_sync` lists what is missing (``--dry-run`` stops
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvstore.errors import CorruptEntryError, FormatVersionError, KVStoreError, StoreNotFoundError
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
+from kvstore.store.derived import decode_derived
+from kvstore.store.derived_header import PRESSED, read_derived_header
 from kvstore.store.entry import decode_entry
-from kvstore.store.header import STORE_FORMAT
-from kvstore.store.keyspace import ENTRY, META, key_of
+from kvstore.store.header import STORE_FORMAT, peek_frame
+from kvstore.store.keyspace import DERIVED, ENTRY, META, derived_of, key_of
+
+BATCH_RECORDS = 256  # records read, verified and written together (held in memory until written)
+BATCH_BYTES = 64 << 20  # ... and about this many bytes of them
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,11 @@ class SyncPlan:
         """Entries among the records to copy."""
         return sum(k.startswith(ENTRY) for k in self.missing)
 
+    @property
+    def derived(self) -> int:
+        """Derived entries among the records to copy."""
+        return sum(k.startswith(DERIVED) for k in self.missing)
+
 
 @dataclass(frozen=True)
 class SyncReport:
@@ -62,6 +77,7 @@ class SyncReport:
     copied: int = 0
     copied_entries: int = 0
     copied_bytes: int = 0
+    copied_derived: int = 0
     vanished: int = 0
     corrupt: tuple[tuple[str, str], ...] = field(default=())
     seconds: float = 0.0
@@ -74,6 +90,7 @@ class SyncReport:
             "already_present": self.present,
             "copied": self.copied,
             "copied_entries": self.copied_entries,
+            "copied_derived": self.copied_derived,
             "copied_bytes": self.copied_bytes,
             "vanished": self.vanished,
             "corrupt": len(self.corrupt),
@@ -115,7 +132,9 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
     have = set() if dst is None else set(dst.keys())
     records = [k for k in src.keys() if k != META]
     missing = [k for k in records if k not in have]
-    missing.sort(key=lambda k: (not k.startswith(ENTRY), k))  # entries before the records about them
+    # entries, then the records about them, then derived entries (pressed caches before scores: a
+    # context stored only as pressed caches arrives before anything that derives from it)
+    missing.sort(key=lambda k: (_phase(k), _scores_last(src, k), k))
     return SyncPlan(
         src=src_name,
         dst=dst_name,
@@ -126,73 +145,111 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
     )
 
 
-def _copy(src: Backend, dst: Backend, key: bytes) -> tuple[str, int, str]:
-    """Copy one record: ("copied", bytes, ""), ("present", 0, ""), ("vanished", 0, "") or
-    ("corrupt", bytes, reason)."""
+def _phase(key: bytes) -> int:
+    """When a record is copied: entries (0), the records about them (1), derived entries (2)."""
+    return 0 if key.startswith(ENTRY) else 2 if key.startswith(DERIVED) else 1
+
+
+def _scores_last(src: Backend, key: bytes) -> int:
+    """1 for a derived entry of scores (or one whose header does not read), 0 for anything else."""
+    if not key.startswith(DERIVED):
+        return 0
+    try:
+        got = peek_frame(src, key, read_derived_header)
+    except (CorruptEntryError, FormatVersionError):
+        return 1
+    return 0 if got is not None and got[0].kind == PRESSED else 1
+
+
+def _check(key: bytes, buf: memoryview) -> None:
+    """Raise CorruptEntryError or FormatVersionError unless the entry or derived entry ``key`` reads."""
+    if key.startswith(ENTRY):
+        decode_entry(buf, key=key_of(key, ENTRY, errors="replace"))
+    elif key.startswith(DERIVED):
+        named = derived_of(key)
+        if named is None:
+            raise CorruptEntryError("its name names no context and key")
+        if decode_derived(buf, key=named[1]).header.context != named[0]:
+            raise CorruptEntryError(f"it belongs to another context than {named[0][:12]}")
+
+
+def _read(src: Backend, key: bytes) -> tuple[str, bytes | None, str]:
+    """Read one record to copy: ("ok", bytes, ""), ("vanished", None, "") or ("corrupt", None,
+    reason) for an entry or derived entry that does not verify."""
     with src.view(key) as buf:
         if buf is None:
-            return "vanished", 0, ""
-        if key.startswith(ENTRY):
-            try:
-                decode_entry(buf, key=key_of(key, ENTRY, errors="replace"))
-            except (CorruptEntryError, FormatVersionError) as exc:
-                return "corrupt", len(buf), str(exc)
-        return ("copied", len(buf), "") if dst.put_if_absent(key, buf) else ("present", 0, "")
+            return "vanished", None, ""
+        try:
+            _check(key, buf)
+        except (CorruptEntryError, FormatVersionError) as exc:
+            return "corrupt", None, str(exc)
+        return "ok", bytes(buf), ""
+
+
+def _name(key: bytes) -> str:
+    """How a report names a stored entry: its key (a derived entry's with its context)."""
+    named = derived_of(key)
+    if named is not None:
+        return f"{named[1]} (derived entry of context {named[0][:16]})"
+    return key_of(key, ENTRY, errors="replace")
 
 
 def execute_sync(
     plan: SyncPlan, src: Backend, dst: Backend, *, jobs: int = 4, progress: Progress | None = None
 ) -> SyncReport:
-    """Copy what ``plan`` lists, ``jobs`` records at a time (each held in memory while it is
-    copied); ``progress(1, bytes)`` after each record. Raises the backends' errors (what was
-    copied before stays: a re-run copies the rest)."""
+    """Copy what ``plan`` lists, a batch at a time: records read and verified ``jobs`` at a time
+    and held in memory until their batch (at most ``BATCH_RECORDS`` records, about ``BATCH_BYTES``)
+    is written with one ``put_many_if_absent`` (one transaction on LMDB; conditional requests,
+    ``jobs`` at a time, on S3); ``progress(1, bytes)`` after each record. Raises the backends'
+    errors (what was copied before stays: a re-run copies the rest)."""
     t0 = time.perf_counter()
     if plan.meta == "copy":
         dst.put_if_absent(META, plan.src_meta)
     counts = {"copied": 0, "present": 0, "vanished": 0, "corrupt": 0}
-    entries = nbytes = 0
+    totals = {"entries": 0, "derived": 0, "bytes": 0}
     corrupt: list[tuple[str, str]] = []
+
+    def write(batch: list[tuple[bytes, str, bytes | None, str]]) -> None:
+        stored = iter(dst.put_many_if_absent([(k, v) for k, _, v, _ in batch if v is not None]))
+        for key, outcome, value, reason in batch:
+            size = 0
+            if value is not None:
+                outcome = "copied" if next(stored) else "present"
+                size = len(value) if outcome == "copied" else 0
+            counts[outcome] += 1
+            if outcome == "copied":
+                totals["bytes"] += size
+                totals["entries"] += key.startswith(ENTRY)
+                totals["derived"] += key.startswith(DERIVED)
+            elif outcome == "corrupt":
+                corrupt.append((_name(key), reason))
+            if progress is not None:
+                progress(1, size)
+
     with ThreadPoolExecutor(max(1, jobs), thread_name_prefix="kvstore-sync") as pool:
-        # every entry is in DST before any record that names it: an interrupted sync leaves
-        # entries no record names yet, never a record whose chunks did not arrive
-        for phase in (
-            [k for k in plan.missing if k.startswith(ENTRY)],
-            [k for k in plan.missing if not k.startswith(ENTRY)],
-        ):
-            keys = iter(phase)
-            running: dict[Future, bytes] = {}
-            try:
-                while True:
-                    while len(running) < max(1, jobs):
-                        key = next(keys, None)
-                        if key is None:
-                            break
-                        running[pool.submit(_copy, src, dst, key)] = key
-                    if not running:
-                        break
-                    done, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        key = running.pop(future)
-                        outcome, size, reason = future.result()
-                        counts[outcome] += 1
-                        if outcome == "copied":
-                            nbytes += size
-                            entries += key.startswith(ENTRY)
-                        elif outcome == "corrupt":
-                            corrupt.append((key_of(key, ENTRY, errors="replace"), reason))
-                        if progress is not None:
-                            progress(1, size if outcome == "copied" else 0)
-            finally:
-                for future in running:
-                    future.cancel()
+        # every entry is in DST before any record that names it, and every context's record
+        # before its derived entries: an interrupted sync leaves entries no record names yet,
+        # never a record whose chunks did not arrive
+        for phase in ([k for k in plan.missing if _phase(k) == n] for n in range(3)):
+            keys, batch, held = iter(phase), [], 0
+            while group := list(itertools.islice(keys, max(1, jobs))):
+                for key, (outcome, value, reason) in zip(group, pool.map(lambda k: _read(src, k), group)):
+                    batch.append((key, outcome, value, reason))
+                    held += len(value or b"")
+                if len(batch) >= BATCH_RECORDS or held >= BATCH_BYTES:
+                    write(batch)
+                    batch, held = [], 0
+            if batch:
+                write(batch)
     return SyncReport(
         src=plan.src,
         dst=plan.dst,
         meta=plan.meta,
         present=plan.present + counts["present"],
         copied=counts["copied"],
-        copied_entries=entries,
-        copied_bytes=nbytes,
+        copied_entries=totals["entries"],
+        copied_derived=totals["derived"],
+        copied_bytes=totals["bytes"],
         vanished=counts["vanished"],
         corrupt=tuple(corrupt),
         seconds=time.perf_counter() - t0,

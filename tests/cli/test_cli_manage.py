@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import struct
 import subprocess
 import sys
 import time
@@ -488,3 +489,124 @@ def test_progress_bar_is_a_callback(capsys):
         bar(1, 3)
         bar.update(1)
     assert capsys.readouterr().err == ""
+
+
+# -- derived entries (issue 35, item 3) ------------------------------------------------------------
+@pytest.fixture
+def derived_store(store):
+    """The 4-context store, with scores and a pressed cache for the first context, scores for the
+    third, and a context stored only as a pressed cache (``7...7``, 20 tokens)."""
+    from helpers.entries import put_derived
+
+    path, entries = store
+    with KVStore(path) as s:
+        first = put_derived(s, entries[0].key, 8)
+        put_derived(s, entries[2].key, 24, fp=FP_OTHER, name="other", kinds=("scores",))
+        only = put_derived(s, "7" * 64, 20, kinds=("pressed",))
+    return path, entries, first, only
+
+
+def test_ls_shows_what_each_context_has_of_derived_entries(derived_store):
+    path, entries, first, only = derived_store
+    r = invoke("ls", "--store", path)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[-1] == "DERIVED" and "5 contexts" in lines[-1]
+    row = next(line for line in lines if line.startswith(entries[0].key[:12]))
+    assert "pressed knorm:0.5 raw 50%" in row and "scores knorm raw" in row
+    pressed_only = next(line for line in lines if line.startswith("777777777777"))
+    assert pressed_only.split()[4:6] == ["20", "0"]  # tokens from its header, no chunk
+    rows = {row["key"]: row for row in json.loads(invoke("ls", "--store", path, "--format", "json").stdout)}
+    assert {d["kind"] for d in rows[entries[0].key]["derived"]} == {"scores", "pressed"}
+    assert rows["7" * 64]["chunks"] == 0 and rows["7" * 64]["derived"][0]["kept_fraction"] == 0.5
+    assert rows[entries[1].key]["derived"] == [] and rows[entries[1].key]["derived_bytes"] == 0
+    cells = {row["key"]: row["derived"] for row in csv.DictReader(io.StringIO(
+        invoke("ls", "--store", path, "--format", "csv").stdout))}  # fmt: skip
+    assert cells[entries[1].key] == "-" and "pressed knorm:0.5" in cells["7" * 64]
+
+
+def test_ls_derived_lists_one_row_per_derived_entry(derived_store):
+    path, entries, first, only = derived_store
+    r = invoke("ls", "--store", path, "--derived", "--full-keys")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0].split()[:4] == ["CONTEXT", "KEY", "KIND", "SPEC"]
+    assert first["pressed"] in r.stdout and only["pressed"] in r.stdout and "4 derived entries" in r.stdout
+    rows = json.loads(invoke("ls", "--store", path, "--derived", "--format", "json", "--model", "other").stdout)
+    assert [(row["kind"], row["context"]) for row in rows] == [("scores", entries[2].key)]
+    assert rows[0]["press"] == {"method": "knorm"} and rows[0]["stored_bytes"] > 0
+    bad = invoke("ls", "--store", path, "--derived", "--chunks")
+    assert bad.exit_code == 2 and "--chunks and --derived" in bad.stderr
+
+
+def test_stats_totals_derived_entries_by_kind(derived_store):
+    path, *_ = derived_store
+    r = invoke("stats", "--store", path)
+    assert r.exit_code == 0, r.output
+    assert "Total: 5 contexts, 100 tokens; 4 chunks" in r.stdout
+    assert "Derived, pressed: 2 entries of 2 contexts" in r.stdout and "keeping 50.0%" in r.stdout
+    assert "Derived, scores: 2 entries of 2 contexts" in r.stdout
+    doc = json.loads(invoke("stats", "--store", path, "--format", "json").stdout)
+    kinds = {d["kind"]: d for d in doc["derived"]}
+    assert kinds["pressed"]["entries"] == 2 and kinds["pressed"]["kept_fraction"] == 0.5
+    assert doc["totals"]["derived_entries"] == 4 and doc["totals"]["orphan_derived"] == 0
+    assert sum(g["contexts"] for g in doc["groups"]) == 4  # the groups are the contexts with chunks
+
+
+def test_verify_checks_every_byte_of_derived_entries(derived_store):
+    path, entries, first, only = derived_store
+    ok = invoke("verify", "--store", path, "-q")
+    assert ok.exit_code == 0 and "8 entries (4 derived) and 5 contexts verified, all intact." in ok.stdout
+    with KVStore(path) as s:
+        name = b"x/" + entries[0].key.encode() + b"/" + first["pressed"].encode()
+        raw = bytearray(s.backend.get(name))
+        raw[-30] ^= 0xFF
+        s.backend.put(name, bytes(raw))
+    assert invoke("ls", "--store", path).exit_code == 0  # a listing reads headers only
+    r = invoke("verify", "--store", path, "-q")
+    assert r.exit_code == 1
+    assert f"corrupt  {first['pressed']}  entry checksum mismatch" in r.stdout
+    assert f"(derived entry of context {entries[0].key})" in r.stdout
+    assert "1 of 8 entries (3 derived) corrupt" in r.stderr
+    g = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")
+    assert g.exit_code == 0 and "Removed 0 contexts, 0 entries and 1 derived entry" in g.stdout
+    assert invoke("verify", "--store", path, "-q").exit_code == 0
+
+
+def test_rm_removes_a_context_with_its_derived_entries(derived_store):
+    path, entries, first, only = derived_store
+    dry = invoke("rm", "--store", path, entries[0].key[:10], "--dry-run")
+    assert dry.exit_code == 0 and "1 context, 1 entry and 2 derived entries to remove" in dry.stdout
+    assert dry.stdout.count("derived entry of a removed context (asked for)") == 2
+    r = invoke("rm", "--store", path, entries[0].key[:10], "--yes")
+    assert r.exit_code == 0 and "Removed 1 context, 1 entry and 2 derived entries" in r.stdout
+    with KVStore(path, readonly=True) as s:
+        assert s.derived_keys(entries[0].key) == [] and s.derived_keys("7" * 64) == [only["pressed"]]
+    r = invoke("rm", "--store", path, "7777", "--yes")
+    assert r.exit_code == 0 and "Removed 1 context, 0 entries and 1 derived entry" in r.stdout
+
+
+def test_gc_collects_derived_entries_whose_context_is_gone(derived_store):
+    path, entries, first, only = derived_store
+    with KVStore(path) as s:
+        s.backend.delete(b"r/" + entries[2].key.encode())  # an older kvstore removed the context
+        s.backend.put(b"a/" + entries[2].key.encode(), struct.pack("<d", time.time() - 2 * 3600))
+        old = time.time() - 2 * 3600
+        for key in s.derived_keys(entries[2].key):
+            s.backend.put(b"a/" + key.encode(), struct.pack("<d", old))
+    assert "Unused: 1 derived entry whose context is gone" in invoke("stats", "--store", path).stdout
+    r = invoke("gc", "--store", path, "--yes", "-q")
+    assert r.exit_code == 0 and "Removed 0 contexts, 1 entry and 1 derived entry" in r.stdout
+    with KVStore(path, readonly=True) as s:
+        assert s.derived_keys(entries[2].key) == [] and len(s.derived_keys(entries[0].key)) == 2
+
+
+def test_sync_and_export_copy_derived_entries(derived_store, tmp_path):
+    path, entries, first, only = derived_store
+    dst = str(tmp_path / "copy")
+    r = invoke("sync", path, dst, "-q")
+    assert r.exit_code == 0 and "4 derived entries" in r.stdout, r.output
+    assert invoke("verify", "--store", dst, "-q").stdout == invoke("verify", "--store", path, "-q").stdout
+    out = tmp_path / "exported"
+    e = invoke("export", str(out), "--store", path, "-q")
+    assert e.exit_code == 0 and "Exported 4 context(s) and 4 derived entries" in e.stdout, e.output
+    assert (out / f"{'7' * 64}.pressed.{only['pressed']}.safetensors").exists()

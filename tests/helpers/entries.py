@@ -304,3 +304,34 @@ def store_chain(store: KVStore, chunks: list[Entry], *, record: bool = True) -> 
         store.put(e)
     if record:
         store.put_context(chunks[-1].key, [e.key for e in chunks], sum(e.n_tokens for e in chunks))
+
+
+def derived_blobs(context: str, n_tokens: int, *, fp: str = FP_TINY, name: str = "tiny", spec: str = "knorm",
+                  ratio: float = 0.5, codec: str = "raw", kinds: tuple[str, ...] = ("scores", "pressed"),
+                  seed: int = 0) -> dict[str, tuple[str, bytes]]:  # fmt: skip
+    """A context's derived entries made by hand (2 layers of 2 KV heads, head_dim 4, float32):
+    ``{"scores": (key, bytes), "pressed": (key, bytes)}`` (those of ``kinds``), the pressed cache
+    keeping every other token (``ratio`` recorded in its press record only)."""
+    from kvstore.store.derived import DerivedFacts, encode_pressed, encode_scores
+
+    g = torch.Generator().manual_seed(seed)
+    facts = DerivedFacts(context, fp, name, "float32", n_tokens, {"device": "cpu", "attn": "sdpa"})
+    out = {}
+    if "scores" in kinds:
+        scores = [torch.rand(2, n_tokens, generator=g) for _ in range(2)]
+        out["scores"] = encode_scores(facts, spec, {"method": spec}, scores, codec)
+    if "pressed" in kinds:
+        kept = torch.arange(0, n_tokens, 2)
+        layers = [[(torch.randn(len(kept), 4, generator=g), torch.randn(len(kept), 4, generator=g), kept)
+                   for _ in range(2)] for _ in range(2)]  # fmt: skip
+        out["pressed"] = encode_pressed(facts, f"{spec}:{ratio}", {"method": spec, "ratio": ratio}, layers, codec)
+    return out
+
+
+def put_derived(store: KVStore, context: str, n_tokens: int, **kw) -> dict[str, str]:
+    """Store :func:`derived_blobs` of a context; returns ``{kind: derived key}``."""
+    out = {}
+    for kind, (key, blob) in derived_blobs(context, n_tokens, **kw).items():
+        store.put_derived(blob)
+        out[kind] = key
+    return out

@@ -1,6 +1,6 @@
 """A backend wrapper for tests: every call goes to the wrapped backend, and ``hook(op, keys,
 when)`` runs ``"before"`` and ``"after"`` each mutating call (put, put_if_absent, put_many,
-delete, delete_many). With ``per_object`` the batched calls are made one object at a time, as an
+put_many_if_absent, delete, delete_many). With ``per_object`` the batched calls are made one object at a time, as an
 object store makes them (so a hook, or a crash, can land between two objects of one batch);
 without it a batch is one call, as LMDB commits it in one transaction."""
 
@@ -38,6 +38,14 @@ class Hooked:
             return
         for k, v in items:
             self.put(k, v)
+
+    def put_many_if_absent(self, items) -> list[bool]:
+        items = list(items)
+        if not self.per_object:
+            return self._call(
+                "put_many_if_absent", [k for k, _ in items], lambda: self._inner.put_many_if_absent(items)
+            )
+        return [self.put_if_absent(k, v) for k, v in items]
 
     def delete(self, key: bytes) -> bool:
         return self._call("delete", [key], lambda: self._inner.delete(key))

@@ -1,15 +1,18 @@
 """Every crash point of every multi-step mutation (issue 31, item 5), deterministically.
 
-The build's writer, rm, gc, sync and import-llminference each run in a child process that ends
+The build's writer, rm, gc, sync and import-llminference (rm, gc, sync and import with derived
+entries present: scores and pressed caches of kept and removed contexts, an orphan, a context
+stored only as pressed caches) each run in a child process that ends
 itself (``os._exit``) just before its N-th mutating backend call, for every N from 1 to the total
-(``helpers.crash``): on LMDB, where a call is one transaction; for the build, rm and gc also on
+(``helpers.crash``): on LMDB, where a call is one transaction; for the build, rm, gc and sync also on
 LMDB with every object of a batch a step of its own ("objects": what an object store does,
 without its latency); and for the build's writer and gc on S3 itself (a real SeaweedFS on
 127.0.0.1), one object at a time, on smaller stores.
 After each crash the store holds no problem it did not hold before (every
-context record names chunks that are there and intact) and no context the operation was not asked
-to remove is lost; then the next run, the same command again, finishes the job and leaves exactly
-what an uninterrupted run leaves. The list of these points and what each guarantees is in
+context record names chunks that are there and intact, no derived entry outlives its context) and no
+context or derived entry the operation was not asked to remove is lost; then the next run, the same
+command again, finishes the job and leaves exactly what an uninterrupted run leaves (every entry,
+derived entry and record; last-use records aside). The list of these points and what each guarantees is in
 docs/reliability.md."""
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from helpers import crash
 from helpers.cli import context_text
-from helpers.entries import make_chain, store_chain
+from helpers.entries import make_chain, put_derived, store_chain
 from helpers.s3 import BUCKET
 from kvstore.errors import StoreNotFoundError
 from kvstore.store.kvstore import KVStore
@@ -34,18 +37,30 @@ DAY = 86400.0
 
 
 def state(url: str) -> tuple[set[str], set[str]]:
-    """(contexts whose chain is whole and intact, problems: corrupt entries, broken contexts and
-    malformed records) of the store at ``url``; a store never created is empty."""
+    """(contexts whose chain is whole and intact, and their intact derived entries; problems:
+    corrupt entries, broken contexts, malformed records and derived entries whose context is gone)
+    of the store at ``url``; a store never created is empty."""
     try:
         with KVStore(url, readonly=True) as s:
             info = s.verify()
     except StoreNotFoundError:
         return set(), set()
-    entries = {e.key: e for e in info.entries}
-    broken = {c.key for c in info.contexts if chain_problem(c.chunks, entries)}
+    broken = {c.key for c in info.contexts if chain_problem(c.chunks, info.by_key)}
     problems = {f"corrupt {c.key}" for c in info.corrupt} | {f"broken {k}" for k in broken}
     problems |= {f"malformed {c.key}" for c in info.malformed}
-    return {c.key for c in info.contexts} - broken, problems
+    problems |= {f"orphan derived {d.key}" for d in info.orphan_derived}  # none outlives its context
+    whole = {c.key for c in info.contexts} - broken
+    return whole | {f"derived {d.context}/{d.key}" for d in info.derived if d.context in whole}, problems
+
+
+def stored(url: str) -> set[bytes]:
+    """Every stored value's name but last-use records and the description: what a re-run must
+    leave exactly as an uninterrupted run does."""
+    return {k for k in crash.snapshot(url) if not k.startswith((b"a/", b"meta"))} if url else set()
+
+
+def derived_ids(store: KVStore, context: str) -> set[str]:
+    return {f"derived {context}/{k}" for k in store.derived_keys(context)}
 
 
 # -- starting states ------------------------------------------------------------------------------------
@@ -66,12 +81,16 @@ def start_build(tmp_path: Path, tiny_llama_dir: Path) -> tuple[str, dict, set[st
 
 
 def start_rm(tmp_path: Path) -> tuple[str, dict, set[str]]:
+    """Three contexts, the removed one and a kept one with scores and a pressed cache each."""
     url = str(tmp_path / "start")
     a, b, c = _chains(3, 100)
     with KVStore(url) as s:
         for chain in (a, b, c):
             store_chain(s, chain)
-    return url, {"keys": [a[-1].key[:16]]}, {b[-1].key, c[-1].key}
+        put_derived(s, a[-1].key, 10)
+        put_derived(s, b[-1].key, 10)
+        keep = {b[-1].key, c[-1].key} | derived_ids(s, b[-1].key)
+    return url, {"keys": [a[-1].key[:16]]}, keep
 
 
 def start_gc(tmp_path: Path, *, small: bool = False) -> tuple[str, dict, set[str]]:
@@ -91,11 +110,18 @@ def start_gc(tmp_path: Path, *, small: bool = False) -> tuple[str, dict, set[str
         raw = bytearray(s.backend.get(name))
         raw[-20] ^= 0xFF
         s.backend.put(name, bytes(raw))
+        put_derived(s, kept[-1].key, 10)  # kept with its context
         if not small:
             s.backend.delete(b"e/" + broken[-1].key.encode())
             s.backend.put(b"r/" + b"0" * 64, b"not a record")
+            put_derived(s, old[-1].key, 7)  # removed with its old context
+            gone = put_derived(s, "6" * 64, 9, kinds=("scores",))  # an orphan: its context is gone
+            only = put_derived(s, "5" * 64, 9, kinds=("pressed", "scores"))  # a context stored as pressed caches, old
+            past = struct.pack("<d", time.time() - 40 * DAY)
+            s.backend.put_many([(b"a/" + k.encode(), past) for k in (*gone.values(), *only.values())])
+        keep = {kept[-1].key} | derived_ids(s, kept[-1].key)
     args = {"gc": {"corrupt": True, "older_than": 30 * DAY, "orphans": True}}
-    return url, args, {kept[-1].key}
+    return url, args, keep
 
 
 def start_sync(tmp_path: Path) -> tuple[str, dict, set[str]]:
@@ -103,6 +129,8 @@ def start_sync(tmp_path: Path) -> tuple[str, dict, set[str]]:
     with KVStore(src) as s:
         for chain in _chains(2, 100):
             store_chain(s, chain)
+            put_derived(s, chain[-1].key, 10, kinds=("scores",))
+        put_derived(s, "5" * 64, 9)  # a context stored as pressed caches (and its scores)
     return "", {"src": src}, set()  # DST starts empty
 
 
@@ -119,15 +147,18 @@ def start_import(tmp_path: Path, tiny_neox_dir: Path) -> tuple[str, dict, set[st
         t = torch.stack([torch.stack([k, v]) for k, v in layers]).unsqueeze(2).clone()
         torch.save(t, cache / f"{cache_name(config, text, 256)}.pt")
     url = str(tmp_path / "start")
-    KVStore(url, chunk_tokens=8).close()
-    return url, {"model": str(tiny_neox_dir), "cache": str(cache), "contexts": contexts, "limit": 256}, set()
+    with KVStore(url, chunk_tokens=8) as s:  # derived entries already there stay as they are
+        put_derived(s, "5" * 64, 9)
+        keep = {"5" * 64} | derived_ids(s, "5" * 64)
+    return url, {"model": str(tiny_neox_dir), "cache": str(cache), "contexts": contexts, "limit": 256}, keep
 
 
 # -- the test -------------------------------------------------------------------------------------------
-# "objects" where a batch is several steps (the writer's marks and record, rm's and gc's deletes);
-# sync copies one object per call, and import writes through the build's writer
-CASES = [("build", "lmdb"), ("build", "objects"), ("build", "s3"), ("import", "lmdb"), ("sync", "lmdb"), ("rm", "lmdb"),
-         ("rm", "objects"), ("gc", "lmdb"), ("gc", "objects"), ("gc", "s3")]  # fmt: skip
+# "objects" where a batch is several steps (the writer's marks and record, rm's and gc's deletes,
+# sync's batched copies); import writes through the build's writer
+CASES = [("build", "lmdb"), ("build", "objects"), ("build", "s3"), ("import", "lmdb"), ("sync", "lmdb"),
+         ("sync", "objects"), ("rm", "lmdb"), ("rm", "objects"), ("gc", "lmdb"), ("gc", "objects"),
+         ("gc", "s3")]  # fmt: skip
 
 
 @pytest.mark.parametrize("op, where", CASES)
@@ -160,6 +191,7 @@ def test_every_crash_point_keeps_the_store_whole(op, where, tmp_path, request):
     total = crash.run(op, whole, args, crash_at=0, **kw)
     done, leftover = state(whole)
     assert total and not leftover and keep <= done, (total, leftover)
+    left = stored(whole)
 
     for n in range(1, total + 1):
         url = copy()
@@ -169,3 +201,4 @@ def test_every_crash_point_keeps_the_store_whole(op, where, tmp_path, request):
         assert keep <= contexts, (n, keep - contexts)  # nothing recorded lost
         crash.OPS[op](url, args, lambda backend: backend)  # the next run, here, to the end
         assert state(url) == (done, set()), n  # finishes exactly what an uninterrupted run does
+        assert stored(url) == left, (n, stored(url) ^ left)  # and leaves nothing else behind

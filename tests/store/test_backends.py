@@ -117,6 +117,14 @@ def test_put_if_absent(backend):
     assert bytes(backend.get(b"e/00aa")) == b"third"
 
 
+def test_put_many_if_absent(backend):
+    backend.put(b"e/00bb", b"there")
+    got = backend.put_many_if_absent([(b"e/00aa", b"a"), (b"e/00bb", b"b"), (b"e/00cc", memoryview(b"c"))])
+    assert got == [True, False, True]
+    assert [bytes(v) for v in backend.get_many([b"e/00aa", b"e/00bb", b"e/00cc"])] == [b"a", b"there", b"c"]
+    assert backend.put_many_if_absent([]) == []
+
+
 def test_peek(backend):
     blob = os.urandom((2 << 20) + 3)
     backend.put(b"big", blob)

@@ -29,22 +29,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from helpers.entries import assemble, encode, encode_v1, seal, split
+from helpers.fuzz import SOAK_EXAMPLES, big_ints, ci_settings, json_values
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store.entry import Entry, decode_entry, encode_entry
 from kvstore.store.header import MAX_COMPRESSION_RATIO, read_header
 from kvstore.store.kvstore import KVStore
 
-CI_EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "150"))
-SOAK_EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_SOAK_EXAMPLES", "10000"))
 KEY = "c" * 64
-
-ci_settings = settings(
-    max_examples=CI_EXAMPLES,
-    deadline=None,
-    database=None,  # no example database in the shared tree
-    derandomize=True,  # CI runs the same cases every time
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 OUTCOMES: collections.Counter = collections.Counter()
 
@@ -87,21 +78,6 @@ def base_entries() -> tuple[bytes, ...]:
 # -- strategies ------------------------------------------------------------------------------------------
 base = st.integers(0, len(base_entries()) - 1).map(lambda i: base_entries()[i])
 v2 = st.integers(0, len(base_entries()) - 3).map(lambda i: base_entries()[i])  # all but the format-1 entries
-big_ints = st.one_of(
-    st.integers(-3, 64),
-    st.sampled_from([2**31 - 1, 2**31, 2**32, 2**40, 2**62, 2**63 - 1, 2**63, 2**64, 10**30, -(2**63)]),
-    st.integers(),
-)
-json_scalars = st.one_of(
-    st.none(), st.booleans(), big_ints,
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=12),
-)  # fmt: skip
-json_values = st.recursive(
-    json_scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
-    max_leaves=12,
-)
 
 
 def _json(value) -> bytes:

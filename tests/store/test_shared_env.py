@@ -95,3 +95,33 @@ def test_readonly_directory_shares_a_read_only_environment(tmp_path):
             assert a.backend.env is b.backend.env and len(a) == len(b) == 1
     finally:
         path.chmod(0o755)
+
+
+def _use_inherited(store: KVStore, result: Path) -> None:
+    """In a forked child: use the parent's handle; report what it raised; never return."""
+    try:
+        store.keys()
+        result.write_text("no error")
+    except StoreError as exc:
+        result.write_text(f"StoreError: {exc}")
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        result.write_text(f"{type(exc).__name__}: {exc}")
+    store.close()  # lets go without touching the parent's environment
+    os._exit(0)
+
+
+def test_a_forked_child_using_its_parents_store_gets_one_line_naming_the_rule(tmp_path):
+    path = str(tmp_path / "store")
+    put_contexts(path, [make_entry(1)])
+    parent = KVStore(path)
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            _use_inherited(parent, tmp_path / "r")
+        os.waitpid(pid, 0)
+        message = (tmp_path / "r").read_text()
+        assert message.startswith("StoreError: ") and "\n" not in message, message
+        assert "forked child" in message and "open your own store in each process" in message
+        assert len(parent) == 1  # the parent's handle keeps working
+    finally:
+        parent.close()

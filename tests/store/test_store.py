@@ -21,11 +21,11 @@ from kvstore.errors import (
     ReadOnlyStoreError,
     StoreNotFoundError,
 )
-from kvstore.store import scan
 from kvstore.store.codecs import DEFAULT_CODEC
 from kvstore.store.entry import Entry
 from kvstore.store.gc import GcOptions, plan_gc
 from kvstore.store.header import STORE_FORMAT, EntryHeader, LayerSpec
+from kvstore.store.infos import context_of
 from kvstore.store.keys import cache_key, chain_keys, chain_seed
 from kvstore.store.kvstore import KVStore
 from kvstore.store.removal import execute_plan
@@ -322,10 +322,9 @@ def info_of(*entries: EntryInfo, corrupt: tuple[CorruptInfo, ...] = ()) -> Store
     """A scan of a store whose every entry is a one-chunk context."""
     by_key = {e.key: e for e in entries}
     access = {e.key: e.last_access for e in entries if e.last_access is not None}
-    contexts = tuple(scan._context(e.key, (e.key,), e.n_tokens, e.created, by_key, access) for e in entries)
-    refs = {e.key: 1 for e in entries}
+    contexts = tuple(context_of(e.key, (e.key,), e.n_tokens, e.created, by_key, access) for e in entries)
     return StoreInfo("memory://plan", STORE_FORMAT, "zstd-shuffle:1", 0.0, tuple(entries), corrupt, None, False,
-                     contexts, 256, refs)  # fmt: skip
+                     contexts, 256)  # fmt: skip
 
 
 def ei(key: str, *, model=FP_A, name="tiny", size=100, used_days_ago=None, created_days_ago=100.0) -> EntryInfo:

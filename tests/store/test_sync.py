@@ -56,20 +56,22 @@ def test_lmdb_to_s3_to_lmdb_is_byte_identical(tmp_path, s3_url):
 
 def _sync_killed_after(src: str, dst: str, copies: int, env: dict[str, str]) -> None:
     """Child process: ``kvstore sync SRC DST --jobs 1`` that SIGKILLs itself once ``copies``
-    records are copied (a real kill -9 at a known point, in the middle of the run)."""
+    records are copied (a real kill -9 at a known point, in the middle of the run): one record a
+    batch, killed as it reads the next one."""
     os.environ.update(env)
     from kvstore.cli.main import main
     from kvstore.store import transfer
 
-    real, done = transfer._copy, []
+    real, done = transfer._read, []
 
-    def copy(src_backend, dst_backend, key):
+    def read(src_backend, key):
         if len(done) == copies:
             os.kill(os.getpid(), signal.SIGKILL)
         done.append(key)
-        return real(src_backend, dst_backend, key)
+        return real(src_backend, key)
 
-    transfer._copy = copy
+    transfer._read = read
+    transfer.BATCH_RECORDS = 1
     main(["sync", src, dst, "--jobs", "1", "--quiet"])
 
 

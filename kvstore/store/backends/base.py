@@ -46,6 +46,7 @@ class Backend(Protocol):
     # batched variants; implementations may do better than these loops
     def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]: ...
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None: ...
+    def put_many_if_absent(self, items: Iterable[tuple[bytes, bytes | memoryview]]) -> list[bool]: ...
     def delete_many(self, keys: Iterable[bytes]) -> int: ...
 
     # optional features (defaults in BackendBase)
@@ -92,6 +93,10 @@ class BackendBase:
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
         for k, v in items:
             self.put(k, v)  # type: ignore[attr-defined]
+
+    def put_many_if_absent(self, items: Iterable[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        """``put_if_absent`` of each item (LMDB: in one transaction); whether each was stored."""
+        return [self.put_if_absent(k, v) for k, v in items]
 
     def delete_many(self, keys: Iterable[bytes]) -> int:
         return sum(bool(self.delete(k)) for k in keys)  # type: ignore[attr-defined]

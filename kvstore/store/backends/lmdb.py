@@ -10,7 +10,9 @@ Reads through :meth:`LMDBBackend.view` are zero-copy: the memoryview points into
 valid until the ``with`` block ends.
 
 Handles on one directory in one process share its environment (:mod:`.lmdb_env`: LMDB allows one
-per process), so a store can be opened any number of times; a forked child opens its own.
+per process), so a store can be opened any number of times; a forked child opens its own. A handle
+used in a forked child (opened by its parent) raises one StoreError naming that rule, never a raw
+``lmdb.Error``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvstore.store.backends.base import BackendBase
 
 DEFAULT_MAP_SIZE = 1 << 30  # 1 GiB of address space to start; grows by doubling
 DISK_FULL_BYTES = 16 << 20  # a failed write with less free space than this is a full disk
+KEYS_PAGE = 4096  # keys listed per read transaction
 
 
 class LMDBBackend(BackendBase):
@@ -99,6 +102,12 @@ class LMDBBackend(BackendBase):
     def _txns(self):
         if self._shared is None:
             raise StoreError(f"store {self.path} is closed")
+        if self._shared.pid != os.getpid():
+            raise StoreError(
+                f"store {self.path} was opened in process {self._shared.pid} and used in its forked child "
+                f"{os.getpid()}; an open store is not shared across fork(): open your own store in each process "
+                "(KVStore(path) in the child)"
+            )
         return self._shared.transaction()
 
     def _write(self, fn) -> None:
@@ -170,6 +179,12 @@ class LMDBBackend(BackendBase):
 
         self._write(fn)
 
+    def put_many_if_absent(self, items: Iterable[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        items = list(items)
+        stored: list[list[bool]] = []
+        self._write(lambda txn: stored.append([bool(txn.put(k, v, overwrite=False)) for k, v in items]))
+        return stored[-1] if stored else []
+
     def delete(self, key: bytes) -> bool:
         result = []
         self._write(lambda txn: result.append(txn.delete(key)))
@@ -186,15 +201,33 @@ class LMDBBackend(BackendBase):
             return txn.get(key) is not None
 
     def keys(self, prefix: bytes = b"") -> Iterator[bytes]:
+        """Keys starting with ``prefix``, in order, read a page at a time (one short read
+        transaction each, none held between pages: a listing of a million keys holds one page);
+        keys written or deleted meanwhile may or may not be listed."""
+        first = self._page(prefix, prefix, skip=False)  # the store's errors now, not at the first next()
+        return self._pages(first, prefix)
+
+    def _pages(self, page: list[bytes], prefix: bytes) -> Iterator[bytes]:
+        while True:
+            yield from page
+            if len(page) < KEYS_PAGE:
+                return
+            page = self._page(page[-1], prefix, skip=True)
+
+    def _page(self, start: bytes, prefix: bytes, *, skip: bool) -> list[bytes]:
+        """Up to ``KEYS_PAGE`` keys with ``prefix`` from ``start`` on (``skip``: after it)."""
+        found: list[bytes] = []
         with self._read_txn() as txn:
             cur = txn.cursor()
-            found = []
-            if cur.set_range(prefix):
+            if cur.set_range(start):
                 for k in cur.iternext(keys=True, values=False):
-                    if not k.startswith(prefix):
+                    if skip and k == start:
+                        skip = False
+                        continue
+                    if not k.startswith(prefix) or len(found) >= KEYS_PAGE:
                         break
                     found.append(k)
-        return iter(found)
+        return found
 
     def disk_bytes(self) -> int:
         """Bytes the environment occupies on disk (LMDB files never shrink; freed pages are reused)."""
@@ -202,7 +235,9 @@ class LMDBBackend(BackendBase):
         return data.stat().st_size if data.exists() else 0
 
     def close(self) -> None:
-        """Give this handle's share of the environment back (the last handle closes it)."""
+        """Give this handle's share of the environment back (the last handle closes it). In a
+        forked child a handle inherited from the parent lets go without touching the environment
+        (the fork closed the child's copy, or left it alone while a transaction was in progress)."""
         shared, self._shared = self._shared, None
-        if shared is not None:
+        if shared is not None and shared.pid == os.getpid():
             lmdb_env.release(shared)

@@ -426,6 +426,10 @@ class S3Backend(BackendBase):
         self._writable()
         self._each(lambda kv: self.put(kv[0], kv[1]), items)
 
+    def put_many_if_absent(self, items: Iterable[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        self._writable()
+        return self._each(lambda kv: self.put_if_absent(kv[0], kv[1]), items)
+
     def delete_many(self, keys: Iterable[bytes]) -> int:
         self._writable()
         keys = list(keys)

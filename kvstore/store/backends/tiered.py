@@ -255,6 +255,14 @@ class TieredBackend(BackendBase):
             self._store(key, value)
         return stored
 
+    def put_many_if_absent(self, items: Iterable[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        items = list(items)
+        stored = self._writable().put_many_if_absent(items)
+        for (key, value), done in zip(items, stored):
+            if done:
+                self._store(key, value)
+        return stored
+
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
         items = list(items)
         self._writable().put_many(items)

@@ -1,0 +1,94 @@
+"""What ``kvstore ls`` prints: a record per context (with what it has of derived entries), the
+table columns for contexts, chunks and derived entries, and model names by key for plans."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.cli.common import emit, short
+from kvstore.units import human_bytes, human_time
+
+
+def _time(ts: float | None) -> str:
+    try:
+        return human_time(ts)
+    except (ValueError, OverflowError, OSError):
+        return "?"
+
+
+def _numerics(numerics: dict) -> str:
+    return "/".join(filter(None, (numerics.get("device"), numerics.get("attn")))) or "-"
+
+
+def context_rows(info: Any, model: str | None) -> list[dict[str, Any]]:
+    """One record per context of ``info`` (a scan) of ``model``: its fields, ``numerics_str`` and
+    ``derived_str`` for the table (its derived entries, one phrase each)."""
+    rows = []
+    for c in info.contexts:
+        if c.matches_model(model):
+            r = c.as_record()
+            r["numerics_str"] = _numerics(r["numerics"])
+            r["derived_str"] = "; ".join(d.summary() for d in c.derived) or "-"
+            rows.append(r)
+    return rows
+
+
+_COMMON = {"model_name": "MODEL", "model": "FINGERPRINT", "dtype": "DTYPE", "n_tokens": "TOKENS"}
+_SIZES = {"codec": "CODEC", "stored_bytes": "SIZE", "ratio": "RATIO", "created": "CREATED", "last_access": "LAST USED"}
+
+
+def show(records: list[dict[str, Any]], what: str, full_keys: bool) -> None:
+    """Print ``records`` (of contexts, chunks or derived entries: ``what``) as ``ls``'s table."""
+    n = 64 if full_keys else 12
+    if what == "derived entry":
+        columns = (
+            {"context": "CONTEXT", "key": "KEY", "kind": "KIND", "spec": "SPEC"}
+            | _COMMON
+            | {"codec": "CODEC", "kept_fraction": "KEPT", **{k: v for k, v in _SIZES.items() if k != "codec"}}
+        )
+        align = "lllllllrlrrrll"
+    else:
+        columns = {"key": "KEY"} | _COMMON | ({"start": "START"} if what == "chunk" else {"chunks": "CHUNKS"})
+        columns |= _SIZES | {"numerics_str": "NUMERICS"}
+        align = "llllrrlrrlll"
+        for r in records:
+            r.setdefault("numerics_str", _numerics(r["numerics"]))
+        if what == "context" and any(r["derived"] for r in records):
+            columns |= {"derived_str": "DERIVED"}
+            align += "l"
+    emit(
+        records,
+        "table",
+        columns=columns,
+        formatters={
+            "key": lambda k: short(k, n),
+            "context": lambda k: short(k, n),
+            "model": lambda m: short(m, n),
+            "stored_bytes": lambda b: human_bytes(b or 0),
+            "kept_fraction": lambda f: "-" if f is None else f"{f:.0%}",
+            "created": _time,
+            "last_access": _time,
+        },  # fmt: skip
+        align=align,
+    )
+
+
+def model_names(info: Any) -> Callable[[str], str]:
+    """The model name of a key a plan names (a chunk, a context or a derived entry; "?" when the
+    scan saw none), looked up in the scan without listing it again."""
+    derived = {d.key: d.model_name for d in info.derived}
+    contexts: dict[str, int] = {}
+
+    def name(key: str) -> str:
+        row = info.entries.row(key)
+        if row >= 0:
+            return info.entries.profile(row).model_name
+        if key in derived:
+            return derived[key]
+        if not contexts:
+            contexts.update((k, i) for i, k in enumerate(info.contexts.keys))
+        i = contexts.get(key)
+        return "?" if i is None else info.contexts.about(i)[1]
+
+    return name
