@@ -28,7 +28,6 @@ experiments/results/manage.json; run by hand it writes to cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import struct
@@ -178,9 +177,9 @@ def run_command(name: str, store: Path) -> float:
         argv += [str(store), str(dst), "-q"]
     else:
         argv += ["--store", str(store)]
-    t0 = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
+    with bl.timed() as t:
+        done = subprocess.run(argv, capture_output=True, text=True)
+    seconds = t.seconds
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip()[-500:]}")
     return seconds
@@ -198,15 +197,11 @@ def timed(names: list[str], store: Path, repeats: int) -> dict[str, list[float]]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bl.parser(__doc__)
     ap.add_argument("--sizes", default="10000,100000", help="entries per store, comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--commands", default=",".join(COMMANDS))
-    bl.run_args(ap)
-    args = ap.parse_args()
-    if args.quick:
-        args.sizes, args.repeats = "2000,5000", 1
-    bl.setup(args.threads)
+    args = bl.start(ap, {"sizes": "2000,5000", "repeats": 1}, wait=False)
     load = bl.wait_for_quiet(max_wait_s=args.wait)
     sizes = [0] + [int(s) for s in args.sizes.split(",")]
     names = [c for c in args.commands.split(",") if c]
@@ -216,10 +211,10 @@ def main() -> None:
         store = WORK / f"store_{n}"
         if not (store / "data.mdb").exists():
             shutil.rmtree(store, ignore_errors=True)
-            t0 = time.perf_counter()
+            made = bl.timed()
             counts = make_store(store, n)
             (store / "counts.json").write_text(json.dumps(counts))
-            print(f"made {store} in {time.perf_counter() - t0:.0f} s: {counts}", flush=True)
+            print(f"made {store} in {made.elapsed():.0f} s: {counts}", flush=True)
         counts = json.loads((store / "counts.json").read_text())
         entries = counts["chunks"] + counts["derived"]
         per_size[n] = {"entries": entries}

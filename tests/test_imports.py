@@ -37,10 +37,7 @@ KNOWN_LONG: set[str] = set()
 # come from an options class (``takes_options``), counted without them. KNOWN_MANY_PARAMS: the
 # exceptions, each with why; a stale entry fails.
 MAX_PARAMS = 10
-KNOWN_MANY_PARAMS: dict[str, str] = {
-    "kvstore.store.backends.s3:S3Backend.__init__": "kvstore/store is another engineer's (issue 36 asks for an "
-    "S3Options value there)",
-}
+KNOWN_MANY_PARAMS: dict[str, str] = {}
 # package facades whose __all__ re-exports what their modules define
 FACADES = {"kvstore", "kvstore.store.codecs"}
 # the layer kinds as written on disk: spelled only in kvstore/facts.py

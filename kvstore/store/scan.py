@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
@@ -64,26 +65,43 @@ if TYPE_CHECKING:  # pragma: no cover
 _BATCH = 256  # records read per backend call
 
 
+@dataclass(frozen=True)
+class StoreAbout:
+    """What a scan says of the store itself: its ``url``, on-disk ``format``, default ``codec``
+    spec, ``created`` time, ``disk_bytes`` (None where the backend cannot say), whether the scan
+    ``verified`` every checksum, and its ``chunk_tokens``."""
+
+    url: str
+    format: int
+    codec: str
+    created: float = 0.0
+    disk_bytes: int | None = None
+    verified: bool = False
+    chunk_tokens: int = 0
+
+
 class StoreInfo:
-    """A store's description and contents (see :meth:`KVStore.scan`): ``entries`` (its intact
-    chunks, an :class:`~kvstore.store.tables.EntryTable`: a sequence of ``EntryInfo``),
-    ``contexts`` (a :class:`~kvstore.store.tables.ContextTable`: a sequence of ``ContextInfo``),
-    ``derived`` (its intact derived entries), what does not read (``corrupt``: chunk and derived
-    entries; ``malformed``: context records; ``local_corrupt``: through a local tier, its bad
-    copies), and ``refs`` / ``recorded_access`` / ``by_key`` (mappings by key, made when read).
+    """A store's description and contents (see :meth:`KVStore.scan`): ``about`` (a
+    :class:`StoreAbout`; its fields read as this object's own: ``url``, ``format``, ``codec``,
+    ``created``, ``disk_bytes``, ``verified``, ``chunk_tokens``), ``entries`` (its intact chunks, an
+    :class:`~kvstore.store.tables.EntryTable`: a sequence of ``EntryInfo``), ``contexts`` (a
+    :class:`~kvstore.store.tables.ContextTable`: a sequence of ``ContextInfo``), ``derived`` (its
+    intact derived entries), what does not read (``corrupt``: chunk and derived entries;
+    ``malformed``: context records; ``local_corrupt``: through a local tier, its bad copies), and
+    ``refs`` / ``recorded_access`` / ``by_key`` (mappings by key, made when read).
 
     Made by a scan; also from values (``entries``/``contexts`` as sequences of ``EntryInfo`` and
     ``ContextInfo``, ``recorded_access`` a dict), as tests do."""
 
     def __init__(
-        self, url: str, format: int, codec: str, created: float, entries: EntryTable | Sequence[EntryInfo],
-        corrupt: Sequence[CorruptInfo], disk_bytes: int | None, verified: bool,
-        contexts: ContextTable | Sequence[ContextInfo] = (), chunk_tokens: int = 0, *,
-        recorded_access: Mapping[str, float] | None = None, local_corrupt: Sequence[CorruptInfo] = (),
-        malformed: Sequence[CorruptInfo] = (), derived: Sequence[DerivedInfo] = (),
+        self, about: StoreAbout, entries: EntryTable | Sequence[EntryInfo], corrupt: Sequence[CorruptInfo] = (),
+        contexts: ContextTable | Sequence[ContextInfo] = (), *, recorded_access: Mapping[str, float] | None = None,
+        local_corrupt: Sequence[CorruptInfo] = (), malformed: Sequence[CorruptInfo] = (),
+        derived: Sequence[DerivedInfo] = (),
     ):  # fmt: skip
-        self.url, self.format, self.codec, self.created = url, format, codec, created
-        self.disk_bytes, self.verified, self.chunk_tokens = disk_bytes, verified, chunk_tokens
+        self.about = about
+        self.url, self.format, self.codec, self.created = about.url, about.format, about.codec, about.created
+        self.disk_bytes, self.verified, self.chunk_tokens = about.disk_bytes, about.verified, about.chunk_tokens
         self.corrupt, self.local_corrupt, self.malformed = tuple(corrupt), tuple(local_corrupt), tuple(malformed)
         if not isinstance(entries, EntryTable):
             entries = entry_table_of(entries, recorded_access)
@@ -227,11 +245,9 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
             contexts.add(d.context, (), d.n_tokens, d.created, PRESSED_ONLY)
     contexts.attach(derived)
     contexts.finish()
-    return StoreInfo(
-        url=store.url, format=store.format, codec=store.codec.spec, created=float(store.meta.created),
-        entries=entries, corrupt=corrupt, disk_bytes=store.backend.disk_bytes(), verified=verify, contexts=contexts,
-        chunk_tokens=store.chunk_tokens, local_corrupt=local_corrupt, malformed=malformed,
-    )  # fmt: skip
+    about = StoreAbout(store.url, store.format, store.codec.spec, float(store.meta.created),
+                       store.backend.disk_bytes(), verify, store.chunk_tokens)  # fmt: skip
+    return StoreInfo(about, entries, corrupt, contexts, local_corrupt=local_corrupt, malformed=malformed)
 
 
 def _size(store: ScannedStore, name: bytes) -> int:

@@ -358,7 +358,7 @@ def test_plot_writes_a_png(tmp_path):
 def test_summarize_groups_by_model_and_dtype():
     from kvstore.store.header import LayerSpec
     from kvstore.store.infos import context_of
-    from kvstore.store.scan import StoreInfo
+    from kvstore.store.scan import StoreAbout, StoreInfo
 
     def info(key, dtype, codec, n_tokens, raw_bytes, stored_bytes):
         params = {"name": "raw"} if codec == "raw" else {"name": "zstd", "level": 1, "shuffle": True, "frames": []}
@@ -373,13 +373,14 @@ def test_summarize_groups_by_model_and_dtype():
     # "b2" extends "b": its chain shares b's chunk, so physical bytes count it once
     contexts = tuple(context_of(k, chunks, n, 1.0, by_key, {}) for k, chunks, n in
                      (("a", ("a",), 10), ("b", ("b",), 30), ("c", ("c",), 5), ("b2", ("b", "c"), 35)))  # fmt: skip
-    store = StoreInfo("memory://x", 2, "raw", 0.0, tuple(entries), (), None, False, contexts[:3], 256)
+    store = StoreInfo(StoreAbout("memory://x", 2, "raw", chunk_tokens=256), tuple(entries), (), contexts[:3])
     bf16, fp32 = summarize(store, by=("model_name", "dtype"))
     assert (fp32.contexts, fp32.n_tokens, fp32.codec) == (2, 40, "raw, zstd-shuffle:1")
     assert fp32.kv_bytes == 2 * 2 * 1 * 4 * 40 * 4 and fp32.kv_bytes_per_token == 64
     assert fp32.bytes_per_token == 2000 / 40 and fp32.stored_to_kv == 2000 / 2560 and fp32.ratio == 2000 / 2700
     assert bf16.kv_bytes_per_token == 32 and fp32.dedupe_ratio == 1.0
-    shared = StoreInfo("memory://x", 2, "raw", 0.0, tuple(entries), (), None, False, contexts[1:2] + contexts[3:], 256)
+    about = StoreAbout("memory://x", 2, "raw", chunk_tokens=256)
+    shared = StoreInfo(about, tuple(entries), (), contexts[1:2] + contexts[3:])
     [group] = summarize(shared, by=("model_name",))
     assert (group.stored_bytes, group.physical_bytes) == (1200 + 1200 + 300, 1200 + 300)
 

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from concurrent import futures
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.store.backends import open_backend
-from kvstore.store.backends.s3 import S3Backend, backend_key, object_name, parse_url
+from kvstore.store.backends.s3 import S3Backend, S3Options, backend_key, object_name, parse_url
 from kvstore.store.backends.tiered import TieredBackend
 
 MiB = 1 << 20
@@ -220,6 +221,14 @@ def _fails(fn, kind=StoreError, within: float = 10.0) -> str:
     text = str(info.value)
     assert "\n" not in text and len(text) < 300, text
     return text
+
+
+def test_tuning_keywords_are_the_options_fields():
+    """``S3Backend(url, threads=4)`` replaces that field of its S3Options; a misspelt one is refused
+    before any connection, naming the fields there are."""
+    with pytest.raises(TypeError, match=r"\['thread'\].*known: part_size"):
+        S3Backend("s3://bkt/kv", thread=4)
+    assert replace(S3Options(), threads=4).threads == 4 and S3Options().first_part is None
 
 
 def test_missing_bucket_and_missing_store(s3_env):

@@ -29,7 +29,7 @@ from kvstore.store.infos import context_of
 from kvstore.store.keys import cache_key, chain_keys, chain_seed
 from kvstore.store.kvstore import KVStore
 from kvstore.store.removal import execute_plan
-from kvstore.store.scan import CorruptInfo, EntryInfo, StoreInfo
+from kvstore.store.scan import CorruptInfo, EntryInfo, StoreAbout, StoreInfo
 
 FP_A = "a" * 64
 FP_B = "b" * 64
@@ -323,8 +323,8 @@ def info_of(*entries: EntryInfo, corrupt: tuple[CorruptInfo, ...] = ()) -> Store
     by_key = {e.key: e for e in entries}
     access = {e.key: e.last_access for e in entries if e.last_access is not None}
     contexts = tuple(context_of(e.key, (e.key,), e.n_tokens, e.created, by_key, access) for e in entries)
-    return StoreInfo("memory://plan", STORE_FORMAT, "zstd-shuffle:1", 0.0, tuple(entries), corrupt, None, False,
-                     contexts, 256)  # fmt: skip
+    return StoreInfo(StoreAbout("memory://plan", STORE_FORMAT, "zstd-shuffle:1", chunk_tokens=256), tuple(entries),
+                     corrupt, contexts)  # fmt: skip
 
 
 def ei(key: str, *, model=FP_A, name="tiny", size=100, used_days_ago=None, created_days_ago=100.0) -> EntryInfo:

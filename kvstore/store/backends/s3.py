@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvstore.errors import (
@@ -65,35 +66,49 @@ class _Changed(Exception):
         self.status = status
 
 
+@dataclass(frozen=True)
+class S3Options:
+    """How an S3 store moves bytes (see the module docstring): ``part_size`` of a multipart load
+    or upload, ``first_part`` (None: two parts), ``threads`` fetching parts, ``multipart_threshold``
+    above which an upload goes in parts, ``connect_timeout`` / ``read_timeout`` / ``max_attempts``
+    (None: the module's ``CONNECT_TIMEOUT``, ``READ_TIMEOUT``, ``MAX_ATTEMPTS``, read when a backend
+    opens), ``page_size`` of a listing, ``version_retries`` of a load whose object was replaced,
+    ``down_seconds`` a server found unreachable is not asked again, ``buffer_pool_bytes`` of load
+    buffers kept for reuse, ``prefetch_limit`` values fetched ahead of their load."""
+
+    part_size: int = 8 * MiB
+    first_part: int | None = None
+    threads: int = 8
+    multipart_threshold: int = 64 * MiB
+    connect_timeout: float | None = None
+    read_timeout: float | None = None
+    max_attempts: int | None = None
+    page_size: int = 1000
+    version_retries: int = 3
+    down_seconds: float = 30.0
+    buffer_pool_bytes: int = 1 << 30
+    prefetch_limit: int = 256
+
+
 class S3Backend(BackendBase):
     """A store under ``s3://BUCKET/PREFIX``; see the module docstring for layout and semantics.
 
     ``readonly`` refuses writes; ``readonly`` or ``create=False`` also require the prefix to
     hold a store already (else StoreNotFoundError). ``session``: a ``boto3.session.Session`` to
-    use instead of a new one. The other options tune parts, threads and timeouts (None: the
-    module's ``CONNECT_TIMEOUT``, ``READ_TIMEOUT``, ``MAX_ATTEMPTS``).
-    Raises StoreError subclasses (one line each) when the store cannot be used."""
+    use instead of a new one. ``options`` (an :class:`S3Options`) tunes parts, threads and
+    timeouts; keywords named as its fields (``threads=4``) replace those of ``options`` (an
+    unknown one is a TypeError). Raises StoreError subclasses (one line each) when the store
+    cannot be used."""
 
     def __init__(
-        self,
-        url: str,
-        *,
-        readonly: bool = False,
-        create: bool = True,
-        part_size: int = 8 * MiB,
-        first_part: int | None = None,
-        threads: int = 8,
-        multipart_threshold: int = 64 * MiB,
-        connect_timeout: float | None = None,
-        read_timeout: float | None = None,
-        max_attempts: int | None = None,
-        page_size: int = 1000,
-        version_retries: int = 3,
-        down_seconds: float = 30.0,
-        buffer_pool_bytes: int = 1 << 30,
-        prefetch_limit: int = 256,
-        session: Any = None,
-    ):
+        self, url: str, *, readonly: bool = False, create: bool = True, options: S3Options | None = None,
+        session: Any = None, **tuning: Any,
+    ):  # fmt: skip
+        try:
+            o = replace(options or S3Options(), **tuning)
+        except TypeError:
+            known = ", ".join(f.name for f in fields(S3Options))
+            raise TypeError(f"S3Backend: unknown option among {sorted(tuning)} (known: {known})") from None
         try:
             import boto3
             from botocore.config import Config
@@ -103,21 +118,22 @@ class S3Backend(BackendBase):
         self.bucket, self.root = parse_url(url)
         self.url = f"s3://{self.bucket}/{self.root}".rstrip("/")
         self.readonly = readonly
-        self.part_size, self.threads, self.page_size = part_size, threads, page_size
+        self.options = o
+        self.part_size, self.threads, self.page_size = o.part_size, o.threads, o.page_size
         # the first request of a load is longer than the others: a value up to its size costs one
         # request, as a plain GET would (each request costs ~2 ms of client CPU), and the other
         # parts run while it streams
-        self.first_part = 2 * part_size if first_part is None else first_part
-        self.multipart_threshold, self.version_retries = multipart_threshold, version_retries
-        self.connect_timeout = CONNECT_TIMEOUT if connect_timeout is None else connect_timeout
-        self.read_timeout = READ_TIMEOUT if read_timeout is None else read_timeout
-        self.max_attempts = MAX_ATTEMPTS if max_attempts is None else max_attempts
-        self.down_seconds = down_seconds
-        self.buffer_pool_bytes = buffer_pool_bytes  # load buffers kept for reuse, at most this many bytes
+        self.first_part = 2 * o.part_size if o.first_part is None else o.first_part
+        self.multipart_threshold, self.version_retries = o.multipart_threshold, o.version_retries
+        self.connect_timeout = CONNECT_TIMEOUT if o.connect_timeout is None else o.connect_timeout
+        self.read_timeout = READ_TIMEOUT if o.read_timeout is None else o.read_timeout
+        self.max_attempts = MAX_ATTEMPTS if o.max_attempts is None else o.max_attempts
+        self.down_seconds = o.down_seconds
+        self.buffer_pool_bytes = o.buffer_pool_bytes  # load buffers kept for reuse, at most this many bytes
         self._free: list[bytearray] = []
         self._free_lock = threading.Lock()
         # values being fetched ahead of their load (prefetch): key -> future of _load's result
-        self.prefetch_limit = prefetch_limit
+        self.prefetch_limit = o.prefetch_limit
         self._ahead: dict[bytes, futures.Future] = {}
         self._ahead_lock = threading.Lock()
         self._down: tuple[float, StoreError] | None = None
@@ -127,7 +143,7 @@ class S3Backend(BackendBase):
             read_timeout=self.read_timeout,
             # total_max_attempts counts the first try ({"max_attempts": n} would mean n retries)
             retries={"total_max_attempts": self.max_attempts, "mode": "standard"},
-            max_pool_connections=2 * threads + 2,
+            max_pool_connections=2 * o.threads + 2,
             s3={"addressing_style": "path"},  # an IP or localhost endpoint has no per-bucket host names
             # entries carry their own xxh3 checksum: skip botocore's CRC32 pass over every byte
             request_checksum_calculation="when_required",
@@ -141,8 +157,8 @@ class S3Backend(BackendBase):
         self.endpoint = str(self.client.meta.endpoint_url)
         # parts of one value (loads, multipart uploads) run on _parts; batched calls on _batch,
         # whose tasks may wait on _parts (never the other way round, so neither can deadlock)
-        self._parts = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-s3-part")
-        self._batch = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-s3")
+        self._parts = ThreadPoolExecutor(o.threads, thread_name_prefix="kvstore-s3-part")
+        self._batch = ThreadPoolExecutor(o.threads, thread_name_prefix="kvstore-s3")
         self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="kvstore-s3-ahead")  # tasks wait on _parts
         try:
             self._probe(must_exist=readonly or not create)
