@@ -115,6 +115,11 @@ def _chunk_scorer(
     ``start..end`` into ``scores`` (``norms``: the hidden-state norms of KVzip+, else None). The
     replay's queries are taken :data:`QUERY_BLOCK` at a time (each query's softmax is its own row,
     so the blocks give the same weights as one pass) and only the running maximum is kept."""
+    replay = torch.arange(q_len)
+    # per query block: which replay keys each of its queries may not see (causal within the replay);
+    # made once per chunk, moved to the model's device at the first layer
+    blocks = [(a, min(q_len, a + QUERY_BLOCK)) for a in range(0, q_len, QUERY_BLOCK)]
+    masks: list[torch.Tensor] = [replay[None, :] > torch.arange(a, b)[:, None] for a, b in blocks]
 
     def on_layer(layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, module) -> None:
         heads, _, d = queries.shape
@@ -131,10 +136,10 @@ def _chunk_scorer(
             wov = _output_norms(module, vals, groups)[:, :, None, :]  # [kv, groups, 1, n]
         best = scores[layer][:, start:end]
         best.fill_(-torch.inf)
-        for a in range(0, q_len, QUERY_BLOCK):
-            b = min(q_len, a + QUERY_BLOCK)
-            logits = torch.matmul(q[:, :, a:b], keys_t) / math.sqrt(d)  # [kv, groups, rows, n]
-            own = torch.arange(q_len, device=q.device)[None, :] > torch.arange(a, b, device=q.device)[:, None]
+        if masks[0].device != q.device:
+            masks[:] = [m.to(q.device) for m in masks]
+        for (a, b), own in zip(blocks, masks):
+            logits = torch.matmul(q[:, :, a:b], keys_t).div_(math.sqrt(d))  # [kv, groups, rows, n]
             logits[..., n - q_len :].masked_fill_(own, -math.inf)  # causal within the replay
             weights = torch.softmax(logits, dim=-1)
             if hidden is not None and wov is not None:
