@@ -280,6 +280,23 @@ def test_layer_kind_names_are_spelled_only_in_the_facts_table() -> None:
     assert not found, "layer kinds spelled outside kvstore/facts.py:\n" + "\n".join(found)
 
 
+def test_the_dense_variant_is_recognised_by_one_parser() -> None:
+    """``dense`` is one word of the decode-attention parser (``variants/sparse.py``): every other
+    reader (the variant parser, lm-eval's ``press`` arg) asks that parser, none compares a spec with
+    the word itself."""
+    found = []
+    for name, path in module_files().items():
+        if name == "kvstore.model.variants.sparse":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                words = [s for s in sides if ast.unparse(s) == "'dense'" or ast.unparse(s).endswith("DENSE_NAME")]
+                if words:
+                    found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "specs compared with 'dense' outside the attention parser:\n" + "\n".join(found)
+
+
 def _takers():
     """Every public method of the Adapter (and lm-eval's model) that takes an options class."""
     from kvstore.model.adapter import Adapter

@@ -109,9 +109,7 @@ def parse_variant(item: str | Variant | Press | sparse.AttentionFunction | None)
     if isinstance(item, Press):
         return make_variant(press=item)
     if isinstance(item, str):
-        spec = item.strip()
-        if spec == DENSE_NAME:
-            return DENSE
+        spec = item.strip()  # "dense" is the attention parser's word: parse_attention gives None for it
         head, plus, tail = spec.partition("+")
         if is_press_spec(head):
             return make_variant(press=parse_press(head), decode_attention=parse_attention(tail) if plus else None)
