@@ -94,12 +94,13 @@ def attention_of(value: AttentionLike, spelling: Spelling = KEYWORDS) -> Attenti
     spec (``topk:64``, ``sparq:16:64``, ``module:function``; ``dense``: None), read by
     :func:`kvstore.model.variants.variant.parse_variant` (HookError for a bad one), an attention
     function, an Attention, or None. A spec naming a press is a HookError pointing to ``press``."""
+    from kvstore.model.press.spec import is_press_spec
     from kvstore.model.variants.variant import Attention, parse_attention, parse_variant
 
     if value is None or isinstance(value, Attention):
         return value
-    if not isinstance(value, str):
-        return parse_attention(value)
+    if not isinstance(value, str) or not is_press_spec(value.partition("+")[0]):
+        return parse_attention(value)  # the attention parser's own message for a bad spec
     variant = parse_variant(value)
     if variant.press is not None:
         hint = spelling("press", variant.press.name)

@@ -183,7 +183,8 @@ def test_each_spec_is_parsed_once_at_the_edge(tiny_llama_dir, tmp_path, capsys, 
     calls.clear()
     code, _, err = run_main(capsys, "sample", data, *common, "--variant", "snapkv:0.5+topk:2", "--variant", "dense")
     assert code == 0, err
-    assert calls == ["parse_press(snapkv:0.5)", "parse_attention(topk:2)"]
+    # "dense" is the attention parser's word: read there, once
+    assert calls == ["parse_press(snapkv:0.5)", "parse_attention(topk:2)", "parse_attention(dense)"]
 
 
 def test_score_refuses_a_question_aware_press_in_one_line(tiny_llama_dir, tmp_path, capsys):

@@ -467,6 +467,27 @@ def test_bad_specs_are_one_line_naming_the_spec(spec, says):
     assert "\n" not in str(exc.value) and says in str(exc.value), str(exc.value)
 
 
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("snapkv:+0.5", "variant 'snapkv:+0.5': a ratio is written without a sign"),
+        ("topk:²", "'topk:²': expected topk:N with positive integers in ASCII digits"),
+        ("sparq:²:8", "ASCII digits"),
+        ("snapkv:0.5+topk:²", "'topk:²'"),
+        ("bogus:0.5", "unknown press 'bogus' (presses: knorm"),
+    ],
+)
+def test_bad_variants_are_one_line_naming_what_was_typed(spec, says):
+    """The variant parser (what --variant, --press and --decode-attention go through) quotes the spec
+    as given and names what to do; Unicode digits never reach int()."""
+    from kvstore.errors import KVStoreError
+    from kvstore.model.variants.variant import parse_variant
+
+    with pytest.raises(KVStoreError) as exc:
+        parse_variant(spec)
+    assert "\n" not in str(exc.value) and says in str(exc.value), str(exc.value)
+
+
 def test_specs_have_one_printed_form():
     assert parse_press("kvzip:0.5:global").name == "kvzip:0.5"  # the default budget is not printed
     assert parse_press("kvzip:.5:plus=true:layer").name == "kvzip:0.5:layer:plus"

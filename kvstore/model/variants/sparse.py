@@ -201,6 +201,13 @@ def load_function(path: str) -> AttentionFunction:
     return fn
 
 
+def is_attention_spec(spec: str) -> bool:
+    """Whether ``spec`` is meant as a decode attention: ``dense``, a method's name first, or a
+    ``module:function`` path (it may still be a bad one: :func:`parse` says how)."""
+    spec = spec.strip()
+    return spec == DENSE_NAME or spec.partition(":")[0] in ATTENTION_METHODS or bool(_PATH.match(spec))
+
+
 def parse(spec: str) -> AttentionFunction | None:
     """The attention function of a spec: ``dense`` (None: the model's own), ``topk:K``,
     ``sparq:R:K``, a method added with :func:`register_method`, or a plug-in path. HookError
@@ -211,9 +218,11 @@ def parse(spec: str) -> AttentionFunction | None:
     head, _, rest = spec.partition(":")
     if head in ATTENTION_METHODS:
         parts = rest.split(":") if rest else []
-        if len(parts) != _ARITY[head] or not all(p.isdigit() for p in parts):
+        if len(parts) != _ARITY[head] or not all(p.isascii() and p.isdigit() for p in parts):
             shape = ":".join(["N"] * _ARITY[head])
-            raise HookError(f"decode attention {spec!r}: expected {head}:{shape} with positive integers")
+            raise HookError(
+                f"decode attention {spec!r}: expected {head}:{shape} with positive integers in ASCII digits"
+            )
         return ATTENTION_METHODS[head](*(int(p) for p in parts))
     if _PATH.match(spec):
         return load_function(spec)
@@ -225,6 +234,7 @@ def parse(spec: str) -> AttentionFunction | None:
 
 __all__ = [
     "DENSE_NAME",
+    "is_attention_spec",
     "ATTENTION_METHODS",
     "AttentionFunction",
     "allowed_keys",

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvstore.errors import HookError
+from kvstore.errors import HookError, PressError
 from kvstore.model.press.spec import Press, is_press_spec, parse_press
 from kvstore.model.variants import sparse
 
@@ -112,11 +112,24 @@ def parse_variant(item: str | Variant | Press | sparse.AttentionFunction | None)
         spec = item.strip()  # "dense" is the attention parser's word: parse_attention gives None for it
         head, plus, tail = spec.partition("+")
         if is_press_spec(head):
+            if plus and head.endswith(":") and tail[:1] and tail[0] in "0123456789.":  # snapkv:+0.5: a signed ratio
+                raise PressError(
+                    f"variant {spec!r}: a ratio is written without a sign ('+' joins a press and a decode "
+                    "attention: snapkv:0.5+topk:64)"
+                )
             return make_variant(press=parse_press(head), decode_attention=parse_attention(tail) if plus else None)
         if plus:
             raise HookError(
                 f"variant {spec!r}: only a press may come before '+' (PRESS+ATTENTION, e.g. snapkv:0.5+topk:64)"
             )
+        if not sparse.is_attention_spec(spec):  # neither: say both, the press parser's list included
+            try:
+                parse_press(spec)
+            except PressError as exc:
+                raise PressError(
+                    f"variant {spec!r} is neither a decode attention (dense, topk:K, sparq:R:K, module:function) "
+                    f"nor a press: {exc}"
+                ) from None
         return make_variant(decode_attention=parse_attention(spec))
     if callable(item):
         return make_variant(decode_attention=parse_attention(item))
