@@ -21,20 +21,20 @@ CI). Steps:
    0.5.5's PyramidKVPress, whenever its layers get different budgets).
 2. **kept tokens**: kvstore's press on the same context ids: a dense in-memory prefill
    (``kvstore.model.stages.answer.prefill_contexts``, under kvstore's grouped-KV attention, as its
-   sweeps run), each press's scores and kept positions (``kvstore.model.press.select.row_scores`` and
-   ``kept_positions``; a checkout without that module compares the six per-head presses the way it
-   computed them, and refuses the others in one line). Per press and ratio over every (context,
-   layer, KV head) set: ``sets_identical``, ``jaccard_mean`` / ``_min``, whether the counts agree per
-   head and per layer (``head_counts_agree``, ``layer_counts_agree``: heads keep different counts
-   under AdaKV, KVzip and the pyramid), and the differing sets explained by ties (``differ_at_ties``:
-   every position in the symmetric difference scores exactly kvstore's cut score, so the order of
-   equal scores decided it) or by near-ties (``differ_near_ties``: within ``--near`` of the cut,
-   relative to the spread of the scores; rounding of keys computed by another transformers version),
-   with the largest relative gap seen. The cut of a per-head selection is the head's ``n``-th best
-   score; of a selection across heads (and layers), the highest score kvstore dropped in the layer.
-   Where kvpress's scores were saved (the new presses), kvstore's are compared with them
-   (``scores_max_rel_diff``, relative to the layer's spread, and ``scores_over_near``: how many differ
-   by more than ``--near`` of it; KVzip's with its sinks raised to kvpress's ``sink_value``).
+   sweeps run), each press's scores and kept positions (``kvstore.model.press.select.row_scores``
+   and ``kept_positions``). Per press and ratio over every (context, layer, KV head) set:
+   ``sets_identical``, ``jaccard_mean`` / ``_min``, whether the counts agree per head and per layer
+   (``head_counts_agree``, ``layer_counts_agree``: heads keep different counts under AdaKV, KVzip
+   and the pyramid), and the differing sets explained by ties (``differ_at_ties``: every position in
+   the symmetric difference scores exactly kvstore's cut score, so the order of equal scores decided
+   it) or by near-ties (``differ_near_ties``: within ``--near`` of the cut, relative to the spread
+   of the scores; rounding of keys computed by another transformers version), with the largest
+   relative gap seen. The cut of a per-head selection is the head's ``n``-th best score; of a
+   selection across heads, the highest score kvstore dropped in the layer (in the row: KVzip's global
+   cut). Where
+   kvpress's scores were saved (the new presses), kvstore's are compared with them
+   (``scores_max_rel_diff``, relative to the layer's spread, and ``scores_over_near``: how many
+   differ by more than ``--near`` of it; KVzip's with its sinks raised to kvpress's ``sink_value``).
 3. **answers**: the contexts built into a store, then one :meth:`Adapter.sweep` of ``dense`` and
    every press/ratio over the same context and question ids: rows whose tokens equal kvpress's
    (``answers_identical``), and the fraction of kvpress's answer tokens matched step by step. Every
@@ -43,7 +43,13 @@ CI). Steps:
    tokens gives which answer. The replay is a dense prefill, then the question at ``c + j`` and greedy
    decoding; a per-head press gathers each head's kept positions into the cache, the others keep the
    dense cache and mask each (layer, head)'s dropped keys with an additive -inf before the model's
-   own SDPA (an attention function registered with transformers' ``AttentionInterface``).
+   own SDPA (an attention function registered with transformers' ``AttentionInterface``). For the
+   pyramid, ``notes.pyramid`` gives, per ratio, where kvpress raised (its layers' caches differ in
+   length and the question's mask is sized from layer 0's) and both sides' per-layer budgets.
+
+A reference given with ``--reference`` may hold more rows or presses than are compared (``--limit``,
+``--quick``: the runs asked are picked out); an unfinished one (``meta.complete`` false, its run
+stopped) is compared on the rows it has, and the result says so (``notes.reference_note``).
 
 **RULER** (``--set ruler``, written as ``press_kvpress_ruler``): the rows are instead the first
 ``--ruler-samples`` requests of lm-eval's ``niah_single_1`` at 4096 tokens (the samples
@@ -53,7 +59,8 @@ question), fed to kvpress as ids (``kvpress_reference.py --ids``), 32 new tokens
 ``max_gen_toks`` in that suite): whether kvpress's presses fail the needle where kvstore's do.
 
 Command (from the repository root; the suite ``press_kvpress``: ``python -m experiments run
-press_kvpress [ARGS]`` writes ``press_kvpress.json`` into experiments/results/; run by hand it writes to
+press_kvpress [ARGS]`` writes ``press_kvpress.json`` (``--set ruler``: ``press_kvpress_ruler.json``;
+``--presses new``: ``press_kvpress_new.json``) into experiments/results/; run by hand it writes to
 cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_press_kvpress.py
@@ -62,6 +69,10 @@ cache/bench/raw/)::
     .venv/bin/python experiments/bench_press_kvpress.py --set ruler
     .venv/bin/python experiments/bench_press_kvpress.py --presses new --stem press_kvpress_new \\
         --reference cache/bench/press_kvpress/kvpress_new.json
+    .venv/bin/python -m experiments run press_kvpress --presses new --stem press_kvpress_new \\
+        --reference cache/bench/press_kvpress/kvpress_new.json   # the same, into experiments/results/
+    .venv/bin/python experiments/bench_press_kvpress.py --presses new --quick \\
+        --reference cache/bench/press_kvpress/kvpress_new.json   # 1 row, kvzip and snapkv:adakv at 0.5
     .venv/bin/python experiments/bench_press_kvpress.py --set ruler --presses kvzip,snapkv:adakv --ratios 0.5,0.75 \\
         --stem press_kvpress_ruler_new --reference cache/bench/press_kvpress/kvpress_ruler_new.json
     .venv/bin/python experiments/bench_press_kvpress.py --presses new --kvpress-only   # the reference alone
@@ -69,16 +80,13 @@ cache/bench/raw/)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import benchlib as bl
 
@@ -196,9 +204,10 @@ def head_gap(a: set, b: set, scores) -> float:
 
 
 def layer_gap(kept_mask, differ_mask, scores) -> float:
-    """:func:`head_gap` for a selection across a layer's heads (AdaKV, KVzip): ``kept_mask`` /
-    ``differ_mask`` / ``scores`` ``[kv_heads, c]``; the cut is the highest score kvstore dropped in
-    the layer (the lowest it kept when it dropped none), the spread the layer's."""
+    """:func:`head_gap` for a selection across a layer's heads (AdaKV, KVzip's ``layer``): ``kept_mask``
+    / ``differ_mask`` / ``scores`` ``[kv_heads, c]``; the cut is the highest score kvstore dropped in
+    the layer (the lowest it kept when it dropped none), the spread the layer's. KVzip's ``global``
+    selection passes every layer (``[layers, kv_heads, c]``): its cut and spread are the row's."""
     dropped = scores[~kept_mask]
     cut = dropped.max() if dropped.numel() else scores[kept_mask].min()
     gap = float((scores[differ_mask] - cut).abs().max())
@@ -253,6 +262,7 @@ def compare_kept(reference: dict, mine: dict, near: float, saved: dict) -> list[
             acc["totals"] += sum(map(len, (h for layer in sets for h in layer))) == sum(
                 len(h) for layer in run["kept"] for h in layer
             )
+            every = None  # a global selection's kept masks and scores [layers, kv_heads, c]
             for layer, heads in enumerate(run["kept"]):
                 acc["layers"] += 1
                 acc["layer_counts"] += sum(map(len, sets[layer])) == sum(map(len, heads))
@@ -267,6 +277,11 @@ def compare_kept(reference: dict, mine: dict, near: float, saved: dict) -> list[
                         continue
                     if selection in ("head", "pyramid"):
                         gap = head_gap(a, b, scores[layer][h])
+                    elif selection == "global":  # one cut over every layer and head
+                        every = every or (torch.stack([layer_masks(x, c) for x in sets]), torch.stack(scores))
+                        differ = torch.zeros_like(every[0])
+                        differ[layer, h] = every[0][layer, h] ^ layer_masks([b], c)[0]
+                        gap = layer_gap(every[0], differ, every[1])
                     else:
                         masks = masks or (layer_masks(sets[layer], c), layer_masks(heads, c))
                         differ = torch.zeros_like(masks[0])
@@ -419,13 +434,50 @@ def replay_differences(adapter, reference: dict, results: dict, mine: dict, new_
                       if set(theirs) != sets[layer][h]]  # fmt: skip
             entry = {"id": row["id"], "variant": spec, "sets_differing": differ, "replay": "masked" if masked else
                      "gathered", "kvpress_answer": run["answer_text"], "kvstore_answer": adapter.decode(kvstore_answer),
-                     "replay_with_kvpress_sets_equals_kvpress": with_theirs == run["answer_ids"],
+                     "replay_with_kvpress_sets_equals_kvpress": None if run["answer_ids"] is None
+                     else with_theirs == run["answer_ids"],
                      "replay_with_kvstore_sets_equals_kvstore": with_mine == kvstore_answer}  # fmt: skip
             if run["answer_ids"] is None:  # kvpress raised: what its kept sets answer, replayed
                 entry |= {"kvpress_error": run["error"]["message"],
                           "replay_with_kvpress_sets": adapter.decode(with_theirs),
                           "replay_with_kvpress_sets_equals_kvstore": with_theirs == kvstore_answer}  # fmt: skip
             out.append(entry)
+    return out
+
+
+def pyramid_notes(reference: dict, mine: dict, answers: dict, replayed: list[dict]) -> dict:
+    """Per ``pyramid`` spec: where kvpress's PyramidKVPress raised and what kvstore does instead. Its
+    prefill keeps ``n_l`` tokens per head of layer ``l`` (the caches' lengths then differ by layer),
+    the question forward sizes its attention mask from layer 0's length and SDPA raises at the first
+    shorter layer; kvstore answers from per-layer buffers under per-head masks. Per distinct context:
+    both per-layer budgets, equal or not; the rows where kvpress raised, and whether kvpress's own
+    kept sets, replayed with masks, answer as kvstore did."""
+    from kvstore.model.press.spec import parse_press
+
+    out: dict[str, dict] = {}
+    for row in reference["rows"]:
+        for run in row["runs"]:
+            spec = parse_press(run_spec(run)).name
+            if run.get("selection") != "pyramid":
+                continue
+            acc = out.setdefault(spec, {"kvpress_raised": 0, "rows": 0, "errors": [], "budgets": [],
+                                        "answers_identical": answers[spec]["answers_identical"],
+                                        "replay_with_kvpress_sets_equals_kvstore": []})  # fmt: skip
+            acc["rows"] += 1
+            if run.get("error"):
+                acc["kvpress_raised"] += 1
+                if run["error"]["message"] not in acc["errors"]:
+                    acc["errors"].append(run["error"]["message"])
+            theirs = [layer[0] for layer in run["kept_counts"]]
+            ours = [len(heads[0]) for heads in mine[tuple(row["context_ids"])][spec][0]]
+            if not any(b["context_len"] == row["context_len"] for b in acc["budgets"]):
+                acc["budgets"].append({"context_len": row["context_len"], "kvpress_per_layer": theirs,
+                                       "kvstore_per_layer": ours, "equal": theirs == ours})  # fmt: skip
+    for entry in replayed:
+        if entry["variant"] in out and "replay_with_kvpress_sets_equals_kvstore" in entry:
+            out[entry["variant"]]["replay_with_kvpress_sets_equals_kvstore"].append(
+                entry["replay_with_kvpress_sets_equals_kvstore"]
+            )
     return out
 
 
@@ -567,12 +619,19 @@ def main() -> None:
         "kvpress_s": kvpress_s,  # this run's kvpress_reference.py (None: --reference given)
         "kvpress_pipeline_s": sum(x["seconds"] for r in reference["rows"] for x in [r["dense"], *r["runs"]]),
         "kvstore_kept_s": kept_s,
-        "kvstore_kept_from": "kvstore.model.press.select" if api else "kvstore.model.press.prune (per-head presses)",
+        "kvstore_kept_from": "kvstore.model.press.select (row_scores, kept_positions)",
+        "reference_complete": bool(full["meta"].get("complete", True)),
+        "reference_rows": f"{len(reference['rows'])} of {len(reference['rows']) + len(unfinished)}",
+        "rows_not_in_reference": unfinished,  # kvpress's run was stopped before them: not compared
+        "reference_note": None if not unfinished else (
+            f"kvpress's reference is unfinished (meta.complete false): its {len(reference['rows'])} rows are "
+            f"compared, {len(unfinished)} asked rows are not ({', '.join(unfinished)}); kvpress was not run again"),
         "ids_equal_kvstore_prompt": same_ids,
         "context_tokens": [len(c) for c in distinct],
         "question_ids": [q["id"] for q in questions],
         "kvpress_errors": errors,
         "pyramid_ragged_lengths": meta.get("pyramid_ragged_lengths"),
+        "pyramid": pyramid_notes(reference, mine, answers, replayed),
         "differing_answers_replayed": replayed,
         "dense": {"rows": d["rows"], "answers_identical": d["answers_identical"],
                   "answer_tokens_agree": d["tokens_agree"] / d["tokens"], "differing_rows": d["differing_rows"]},

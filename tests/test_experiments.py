@@ -293,8 +293,8 @@ def test_list_runs_from_the_repository_root():
     assert {line.split()[0] for line in out.stdout.splitlines()} == {s.name for s in suites.SUITES}
 
 
-# the kvpress comparison is maintained apart (its own side virtual environment and owner)
-OWN_PREAMBLE = {"experiments/bench_press_kvpress.py"}
+# scripts allowed their own preamble: none (the kvpress comparison starts through benchlib too)
+OWN_PREAMBLE: set[str] = set()
 
 
 def test_every_benchmark_takes_the_shared_run_options_and_times_through_benchlib():

@@ -250,9 +250,10 @@ SUITES: tuple[Suite, ...] = (
           ("experiments/bench_press.py",), ("press",), images=("press_accuracy.png",)),
     Suite("press_sweep", "An 8-variant press sweep from one store against re-prefilling per press (the kvpress way)",
           ("experiments/bench_press_sweep.py",), ("press_sweep",)),
-    # the RULER part: --set ruler (writes press_kvpress_ruler)
+    # the RULER part: --set ruler (writes press_kvpress_ruler); the later presses: --presses new --stem
+    # press_kvpress_new --reference ... (writes press_kvpress_new)
     Suite("press_kvpress", "Presses against kvpress 0.5.5 on the same ids: kept tokens and answers",
-          ("experiments/bench_press_kvpress.py",), ("press_kvpress", "press_kvpress_ruler"),
+          ("experiments/bench_press_kvpress.py",), ("press_kvpress", "press_kvpress_ruler", "press_kvpress_new"),
           needs="the kvpress side venv (/work/kvpress-venv, see experiments/kvpress_reference.py); never run in CI"),
     # the leaderboard's presses: --presses kvzip,... --stem press_ruler_leaderboard
     Suite("press_ruler", "Presses on RULER at 4k through lm-eval, every press over one store",

@@ -278,7 +278,8 @@ for _rule in (
         "pyramid",
         (Param("beta", 20, "the pyramid's steepness: the last layer keeps 1/beta of the first's share"),),
         "every head of layer l keeps n_l tokens, n_l falling linearly from the first layer to the last, the "
-        "layers' mean about int(c(1 - ratio)) plus the window (the press's window, else 64)",
+        "layers' mean c(1 - ratio), the first layer at most c - window (the press's window, else 64); where "
+        "the schedule does not fit, every layer round(c(1 - ratio))",
         "PyramidKVPress, Cai et al. 2024 (arXiv 2406.02069)",
     ),
     BudgetRule(
