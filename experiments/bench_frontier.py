@@ -31,7 +31,8 @@ contexts' tokens. Quality, three ways:
 Performance (timings, never tests): per codec the build's seconds (dense, and the scores and pressed
 entries apart); for ``kvzip:0.75`` against dense (lossless, and kvzip:0.75 + int8) over the long
 set's contexts: the bytes a load reads (the entries' stored bytes), the time to first token (batch 1,
-one question, ``--repeats`` runs: min/median/max), and a decode step's time (32 tokens). The
+one question, ``--repeats`` runs: min/median/max), and a decode step's time (32 tokens after the first, in
+each of ``--repeats`` runs: min/median/max). The
 break-even number of questions per context: what storing a pressed cache costs (its scoring forward
 and encoding, per context) against what each question answered from it saves (a prefill of the
 context).
@@ -42,6 +43,7 @@ hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_frontier.py
     .venv/bin/python experiments/bench_frontier.py --quick   # 1 context, kvzip and knorm at 0.5, lossless and int8
+    .venv/bin/python experiments/bench_frontier.py --perf-only experiments/results/frontier.json  # timings again
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
+from pathlib import Path
 
 import benchlib as bl
 
@@ -182,20 +185,22 @@ def ratio_of(spec: str) -> float:
 def time_first_token(adapter, store, fmt, context: str, question: str, press: str | None, repeats: int) -> dict:
     """Seconds to the first answer token (batch 1, from the store: load, question forward, one
     token), ``repeats`` runs, and a decode step's (33 tokens against 1, from the answer's own time)."""
-    times, first = [], None
+    times, steps, first, longer = [], [], None, None
     for _ in range(repeats):
         with bl.timed() as t:
             first = adapter.sample([context], [question], store=store, prompt=fmt, press=press, num_new_tokens=1,
                                    load_ahead=False)  # fmt: skip
         times.append(t.seconds)
-    longer = adapter.sample([context], [question], store=store, prompt=fmt, press=press, num_new_tokens=33,
-                            stop_at_eos=False)  # fmt: skip
-    assert first is not None
+        longer = adapter.sample([context], [question], store=store, prompt=fmt, press=press, num_new_tokens=33,
+                                stop_at_eos=False)  # fmt: skip
+        steps.append((longer.decode_seconds - first.decode_seconds) / 32)  # this run's 32 steps after the first
+    assert first is not None and longer is not None
     assert first.prefill_tokens_computed == 0 and first.scoring_tokens_computed == 0, "the store should answer"
     return {
         "ttft_s": bl.summarize(times),
         "ttft_runs_s": times,
-        "decode_step_s": (longer.decode_seconds - first.decode_seconds) / 32,
+        "decode_step_s": bl.summarize(steps),
+        "decode_step_runs_s": steps,
         "cache_bytes": longer.cache_bytes,
     }
 
@@ -213,6 +218,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="time-to-first-token runs")
     quick = dict(presses="kvzip,knorm", ratios="0.5", stacks="zstd-split:1:16,int8", dense_codecs="zstd-split:1:16",
                  limit=4, prose_rows=1, prose_context=300, prose_tokens=16, repeats=2)  # fmt: skip
+    ap.add_argument(
+        "--perf-only",
+        metavar="RESULT",
+        default=None,
+        help="measure the performance part again into a copy of the result RESULT (its points kept)",
+    )
     args = bl.start(ap, quick=quick)
     from kvstore.data.prompts import PromptFormat
     from kvstore.store.kvstore import KVStore
@@ -223,6 +234,9 @@ def main() -> None:
     contexts = [q["context"] for q in questions]
     asked = [q["question"] for q in questions]
     distinct = sorted(set(contexts))
+    if args.perf_only:
+        perf_only(adapter, fmt, distinct, asked, args)
+        return
     ctx_ids = [adapter.encode_context(fmt.context_part(c), special_tokens=fmt.add_special_tokens) for c in distinct]
     tokens = sum(len(x) for x in ctx_ids)
     prose_ctx, prose_cont = prose_rows(adapter, args.prose_rows, args.prose_context, args.prose_tokens)
@@ -287,6 +301,23 @@ def main() -> None:
     plot(rows, bl.RESULTS / "frontier.png")
 
 
+def perf_only(adapter, fmt, distinct, asked, args) -> None:
+    """The performance part alone, written into the points of an earlier full run (``--perf-only
+    RESULT``): its rows kept, ``notes.timing`` and ``notes.break_even`` measured again, and where the
+    points came from in ``notes.points_from``."""
+    import json
+
+    earlier = json.loads(Path(args.perf_only).read_text())
+    notes = earlier["notes"] | {"points_from": {k: earlier[k] for k in ("command", "git_sha")}
+                                | {"date": earlier["machine"]["date"]}}  # fmt: skip
+    stacks = earlier["params"]["stacks"].split(",")
+    notes["timing"] = performance(adapter, fmt, distinct, asked, args, stacks)
+    notes["break_even"] = break_even(notes)
+    params = earlier["params"] | {"repeats": args.repeats, "perf_only": args.perf_only}
+    bl.write_result("frontier", params=params, rows=earlier["rows"], notes=notes)
+    plot(earlier["rows"], bl.RESULTS / "frontier.png")
+
+
 def qa(adapter, questions, res, dense) -> dict:
     from kvstore.data.metrics import answer_metrics, clean_prediction
 
@@ -345,14 +376,20 @@ def plot(rows: list[dict], path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, metric, title in ((axes[0], "contains", "long QA: an accepted answer in the output"),
                               (axes[1], "top1_agree", "prose: next-token top-1 agreement with dense")):  # fmt: skip
-        groups: dict[str, list] = {}
+        groups: dict[tuple[str, str], list] = {}
         for r in rows:
-            key = f"{r['press']} + {r['codec']}" if r["press"] != "dense" else "dense codecs"
-            groups.setdefault(key, []).append(r)
-        for key, rs in sorted(groups.items()):
+            groups.setdefault((r["press"], "" if r["press"] == "dense" else r["codec"]), []).append(r)
+        presses = list(dict.fromkeys(press for press, _ in groups))
+        codecs = list(dict.fromkeys(codec for _, codec in groups if codec))
+        lines = ("-", "--", ":", "-.")
+        for (press, codec), rs in groups.items():
             rs = sorted(rs, key=lambda r: r["bytes_per_token"])
-            style = "-o" if key == "dense codecs" else ("--." if "int" in key else "-.")
-            ax.plot([r["bytes_per_token"] for r in rs], [r[metric] for r in rs], style, label=key, markersize=4)
+            # a colour per press, a line style per codec: dense's points (one per codec) joined in black
+            color = "black" if press == "dense" else f"C{presses.index(press) % 10}"
+            style = "-" if not codec else lines[codecs.index(codec) % len(lines)]
+            label = "dense, each codec" if press == "dense" else f"{press} + {codec}"
+            ax.plot([r["bytes_per_token"] for r in rs], [r[metric] for r in rs], style, color=color, marker="o",
+                    label=label, markersize=3)  # fmt: skip
         ax.set_xscale("log")
         ax.set_xlabel("bytes on disk per context token")
         ax.set_title(title, fontsize=10)

@@ -105,7 +105,7 @@ def kvzip_scores(row: RowContext) -> list[torch.Tensor]:
     return scores
 
 
-QUERY_BLOCK = 256  # replay queries scored at a time: the weights of a block stay small (a few MB)
+QUERY_BLOCK = 64  # replay queries scored at a time: a block's weights stay in the CPU's caches (a few MB)
 
 
 def _chunk_scorer(
@@ -127,7 +127,9 @@ def _chunk_scorer(
         groups = heads // kv_heads
         picked = torch.cat([keys[:, :sink], keys[:, start:end], keys[:, -q_len:]], dim=1)  # [kv, n, d]
         n = picked.shape[1]
-        keys_t = picked[:, None].transpose(-1, -2).to(queries.dtype)  # [kv, 1, d, n]
+        # [kv, d, n] (a view of the keys): a block's product is one bmm per KV head over its query
+        # group's rows (a matmul broadcast over the group would copy the keys for every block)
+        keys_t = picked.to(queries.dtype).transpose(-1, -2)
         q = queries.view(kv_heads, groups, q_len, d)
         hidden = norms.pop(layer) if norms is not None else None
         wov = None
@@ -139,7 +141,8 @@ def _chunk_scorer(
         if masks[0].device != q.device:
             masks[:] = [m.to(q.device) for m in masks]
         for (a, b), own in zip(blocks, masks):
-            logits = torch.matmul(q[:, :, a:b], keys_t).div_(math.sqrt(d))  # [kv, groups, rows, n]
+            rows = q[:, :, a:b].reshape(kv_heads, groups * (b - a), d)
+            logits = torch.bmm(rows, keys_t).view(kv_heads, groups, b - a, n).div_(math.sqrt(d))
             logits[..., n - q_len :].masked_fill_(own, -math.inf)  # causal within the replay
             weights = torch.softmax(logits, dim=-1)
             if hidden is not None and wov is not None:
