@@ -43,7 +43,8 @@ def op_build(url: str, args: dict, wrap: Callable) -> None:
     store = KVStore(url)
     store.backend = wrap(store.backend)
     try:
-        adapter.generate_kv_cache(args["contexts"], store)
+        # with "presses": each context's pressed caches and their scores too (build --press)
+        adapter.generate_kv_cache(args["contexts"], store, presses=args.get("presses", ()))
     finally:
         store.close()  # writes the last-use records: a step of its own
 

@@ -156,7 +156,8 @@ def start_import(tmp_path: Path, tiny_neox_dir: Path) -> tuple[str, dict, set[st
 # -- the test -------------------------------------------------------------------------------------------
 # "objects" where a batch is several steps (the writer's marks and record, rm's and gc's deletes,
 # sync's batched copies); import writes through the build's writer
-CASES = [("build", "lmdb"), ("build", "objects"), ("build", "s3"), ("import", "lmdb"), ("sync", "lmdb"),
+CASES = [("build", "lmdb"), ("build", "objects"), ("build", "s3"), ("build --press", "objects"), ("import", "lmdb"),
+         ("sync", "lmdb"),
          ("sync", "objects"), ("rm", "lmdb"), ("rm", "objects"), ("gc", "lmdb"), ("gc", "objects"),
          ("gc", "s3")]  # fmt: skip
 
@@ -169,7 +170,10 @@ def test_every_crash_point_keeps_the_store_whole(op, where, tmp_path, request):
         name = uuid.uuid4().hex[:10]
         return f"s3://{BUCKET}/crash-{op}-{name}" if where == "s3" else str(tmp_path / f"store-{name}")
 
-    if op == "build":
+    if op == "build --press":  # the build's new writes: each context's scores and pressed cache
+        start, args, keep = start_build(tmp_path, request.getfixturevalue("tiny_llama_dir"))
+        op, args = "build", dict(args, presses=["kvzip:0.5"])
+    elif op == "build":
         start, args, keep = start_build(tmp_path, request.getfixturevalue("tiny_llama_dir"))
         if where == "s3":  # fewer steps on the slower store: one short new context (the rest: "objects")
             args = dict(args, contexts=["Document 9: the lazy fox."])
@@ -202,3 +206,15 @@ def test_every_crash_point_keeps_the_store_whole(op, where, tmp_path, request):
         crash.OPS[op](url, args, lambda backend: backend)  # the next run, here, to the end
         assert state(url) == (done, set()), n  # finishes exactly what an uninterrupted run does
         assert stored(url) == left, (n, stored(url) ^ left)  # and leaves nothing else behind
+
+
+def test_derived_entries_of_a_context_extending_a_stored_one_stay_with_it(tmp_path, tiny_llama_dir):
+    """build --press over a context that extends a stored one (its chain cut at the stored one's end):
+    its scores and pressed cache are filed under its record, so the store lists one context and rm
+    of that context removes them."""
+    start, args, _ = start_build(tmp_path, tiny_llama_dir)
+    crash.op_build(start, dict(args, presses=["kvzip:0.5"]), lambda backend: backend)
+    with KVStore(start, readonly=True) as s:
+        info = s.scan()
+    recorded = {r.key for r in info.contexts if r.chunks}
+    assert {d.context for d in info.derived} <= recorded, "derived entries filed under no record"

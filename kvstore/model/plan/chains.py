@@ -46,18 +46,15 @@ class Chain:
     """One tokenized context as a chain: ``spans[i]`` are chunk ``i``'s positions, ``keys[i]``
     its key. ``key`` (the last chunk's) names the context; ``v1_key`` is the format-1 key of the
     whole context, under which a phase-1 store may hold it. ``lossy``: the lossy codec the chain
-    is stored with (its quantizer spec, part of the keys), ``""`` for lossless. ``canonical``: the
-    key of the chain cut at the fixed boundaries only (chunk size, the prompt's head), not at the
-    ends of shorter contexts stored at the time (:func:`stored_tails`): what a context's derived
-    entries (stored scores, pressed caches) are keyed by, since it never depends on what else is
-    stored (``""``: the same as ``key``)."""
+    is stored with (its quantizer spec, part of the keys), ``""`` for lossless. ``whole``: the
+    whole chain's key when this lists only its first chunks (:meth:`upto`), else ``""``."""
 
     ids: tuple[int, ...]
     spans: tuple[tuple[int, int], ...]
     keys: tuple[str, ...]
     v1_key: str
     lossy: str = ""
-    canonical: str = ""
+    whole: str = ""
 
     @property
     def key(self) -> str:
@@ -65,8 +62,11 @@ class Chain:
 
     @property
     def context_key(self) -> str:
-        """The key a context's derived entries are filed under (see ``canonical``)."""
-        return self.canonical or self.keys[-1]
+        """The key a context's derived entries (stored scores, pressed caches) are filed under: its
+        record's, so that they belong to the context the store lists and removing it removes them
+        (a chain cut at a stored shorter context's end is filed under that chain's key, as the
+        record is; a later walk of the same store cuts it the same way)."""
+        return self.whole or self.keys[-1]
 
     @property
     def n_tokens(self) -> int:
@@ -110,13 +110,11 @@ def chain_of(
     chunk_tokens = store.chunk_tokens if store is not None else DEFAULT_CHUNK_TOKENS
     lossy = store.codec.identity if store is not None else ""
     seed = handle.chain_seed(lossy)
-    fixed = cuts
     if store is not None and store.backend.local:
         cuts = stored_tails(seed, ids, chunk_tokens, cuts, store)
     spans = chunk_spans(len(ids), chunk_tokens, cuts)
     keys = tuple(chain_keys(seed, ids, spans))
-    canonical = "" if cuts == fixed else chain_keys(seed, ids, chunk_spans(len(ids), chunk_tokens, fixed))[-1]
-    return Chain(tuple(ids), tuple(spans), keys, cache_key(handle.fingerprint, handle.dtype, ids), lossy, canonical)
+    return Chain(tuple(ids), tuple(spans), keys, cache_key(handle.fingerprint, handle.dtype, ids), lossy)
 
 
 def stored_tails(seed: str, ids: Sequence[int], chunk_tokens: int, cuts: list[int], store: KVStore) -> list[int]:
