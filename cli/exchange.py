@@ -26,7 +26,8 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
     dequantized), token_ids, and the model fingerprint, name, dtype and codec in the metadata.
     Each derived entry, verified, is DIRECTORY/<context>.<kind>.<key>.safetensors: scores as
     layers.{i}.scores, a pressed cache as layers.{i}.heads.{h}.keys / .values / .positions.
-    Files already there are skipped, so an interrupted export resumes.
+    Files already there are skipped, so an interrupted export resumes. An incomplete context or a
+    corrupt derived entry is not exported, and the export exits 1 (after the others).
     """
     from kvstore.store.export import export_store
 
@@ -38,16 +39,15 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
                "derived_corrupt": len(report.derived_bad)}  # fmt: skip
     if fmt == "json":
         echo_json(summary | {"incomplete_keys": report.incomplete, "derived_corrupt_keys": report.derived_bad})
-        return
-    derived = f" and {report.derived} derived entr{'y' if report.derived == 1 else 'ies'}" if report.derived else ""
-    click.echo(f"Exported {report.written} context(s){derived} to {directory} ({report.bytes:,} bytes); "
-               f"{report.skipped} already there.")  # fmt: skip
-    if report.incomplete:
-        click.echo(f"Skipped {len(report.incomplete)} incomplete context(s) (`kvstore verify` names them).", err=True)
-    if report.derived_bad:
-        n = len(report.derived_bad)
-        click.echo(f"Skipped {n} corrupt derived entr{'y' if n == 1 else 'ies'} (`kvstore verify` names them).",
-                   err=True)  # fmt: skip
+    else:
+        derived = f" and {report.derived} derived entr{'y' if report.derived == 1 else 'ies'}" if report.derived else ""
+        click.echo(f"Exported {report.written} context(s){derived} to {directory} ({report.bytes:,} bytes); "
+                   f"{report.skipped} already there.")  # fmt: skip
+    bad = [f"{len(report.incomplete)} incomplete context(s)"] * bool(report.incomplete) + [
+        f"{len(report.derived_bad)} corrupt derived entr{'y' if len(report.derived_bad) == 1 else 'ies'}"
+    ] * bool(report.derived_bad)
+    if bad:  # as sync: what could not be exported is a failure (exit 1), named by verify
+        raise CLIError(f"not exported: {' and '.join(bad)} (`kvstore verify --store {store}` names them)")
 
 
 @dataclass(frozen=True)

@@ -278,7 +278,7 @@ def verify(store: str, quiet: bool) -> None:
     total = info.n_entries + len(info.derived) + len(info.corrupt)
     entries = _count(total, "entry") + (f" ({len(info.derived)} derived)" if info.derived else "")
     if info.corrupt or broken or info.malformed:
-        parts = [f"{len(info.corrupt)} of {entries} corrupt"] if info.corrupt else []
+        parts = [_corrupt_share(info, total)] if info.corrupt else []
         parts += [f"{len(broken)} of {_count(len(contexts), 'context')} broken"] if broken else []
         n_records = sum(kind == RECORDED for kind in contexts.kind) + len(info.malformed)
         parts += [f"{len(info.malformed)} of {_count(n_records, 'context record')} malformed"] if info.malformed else []
@@ -291,6 +291,20 @@ def verify(store: str, quiet: bool) -> None:
         )
         return
     click.echo(f"{entries} and {_count(len(contexts), 'context')} verified, all intact.")
+
+
+def _corrupt_share(info: Any, total: int) -> str:
+    """``N of M entries corrupt``, then the chunk entries' and derived entries' own shares, so that no
+    count reads as a count of corrupt ones."""
+    bad_derived = sum(1 for c in info.corrupt if c.context)
+    all_derived = len(info.derived) + bad_derived
+    share = f"{len(info.corrupt)} of {_count(total, 'entry')} corrupt"
+    if not all_derived:
+        return share
+    return (
+        f"{share} ({len(info.corrupt) - bad_derived} of {total - all_derived} chunk entries, {bad_derived} of "
+        f"{all_derived} derived entries)"
+    )
 
 
 # -- rm / gc ------------------------------------------------------------------------------------

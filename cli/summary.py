@@ -88,9 +88,13 @@ def metrics(rows: list[dict]) -> dict:
     return {k: (round(s[k], 4) if mine else None) for k in METRIC_KEYS}
 
 
-def variant_table(results, rows: list[dict], n: int) -> list[dict]:
+def variant_table(results, rows: list[dict], n: int, dense_bytes: int = 0) -> list[dict]:
     """Per variant of a sweep: task metrics over its ``n`` rows, tokens/s of its decoding, and
-    agreement with the ``dense`` variant (rows with the same tokens; None without a dense one)."""
+    agreement with the ``dense`` variant (rows with the same tokens; None without a dense one).
+    ``kept_tokens``: the rows' kept tokens, each row's a mean over layers and KV heads, rounded (a
+    row that keeps a few (token, head) pairs may count 0); ``kept_fraction``: the share of the
+    contexts' (token, head) pairs kept, the cache bytes over ``dense_bytes`` (the whole contexts'
+    keys and values; None when unknown)."""
     from kvstore.model.variants.variant import DENSE
 
     dense = next((r for r in results if r.variant == DENSE.name), None)
@@ -109,6 +113,7 @@ def variant_table(results, rows: list[dict], n: int) -> list[dict]:
                 **metrics(rows[v * n : (v + 1) * n]),
                 "agreement_with_dense": agree,
                 "kept_tokens": sum(res.kept_tokens),
+                "kept_fraction": round(res.cache_bytes / dense_bytes, 4) if dense_bytes else None,
                 "cache_bytes": res.cache_bytes,
                 "generated_tokens": generated,
                 "decode_seconds": round(res.decode_seconds, 3),

@@ -121,6 +121,7 @@ def _convert(src: str, dst: str, codec: str, dry_run: bool, quiet: bool, fmt: st
     from kvstore.errors import StoreNotFoundError
     from kvstore.store.codecs import get_codec
     from kvstore.store.convert import convert_contexts
+    from kvstore.store.keyspace import DERIVED
     from kvstore.store.kvstore import KVStore
 
     chosen = get_codec(codec)
@@ -145,6 +146,7 @@ def _convert(src: str, dst: str, codec: str, dry_run: bool, quiet: bool, fmt: st
                     raise
                 target = None
         keys = source.context_keys()
+        derived = sum(1 for _ in source.backend.keys(DERIVED))  # never converted: said below
         with progress_bar(len(keys), "convert", quiet, unit="ctx") as bar:
             if target is None:  # a dry run into a store that does not exist yet: everything is to do
                 report = convert_contexts(source, source, chosen, keys, progress=bar, dry_run=True)
@@ -158,8 +160,14 @@ def _convert(src: str, dst: str, codec: str, dry_run: bool, quiet: bool, fmt: st
         "src": src, "dst": dst, "codec": chosen.spec, "dry_run": dry_run, "contexts": report.contexts,
         "converted": report.converted, "already_present": report.present, "refused": len(report.problems),
         "chunks_written": report.chunks_written, "raw_bytes": report.raw_bytes, "stored_bytes": report.stored_bytes,
-        "ratio": round(report.ratio, 4),
+        "ratio": round(report.ratio, 4), "derived_not_converted": derived,
     }  # fmt: skip
+    if derived:  # scores and pressed caches are not re-encoded: build --press --codec makes them under a codec
+        where = "stay as they are" if same else f"were not copied to {dst} (sync without --codec copies them)"
+        warn(
+            f"{derived:,} derived entries of {src} (scores, pressed caches) are not converted to {chosen.spec}: they "
+            f"{where}; build --press/--score --codec {chosen.spec} makes them under it"
+        )
     if fmt == "json":
         echo_json(summary)
     elif dry_run:

@@ -8,9 +8,12 @@ of :mod:`kvstore.cli.flags` and the few below; each command flags.receives the o
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +21,7 @@ from typing import Any
 import click
 
 from kvstore.cli import flags
-from kvstore.cli.common import progress_bar
+from kvstore.cli.common import CLIError, progress_bar
 from kvstore.cli.flags import ModelChoice, Report, StoreChoice
 from kvstore.cli.summary import METRIC_KEYS, corrupt_entries_as_warnings, emit_summary, metrics, variant_table
 from kvstore.data.prompts import DEFAULT_TEMPLATE
@@ -58,10 +61,30 @@ class Preview:
     dry_run: bool
 
 
-def _print_plan(plan: Any, adapter: Any, fmt: str) -> None:
-    """A build's plan (:class:`kvstore.model.plan.build.BuildPlan`): its counts, then one line per
-    context that the build would touch (JSON: every context)."""
-    summary = plan.summary(adapter.kv_bytes_per_token())
+@contextlib.contextmanager
+def _plan_store(store: StoreChoice) -> Iterator[tuple[Any, bool]]:
+    """The store a dry run plans against, and whether it exists: the store opened read-only (nothing
+    created, upgraded or touched on any backend), or where there is none yet an empty private
+    in-memory store with the settings the flags would give a new one (``--codec``,
+    ``--chunk-tokens``)."""
+    from kvstore.errors import StoreNotFoundError
+    from kvstore.store.keyspace import META
+    from kvstore.store.kvstore import KVStore
+
+    try:
+        kv = dataclasses.replace(store, readonly_store=True).open()
+        exists = True
+    except StoreNotFoundError:
+        kv, exists = KVStore("memory://", codec=store.codec, chunk_tokens=store.chunk_tokens), False
+    with kv:
+        yield kv, exists and bool(kv.backend.contains(META))
+
+
+def _print_plan(plan: Any, adapter: Any, fmt: str, settings: dict[str, Any]) -> None:
+    """A build's plan (:class:`kvstore.model.plan.build.BuildPlan`): the store's settings (a new
+    store's: those it would get), the plan's counts, then one line per context that the build would
+    touch (JSON: every context)."""
+    summary = settings | plan.summary(adapter.kv_bytes_per_token())
     steps = [
         {"key": s.chain.key, "tokens": s.chain.n_tokens, "stored_chunks": s.depth, "chunks": len(s.chain.keys),
          "action": s.action, "tokens_to_compute": s.tokens_to_compute,
@@ -130,6 +153,22 @@ def _codec_option(help_text: str):
     return click.option("--codec", default=None, help=help_text)
 
 
+def _build_options(values: flags.Values) -> BuildOptions:
+    """``build``'s :class:`BuildOptions`; ``--no-dense`` without ``--press`` refused first, in the
+    flags' words."""
+    if values["dense"] is False and not values["presses"]:
+        if values["scores"]:
+            raise CLIError(
+                "--no-dense --score without --press would store scores that no stored context keeps (gc removes "
+                "them as orphans): drop --no-dense (contexts stored dense are not recomputed), or add the --press "
+                "that reads them"
+            )
+        raise CLIError(
+            "--no-dense stores nothing without --press: give --press SPEC (with or without --score), or drop --no-dense"
+        )
+    return flags.fill(BuildOptions, skip_errors="skip_bad_rows")(values)
+
+
 def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -194,7 +233,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     data=Data,
     model=ModelChoice,
     prompting=Prompting,
-    options=flags.fill(BuildOptions, skip_errors="skip_bad_rows"),
+    options=_build_options,
     store=StoreChoice,
     report=Report,
     preview=Preview,
@@ -221,9 +260,14 @@ def build(
         first_id.setdefault(ex.context, ex.id)
     labels = [f"{data.dataset}: context of row {first_id[c]}" for c in contexts]
     if preview.dry_run:
-        with store.open() as kv:
+        with _plan_store(store) as (kv, exists):
             plan = adapter.plan_build(contexts, kv, options, prompt=prompt, labels=labels)
-        _print_plan(plan, adapter, report.fmt)
+            settings = {"store": store.store, "store_exists": exists, "codec": kv.codec.spec,
+                        "chunk_tokens": kv.chunk_tokens, "rows": len(rows.examples),
+                        "bad_rows_skipped": rows.skipped}  # fmt: skip
+        for problem in list(rows.problems) + list(plan.errors):
+            click.echo(f"kvstore: would skip: {problem}", err=True)
+        _print_plan(plan, adapter, report.fmt, settings)
         return
     with store.open() as kv:
         with progress_bar(len(contexts), "build", report.quiet, unit="ctx", rate="tok") as bar:
@@ -256,7 +300,7 @@ def build(
         "tokens_per_second": round(built.tokens_per_second, 1),
         "dense": options.dense,
         "pressed_written": built.pressed_written if options.presses else None,
-        "scores_written": built.scores_written if options.scores else None,
+        "scores_written": built.scores_written if options.presses or options.scores else None,
         "derived_bytes": built.derived_bytes if options.presses or options.scores else None,
         "scoring_tokens_computed": built.scoring_tokens if options.presses or options.scores else None,
     }
@@ -380,7 +424,8 @@ def sample(
         "output": report.output,
     }
     if sweep:
-        summary["variants"] = variant_table(results, out_rows, n)
+        context_tokens = result.prefill_tokens_saved + result.prefill_tokens_computed  # every row's context
+        summary["variants"] = variant_table(results, out_rows, n, context_tokens * adapter.kv_bytes_per_token())
     _echo_answers(out_rows, summary, report)
     emit_summary("sample", summary, report.fmt)
     sys.stdout.flush()

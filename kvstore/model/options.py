@@ -151,11 +151,18 @@ class BuildOptions:
                                  "one pressed cache per context to store")  # fmt: skip
             if p.ratio == 0:
                 raise PressError(f"press {p.name}: a ratio of 0 keeps every token; the dense cache is that")
-        object.__setattr__(self, "presses", presses)
-        object.__setattr__(self, "scores", tuple(parse_scorer(s) if isinstance(s, str) else s for s in self.scores))
+        # one entry per canonical spec: kvzip:0.75 given twice (or as kvzip:0.75:global) is one entry
+        object.__setattr__(self, "presses", tuple({p.name: p for p in presses}.values()))
+        scores = (parse_scorer(s) if isinstance(s, str) else s for s in self.scores)
+        object.__setattr__(self, "scores", tuple({s.scorer_spec: s for s in scores}.values()))
         for s in self.scores:
             check_storable(s)
-        if not self.dense and not (self.presses or self.scores):
+        if not self.dense and not self.presses:
+            if self.scores:  # scores belong to a context stored dense or pressed: alone, gc removes them
+                raise ValueError(
+                    "dense=False with scores and no presses would store scores that no stored context keeps (gc "
+                    "removes them as orphans): keep the dense chains, or add the presses that read them"
+                )
             raise ValueError("dense=False stores nothing without presses or scores to store instead")
 
     @classmethod

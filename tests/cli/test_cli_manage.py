@@ -566,7 +566,7 @@ def test_verify_checks_every_byte_of_derived_entries(derived_store):
     assert r.exit_code == 1
     assert f"corrupt  {first['pressed']}  entry checksum mismatch" in r.stdout
     assert f"(derived entry of context {entries[0].key})" in r.stdout
-    assert "1 of 8 entries (3 derived) corrupt" in r.stderr
+    assert "1 of 8 entries corrupt (0 of 4 chunk entries, 1 of 4 derived entries)" in r.stderr
     g = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")
     assert g.exit_code == 0 and "Removed 0 contexts, 0 entries and 1 derived entry" in g.stdout
     assert invoke("verify", "--store", path, "-q").exit_code == 0

@@ -140,7 +140,7 @@ def run_build(
     counts = BuildCounts()
     try:
         for st in steps:
-            if st.action == "record":
+            if st.action == "record" and not store.readonly:  # a read-only store keeps what it has
                 writer.put_context(st.chain)  # recorded through the writer, which checks its chunks are still there
         for chain in legacy:  # a format-1 entry of exactly this context: rewritten as a chain
             layers = load_v1(handle, store, chain)

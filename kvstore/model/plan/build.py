@@ -5,7 +5,8 @@ shard a :class:`ContextStep` saying what is stored of it (its verified chunks) a
 does: ``skip`` (stored whole and recorded), ``record`` (stored whole, its record missing),
 ``migrate`` (a format-1 entry holding exactly it: rewritten as a chain, nothing recomputed),
 ``compute`` (its chunks from the stored prefix on), or ``none`` (dense chains not kept and none
-stored), and which pressed caches and scores it lacks. ``kvstore build --dry-run`` prints it;
+stored), and which pressed caches and scores it lacks (verified as its chunks are: a corrupt one is
+made again). ``kvstore build --dry-run`` prints it;
 :func:`kvstore.model.pipelines.build.run_build` carries it out.
 """
 
@@ -21,8 +22,9 @@ from kvstore.model.options import BuildOptions
 from kvstore.model.plan import chains
 from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import Press
-from kvstore.model.press.stored import pressed_key, scores_key
+from kvstore.model.press.stored import pressed_key, scores_key, stored_intact
 from kvstore.model.stages.load import has_v1, verified_depth
+from kvstore.store.derived import PRESSED, SCORES
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -147,14 +149,18 @@ def plan_build(
 def _step(handle: ModelHandle, store: KVStore, chain: Chain, options: BuildOptions) -> ContextStep:
     depth = verified_depth(handle, store, chain)  # verified: corrupt chunks are rebuilt
     if depth == len(chain.keys):
-        action = "skip" if store.context(chain.key) is not None or store.readonly else "record"
+        action = "skip" if store.context(chain.key) is not None else "record"  # read-only: a dry run's store
     elif depth == 0 and has_v1(handle, store, chain):
         action = "migrate"
     else:
         action = "compute" if options.dense else "none"
-    filed = chain.context_key
-    presses = tuple(p for p in options.presses if not store.has_derived(filed, pressed_key(chain, p, store.codec)))
-    scores = tuple(s for s in options.scores if not store.has_derived(filed, scores_key(chain, s)))
+
+    # verified as the chunks are: a corrupt or foreign pressed cache or scores entry is made again
+    def lacks(key: str, kind: str) -> bool:
+        return not stored_intact(store, handle, chain, key, kind)
+
+    presses = tuple(p for p in options.presses if lacks(pressed_key(chain, p, store.codec), PRESSED))
+    scores = tuple(s for s in options.scores if lacks(scores_key(chain, s), SCORES))
     return ContextStep(chain, depth, action, presses, scores)
 
 

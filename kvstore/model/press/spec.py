@@ -249,7 +249,10 @@ def parse_press(spec: str) -> Press:
     name, ratio_s, rest = parts[0], parts[1], parts[2:]
     method = press_method(name)
     if method is None:
-        raise PressError(f"press {spec!r}: unknown press {name!r} ({press_catalog()})")
+        raise PressError(
+            f"press {spec!r}: unknown press {name!r} ({press_catalog()}; a press added with register_press is "
+            "known only in the Python process that registered it: use it through the Python API there)"
+        )
     if not _FLOAT.fullmatch(ratio_s):
         raise PressError(f"press {spec!r}: the ratio {ratio_s!r} is not a number in [0, 1) (ASCII digits, no sign)")
     ratio = float(ratio_s)
@@ -308,14 +311,20 @@ def parse_press(spec: str) -> Press:
 
 def parse_scorer(spec: str) -> Press:
     """A scorer spec (what ``--score`` takes: a press without its ratio, ``kvzip`` or
-    ``kvzip:chunk=1024``; a whole press spec's ratio and budget are ignored) as a :class:`Press` of
-    ratio 0. PressError (one line) otherwise."""
+    ``kvzip:chunk=1024``; a whole press spec's ratio, whatever its value, and its budget are
+    ignored) as a :class:`Press` of ratio 0. PressError (one line, quoting ``spec``) otherwise."""
     if not isinstance(spec, str):
         raise PressError(f"scorer spec {spec!r} is not text")
     parts = spec.strip().split(":")
-    if len(parts) < 2 or not _FLOAT.fullmatch(parts[1]):
+    if len(parts) >= 2 and _FLOAT.fullmatch(parts[1]):
+        parts[1] = "0"  # the ratio is ignored
+    else:
         parts.insert(1, "0")
-    press = parse_press(":".join(parts))
+    as_press = ":".join(parts)
+    try:
+        press = parse_press(as_press)
+    except PressError as exc:  # name what was given, not the press spec made of it
+        raise PressError(str(exc).replace(f"press {as_press!r}", f"scorer {spec!r}", 1)) from None
     return Press(press.method, 0.0, press.question, press.params)
 
 

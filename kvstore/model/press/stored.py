@@ -3,8 +3,9 @@
 A query-agnostic press's scores (every press whose record is ``ratio_free``, without ``:q``) depend
 on the context alone, so they are stored once per context as a derived entry
 (:mod:`kvstore.store.derived`, kind ``scores``, keyed by the context's key and the scorer with its
-parameters, :attr:`kvstore.model.press.spec.Press.scorer_spec`): afterwards every ratio and budget
-of that press reads them and runs no scoring forward. :class:`StoredScores` is what a batch's
+parameters, :attr:`kvstore.model.press.spec.Press.scorer_spec`, and for a press registered with
+:func:`~kvstore.model.press.registry.register_press` its identity: :func:`entry_spec`): afterwards
+every ratio and budget of that press reads them and runs no scoring forward. :class:`StoredScores` is what a batch's
 :class:`~kvstore.model.press.select.PressMemo` asks first; a writable store gets the scores of a
 press that runs a scoring forward (a window, a re-run of the context, a replay) on their first use,
 and ``kvstore build --score`` stores any storable scorer's.
@@ -20,6 +21,7 @@ chain's :attr:`~kvstore.model.plan.chains.Chain.context_key`.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -72,12 +74,22 @@ def press_record(press: Press) -> dict[str, Any]:
     }
 
 
+def entry_spec(press: Press, kind: str) -> str:
+    """The spec a derived entry of ``press`` is keyed by (and its header names): the scorer spec
+    for scores, the canonical press spec for a pressed cache, with a registered press's
+    :attr:`~kvstore.model.press.registry.PressMethod.identity` after an ``@`` (a built-in's spec
+    alone: their keys never change), so that a redefined press misses its old entries."""
+    spec = press.scorer_spec if kind == SCORES else press.name
+    identity = press.record.identity
+    return f"{spec}@{identity}" if identity else spec
+
+
 def scores_key(chain: Chain, press: Press) -> str:
-    return derived_key_of(chain.context_key, SCORES, press.scorer_spec, "")
+    return derived_key_of(chain.context_key, SCORES, entry_spec(press, SCORES), "")
 
 
 def pressed_key(chain: Chain, press: Press, codec: Codec) -> str:
-    return derived_key_of(chain.context_key, PRESSED, press.name, codec.identity)
+    return derived_key_of(chain.context_key, PRESSED, entry_spec(press, PRESSED), codec.identity)
 
 
 def derived_fits(handle: ModelHandle, view: DerivedView, chain: Chain, kind: str) -> bool:
@@ -142,20 +154,20 @@ class StoredScores:
 
     def save(self, press: Press, ids: Sequence[int], scores: Sequence[torch.Tensor], force: bool = False) -> None:
         """Store ``scores`` of the context ``ids`` under ``press`` (``force``: whatever the press
-        reads, as ``build --score`` asks); nothing where they are stored already."""
+        reads, as ``build --score`` asks, whose plan found them missing or corrupt: a corrupt entry is
+        replaced); nothing where they are stored already."""
         chain = self.chains.get(tuple(ids))
         if chain is None or not self.writable or not storable(press):
             return
         if not force and press.record.reads not in FORWARD_READS:
             return
-        if scores_key(chain, press) in self.saved or self.store.has_derived(
-            chain.context_key, scores_key(chain, press)
-        ):
+        key = scores_key(chain, press)
+        if key in self.saved or (not force and self.store.has_derived(chain.context_key, key)):
             return
         exact = [
             s if s.dtype in (torch.float32, torch.float64) else s.float() for s in scores
         ]  # 16-bit: widened, exact
-        key, blob = encode_scores(facts(self.handle, chain), press.scorer_spec, press_record(press), exact,
+        key, blob = encode_scores(facts(self.handle, chain), entry_spec(press, SCORES), press_record(press), exact,
                                   self.store.meta.codec)  # fmt: skip
         self.saved_bytes += self.store.put_derived(blob)
         self.saved.append(key)
@@ -163,7 +175,8 @@ class StoredScores:
 
 def encode_kept(handle: ModelHandle, chain: Chain, press: Press, kept: KeptLayers, codec: Codec) -> tuple[str, bytes]:
     """A row's kept tokens as a pressed derived entry: ``(derived key, bytes)``."""
-    return encode_pressed(facts(handle, chain), press.name, press_record(press), kept, codec, rotary=handle.rotary)
+    spec = entry_spec(press, PRESSED)
+    return encode_pressed(facts(handle, chain), spec, press_record(press), kept, codec, rotary=handle.rotary)
 
 
 def round_trip(handle: ModelHandle, chain: Chain, press: Press, kept: KeptLayers, codec: Codec) -> DerivedView:
@@ -173,14 +186,30 @@ def round_trip(handle: ModelHandle, chain: Chain, press: Press, kept: KeptLayers
     return decode_derived(blob)
 
 
-def open_pressed(store: KVStore, handle: ModelHandle, chain: Chain, key: str, stack: Any) -> DerivedView | None:
-    """The stored pressed entry ``key`` of ``chain``'s context, kept open on ``stack`` (an
-    ``ExitStack``), or None when it is missing, corrupt or not this model's (a warning)."""
+def open_fitting(
+    store: KVStore, handle: ModelHandle, chain: Chain, key: str, kind: str, stack: Any
+) -> DerivedView | None:
+    """The stored derived entry ``key`` (of ``kind``) of ``chain``'s context, verified and kept
+    open on ``stack`` (an ``ExitStack``), or None when it is missing, corrupt or not this model's
+    and context's (a warning)."""
     view = stack.enter_context(store.open_derived(chain.context_key, key))
-    if view is not None and not derived_fits(handle, view, chain, PRESSED):
-        _warn_mismatch(chain, PRESSED)
+    if view is not None and not derived_fits(handle, view, chain, kind):
+        _warn_mismatch(chain, kind)
         return None
     return view
+
+
+def open_pressed(store: KVStore, handle: ModelHandle, chain: Chain, key: str, stack: Any) -> DerivedView | None:
+    """The stored pressed entry ``key`` of ``chain``'s context (:func:`open_fitting`)."""
+    return open_fitting(store, handle, chain, key, PRESSED, stack)
+
+
+def stored_intact(store: KVStore, handle: ModelHandle, chain: Chain, key: str, kind: str) -> bool:
+    """Whether the derived entry ``key`` of ``chain``'s context is stored, intact and this model's
+    (:func:`open_fitting`: verified as a load verifies it), as the build plan asks of each entry it
+    would keep: a corrupt or foreign one is made again, as corrupt chunks are."""
+    with contextlib.ExitStack() as stack:
+        return open_fitting(store, handle, chain, key, kind, stack) is not None
 
 
 def has_pressed(store: KVStore, filed: Sequence[Chain], press: Press, chains: Sequence[Chain]) -> Mapping[str, str]:
@@ -199,13 +228,16 @@ __all__ = [
     "KeptLayers",
     "StoredScores",
     "encode_kept",
+    "entry_spec",
     "facts",
     "derived_fits",
     "has_pressed",
+    "open_fitting",
     "open_pressed",
     "press_record",
     "pressed_key",
     "round_trip",
     "scores_key",
     "storable",
+    "stored_intact",
 ]

@@ -1,0 +1,149 @@
+"""A registered press is keyed by what it computes: redefining it under the same name misses its
+stored scores and pressed caches (it never answers from the old scorer's), re-registering the same
+scorer keeps hitting, and the identity is a digest that every process computes alike."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvstore
+from helpers.rows import random_ids
+from helpers.tiny import make_tiny_model
+from kvstore.model.adapter import Adapter
+from kvstore.model.press.registry import press_method, register_press, scorer_identity, unregister_press
+from kvstore.model.press.spec import parse_press
+from kvstore.model.press.stored import entry_spec
+from kvstore.store.derived import PRESSED, SCORES
+from kvstore.store.kvstore import KVStore
+
+NAME = "vn_identity_test"
+
+
+def _value_norm(inputs):
+    return inputs.values.norm(dim=-1)
+
+
+def _negative_value_norm(inputs):
+    return -inputs.values.norm(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, tok = make_tiny_model("llama", dtype=torch.float64, seed=5)
+    return Adapter(model, tok)
+
+
+@pytest.fixture
+def registered():
+    yield
+    unregister_press(NAME)
+
+
+def _sweep(adapter, contexts, questions, **kw):
+    kw.setdefault("stop_at_eos", False)
+    return adapter.sweep(contexts, questions, variants=[f"{NAME}:0.5"], num_new_tokens=4, return_scores=True,
+                         **kw)[f"{NAME}:0.5"]  # fmt: skip
+
+
+def _same(a, b) -> bool:
+    worst = max(float((x - y).abs().max()) for x, y in zip(a.scores, b.scores))
+    return torch.equal(a.tokens, b.tokens) and worst < 1e-10
+
+
+def test_a_redefined_press_misses_its_old_entries_and_the_same_scorer_hits(llama, registered):
+    contexts = random_ids(llama.tokenizer, [70, 90], rng=3)
+    questions = random_ids(llama.tokenizer, [3, 2], rng=4)
+    register_press(NAME, _value_norm)
+    old_ref = _sweep(llama, contexts, questions, use_cache=False)
+    with KVStore("memory://", chunk_tokens=32) as store:
+        built = llama.build(contexts, store, presses=[f"{NAME}:0.5"], scores=[NAME])
+        assert built.pressed_written == 2 and built.scores_written == 2
+        unregister_press(NAME)
+        register_press(NAME, _negative_value_norm)  # another scorer under the same name
+        plan = llama.plan_build(contexts, store, presses=[f"{NAME}:0.5"], scores=[NAME])
+        assert plan.pressed_to_make == 2 and plan.scores_to_make == 2  # the old entries are not this press's
+        got = _sweep(llama, contexts, questions, store=store)
+        new_ref = _sweep(llama, contexts, questions, use_cache=False)
+        assert not _same(old_ref, new_ref)  # the two scorers answer differently
+        assert _same(got, new_ref) and got.kept_tokens == new_ref.kept_tokens
+        assert got.prefill_tokens_computed == 0  # the dense chains still hit
+        # the same scorer registered again: its entries hit (once built)
+        llama.build(contexts, store, presses=[f"{NAME}:0.5"], scores=[NAME])
+        unregister_press(NAME)
+        register_press(NAME, _negative_value_norm)
+        plan = llama.plan_build(contexts, store, presses=[f"{NAME}:0.5"], scores=[NAME])
+        assert plan.pressed_to_make == 0 and plan.scores_to_make == 0
+        again = _sweep(llama, contexts, questions, store=store)
+        assert all(again.cache_hit) and _same(again, new_ref)
+
+
+def test_a_version_bump_or_another_default_misses_and_built_in_keys_stay():
+    register_press(NAME, _value_norm)
+    try:
+        first = press_method(NAME).identity
+        unregister_press(NAME)
+        register_press(NAME, _value_norm, version="2")
+        assert press_method(NAME).identity not in ("", first)
+        unregister_press(NAME)
+        register_press(NAME, _value_norm, params={"alpha": 1.0})
+        assert press_method(NAME).identity not in ("", first)
+        unregister_press(NAME)
+        register_press(NAME, _value_norm)
+        assert press_method(NAME).identity == first
+        assert entry_spec(parse_press(f"{NAME}:0.5"), PRESSED) == f"{NAME}:0.5@{first}"
+    finally:
+        unregister_press(NAME)
+    # built-ins: the spec alone (their stored entries keep hitting; tests/golden pins the keys)
+    assert entry_spec(parse_press("kvzip:0.75"), PRESSED) == "kvzip:0.75"
+    assert entry_spec(parse_press("kvzip:0.75"), SCORES) == "kvzip:chunk=2048:n_sink=4:plus=false"
+
+
+def test_the_identity_follows_the_code_and_falls_back_to_the_name():
+    assert scorer_identity(_value_norm) != scorer_identity(_negative_value_norm)
+    assert scorer_identity(_value_norm) == scorer_identity(_value_norm)
+    assert scorer_identity(_value_norm, "2") != scorer_identity(_value_norm)
+    part = functools.partial(_value_norm)
+    assert scorer_identity(part) != scorer_identity(functools.partial(_negative_value_norm))
+
+    def scaled(k):
+        return lambda inputs: inputs.values.norm(dim=-1) * k
+
+    assert scorer_identity(scaled(1.0)) != scorer_identity(scaled(2.0))  # closure values count
+
+    class Scorer:
+        def __call__(self, inputs):
+            return inputs.values.norm(dim=-1)
+
+    assert scorer_identity(Scorer()) == scorer_identity(Scorer())  # an object: its name (and version) alone
+    assert scorer_identity(Scorer(), "1") != scorer_identity(Scorer(), "2")
+
+
+def test_the_identity_is_the_same_in_another_process(tmp_path):
+    (tmp_path / "idmod.py").write_text(
+        textwrap.dedent("""
+        def score(inputs, words=("a", "b"), scale=0.5):
+            if inputs in {"x", "y", "z"}:  # a frozenset constant: its order varies with the hash seed
+                return None
+            return inputs.values.norm(dim=-1) * scale
+    """)
+    )
+    code = "import idmod; from kvstore.model.press.registry import scorer_identity as s; print(s(idmod.score, 'v'))"
+    runs = []
+    for seed in ("1", "2"):
+        env = {"PYTHONPATH": f"{tmp_path}:{Path(kvstore.__file__).parent.parent}", "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        runs.append(out.stdout.strip())
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import idmod
+
+        assert runs == [scorer_identity(idmod.score, "v")] * 2
+    finally:
+        sys.path.remove(str(tmp_path))
