@@ -162,9 +162,11 @@ class Adapter(ModelView):
 
         ``presses`` (``["kvzip:0.75"]``) also store each context's pressed cache under each press, with
         the store's codec (:mod:`kvstore.model.press.stored`), ``scores`` (``["kvzip"]``) each
-        scorer's scores once per context; ``dense=False`` keeps only those (the dense caches are
-        computed in memory and dropped). PressError (one line) for a question-aware press or a
-        scorer whose scores cannot be stored; ReadOnlyStoreError for a read-only store."""
+        scorer's scores once per context (a press or scorer given twice: once; an entry stored
+        corrupt: made again); ``dense=False`` keeps only those (the dense caches are computed in
+        memory and dropped) and needs ``presses`` (ValueError otherwise: scores alone would belong
+        to no stored context). PressError (one line) for a question-aware press or a scorer whose
+        scores cannot be stored; ReadOnlyStoreError for a read-only store."""
         texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
         keying = Keying(special_tokens, prefix)
         return build.build_caches(self.handle, texts, store, options, keying, labels, progress)
