@@ -147,3 +147,36 @@ def test_the_identity_is_the_same_in_another_process(tmp_path):
         assert runs == [scorer_identity(idmod.score, "v")] * 2
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_build_options_refuse_scores_alone_without_dense_and_dedupe(llama):
+    from kvstore.model.options import BuildOptions
+
+    with pytest.raises(ValueError, match="no stored context keeps"):
+        BuildOptions(scores=["kvzip"], dense=False)
+    with pytest.raises(ValueError, match="stores nothing"):
+        BuildOptions(dense=False)
+    both = BuildOptions(presses=["kvzip:0.75", "kvzip:0.75:global"], scores=["kvzip", "kvzip:0.5"], dense=False)
+    assert [p.name for p in both.presses] == ["kvzip:0.75"] and len(both.scores) == 1
+
+
+def test_a_corrupt_scores_entry_is_rebuilt_by_the_next_build(llama):
+    from kvstore.model.press.spec import parse_scorer
+    from kvstore.model.press.stored import scores_key
+    from kvstore.store.keyspace import derived_entry_key
+
+    contexts = random_ids(llama.tokenizer, [50, 60], rng=7)
+    with KVStore("memory://", chunk_tokens=32) as store:
+        assert llama.build(contexts, store, scores=["expected_attention"]).scores_written == 2
+        chain = llama.chain(contexts[0], store)
+        name = derived_entry_key(chain.context_key, scores_key(chain, parse_scorer("expected_attention")))
+        good = store.backend.get(name)
+        raw = bytearray(good)
+        raw[len(raw) // 2] ^= 0xFF
+        store.backend.put(name, bytes(raw))
+        with pytest.warns(Warning, match="corrupt"):
+            plan = llama.plan_build(contexts, store, scores=["expected_attention"])
+        assert plan.scores_to_make == 1
+        with pytest.warns(Warning, match="corrupt"):
+            assert llama.build(contexts, store, scores=["expected_attention"]).scores_written == 1
+        assert store.backend.get(name) != bytes(raw) and not store.verify().corrupt
