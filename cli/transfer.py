@@ -163,10 +163,10 @@ def _convert(src: str, dst: str, codec: str, dry_run: bool, quiet: bool, fmt: st
         "ratio": round(report.ratio, 4), "derived_not_converted": derived,
     }  # fmt: skip
     if derived:  # scores and pressed caches are not re-encoded: build --press --codec makes them under a codec
-        where = "stay as they are" if same else f"were not copied to {dst} (sync without --codec copies them)"
+        where = "stay as they are" if same else f"are not copied to {dst} (sync without --codec copies them)"
         warn(
             f"{derived:,} derived entries of {src} (scores, pressed caches) are not converted to {chosen.spec}: they "
-            f"{where}; build --press/--score --codec {chosen.spec} makes them under it"
+            f"{where}; build --press SPEC --codec {chosen.spec} makes pressed caches under it"
         )
     if fmt == "json":
         echo_json(summary)
