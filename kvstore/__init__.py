@@ -31,7 +31,7 @@ _LAZY = {
     "EntryInfo": "kvstore.store.infos",
     "EntryView": "kvstore.store.entry",
     "Example": "kvstore.data.datasets",
-    "FORMAT_VERSION": "kvstore.store.header",
+    "FORMAT_VERSION": "kvstore.store.frame",
     "KVStore": "kvstore.store.kvstore",
     "PromptFormat": "kvstore.data.prompts",
     "SampleOptions": "kvstore.model.options",
@@ -73,7 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.codecs import get_codec as get_codec
     from kvstore.store.entry import Entry as Entry
     from kvstore.store.entry import EntryView as EntryView
-    from kvstore.store.header import FORMAT_VERSION as FORMAT_VERSION
+    from kvstore.store.frame import FORMAT_VERSION as FORMAT_VERSION
     from kvstore.store.infos import EntryInfo as EntryInfo
     from kvstore.store.keys import cache_key as cache_key
     from kvstore.store.kvstore import KVStore as KVStore

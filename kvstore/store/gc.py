@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import EntryNotFoundError
-from kvstore.store.derived_header import SCORES
 from kvstore.store.infos import matches_model
 from kvstore.store.keyspace import is_key
+from kvstore.store.kinds import stands_for_context
 from kvstore.store.removal import GcPlan
-from kvstore.store.tables import PRESSED_ONLY
+from kvstore.store.tables import OWNED_ONLY
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.scan import StoreInfo
@@ -123,13 +123,13 @@ def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | N
                 if r >= 0:
                     marked[r] = 1
         total = sum(E.stored(r) for r in range(len(E)) if marked[r] and refs[r] > 0)
-        total += sum(C.derived_bytes(i) for i in scope if i not in drop)
+        total += sum(C.owned_bytes(i) for i in scope if i not in drop)
         for i in kept:
             if total <= max_bytes:
                 break
             drop[i] = "least recently used over the size budget"
             release(i)
-            total -= sum(E.stored(r) for r in set(C.rows(i)) if r >= 0 and refs[r] == 0) + C.derived_bytes(i)
+            total -= sum(E.stored(r) for r in set(C.rows(i)) if r >= 0 and refs[r] == 0) + C.owned_bytes(i)
     for i, why in drop.items():
         for r in dict.fromkeys(C.rows(i)):
             k = E.keys[r] if r >= 0 else ""
@@ -164,7 +164,7 @@ def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | N
             if matches_model(p.model, p.model_name, model) and in_keys(E.keys[r]) and now - used > grace:
                 remove.setdefault(E.keys[r], (E.keys[r], f"no context uses it (unused for {_age_str(now - used)})",
                                               E.stored(r)))  # fmt: skip
-    derived = _plan_derived(info, opts, {C.keys[i]: why for i, why in drop.items()}, now, in_keys)
+    derived = _plan_owned(info, opts, {C.keys[i]: why for i, why in drop.items()}, now, in_keys)
     derived_ids = {(c, k) for c, k, _, _ in derived}
     local = tuple(
         (c.key, f"local tier copy corrupt: {c.reason}", c.stored_bytes)
@@ -178,7 +178,7 @@ def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | N
     )
     keep_bytes = sum(E.stored(r) for r in range(len(E)) if E.keys[r] not in remove)
     keep_bytes += sum(d.stored_bytes for d in info.derived if (d.context, d.key) not in derived_ids)
-    context_rows = tuple((C.keys[i], why, C.stored(i) + C.derived_bytes(i)) for i, why in drop.items())
+    context_rows = tuple((C.keys[i], why, C.stored(i) + C.owned_bytes(i)) for i, why in drop.items())
     # context records that do not read (under a name a record can have): nothing can use them
     context_rows += tuple((b.key, b.reason, 0) for b in info.malformed if corrupt and is_key(b.key) and in_keys(b.key))
     chains = {C.keys[i]: C.chunk_keys(i) for i in drop}
@@ -189,7 +189,7 @@ def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | N
         kept_contexts=frozenset(C.keys) - set(chains),
         corrupt=frozenset(k for k, why, _ in remove.values() if why.startswith(CORRUPT)),
         broken=frozenset(broken), local=local, derived=derived, derived_local=derived_local,
-        pressed_only=frozenset(C.keys[i] for i in drop if C.kind[i] == PRESSED_ONLY),
+        pressed_only=frozenset(C.keys[i] for i in drop if C.kind[i] == OWNED_ONLY),
         derived_corrupt=frozenset(k for _, k, why, _ in derived if why.startswith(CORRUPT)),
         gone=_gone(info, {c for c, _, _, _ in derived}),
     )  # fmt: skip
@@ -209,10 +209,10 @@ def _gone(info: StoreInfo, contexts: set[str]) -> dict[str, frozenset[str]]:
     return {c: frozenset(keys) for c, keys in seen.items()}
 
 
-def _plan_derived(info: StoreInfo, opts: GcOptions, dropped: Mapping[str, str], now: float,
+def _plan_owned(info: StoreInfo, opts: GcOptions, dropped: Mapping[str, str], now: float,
                   in_keys: Callable[..., bool]) -> tuple[tuple[str, str, str, int], ...]:  # fmt: skip
-    """The derived entries to remove, scores before pressed caches (so that a context known by its
-    pressed caches alone stays one until its last goes): those of the ``dropped`` contexts, those
+    """The derived entries to remove, those that stand for their context (pressed caches) last (so
+    that a context known by them alone stays one until its last goes): those of the ``dropped`` contexts, those
     named by key (or by the key of a context that is gone), the orphans past the grace, the corrupt."""
     live = set(info.contexts.keys)
     keys, model, criterion = opts.keys, opts.model, opts.corrupt or opts.orphans
@@ -221,7 +221,7 @@ def _plan_derived(info: StoreInfo, opts: GcOptions, dropped: Mapping[str, str], 
     kinds: dict[tuple[str, str], int] = {}
     for d in info.derived:
         ident = (d.context, d.key)
-        kinds[ident] = d.kind != SCORES
+        kinds[ident] = stands_for_context(d.kind)
         if d.context in dropped:
             out[ident] = (
                 d.context,
