@@ -46,6 +46,7 @@ _LAZY = {
     "model_fingerprint": "kvstore.model.load.identity",
     "size_report": "kvstore.size.estimate",
     "register_press": "kvstore.model.press.registry",
+    "register_budget": "kvstore.model.press.registry",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.options import ScoreOptions as ScoreOptions
     from kvstore.model.pipelines.build import BuildReport as BuildReport
     from kvstore.model.pipelines.sample import SampleResult as SampleResult
+    from kvstore.model.press.registry import register_budget as register_budget
     from kvstore.model.press.registry import register_press as register_press
     from kvstore.model.press.spec import Press as Press
     from kvstore.model.scoring.scores import ScoreResult as ScoreResult

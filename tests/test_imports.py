@@ -443,3 +443,21 @@ def test_the_kind_table_rows_name_their_kinds() -> None:
     for name in BUILTIN_KINDS:
         kind = find_kind(name)
         assert kind is not None and kind.name == name
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_over_eighty_lines() -> None:
+    """No function in kvstore/ or cli/ over MAX_FUNCTION_LINES lines (its ``def`` to its last line,
+    docstring included): a longer one is several steps, each worth a name (``plan_gc`` is one
+    function per criterion, merged at the end)."""
+    found = []
+    for root in ROOTS.values():
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n} lines)")
+    assert not found, "\n".join(found)
