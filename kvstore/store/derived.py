@@ -75,7 +75,7 @@ from kvstore.store.derived_header import (  # noqa: F401
 )
 from kvstore.store.frame import DERIVED_FORMAT, check_metadata, open_frame, seal
 from kvstore.store.header import MAX_POSITION
-from kvstore.store.keyspace import is_key
+from kvstore.store.keyspace import is_key, owned_key
 from kvstore.store.kinds import kind_of
 
 # the built-in kinds' names (their objects: kvstore.store.kinds)
@@ -294,6 +294,10 @@ class OwnedKindBase:
     stands_for_context = False
     keeps_part = False
     lossless_only = False
+    noun = "derived entry"
+
+    def address(self, key: str, owner: str = "") -> bytes:
+        return owned_key(owner, key)
 
     def read_header(self, buf: bytes | memoryview) -> tuple[DerivedHeader, int]:
         return read_derived_header(buf)

@@ -28,7 +28,7 @@ from kvstore.errors import CorruptEntryError, CorruptEntryWarning, FormatVersion
 from kvstore.store.derived import ANY_OWNED, DerivedView
 from kvstore.store.derived_header import read_derived_header
 from kvstore.store.frame import verify_checksum
-from kvstore.store.keyspace import OWNED, owned_key, owned_prefix, owner_of
+from kvstore.store.keyspace import OWNED, owned_prefix, owner_of
 from kvstore.store.kinds import EntryKind, kind_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,7 +83,7 @@ class DerivedEntries:
         warns). ``checked``: True when ``buf``'s checksum was verified already, or the exception
         verifying it raised. A corrupt copy in a local tier is dropped and the remote's read
         instead (its view kept open on ``stack``): a tier's fault stays local."""
-        noun = "derived entry" if kind.owned else "entry"
+        noun = kind.noun
         try:
             if isinstance(checked, BaseException):
                 raise checked
@@ -111,6 +111,23 @@ class DerivedEntries:
         self._touched[key] = time.time()
         return view
 
+    def has(self, kind: EntryKind, key: str, owner: str = "") -> bool:
+        """Whether the entry ``key`` of ``kind`` (owned by the context ``owner``, for a kind a
+        context owns) is stored (not verified)."""
+        return self.backend.contains(kind.address(key, owner))
+
+    @contextlib.contextmanager
+    def open(self, kind: EntryKind, key: str, owner: str = "") -> Iterator[Any]:
+        """Verified zero-copy access to the entry ``key`` of ``kind`` (owned by the context
+        ``owner``, for a kind a context owns); yields None when it is missing, and when it is
+        corrupt or not what was asked for: then it warns :class:`CorruptEntryWarning` once, and
+        the caller treats it as a miss. Raises FormatVersionError for an owned entry of a newer
+        format."""
+        name = kind.address(key, owner)
+        with contextlib.ExitStack() as stack:
+            buf = stack.enter_context(self.backend.view(name))
+            yield None if buf is None else self._open_verified(kind, name, key, buf, stack, owner=owner)
+
     # -- entries a context owns ------------------------------------------------------------------
     def put_derived(self, blob: bytes) -> int:
         """Store a derived entry's bytes (from :func:`~kvstore.store.derived.encode_scores`,
@@ -122,12 +139,13 @@ class DerivedEntries:
         self._writable()
         verify_checksum(blob)
         header, _ = read_derived_header(blob)
-        self._put_once(kind_of(header.kind), owned_key(header.context, header.key), header.key, blob)
+        kind = kind_of(header.kind)
+        self._put_once(kind, kind.address(header.key, header.context), header.key, blob)
         return len(blob)
 
     def has_derived(self, context: str, key: str) -> bool:
         """Whether the derived entry ``key`` of context ``context`` is stored (not verified)."""
-        return self.backend.contains(owned_key(context, key))
+        return self.has(ANY_OWNED, key, context)
 
     @contextlib.contextmanager
     def open_derived(self, context: str, key: str) -> Iterator[DerivedView | None]:
@@ -136,8 +154,8 @@ class DerivedEntries:
         names another context or key): then it warns :class:`CorruptEntryWarning` once, and the
         caller treats it as a miss (recomputes it). Raises FormatVersionError for an entry of a
         newer format."""
-        name = owned_key(context, key)
-        with contextlib.ExitStack() as stack:
+        name = ANY_OWNED.address(key, context)
+        with contextlib.ExitStack() as stack:  # as open(), one frame less (the warnings name the caller)
             buf = stack.enter_context(self.backend.view(name))
             yield None if buf is None else self._open_verified(ANY_OWNED, name, key, buf, stack, owner=context)
 

@@ -59,6 +59,7 @@ from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, get_codec, i
 from kvstore.store.codecs.prerope import Rotary, with_rotary
 from kvstore.store.frame import check_metadata, open_frame, seal
 from kvstore.store.header import STATE_NAME, EntryHeader, LayerSpec, check_layer, check_sizes, read_header
+from kvstore.store.keyspace import entry_key
 
 
 @dataclass(frozen=True)
@@ -298,6 +299,10 @@ class ChunkKind:
     name = "chunk"
     owned = False
     stands_for_context = True
+    noun = "entry"
+
+    def address(self, key: str, owner: str = "") -> bytes:
+        return entry_key(key)
 
     def read_header(self, buf: bytes | memoryview) -> tuple[EntryHeader, int]:
         return read_header(buf)

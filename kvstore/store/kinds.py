@@ -39,6 +39,11 @@ class EntryKind(Protocol):
     # its entries alone make their context known (a chain of chunks; a pressed cache, which serves
     # the context by itself): written before the entries that only add to a context, removed after
     stands_for_context: bool
+    noun: str  # how messages name one ("entry", "derived entry")
+
+    def address(self, key: str, owner: str = "") -> bytes:
+        """The backend key of the entry ``key`` (of the context ``owner``, for an owned kind)."""
+        ...
 
     def read_header(self, buf: bytes | memoryview) -> tuple[Any, int]:
         """``(header, payload offset)``, without verifying the checksum; CorruptEntryError."""

@@ -155,7 +155,7 @@ class KVStore(DerivedEntries):
             self._written.add(key)
 
     def contains(self, key: str) -> bool:
-        return self.backend.contains(entry_key(key))
+        return self.has(CHUNK, key)
 
     __contains__ = contains
 
@@ -183,7 +183,7 @@ class KVStore(DerivedEntries):
     def open_entry(self, key: str) -> Iterator[EntryView | None]:
         """Verified zero-copy access to one entry; yields None when it is missing or corrupt
         (a corrupt entry also emits a :class:`CorruptEntryWarning`: treat it as a miss)."""
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack:  # as open(), one frame less (the warnings name the caller)
             buf = stack.enter_context(self.backend.view(entry_key(key)))
             yield None if buf is None else self._open_verified(CHUNK, entry_key(key), key, buf, stack)
 

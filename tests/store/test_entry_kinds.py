@@ -124,8 +124,13 @@ def test_a_kind_defined_in_a_test_is_managed_like_the_built_in_ones(tmp_path, su
     assert r.exit_code == 0, r.output
     with KVStore(dst, readonly=True) as d:
         assert d.derived_keys(context) == [key] and not d.verify().corrupt
-        with d.open_derived(context, key) as view:
+        assert d.has(summary_kind, key, context) and not d.has(summary_kind, key, "7" * 64)
+        with d.open(summary_kind, key, context) as view:  # the store's one open, for any kind
             assert view is not None and view.header.kind == "summary"
+        chunk = find_kind("chunk")
+        assert chunk is not None and d.has(chunk, context)
+        with d.open(chunk, context) as view:
+            assert view is not None and view.header.key == context
 
     with KVStore(path) as s:  # the orphan goes past the grace
         plan = plan_gc(s.scan(), GcOptions(orphans=True), now=time.time() + LATER)
