@@ -2,8 +2,8 @@
 the entries a context owns (its scores, its pressed caches), each kind one object.
 
 An :class:`EntryKind` says how its entries read (header, sizes, tensors, decoding) and what the
-store's management makes of them; the store's ``put`` / ``open`` / ``has``, its scan, gc, removal,
-sync, export, verify and stats iterate the table and ask the kind, never its name. An entry a
+store's management makes of them; the store's ``has`` / ``open`` and its write-once put, its scan,
+gc, removal, sync, export, verify and stats ask the kind, never compare its name. An entry a
 context owns is stored under ``x/<context>/<key>`` in the format-5 frame
 (:mod:`kvstore.store.derived`); its header's ``kind`` names its row here.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from kvstore.errors import CorruptEntryError
@@ -147,14 +147,6 @@ def kind_of(name: str) -> Any:
     return got
 
 
-def owned_kinds() -> Iterator[EntryKind]:
-    """Every kind of owned entry in the table, built-ins first."""
-    for name in [*BUILTIN_KINDS, *_loaded]:
-        kind = find_kind(name)
-        if kind is not None and kind.owned:
-            yield kind
-
-
 def stands_for_context(name: str) -> bool:
     """Whether entries of the kind ``name`` alone make their context known (False for a name the
     table does not hold: an unreadable entry stands for nothing)."""
@@ -175,7 +167,6 @@ __all__ = [
     "find_kind",
     "keeps_part",
     "kind_of",
-    "owned_kinds",
     "register_kind",
     "stands_for_context",
     "unregister_kind",
