@@ -51,6 +51,7 @@ _LMDB_NOTE = "LMDB files never shrink: space freed by rm/gc is reused by new ent
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.gc import GcOptions
+    from kvstore.store.scan import StoreInfo
 
 
 def _count(n: int, word: str) -> str:
@@ -153,29 +154,14 @@ def stats(store: str, fmt: str) -> None:
     disk, which can exceed the stored bytes: LMDB files never shrink, and space freed by rm/gc is
     reused by new entries.
     """
-    from kvstore.store.summary import derived_totals, summarize
+    from kvstore.store.summary import owned_totals, summarize
 
     with open_store(store, readonly=True) as s:
         info = s.scan()
     _warn_corrupt(info)
     rows = [g.as_record() for g in summarize(info)]
-    kinds = [d.as_record() for d in derived_totals(info)]
-    totals = {
-        "contexts": len(info.contexts),
-        "entries": info.n_entries,
-        "orphan_chunks": len(info.orphans),
-        "corrupt": len(info.corrupt),
-        "n_tokens": info.n_tokens,
-        "raw_bytes": info.raw_bytes,
-        "logical_bytes": info.logical_bytes,
-        "stored_bytes": info.stored_bytes,
-        "dedupe_ratio": round(info.dedupe_ratio, 4),
-        "ratio": round(info.stored_bytes / info.raw_bytes, 4) if info.raw_bytes else 1.0,
-        "disk_bytes": info.disk_bytes,
-        "derived_entries": len(info.derived),
-        "derived_bytes": info.derived_bytes,
-        "orphan_derived": len(info.orphan_derived),
-    }
+    kinds = [d.as_record() for d in owned_totals(info)]
+    totals = _stats_totals(info)
     description = {"store": info.url, "format": info.format, "codec": info.codec, "chunk_tokens": info.chunk_tokens}
     if fmt == "json":
         echo_json(description | {"groups": rows, "totals": totals, "derived": kinds})
@@ -188,33 +174,63 @@ def stats(store: str, fmt: str) -> None:
     )
     if rows:
         click.echo()
-        emit(
-            rows,
-            "table",
-            columns={
-                "model_name": "MODEL",
-                "model": "FINGERPRINT",
-                "dtype": "DTYPE",
-                "codec": "CODEC",
-                "contexts": "CONTEXTS",
-                "n_tokens": "TOKENS",
-                "raw_bytes": "UNCOMPRESSED",
-                "stored_bytes": "LOGICAL",
-                "physical_bytes": "PHYSICAL",
-                "dedupe_ratio": "DEDUPE",
-                "bytes_per_token": "BYTES/TOKEN",
-            },  # fmt: skip
-            formatters={
-                "model": short,
-                "raw_bytes": human_bytes,
-                "stored_bytes": human_bytes,
-                "physical_bytes": human_bytes,
-                "bytes_per_token": lambda b: f"{b:,.0f}",
-                "dedupe_ratio": lambda r: f"{r:.2f}x",
-            },  # fmt: skip
-            align="llllrrrrrrr",
-        )
+        _stats_table(rows)
     click.echo()
+    _stats_footer(info, totals, kinds)
+
+
+def _stats_totals(info: StoreInfo) -> dict[str, Any]:
+    """The store's totals, as ``stats --format json`` gives them."""
+    return {
+        "contexts": len(info.contexts),
+        "entries": info.n_entries,
+        "orphan_chunks": len(info.orphans),
+        "corrupt": len(info.corrupt),
+        "n_tokens": info.n_tokens,
+        "raw_bytes": info.raw_bytes,
+        "logical_bytes": info.logical_bytes,
+        "stored_bytes": info.stored_bytes,
+        "dedupe_ratio": round(info.dedupe_ratio, 4),
+        "ratio": round(info.stored_bytes / info.raw_bytes, 4) if info.raw_bytes else 1.0,
+        "disk_bytes": info.disk_bytes,
+        "derived_entries": len(info.derived),
+        "derived_bytes": info.owned_bytes,
+        "orphan_derived": len(info.orphan_owned),
+    }
+
+
+def _stats_table(rows: list[dict[str, Any]]) -> None:
+    """One table row per (model, fingerprint, dtype, codec) group."""
+    emit(
+        rows,
+        "table",
+        columns={
+            "model_name": "MODEL",
+            "model": "FINGERPRINT",
+            "dtype": "DTYPE",
+            "codec": "CODEC",
+            "contexts": "CONTEXTS",
+            "n_tokens": "TOKENS",
+            "raw_bytes": "UNCOMPRESSED",
+            "stored_bytes": "LOGICAL",
+            "physical_bytes": "PHYSICAL",
+            "dedupe_ratio": "DEDUPE",
+            "bytes_per_token": "BYTES/TOKEN",
+        },  # fmt: skip
+        formatters={
+            "model": short,
+            "raw_bytes": human_bytes,
+            "stored_bytes": human_bytes,
+            "physical_bytes": human_bytes,
+            "bytes_per_token": lambda b: f"{b:,.0f}",
+            "dedupe_ratio": lambda r: f"{r:.2f}x",
+        },  # fmt: skip
+        align="llllrrrrrrr",
+    )
+
+
+def _stats_footer(info: StoreInfo, totals: dict[str, Any], kinds: list[dict[str, Any]]) -> None:
+    """The totals, each kind of owned entry's, and what is unused, unreadable, on disk."""
     click.echo(
         f"Total: {_count(totals['contexts'], 'context')}, {totals['n_tokens']:,} tokens; "
         f"{_count(totals['entries'], 'chunk')}, {human_bytes(totals['stored_bytes'])} stored "
@@ -230,9 +246,9 @@ def stats(store: str, fmt: str) -> None:
         )
     if info.orphans:
         click.echo(f"Unused: {_count(len(info.orphans), 'chunk')} no context uses (`kvstore gc` collects them)")
-    if info.orphan_derived:
+    if info.orphan_owned:
         click.echo(
-            f"Unused: {_count(len(info.orphan_derived), 'derived entry')} whose context is gone (`kvstore gc` "
+            f"Unused: {_count(len(info.orphan_owned), 'derived entry')} whose context is gone (`kvstore gc` "
             "collects them)"
         )
     if info.corrupt:

@@ -25,6 +25,47 @@ from kvstore.size.estimate import DEFAULT_EXAMPLES, DEFAULT_SEQ_LEN, FORMULA, Si
 from kvstore.units import human_bytes
 
 
+def _measured_lines(report: SizeReport) -> list[str]:
+    """What the store measured beside the estimate (``--store``)."""
+    lines = [
+        "",
+        f"Measured in store {report.store}: stored bytes per token (after compression, with headers) vs the estimate",
+        "",
+    ]
+    if not report.measured:
+        lines.append("(the store holds no readable contexts)")
+    else:
+        mh = [
+            "model",
+            "dtype",
+            "codec",
+            "contexts",
+            "tokens",
+            "estimated/token",
+            "stored/token",
+            "stored",
+            "",
+            "stored/estimate",
+        ]
+        mb = [
+            [
+                m.model_name,
+                m.dtype,
+                m.codec,
+                f"{m.contexts:,}",
+                f"{m.n_tokens:,}",
+                _number(m.kv_bytes_per_token),
+                _number(m.bytes_per_token),
+                f"{m.stored_bytes:,}",
+                f"({human_bytes(m.stored_bytes)})",
+                f"{m.stored_to_kv:.3f}",
+            ]
+            for m in report.measured
+        ]
+        lines += render_table(mb, mh, _align(len(mh), {3, 4, 5, 6, 7, 9})).split("\n")
+    return lines
+
+
 def render_report(report: SizeReport) -> str:
     """Aligned text: exact integers with thousands separators and binary units beside them."""
     lines = [f"KV cache per example = {FORMULA}"]
@@ -70,43 +111,7 @@ def render_report(report: SizeReport) -> str:
     for note in report.notes:
         lines += ["", textwrap.fill(note, 100, initial_indent="note: ", subsequent_indent="      ")]
     if report.measured is not None:
-        lines += [
-            "",
-            f"Measured in store {report.store}: stored bytes per token (after compression, with headers) vs the "
-            "estimate",
-            "",
-        ]
-        if not report.measured:
-            lines.append("(the store holds no readable contexts)")
-        else:
-            mh = [
-                "model",
-                "dtype",
-                "codec",
-                "contexts",
-                "tokens",
-                "estimated/token",
-                "stored/token",
-                "stored",
-                "",
-                "stored/estimate",
-            ]
-            mb = [
-                [
-                    m.model_name,
-                    m.dtype,
-                    m.codec,
-                    f"{m.contexts:,}",
-                    f"{m.n_tokens:,}",
-                    _number(m.kv_bytes_per_token),
-                    _number(m.bytes_per_token),
-                    f"{m.stored_bytes:,}",
-                    f"({human_bytes(m.stored_bytes)})",
-                    f"{m.stored_to_kv:.3f}",
-                ]
-                for m in report.measured
-            ]
-            lines += render_table(mb, mh, _align(len(mh), {3, 4, 5, 6, 7, 9})).split("\n")
+        lines += _measured_lines(report)
     return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,7 @@
 
 Both commands load the dataset, the model and the prompt format the same way, so that the
 contexts ``build`` stores are exactly the ones ``sample`` looks up. Their flags are the shared ones
-of :mod:`kvstore.cli.flags` and the few below; each command flags.receives the objects its flags build
+of :mod:`kvstore.cli.flags` and the few below; each command receives the objects its flags build
 (:func:`kvstore.cli.flags.receives`): the library's options object among them.
 """
 

@@ -31,7 +31,7 @@ _LAZY = {
     "EntryInfo": "kvstore.store.infos",
     "EntryView": "kvstore.store.entry",
     "Example": "kvstore.data.datasets",
-    "FORMAT_VERSION": "kvstore.store.header",
+    "FORMAT_VERSION": "kvstore.store.frame",
     "KVStore": "kvstore.store.kvstore",
     "PromptFormat": "kvstore.data.prompts",
     "SampleOptions": "kvstore.model.options",
@@ -46,6 +46,7 @@ _LAZY = {
     "model_fingerprint": "kvstore.model.load.identity",
     "size_report": "kvstore.size.estimate",
     "register_press": "kvstore.model.press.registry",
+    "register_budget": "kvstore.model.press.registry",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.options import ScoreOptions as ScoreOptions
     from kvstore.model.pipelines.build import BuildReport as BuildReport
     from kvstore.model.pipelines.sample import SampleResult as SampleResult
+    from kvstore.model.press.registry import register_budget as register_budget
     from kvstore.model.press.registry import register_press as register_press
     from kvstore.model.press.spec import Press as Press
     from kvstore.model.scoring.scores import ScoreResult as ScoreResult
@@ -73,7 +75,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.codecs import get_codec as get_codec
     from kvstore.store.entry import Entry as Entry
     from kvstore.store.entry import EntryView as EntryView
-    from kvstore.store.header import FORMAT_VERSION as FORMAT_VERSION
+    from kvstore.store.frame import FORMAT_VERSION as FORMAT_VERSION
     from kvstore.store.infos import EntryInfo as EntryInfo
     from kvstore.store.keys import cache_key as cache_key
     from kvstore.store.kvstore import KVStore as KVStore

@@ -386,3 +386,78 @@ def test_process_wide_state_lives_in_one_documented_place() -> None:
     for user in ("kvstore.model.compute.attention", "kvstore.model.variants.hooks", "kvstore.parallel",
                  "kvstore.store.backends.lmdb_env"):  # fmt: skip
         assert user in doc, user
+
+
+# -- entry kinds are one table (issue 40) ------------------------------------------------------------
+OWNED_KIND_NAMES = {"scores", "pressed"}  # the built-in kinds of entry a context owns, by name
+OWNED_KIND_CONSTANTS = {"SCORES", "PRESSED"}
+# the store's public methods and functions named for derived entries (what callers and docs use);
+# every other function in kvstore/store/ is named for what it does to an entry of any kind
+KIND_NAMED_FUNCTIONS = {"put_derived", "has_derived", "open_derived", "decode_derived", "derived_key_of",
+                        "read_derived_header"}  # fmt: skip
+
+
+def _compared_words(node: ast.Compare) -> list[str]:
+    out = []
+    for side in [node.left, *node.comparators]:
+        parts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+        for p in parts:
+            if isinstance(p, ast.Name) and p.id in OWNED_KIND_CONSTANTS:
+                out.append(p.id)
+            elif isinstance(p, ast.Constant) and p.value in OWNED_KIND_NAMES:
+                out.append(repr(p.value))
+    return out
+
+
+def test_no_code_branches_on_a_kind_of_owned_entry() -> None:
+    """What differs between kinds of entry is each kind's (kvstore/store/kinds.py and its row's
+    module): no comparison with ``SCORES``/``PRESSED`` or their names anywhere in kvstore/ or cli/,
+    so that a new kind is one module and one table row."""
+    found = []
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and (words := _compared_words(node)):
+                found.append(f"{name}:{node.lineno} compares with {', '.join(words)}")
+    assert not found, "kind branches (ask the kind object instead):\n" + "\n".join(found)
+
+
+def test_the_store_keeps_no_twin_functions_for_one_kind() -> None:
+    """No ``*_derived*`` / ``derived_*`` function in kvstore/store/ beyond the public API's
+    (KIND_NAMED_FUNCTIONS, each still defined: a stale entry fails)."""
+    found = set()
+    for path in (REPO / "kvstore" / "store").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                "_derived" in node.name or node.name.startswith("derived_")
+            ):
+                found.add(node.name)
+    assert found - KIND_NAMED_FUNCTIONS == set(), "functions named for one kind (make them kind-generic)"
+    assert KIND_NAMED_FUNCTIONS - found == set(), "stale KIND_NAMED_FUNCTIONS entries"
+
+
+def test_the_kind_table_rows_name_their_kinds() -> None:
+    """Each row of the kind table resolves to an object of that name (the table is not imported
+    by its modules: it names them)."""
+    from kvstore.store.kinds import BUILTIN_KINDS, find_kind
+
+    for name in BUILTIN_KINDS:
+        kind = find_kind(name)
+        assert kind is not None and kind.name == name
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_over_eighty_lines() -> None:
+    """No function in kvstore/ or cli/ over MAX_FUNCTION_LINES lines (its ``def`` to its last line,
+    docstring included): a longer one is several steps, each worth a name (``plan_gc`` is one
+    function per criterion, merged at the end)."""
+    found = []
+    for root in ROOTS.values():
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n} lines)")
+    assert not found, "\n".join(found)

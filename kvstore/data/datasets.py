@@ -105,6 +105,27 @@ class Dataset:
         return list(dict.fromkeys(example.context for example in self.examples))
 
 
+def _rows_of(name: str, format: str | None, fields: Fields, require_question: bool) -> tuple[str, Any]:  # noqa: A002
+    """``(format, rows)`` of the dataset ``name``: a hub dataset, or a file read by its format."""
+    if name.startswith(HUB_PREFIX):
+        return "hub", hub_rows(name, name[len(HUB_PREFIX) :], failed_file=False)
+    file = Path(name)
+    if not file.exists():
+        if looks_like_hub_name(name) and has_datasets():
+            return "hub", hub_rows(name, name, failed_file=True)
+        raise DatasetError(missing_file_message(name))
+    if file.is_dir():
+        raise DatasetError(f"{name}: is a directory; pass a .jsonl, .csv or .json file")
+    fmt = format or EXTENSIONS.get(file.suffix.lower(), "")
+    if not fmt:
+        kind = repr(file.suffix) if file.suffix else "(no extension)"
+        raise DatasetError(
+            f"{name}: unknown file type {kind}; use .jsonl, .csv or .json, or name the format with --format"
+        )
+    readers = {"jsonl": jsonl_rows, "csv": csv_rows, "json": json_rows}
+    return fmt, readers[fmt](file, name, fields, require_question)
+
+
 def load_dataset(
     path: str | os.PathLike[str],
     fields: Fields | None = None,
@@ -135,27 +156,7 @@ def load_dataset(
         raise DatasetError(f"unknown dataset format {format!r}; use one of {', '.join(FORMATS)}")
     fields = fields if fields is not None else Fields()
 
-    if name.startswith(HUB_PREFIX):
-        fmt, rows = "hub", hub_rows(name, name[len(HUB_PREFIX) :], failed_file=False)
-    else:
-        file = Path(name)
-        if not file.exists():
-            if looks_like_hub_name(name) and has_datasets():
-                fmt, rows = "hub", hub_rows(name, name, failed_file=True)
-            else:
-                raise DatasetError(missing_file_message(name))
-        else:
-            if file.is_dir():
-                raise DatasetError(f"{name}: is a directory; pass a .jsonl, .csv or .json file")
-            fmt = format or EXTENSIONS.get(file.suffix.lower(), "")
-            if not fmt:
-                kind = repr(file.suffix) if file.suffix else "(no extension)"
-                raise DatasetError(
-                    f"{name}: unknown file type {kind}; use .jsonl, .csv or .json, or name the format with --format"
-                )
-            readers = {"jsonl": jsonl_rows, "csv": csv_rows, "json": json_rows}
-            rows = readers[fmt](file, name, fields, require_question)
-
+    fmt, rows = _rows_of(name, format, fields, require_question)
     examples: list[Example] = []
     problems: list[str] = []
     first_seen: dict[str, str] = {}

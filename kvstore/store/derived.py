@@ -1,7 +1,8 @@
-"""Derived entries: what is computed from one stored context and stored beside it (format 5).
+"""Derived entries, the entries a context owns: what is computed from one stored context and
+stored beside it (format 5).
 
 A derived entry belongs to one context, named by the context's key (its chain's last chunk key),
-and is one of two kinds:
+and is of one kind in the table of kinds (:mod:`kvstore.store.kinds`); the built-in ones:
 
 * ``scores``: a query-agnostic press's per-token scores, per layer ``[kv_heads, n_tokens]``
   (float32 or float64, stored exactly: never quantized, whatever the codec);
@@ -14,7 +15,7 @@ spec\\0 ‖ identity\\0`` (``spec``: the canonical scorer or press spec, e.g. ``
 for a lossless codec and always for scores). The backend keeps it under ``x/<context>/<key>``
 (:mod:`kvstore.store.keyspace`); its last use under ``a/<key>``, as for chunks.
 
-**Bytes.** The chunk entries' framing (:mod:`kvstore.store.entry`: magic, u32 header length,
+**Bytes.** The framing every entry shares (:mod:`kvstore.store.frame`: magic, u32 header length,
 canonical JSON header, the codec's payload, xxh3-64 of everything before it) with ``"format": 5``.
 Header: ``format``, ``key`` (the derived key), ``context``, ``kind``, ``spec``, ``model``
 (fingerprint), ``model_name``, ``dtype`` (the model's), ``numerics``, ``n_tokens`` (the context's
@@ -24,7 +25,8 @@ tokens ``c``), ``layers`` (one record per layer: ``{"kv_heads": H}`` for scores,
 cache's keys and values go through its quantizer; scores only through its packing), ``raw_bytes``,
 ``created`` and ``press`` (a JSON object saying what made it, shown by ``ls``).
 
-Payload tensors:
+Payload tensors (each kind's module says its own: :mod:`kvstore.store.kind_scores`,
+:mod:`kvstore.store.kind_pressed`):
 
 * ``scores``: ``layers.{i}.scores`` ``[H, c]``;
 * ``pressed``: ``layers.{i}.heads.{h}.keys`` / ``.values`` ``[1, n_h, d]`` (or the quantizer's parts
@@ -43,51 +45,50 @@ caller); a newer format is a FormatVersionError.
 from __future__ import annotations
 
 import json
-import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
 from kvstore import dtypes
-from kvstore.errors import CodecError, CorruptEntryError
+from kvstore.errors import CorruptEntryError
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
 from kvstore.store.codecs.prerope import Rotary, with_rotary
 
 # the header and key live in derived_header (read by listings without this module's decoding);
 # they are importable from here too, with the rest of the API
 from kvstore.store.derived_header import (  # noqa: F401
-    DERIVED_KINDS,
     MAX_SPEC,
-    PRESSED,
     SCORE_DTYPES,
-    SCORES,
     DerivedFacts,
     DerivedHeader,
     DerivedLayer,
-    check_derived_sizes,
     check_key_and_sizes,
     check_press,
     derived_key_of,
+    head_name,
+    positions_name,
     read_derived_header,
+    scores_name,
 )
-from kvstore.store.header import DERIVED_FORMAT, MAGIC, MAX_POSITION, TRAILER_BYTES, verify_checksum
-from kvstore.store.keyspace import is_key
+from kvstore.store.frame import DERIVED_FORMAT, check_metadata, open_frame, seal
+from kvstore.store.header import MAX_POSITION
+from kvstore.store.keyspace import is_key, owned_key
+from kvstore.store.kinds import kind_of
+
+# the built-in kinds' names (their objects: kvstore.store.kinds)
+SCORES, PRESSED = "scores", "pressed"
+# the header fields the payload's metadata repeats
+_METADATA = ("key", "context", "kind", "spec", "model", "dtype", "n_tokens", "n_layers")
 
 
 # -- encoding ------------------------------------------------------------------------------------------
-def _names(layer: int) -> tuple[str, str]:
-    return f"layers.{layer}.scores", f"layers.{layer}.positions"
-
-
-def _head_name(layer: int, head: int, role: str) -> str:
-    return f"layers.{layer}.heads.{head}.{role}"
-
-
-def _facts(facts: DerivedFacts, kind: str, spec: str, press: Mapping) -> dict[str, Any]:
+def owned_header(facts: DerivedFacts, kind: str, spec: str, press: Mapping) -> dict[str, Any]:
+    """The header fields every owned entry has (all but its key and layers), checked: raises
+    ValueError for a context that is not a key, an empty or overlong ``spec``, a ``press`` that is
+    not an object of JSON values, or a context of no tokens."""
     if not is_key(facts.context):
         raise ValueError(f"context {facts.context!r} is not a key (64 lowercase hex digits)")
     if not isinstance(spec, str) or not spec or len(spec) > MAX_SPEC:
@@ -107,7 +108,7 @@ def _seal(header: dict[str, Any], codec: Codec, tensors: list, positions: Mappin
     """The entry's bytes: each KV tensor through the quantizer at its kept positions, the payload
     ordered by element size, largest first (so that a raw payload keeps every tensor aligned
     whatever the counts), through the packing."""
-    metadata = {k: str(header[k]) for k in ("format", "key", "context", "kind", "spec", "model", "dtype", "n_tokens")}
+    metadata = {k: str(header[k]) for k in ("format", *_METADATA[:-1])}
     metadata |= {"n_layers": str(len(header["layers"])), "codec": codec.spec}
     stored: list[tuple[str, torch.Tensor]] = []
     for name, tensor, role in tensors:
@@ -117,10 +118,21 @@ def _seal(header: dict[str, Any], codec: Codec, tensors: list, positions: Mappin
             stored += [(name + s, t) for s, t in codec.quantizer.encode(role, tensor, positions=positions[name])]
     stored.sort(key=lambda item: -item[1].element_size())
     payload, packing_params, raw_bytes = codec.packing.pack(stored, metadata)
-    params = codec.params(packing_params)
-    text = json.dumps(header | {"codec": params, "raw_bytes": raw_bytes}, sort_keys=True, separators=(",", ":"))
-    body = b"".join([MAGIC, struct.pack("<I", len(text)), text.encode(), payload])
-    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    return seal(header | {"codec": codec.params(packing_params), "raw_bytes": raw_bytes}, payload)
+
+
+def encode_owned(
+    header: dict[str, Any], layers: list[dict[str, Any]], tensors: list, codec: Codec,
+    positions: Mapping[str, torch.Tensor] | None = None, fields: Mapping[str, Any] | None = None,
+) -> tuple[str, bytes]:  # fmt: skip
+    """An owned entry of any kind as ``(key, bytes to store)``: ``header`` from :func:`owned_header`,
+    its ``layers`` records (as the kind's ``layer`` reads them back), ``tensors`` ``(name, tensor,
+    role)`` (``role`` ``"keys"``/``"values"``: through ``codec``'s quantizer at ``positions[name]``;
+    None: stored as they are), the kind's own header ``fields``. The key names the context, kind,
+    spec and ``codec``'s identity."""
+    key = derived_key_of(header["context"], header["kind"], header["spec"], codec.identity)
+    header = header | {"key": key, "layers": layers, **(fields or {})}
+    return key, _seal(header, codec, tensors, positions or {})
 
 
 def encode_scores(
@@ -134,7 +146,7 @@ def encode_scores(
     scores of the wrong shape or dtype, or a ``press`` that is not such an object."""
     packing = get_codec(codec).packing
     lossless = Codec(get_codec("raw").quantizer, packing)
-    header = _facts(facts, SCORES, spec, press)
+    header = owned_header(facts, SCORES, spec, press)
     if not scores:
         raise ValueError("scores need at least one layer")
     kind = {t.dtype for t in scores}
@@ -144,11 +156,9 @@ def encode_scores(
     for i, t in enumerate(scores):
         if t.dim() != 2 or t.shape[0] < 1 or t.shape[1] != facts.n_tokens:
             raise ValueError(f"layer {i}: scores must be [kv_heads, {facts.n_tokens}], not {tuple(t.shape)}")
-        tensors.append((_names(i)[0], t.detach().to("cpu").contiguous(), None))
+        tensors.append((scores_name(i), t.detach().to("cpu").contiguous(), None))
         layers.append(DerivedLayer(int(t.shape[0])).record())
-    key = derived_key_of(facts.context, SCORES, spec, "")
-    header |= {"key": key, "layers": layers, "scores_dtype": dtypes.name(scores[0].dtype)}
-    return key, _seal(header, lossless, tensors, {})
+    return encode_owned(header, layers, tensors, lossless, fields={"scores_dtype": dtypes.name(scores[0].dtype)})
 
 
 def encode_pressed(
@@ -167,7 +177,7 @@ def encode_pressed(
     packing to the whole payload; a lossy quantizer is part of the key. Raises ValueError for
     tensors of the wrong shape, dtype or positions, CodecError for what the codec cannot store."""
     codec = with_rotary(get_codec(codec), rotary)
-    header = _facts(facts, PRESSED, spec, press)
+    header = owned_header(facts, PRESSED, spec, press)
     dtype = dtypes.to_torch(header["dtype"])
     n = facts.n_tokens
     if not layers:
@@ -201,36 +211,20 @@ def encode_pressed(
             kept.append(pos.to(torch.int64))
             if m:
                 for role, t in (("keys", k), ("values", v)):
-                    name = _head_name(i, h, role)
+                    name = head_name(i, h, role)
                     tensors.append((name, t.detach().to("cpu").unsqueeze(0).contiguous(), role))
                     positions[name] = kept[-1]
-        tensors.append((_names(i)[1], torch.cat(kept).to(torch.int32), None))
+        tensors.append((positions_name(i), torch.cat(kept).to(torch.int32), None))
         records.append(DerivedLayer(len(heads), min(dims), tuple(counts)).record())
-    key = derived_key_of(facts.context, PRESSED, spec, codec.identity)
-    header |= {"key": key, "layers": records}
-    return key, _seal(header, codec, tensors, positions)
+    return encode_owned(header, records, tensors, codec, positions)
 
 
 # -- decoding ------------------------------------------------------------------------------------------
-class _NoTokens:
-    """A head that keeps no token: a ``[1, 0, head_dim]`` stored tensor with nothing to copy."""
-
-    def __init__(self, head_dim: int, dtype: torch.dtype):
-        self.shape, self.dtype = (1, 0, head_dim), dtype
-
-    def copy_into(self, dest: torch.Tensor) -> None:
-        if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
-            raise ValueError(f"destination {tuple(dest.shape)}/{dest.dtype} != {self.shape}/{self.dtype}")
-
-    def materialize(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype)
-
-
 @dataclass(frozen=True)
 class DerivedView:
     """A verified stored derived entry seen without copying: its ``header``, and its tensors
-    through :meth:`scores`, :meth:`kv` and :meth:`positions`. Valid only while the buffer it was
-    decoded from is (:meth:`kvstore.store.kvstore.KVStore.open_derived`)."""
+    through :meth:`scores`, :meth:`kv` and :meth:`positions` (those its kind holds). Valid only
+    while the buffer it was decoded from is (:meth:`kvstore.store.kvstore.KVStore.open_derived`)."""
 
     header: DerivedHeader
     records: Mapping[str, TensorRecord]
@@ -239,108 +233,99 @@ class DerivedView:
 
     def scores(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s scores ``[kv_heads, n_tokens]`` (float32 or float64), a fresh tensor.
-        Raises KeyError for a pressed cache."""
-        if self.header.kind != SCORES:
+        Raises KeyError for a kind that holds none (a pressed cache)."""
+        if scores_name(layer) not in self.records:
             raise KeyError(f"a {self.header.kind} entry holds no scores")
-        return self.records[_names(layer)[0]].materialize()
+        return self.records[scores_name(layer)].materialize()
 
     def kv(self, layer: int, head: int) -> tuple[StoredTensor, StoredTensor]:
         """Head ``head`` of layer ``layer``: its kept keys and values, each a stored tensor
         ``[1, n_h, head_dim]`` in the model's dtype (``copy_into(dest)`` decodes into a strided view,
         ``materialize()`` into a fresh tensor; a lossy codec dequantizes there). Raises KeyError for
-        scores, IndexError for a layer or head out of range."""
-        if self.header.kind != PRESSED:
-            raise KeyError("a scores entry holds no keys and values")
+        a kind that holds none (scores), IndexError for a layer or head out of range."""
+        if not self._kv:
+            raise KeyError(f"a {self.header.kind} entry holds no keys and values")
         if not 0 <= layer < len(self.header.layers) or not 0 <= head < self.header.layers[layer].kv_heads:
             raise IndexError(f"no head {head} in layer {layer}")
         return self._kv[layer, head]
 
     def positions(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s kept positions, int64 ``[sum_h n_h]``: each head's ascending, heads in
-        order (``header.layers[layer].counts`` splits them). Raises KeyError for scores."""
-        if self.header.kind != PRESSED:
-            raise KeyError("a scores entry holds no positions")
+        order (``header.layers[layer].counts`` splits them). Raises KeyError for a kind that holds
+        none (scores)."""
+        if not self._positions:
+            raise KeyError(f"a {self.header.kind} entry holds no positions")
         return self._positions[layer].clone()
-
-
-def _want_names(header: DerivedHeader, codec: Codec) -> list[str]:
-    want = []
-    for i, layer in enumerate(header.layers):
-        if header.kind == SCORES:
-            want.append(_names(i)[0])
-            continue
-        want.append(_names(i)[1])
-        for h, m in enumerate(layer.counts or ()):
-            if m:
-                for role in ("keys", "values"):
-                    want += codec.quantizer.stored_names(_head_name(i, h, role))
-    return want
-
-
-def _layer_positions(rec: TensorRecord, layer: DerivedLayer, n_tokens: int, i: int) -> torch.Tensor:
-    if rec.shape != (layer.kept,) or rec.dtype != torch.int32:
-        raise CorruptEntryError(f"tensor {rec.name} is {rec.shape} {rec.dtype}, expected ({layer.kept},) int32")
-    pos = rec.materialize().to(torch.int64)
-    start = 0
-    for h, m in enumerate(layer.counts or ()):
-        part = pos[start : start + m]
-        if m and (int(part[0]) < 0 or int(part[-1]) >= n_tokens or bool((part[1:] <= part[:-1]).any())):
-            raise CorruptEntryError(f"layer {i} head {h}: positions are not ascending within [0, {n_tokens})")
-        start += m
-    return pos
 
 
 def decode_derived(buf: bytes | memoryview, *, key: str | None = None, threads: int = 1, lazy: bool = False,
                    checked: bool = False) -> DerivedView:  # fmt: skip
-    """Verify and decode a derived entry; its records may view ``buf``. ``key``, if given, must be
-    the entry's own key; ``lazy``: compressed tensors are decompressed when copied (and raise
-    CorruptEntryError then); ``checked``: the caller verified the checksum already.
+    """Verify and decode a derived entry of any kind; its records may view ``buf``. ``key``, if
+    given, must be the entry's own key; ``lazy``: compressed tensors are decompressed when copied
+    (and raise CorruptEntryError then); ``checked``: the caller verified the checksum already.
 
     Checks, in order: checksum, header, the key against the header's facts and the declared sizes
     (before anything is allocated), the payload's tensors against the header (names, shapes,
-    dtypes, positions), the safetensors metadata. Raises CorruptEntryError or FormatVersionError."""
-    if not checked:
-        verify_checksum(buf)
-    header, offset = read_derived_header(buf)
-    if key is not None and header.key != key:
-        raise CorruptEntryError(f"derived entry stored under {key[:12]} says it is {header.key[:12]}")
-    payload = memoryview(buf)[offset : len(buf) - TRAILER_BYTES]
-    codec = codec_from_params(header.codec)
-    check_key_and_sizes(header, codec, len(payload))
-    records = codec.packing.unpack(payload, header.codec, header.raw_bytes, threads, lazy)
-    if sorted(records.tensors) != sorted(_want_names(header, codec)):
+    dtypes, positions: the kind's), the safetensors metadata. Raises CorruptEntryError or
+    FormatVersionError."""
+    header, codec, records = open_frame(
+        buf, read_derived_header, check_key_and_sizes, key=key, threads=threads, lazy=lazy, checked=checked,
+        what="derived entry",
+    )  # fmt: skip
+    kind = kind_of(header.kind)
+    if sorted(records.tensors) != sorted(kind.tensor_names(header, codec)):
         raise CorruptEntryError("derived entry holds other tensors than its header describes")
-    dtype = dtypes.to_torch(header.dtype)
-    kv: dict[tuple[int, int], tuple[StoredTensor, StoredTensor]] = {}
-    positions: list[torch.Tensor] = []
-    for i, layer in enumerate(header.layers):
-        if header.kind == SCORES:
-            rec = records.tensors[_names(i)[0]]
-            if rec.shape != (layer.kv_heads, header.n_tokens) or dtypes.name(rec.dtype) != header.scores_dtype:
-                raise CorruptEntryError(f"tensor {rec.name} is {rec.shape} {rec.dtype}, the header says otherwise")
-            continue
-        pos = _layer_positions(records.tensors[_names(i)[1]], layer, header.n_tokens, i)
-        positions.append(pos)
-        start = 0
-        for h, m in enumerate(layer.counts or ()):
-            if not m:
-                empty = _NoTokens(layer.head_dim, dtype)
-                kv[i, h] = (empty, empty)
-                continue
-            shape, where = (1, m, layer.head_dim), pos[start : start + m]
-            try:
-                kv[i, h] = tuple(  # type: ignore[assignment]
-                    codec.quantizer.reader(role, _head_name(i, h, role), records.tensors, shape, dtype, positions=where)
-                    for role in ("keys", "values")
-                )
-            except CodecError as exc:
-                raise CorruptEntryError(str(exc)) from None
-            start += m
-    meta = records.metadata
-    for name in ("key", "context", "kind", "spec", "model", "dtype", "n_tokens", "n_layers"):
-        if meta.get(name) != str(getattr(header, name)):
-            raise CorruptEntryError(f"payload metadata {name!r} disagrees with the derived entry header")
-    return DerivedView(header, records.tensors, kv, tuple(positions))
+    kv, positions = kind.read_tensors(header, records.tensors, codec)
+    check_metadata(records.metadata, header, _METADATA, "derived entry")
+    return DerivedView(header, records.tensors, kv, positions)
 
 
-__all__ = ["DerivedView", "decode_derived", "encode_pressed", "encode_scores"]
+def _same_facts(h: DerivedHeader) -> tuple:
+    return (h.context, h.kind, h.spec, h.model, h.dtype, h.n_tokens, h.layers, h.identity, h.scores_dtype)
+
+
+class OwnedKindBase:
+    """What every kind of owned entry shares (the :class:`~kvstore.store.kinds.EntryKind` half of
+    an :class:`~kvstore.store.kinds.OwnedKind`): the format-5 header, its sizes, decoding, and
+    which copies hold the same thing (all but ``created``, ``press`` and a lossless codec)."""
+
+    name = ""
+    owned = True
+    stands_for_context = False
+    keeps_part = False
+    lossless_only = False
+    noun = "derived entry"
+
+    def address(self, key: str, owner: str = "") -> bytes:
+        return owned_key(owner, key)
+
+    def read_header(self, buf: bytes | memoryview) -> tuple[DerivedHeader, int]:
+        return read_derived_header(buf)
+
+    def check_sizes(self, header: DerivedHeader, payload_bytes: int) -> None:
+        check_key_and_sizes(header, codec_from_params(header.codec), payload_bytes)
+
+    def decode(self, buf: bytes | memoryview, *, key: str | None = None, threads: int = 1, lazy: bool = False,
+               checked: bool = False) -> DerivedView:  # fmt: skip
+        return decode_derived(buf, key=key, threads=threads, lazy=lazy, checked=checked)
+
+    def same_facts(self, old: DerivedView, blob: bytes) -> bool:
+        return _same_facts(old.header) == _same_facts(read_derived_header(blob)[0])
+
+    def __repr__(self) -> str:
+        return f"<entry kind {self.name}>"
+
+
+# decodes an owned entry of any kind (its header says which) where the kind is not known beforehand
+ANY_OWNED = OwnedKindBase()
+
+__all__ = [
+    "ANY_OWNED",
+    "PRESSED",
+    "SCORES",
+    "DerivedView",
+    "OwnedKindBase",
+    "decode_derived",
+    "encode_pressed",
+    "encode_scores",
+]

@@ -1,5 +1,7 @@
-"""A derived entry's header: the part of format 5 read without decoding the payload (listings,
-scans), and its key. The whole format is described in :mod:`kvstore.store.derived`."""
+"""The header of an entry a context owns (a derived entry): the part of format 5 read without
+decoding the payload (listings, scans), and its key. The whole format is described in
+:mod:`kvstore.store.derived`; what differs between kinds (their layer records, sizes and tensors)
+is each kind's (:mod:`kvstore.store.kinds`)."""
 
 from __future__ import annotations
 
@@ -9,24 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore import dtypes
 from kvstore.errors import CorruptEntryError
-from kvstore.store.codecs import Codec, codec_from_params
-from kvstore.store.header import (
-    DERIVED_FORMAT,
-    MAX_COMPRESSION_RATIO,
-    MAX_POSITION,
-    MAX_QUANTIZATION_RATIO,
-    CodecOf,
-    check_facts,
-    field_int,
-    read_frame,
-)
+from kvstore.store.codecs import Codec
+from kvstore.store.frame import DERIVED_FORMAT, field_int, read_frame
+from kvstore.store.header import MAX_COMPRESSION_RATIO, MAX_POSITION, MAX_QUANTIZATION_RATIO, HeaderFacts, check_facts
 from kvstore.store.keyspace import is_key
+from kvstore.store.kinds import kind_of
 
-SCORES = "scores"
-PRESSED = "pressed"
-DERIVED_KINDS = (SCORES, PRESSED)
 KEY_VERSION = 1  # of derived_key_of's hashed layout
 SCORE_DTYPES = ("float32", "float64")
 MAX_SPEC = 1024  # characters of a scorer or press spec
@@ -79,25 +70,18 @@ class DerivedLayer:
         return out
 
 
-@dataclass(frozen=True)
-class DerivedHeader(CodecOf):
+@dataclass(frozen=True, kw_only=True)
+class DerivedHeader(HeaderFacts):
     """What a derived entry says about itself (parsed from its header; see the module docstring).
     ``scores_dtype``: the scores' dtype (``""`` for a pressed cache)."""
 
-    key: str
     context: str
     kind: str
     spec: str
-    model: str
-    model_name: str
-    dtype: str
-    n_tokens: int
     layers: tuple[DerivedLayer, ...]
-    codec: Mapping = field(hash=False, compare=False)
     raw_bytes: int = 0
     created: float = 0.0
     format: int = DERIVED_FORMAT
-    numerics: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
     press: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
     scores_dtype: str = ""
 
@@ -112,21 +96,18 @@ class DerivedHeader(CodecOf):
 
     @property
     def kept_fraction(self) -> float:
-        """``kept_pairs`` over layers x heads x tokens (1.0 for scores, which keep nothing out)."""
-        if self.kind != PRESSED:
+        """``kept_pairs`` over layers x heads x tokens (1.0 for a kind that keeps its whole context,
+        as scores do)."""
+        if not kind_of(self.kind).keeps_part:
             return 1.0
         total = sum(layer.kv_heads for layer in self.layers) * self.n_tokens
         return self.kept_pairs / total if total else 0.0
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the stored values alone, uncompressed: a pressed cache's kept keys and values
-        in the model's dtype, or the scores in theirs."""
-        if self.kind == PRESSED:
-            item = dtypes.bits(self.dtype) // 8
-            return sum(2 * layer.kept * layer.head_dim for layer in self.layers) * item
-        item = dtypes.bits(self.scores_dtype or "float32") // 8
-        return sum(layer.kv_heads for layer in self.layers) * self.n_tokens * item
+        """Bytes of the stored values alone, uncompressed (the kind's: a pressed cache's kept keys
+        and values in the model's dtype, or the scores in theirs)."""
+        return kind_of(self.kind).value_bytes(self)
 
     @property
     def data_bytes(self) -> int:
@@ -150,28 +131,14 @@ def check_press(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _layers(raw: Any, kind: str, n_tokens: int) -> tuple[DerivedLayer, ...]:
+def _layers(raw: Any, kind: Any, n_tokens: int) -> tuple[DerivedLayer, ...]:
     if not isinstance(raw, list) or not raw:
         raise CorruptEntryError("derived entry header lists no layers")
     out = []
     for i, r in enumerate(raw):
         if not isinstance(r, dict):
             raise CorruptEntryError(f"derived entry header layer {i} is malformed")
-        heads = field_int(r, "kv_heads", 1)
-        if kind == SCORES:
-            if set(r) != {"kv_heads"}:
-                raise CorruptEntryError(f"derived entry header layer {i} is malformed")
-            out.append(DerivedLayer(heads))
-            continue
-        counts = r.get("counts")
-        if (
-            set(r) != {"kv_heads", "head_dim", "counts"}
-            or not isinstance(counts, list)
-            or len(counts) != heads
-            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= n_tokens for n in counts)
-        ):
-            raise CorruptEntryError(f"derived entry header layer {i}: its counts do not fit {heads} heads")
-        out.append(DerivedLayer(heads, field_int(r, "head_dim", 1), tuple(counts)))
+        out.append(kind.layer(r, n_tokens, i))
     return tuple(out)
 
 
@@ -182,9 +149,7 @@ def read_derived_header(buf: bytes | memoryview) -> tuple[DerivedHeader, int]:
     if fmt != DERIVED_FORMAT:
         raise CorruptEntryError(f"a chunk entry (format {fmt}) is stored where a derived entry belongs")
     created = check_facts(h, ("key", "context", "kind", "spec", "model", "model_name", "dtype"))
-    kind, spec = h["kind"], h["spec"]
-    if kind not in DERIVED_KINDS:
-        raise CorruptEntryError(f"derived entry header has an unknown kind {kind!r}")
+    spec, kind = h["spec"], kind_of(h["kind"])
     if not is_key(h["key"]) or not is_key(h["context"]):
         raise CorruptEntryError("derived entry header field 'key' or 'context' is not a key")
     if not spec or len(spec) > MAX_SPEC:
@@ -197,11 +162,9 @@ def read_derived_header(buf: bytes | memoryview) -> tuple[DerivedHeader, int]:
         raise CorruptEntryError("derived entry header field 'numerics' is missing or invalid")
     if not isinstance(press, dict) or not check_press(press):
         raise CorruptEntryError("derived entry header field 'press' is not an object of JSON values")
-    scores_dtype = h.get("scores_dtype", "")
-    if (kind == SCORES) != (scores_dtype in SCORE_DTYPES) or (kind == PRESSED and "scores_dtype" in h):
-        raise CorruptEntryError("derived entry header field 'scores_dtype' is missing or invalid")
+    scores_dtype = kind.check_header(h)
     header = DerivedHeader(
-        key=h["key"], context=h["context"], kind=kind, spec=spec, model=h["model"], model_name=h["model_name"],
+        key=h["key"], context=h["context"], kind=kind.name, spec=spec, model=h["model"], model_name=h["model_name"],
         dtype=h["dtype"], n_tokens=n_tokens, layers=_layers(h.get("layers"), kind, n_tokens), codec=h["codec"],
         raw_bytes=field_int(h, "raw_bytes"), created=created, format=fmt, numerics=numerics, press=press,
         scores_dtype=scores_dtype,
@@ -213,7 +176,7 @@ def check_key_and_sizes(header: DerivedHeader, codec: Codec, payload_bytes: int)
     """The sizes a header declares agree with each other and with the stored bytes (before
     anything is allocated), and its key is its own: see the module docstring."""
     want = derived_key_of(header.context, header.kind, header.spec, codec.identity)
-    if header.key != want or (header.kind == SCORES and not codec.lossless):
+    if header.key != want or (kind_of(header.kind).lossless_only and not codec.lossless):
         raise CorruptEntryError("derived entry's key does not match its context, kind, spec and codec")
     data = header.data_bytes
     if header.raw_bytes > data + (16 << 20) or (codec.lossless and header.raw_bytes < data):
@@ -224,24 +187,32 @@ def check_key_and_sizes(header: DerivedHeader, codec: Codec, payload_bytes: int)
         raise CorruptEntryError("derived entry declares an implausible compression ratio")
 
 
-def check_derived_sizes(header: DerivedHeader, payload_bytes: int) -> None:
-    """Raise CorruptEntryError unless a derived header's sizes agree with each other, with its key
-    and with the ``payload_bytes`` stored (what a listing checks before it shows a size)."""
-    check_key_and_sizes(header, codec_from_params(header.codec), payload_bytes)
+def scores_name(layer: int) -> str:
+    """The payload name of layer ``layer``'s scores (a scores entry)."""
+    return f"layers.{layer}.scores"
+
+
+def positions_name(layer: int) -> str:
+    """The payload name of layer ``layer``'s kept positions (a pressed cache)."""
+    return f"layers.{layer}.positions"
+
+
+def head_name(layer: int, head: int, role: str) -> str:
+    """The payload name of a pressed cache's kept ``keys`` or ``values`` of one head."""
+    return f"layers.{layer}.heads.{head}.{role}"
 
 
 __all__ = [
-    "DERIVED_KINDS",
     "MAX_SPEC",
-    "PRESSED",
-    "SCORES",
     "SCORE_DTYPES",
     "DerivedFacts",
     "DerivedHeader",
     "DerivedLayer",
-    "check_derived_sizes",
     "check_key_and_sizes",
     "check_press",
     "derived_key_of",
+    "head_name",
+    "positions_name",
     "read_derived_header",
+    "scores_name",
 ]

@@ -45,32 +45,21 @@ verified stored entry seen without copying (what the load path reads).
 
 from __future__ import annotations
 
-import json
-import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
 from kvstore import dtypes
 from kvstore.errors import CorruptEntryError
 from kvstore.facts import ATTN, KV_KINDS, STATE
-from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
+from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, get_codec, identity_of
 from kvstore.store.codecs.prerope import Rotary, with_rotary
-from kvstore.store.header import (
-    MAGIC,
-    STATE_NAME,
-    TRAILER_BYTES,
-    EntryHeader,
-    LayerSpec,
-    check_layer,
-    check_sizes,
-    read_header,
-    verify_checksum,
-)
+from kvstore.store.frame import check_metadata, open_frame, seal
+from kvstore.store.header import STATE_NAME, EntryHeader, LayerSpec, check_layer, check_sizes, read_header
+from kvstore.store.keyspace import entry_key
 
 
 @dataclass(frozen=True)
@@ -246,11 +235,7 @@ def encode_entry(entry: Entry, codec: Codec | str | None = None) -> bytes:
     metadata = {k: str(facts[k]) for k in ("format", "key", "parent", "model", "dtype", "start", "n_tokens")}
     metadata |= {"n_layers": str(len(specs)), "codec": codec.spec}
     payload, params, raw_bytes = codec.encode(tensors, metadata, start=entry.start)
-    header = json.dumps(
-        facts | {"codec": params, "raw_bytes": raw_bytes}, sort_keys=True, separators=(",", ":")
-    ).encode()
-    body = b"".join([MAGIC, struct.pack("<I", len(header)), header, payload])
-    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    return seal(facts | {"codec": params, "raw_bytes": raw_bytes}, payload)
 
 
 def decode_entry(
@@ -265,15 +250,9 @@ def decode_entry(
     tensors against the header (names, shapes, dtypes), and the safetensors metadata against the
     header. ``key``, if given, must match the entry's own key.
     """
-    if not checked:
-        verify_checksum(buf)
-    header, offset = read_header(buf)
-    if key is not None and header.key != key:
-        raise CorruptEntryError(f"entry stored under {key[:12]} says it is {header.key[:12]}")
-    payload = memoryview(buf)[offset : len(buf) - TRAILER_BYTES]
-    codec = codec_from_params(header.codec)
-    check_sizes(header, len(payload))  # before allocating anything
-    decoded = codec.packing.unpack(payload, header.codec, header.raw_bytes, threads, lazy)
+    header, codec, decoded = open_frame(
+        buf, read_header, lambda h, _, n: check_sizes(h, n), key=key, threads=threads, lazy=lazy, checked=checked
+    )
     records = decoded.tensors
     want = ["token_ids"]
     for i, spec in enumerate(header.layers):
@@ -308,11 +287,48 @@ def decode_entry(
     ids = records["token_ids"]
     if ids.shape != (header.n_tokens,) or ids.dtype != torch.int64:
         raise CorruptEntryError("token_ids do not match the header")
-    meta = decoded.metadata
-    for name in ("key", "model", "dtype", "n_tokens", "n_layers") + (("parent", "start") if header.format >= 2 else ()):
-        if meta.get(name) != str(getattr(header, name)):
-            raise CorruptEntryError(f"payload metadata {name!r} disagrees with the entry header")
+    names = ("key", "model", "dtype", "n_tokens", "n_layers") + (("parent", "start") if header.format >= 2 else ())
+    check_metadata(decoded.metadata, header, names)
     return EntryView(header, records, tuple(layers), tuple(states))
 
 
-__all__ = ["Entry", "EntryView", "decode_entry", "encode_entry"]
+class ChunkKind:
+    """Chunk entries as an :class:`~kvstore.store.kinds.EntryKind`: stored by their own key
+    (``e/<key>``); a chain of them is a context."""
+
+    name = "chunk"
+    owned = False
+    stands_for_context = True
+    noun = "entry"
+
+    def address(self, key: str, owner: str = "") -> bytes:
+        return entry_key(key)
+
+    def read_header(self, buf: bytes | memoryview) -> tuple[EntryHeader, int]:
+        return read_header(buf)
+
+    def check_sizes(self, header: EntryHeader, payload_bytes: int) -> None:
+        check_sizes(header, payload_bytes)
+
+    def decode(self, buf: bytes | memoryview, *, key: str | None = None, threads: int = 1, lazy: bool = False,
+               checked: bool = False) -> EntryView:  # fmt: skip
+        return decode_entry(buf, key=key, threads=threads, lazy=lazy, checked=checked)
+
+    def same_facts(self, old: EntryView, blob: bytes) -> bool:
+        """Whether the stored ``old`` holds what ``blob`` does: the same model, dtype, span, parent,
+        layer records, token ids and lossy codec if any (only ``created`` and a lossless codec may
+        differ)."""
+        new = decode_entry(blob, key=old.header.key)
+
+        def facts(h: EntryHeader) -> tuple:
+            return (h.model, h.dtype, h.parent, h.start, h.n_tokens, h.layers, identity_of(h.codec))
+
+        return facts(old.header) == facts(new.header) and old.token_ids() == new.token_ids()
+
+    def __repr__(self) -> str:
+        return "<entry kind chunk>"
+
+
+CHUNK = ChunkKind()
+
+__all__ = ["CHUNK", "ChunkKind", "Entry", "EntryView", "decode_entry", "encode_entry"]

@@ -37,7 +37,7 @@ import torch
 
 from kvstore.errors import KVStoreError
 from kvstore.progress import Progress
-from kvstore.store.derived_header import SCORES
+from kvstore.store.kinds import kind_of
 from kvstore.store.kvstore import KVStore
 
 
@@ -116,25 +116,15 @@ def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path
     return path.stat().st_size
 
 
-def export_derived(store: KVStore, context: str, key: str, path: Path) -> int | None:
-    """Write the derived entry ``key`` of ``context`` to ``path`` (see the module docstring);
-    returns its size, or None when it is missing or does not verify (a warning says why)."""
+def export_owned(store: KVStore, context: str, key: str, path: Path) -> int | None:
+    """Write the entry ``key`` that ``context`` owns (a derived entry, any kind) to ``path`` (see
+    the module docstring); returns its size, or None when it is missing or does not verify (a
+    warning says why)."""
     with store.open_derived(context, key) as view:
         if view is None:
             return None
         h = view.header
-        tensors: dict[str, torch.Tensor] = {}
-        for i, layer in enumerate(h.layers):
-            if h.kind == SCORES:
-                tensors[f"layers.{i}.scores"] = view.scores(i)
-                continue
-            positions = view.positions(i).split(list(layer.counts or ()))
-            for j, pos in enumerate(positions):
-                if pos.numel():
-                    keys, values = view.kv(i, j)
-                    tensors[f"layers.{i}.heads.{j}.keys"] = keys.materialize()[0]
-                    tensors[f"layers.{i}.heads.{j}.values"] = values.materialize()[0]
-                    tensors[f"layers.{i}.heads.{j}.positions"] = pos
+        tensors = kind_of(h.kind).export_tensors(view)
         metadata = {
             "context": h.context, "key": h.key, "kind": h.kind, "spec": h.spec, "model": h.model,
             "model_name": h.model_name, "dtype": h.dtype, "n_tokens": str(h.n_tokens), "codec": h.codec_spec,
@@ -192,7 +182,7 @@ def export_store(
         if path.exists():
             report.skipped += 1
             continue
-        size = export_derived(store, d.context, d.key, path)
+        size = export_owned(store, d.context, d.key, path)
         if size is None:
             report.derived_bad.append(d.key)
         else:
@@ -201,4 +191,4 @@ def export_store(
     return report
 
 
-__all__ = ["ExportReport", "export_context", "export_derived", "export_store"]
+__all__ = ["ExportReport", "export_context", "export_owned", "export_store"]

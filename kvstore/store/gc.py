@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import EntryNotFoundError
-from kvstore.store.derived_header import SCORES
 from kvstore.store.infos import matches_model
 from kvstore.store.keyspace import is_key
+from kvstore.store.kinds import stands_for_context
 from kvstore.store.removal import GcPlan
-from kvstore.store.tables import PRESSED_ONLY
+from kvstore.store.tables import OWNED_ONLY
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.scan import StoreInfo
-    from kvstore.store.tables import EntryTable
+    from kvstore.store.tables import ContextTable, EntryTable
 
 DEFAULT_GRACE_SECONDS = 3600.0
 # Below this a chunk a running build has written and not recorded yet may be planned for removal;
@@ -82,105 +83,191 @@ def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | N
     Raises EntryNotFoundError when a key prefix matches nothing.
     """
     opts = options if options is not None else GcOptions()
-    corrupt, model, older_than, max_bytes = opts.corrupt, opts.model, opts.older_than, opts.max_bytes
-    keys, orphans, grace = opts.keys, opts.orphans, opts.grace
     now = time.time() if now is None else now
     E, C = info.entries, info.contexts
-    bad_chunks = [b for b in info.corrupt if not b.context]
-    for k in keys:
+    for k in opts.keys:
         if not _matches(info, k):
             raise EntryNotFoundError(f"no context or entry matches key {k!r} in {info.url}")
+    in_keys = _KeyFilter(tuple(opts.keys))
+    scope = [i for i in range(len(C)) if in_keys(C.keys[i]) and matches_model(*C.about(i), opts.model)]
+    named_only = bool(opts.keys) and not _has_criterion(opts)
+    # contexts: asked for, then too old, then least recently used over the budget, then broken
+    drop = _asked_for(C, scope, opts) | _too_old(C, scope, opts, now)
+    refs = _released(E, C, drop)
+    drop |= _over_budget(E, C, scope, drop, refs, opts.max_bytes)
+    remove = _chunks_of(E, C, drop, refs)
+    if named_only:
+        remove |= _named_unused(E, opts, remove)
+    remove |= _corrupt_chunks(info, opts, in_keys, named_only)
+    broken_drop, broken = _broken_contexts(info, drop, remove) if opts.corrupt else ({}, set())
+    drop |= broken_drop
+    if opts.orphans:  # what is already planned keeps its reason
+        remove |= {k: row for k, row in _orphan_chunks(info, opts, in_keys, now).items() if k not in remove}
+    derived = _plan_owned(info, opts, {C.keys[i]: why for i, why in drop.items()}, now, in_keys)
+    return _assemble(info, opts, in_keys, drop, remove, broken, derived)
 
-    def in_keys(*names: str) -> bool:
-        return not keys or any(n.startswith(k) for k in keys for n in names)
 
-    scope = [i for i in range(len(C)) if in_keys(C.keys[i]) and matches_model(*C.about(i), model)]
-    has_criterion = corrupt or older_than is not None or max_bytes is not None or orphans
-    drop: dict[int, str] = {}  # context -> reason
-    if (model or keys) and not has_criterion:
-        for i in scope:
-            drop[i] = f"model {C.about(i)[1]}" if model else "asked for"
-    if older_than is not None:
-        for i in scope:
-            used = C.last_used(i)
-            if now - used > older_than:
-                drop[i] = f"unused for {_age_str(now - used)}"
+class _KeyFilter:
+    """Whether any of some names starts with one of the ``keys`` prefixes (all do without keys)."""
+
+    def __init__(self, keys: tuple[str, ...]):
+        self.keys = keys
+
+    def __call__(self, *names: str) -> bool:
+        return not self.keys or any(n.startswith(k) for k in self.keys for n in names)
+
+
+def _has_criterion(opts: GcOptions) -> bool:
+    return opts.corrupt or opts.older_than is not None or opts.max_bytes is not None or opts.orphans
+
+
+def _asked_for(C: ContextTable, scope: list[int], opts: GcOptions) -> dict[int, str]:
+    """The whole scope, when a model or keys narrow it and no criterion is given (``kvstore rm``)."""
+    if not (opts.model or opts.keys) or _has_criterion(opts):
+        return {}
+    return {i: f"model {C.about(i)[1]}" if opts.model else "asked for" for i in scope}
+
+
+def _too_old(C: ContextTable, scope: list[int], opts: GcOptions, now: float) -> dict[int, str]:
+    if opts.older_than is None:
+        return {}
+    out = {}
+    for i in scope:
+        used = C.last_used(i)
+        if now - used > opts.older_than:
+            out[i] = f"unused for {_age_str(now - used)}"
+    return out
+
+
+def _release(refs: array, C: ContextTable, i: int) -> None:
+    for r in set(C.rows(i)):
+        if r >= 0:
+            refs[r] -= 1
+
+
+def _released(E: EntryTable, C: ContextTable, drop: Mapping[int, str]) -> array:
+    """Each chunk's count of contexts using it, less the dropped ones."""
     refs = array("i", E.refs)
-
-    def release(i: int) -> None:
-        for r in set(C.rows(i)):
-            if r >= 0:
-                refs[r] -= 1
-
     for i in drop:
-        release(i)
+        _release(refs, C, i)
+    return refs
+
+
+def _over_budget(E: EntryTable, C: ContextTable, scope: list[int], drop: Mapping[int, str], refs: array,
+                 max_bytes: int | None) -> dict[int, str]:  # fmt: skip
+    """The least recently used contexts of the scope until its chunks and derived entries fit in
+    ``max_bytes`` (their chunks released from ``refs``)."""
+    if max_bytes is None:
+        return {}
+    kept = sorted((i for i in scope if i not in drop), key=lambda i: (C.last_used(i), C.keys[i]))
+    marked = bytearray(len(E))
+    for i in scope:
+        for r in C.rows(i):
+            if r >= 0:
+                marked[r] = 1
+    total = sum(E.stored(r) for r in range(len(E)) if marked[r] and refs[r] > 0)
+    total += sum(C.owned_bytes(i) for i in scope if i not in drop)
+    out: dict[int, str] = {}
+    for i in kept:
+        if total <= max_bytes:
+            break
+        out[i] = "least recently used over the size budget"
+        _release(refs, C, i)
+        total -= sum(E.stored(r) for r in set(C.rows(i)) if r >= 0 and refs[r] == 0) + C.owned_bytes(i)
+    return out
+
+
+def _chunks_of(E: EntryTable, C: ContextTable, drop: Mapping[int, str], refs: array) -> dict[str, tuple[str, str, int]]:
+    """The dropped contexts' chunks that no kept context uses."""
     remove: dict[str, tuple[str, str, int]] = {}
-    if max_bytes is not None:
-        kept = sorted((i for i in scope if i not in drop), key=lambda i: (C.last_used(i), C.keys[i]))
-        marked = bytearray(len(E))
-        for i in scope:
-            for r in C.rows(i):
-                if r >= 0:
-                    marked[r] = 1
-        total = sum(E.stored(r) for r in range(len(E)) if marked[r] and refs[r] > 0)
-        total += sum(C.derived_bytes(i) for i in scope if i not in drop)
-        for i in kept:
-            if total <= max_bytes:
-                break
-            drop[i] = "least recently used over the size budget"
-            release(i)
-            total -= sum(E.stored(r) for r in set(C.rows(i)) if r >= 0 and refs[r] == 0) + C.derived_bytes(i)
     for i, why in drop.items():
         for r in dict.fromkeys(C.rows(i)):
             k = E.keys[r] if r >= 0 else ""
             if r >= 0 and refs[r] <= 0 and k not in remove:
                 remove[k] = (k, f"chunk of a removed context ({why})" if k != C.keys[i] else why, E.stored(r))
-    if keys and not has_criterion:  # entries named by key that no context uses, with their unused ancestors
-        for r in sorted({r for k in keys for r in E.rows_with_prefix(k)}):
-            p = E.profile(r)
-            if not E.refs[r] and matches_model(p.model, p.model_name, model) and E.keys[r] not in remove:
-                for a in _unused_ancestors(E, r, remove):
-                    remove[E.keys[a]] = (E.keys[a], "chunk of a removed context (asked for)", E.stored(a))
-                remove[E.keys[r]] = (E.keys[r], "asked for", E.stored(r))
-    for bad in bad_chunks:
-        if (corrupt and in_keys(bad.key)) or (keys and not has_criterion and in_keys(bad.key)):
-            remove[bad.key] = (bad.key, CORRUPT + bad.reason, bad.stored_bytes)
+    return remove
+
+
+def _named_unused(E: EntryTable, opts: GcOptions, remove: dict[str, Any]) -> dict[str, tuple[str, str, int]]:
+    """Entries named by key that no context uses, with their unused ancestors."""
+    out: dict[str, tuple[str, str, int]] = {}
+    for r in sorted({r for k in opts.keys for r in E.rows_with_prefix(k)}):
+        p = E.profile(r)
+        if E.refs[r] or not matches_model(p.model, p.model_name, opts.model):
+            continue
+        if E.keys[r] not in remove and E.keys[r] not in out:
+            for a in _unused_ancestors(E, r, ChainMap(out, remove)):
+                out[E.keys[a]] = (E.keys[a], "chunk of a removed context (asked for)", E.stored(a))
+            out[E.keys[r]] = (E.keys[r], "asked for", E.stored(r))
+    return out
+
+
+def _corrupt_chunks(info: StoreInfo, opts: GcOptions, in_keys: _KeyFilter, named_only: bool
+                    ) -> dict[str, tuple[str, str, int]]:  # fmt: skip
+    return {
+        bad.key: (bad.key, CORRUPT + bad.reason, bad.stored_bytes)
+        for bad in info.corrupt
+        if not bad.context and (opts.corrupt or named_only) and in_keys(bad.key)
+    }
+
+
+def _broken_contexts(info: StoreInfo, drop: Mapping[int, str], remove: Mapping[str, Any]
+                     ) -> tuple[dict[int, str], set[str]]:  # fmt: skip
+    """Contexts that use a removed corrupt entry, or miss a chunk (their intact chunks stay), and
+    the keys of the latter."""
+    E, C = info.entries, info.contexts
+    bad_keys = {bad.key for bad in info.corrupt if not bad.context}
+    gone = bad_keys & set(remove)
+    out: dict[int, str] = {}
     broken: set[str] = set()
-    if corrupt:  # a context that uses a removed entry, or misses a chunk, is dropped; its intact chunks stay
-        gone = {bad.key for bad in bad_chunks} & set(remove)
-        bad_keys = {bad.key for bad in bad_chunks}
-        for i in range(len(C)):
-            if i in drop:
-                continue
-            chunks = C.chunk_keys(i)
-            if gone & set(chunks):
-                drop[i] = "uses a corrupt entry"
-            elif problem := _broken_by_absence(chunks, E, bad_keys):
-                drop[i] = problem  # e.g. an rm or gc killed between its two deletes, before records went first
-                broken.add(C.keys[i])
-    if orphans:
-        for r in info.orphan_rows():
-            p, used = E.profile(r), E.last_used(r)
-            if matches_model(p.model, p.model_name, model) and in_keys(E.keys[r]) and now - used > grace:
-                remove.setdefault(E.keys[r], (E.keys[r], f"no context uses it (unused for {_age_str(now - used)})",
-                                              E.stored(r)))  # fmt: skip
-    derived = _plan_derived(info, opts, {C.keys[i]: why for i, why in drop.items()}, now, in_keys)
+    for i in range(len(C)):
+        if i in drop:
+            continue
+        chunks = C.chunk_keys(i)
+        if gone & set(chunks):
+            out[i] = "uses a corrupt entry"
+        elif problem := _broken_by_absence(chunks, E, bad_keys):
+            out[i] = problem  # e.g. an rm or gc killed between its two deletes, before records went first
+            broken.add(C.keys[i])
+    return out, broken
+
+
+def _orphan_chunks(info: StoreInfo, opts: GcOptions, in_keys: _KeyFilter, now: float
+                   ) -> dict[str, tuple[str, str, int]]:  # fmt: skip
+    E = info.entries
+    out = {}
+    for r in info.orphan_rows():
+        p, used = E.profile(r), E.last_used(r)
+        if matches_model(p.model, p.model_name, opts.model) and in_keys(E.keys[r]) and now - used > opts.grace:
+            out[E.keys[r]] = (E.keys[r], f"no context uses it (unused for {_age_str(now - used)})", E.stored(r))
+    return out
+
+
+def _assemble(
+    info: StoreInfo, opts: GcOptions, in_keys: _KeyFilter, drop: Mapping[int, str],
+    remove: Mapping[str, tuple[str, str, int]], broken: set[str], derived: tuple[tuple[str, str, str, int], ...],
+) -> GcPlan:  # fmt: skip
+    """The plan from what each criterion chose: what stays, the local tier's bad copies, what the
+    plan saw of each named entry (execution removes only what is still so)."""
+    E, C = info.entries, info.contexts
     derived_ids = {(c, k) for c, k, _, _ in derived}
     local = tuple(
         (c.key, f"local tier copy corrupt: {c.reason}", c.stored_bytes)
         for c in info.local_corrupt
-        if corrupt and not c.context and in_keys(c.key) and c.key not in remove
+        if opts.corrupt and not c.context and in_keys(c.key) and c.key not in remove
     )
     derived_local = tuple(
         (c.context, c.key, f"local tier copy corrupt: {c.reason}", c.stored_bytes)
         for c in info.local_corrupt
-        if corrupt and c.context and in_keys(c.context, c.key) and (c.context, c.key) not in derived_ids
+        if opts.corrupt and c.context and in_keys(c.context, c.key) and (c.context, c.key) not in derived_ids
     )
     keep_bytes = sum(E.stored(r) for r in range(len(E)) if E.keys[r] not in remove)
     keep_bytes += sum(d.stored_bytes for d in info.derived if (d.context, d.key) not in derived_ids)
-    context_rows = tuple((C.keys[i], why, C.stored(i) + C.derived_bytes(i)) for i, why in drop.items())
+    context_rows = tuple((C.keys[i], why, C.stored(i) + C.owned_bytes(i)) for i, why in drop.items())
     # context records that do not read (under a name a record can have): nothing can use them
-    context_rows += tuple((b.key, b.reason, 0) for b in info.malformed if corrupt and is_key(b.key) and in_keys(b.key))
+    context_rows += tuple(
+        (b.key, b.reason, 0) for b in info.malformed if opts.corrupt and is_key(b.key) and in_keys(b.key)
+    )
     chains = {C.keys[i]: C.chunk_keys(i) for i in drop}
     named = {*remove, *(k for chunks in chains.values() for k in chunks), *(k for _, k, _, _ in derived)}
     seen = {k: t for k in named if (t := E.recorded_of(k)) is not None}
@@ -189,7 +276,7 @@ def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | N
         kept_contexts=frozenset(C.keys) - set(chains),
         corrupt=frozenset(k for k, why, _ in remove.values() if why.startswith(CORRUPT)),
         broken=frozenset(broken), local=local, derived=derived, derived_local=derived_local,
-        pressed_only=frozenset(C.keys[i] for i in drop if C.kind[i] == PRESSED_ONLY),
+        pressed_only=frozenset(C.keys[i] for i in drop if C.kind[i] == OWNED_ONLY),
         derived_corrupt=frozenset(k for _, k, why, _ in derived if why.startswith(CORRUPT)),
         gone=_gone(info, {c for c, _, _, _ in derived}),
     )  # fmt: skip
@@ -209,10 +296,10 @@ def _gone(info: StoreInfo, contexts: set[str]) -> dict[str, frozenset[str]]:
     return {c: frozenset(keys) for c, keys in seen.items()}
 
 
-def _plan_derived(info: StoreInfo, opts: GcOptions, dropped: Mapping[str, str], now: float,
+def _plan_owned(info: StoreInfo, opts: GcOptions, dropped: Mapping[str, str], now: float,
                   in_keys: Callable[..., bool]) -> tuple[tuple[str, str, str, int], ...]:  # fmt: skip
-    """The derived entries to remove, scores before pressed caches (so that a context known by its
-    pressed caches alone stays one until its last goes): those of the ``dropped`` contexts, those
+    """The derived entries to remove, those that stand for their context (pressed caches) last (so
+    that a context known by them alone stays one until its last goes): those of the ``dropped`` contexts, those
     named by key (or by the key of a context that is gone), the orphans past the grace, the corrupt."""
     live = set(info.contexts.keys)
     keys, model, criterion = opts.keys, opts.model, opts.corrupt or opts.orphans
@@ -221,7 +308,7 @@ def _plan_derived(info: StoreInfo, opts: GcOptions, dropped: Mapping[str, str], 
     kinds: dict[tuple[str, str], int] = {}
     for d in info.derived:
         ident = (d.context, d.key)
-        kinds[ident] = d.kind != SCORES
+        kinds[ident] = stands_for_context(d.kind)
         if d.context in dropped:
             out[ident] = (
                 d.context,

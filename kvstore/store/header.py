@@ -1,42 +1,33 @@
-"""An entry's header and checksum: the part of the format read without decoding the payload
-(listings, scans, ``peek``). The whole format is described in :mod:`kvstore.store.entry`."""
+"""A chunk entry's header: the part of the format read without decoding the payload (listings,
+scans, ``peek``). The whole format is described in :mod:`kvstore.store.entry`; the framing every
+kind of entry shares (magic, header length, checksum) in :mod:`kvstore.store.frame`."""
 
 from __future__ import annotations
 
-import json
 import re
-import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
-
 from kvstore import dtypes
-from kvstore.errors import CorruptEntryError, DtypeError, FormatVersionError
+from kvstore.errors import CorruptEntryError, DtypeError
 from kvstore.facts import ATTN, FULL_KV_KINDS, KINDS, KV_KINDS, STATE_KINDS, WINDOWED_KINDS
 from kvstore.store.codecs import codec_from_params
+from kvstore.store.frame import CHUNK_FORMAT, DERIVED_FORMAT, field_int, read_frame
+
+# the framing's names, importable from here as before (their home is kvstore.store.frame)
+from kvstore.store.frame import FORMAT_VERSION as FORMAT_VERSION
+from kvstore.store.frame import MAGIC as MAGIC
+from kvstore.store.frame import MAX_ENTRY_HEADER as MAX_ENTRY_HEADER
+from kvstore.store.frame import STORE_FORMAT as STORE_FORMAT
+from kvstore.store.frame import TRAILER_BYTES as TRAILER_BYTES
+from kvstore.store.frame import peek_frame as peek_frame
+from kvstore.store.frame import verify_checksum as verify_checksum
 from kvstore.store.keyspace import is_key
 
-# The newest entry format this kvstore reads: 2 (chains of chunks), 3 and 4 (the same layout, written
-# by entries whose codec an older reader does not know: 3 for zstd-split, int4r, int8r; 4 for ecq),
-# and 5: a derived entry (a context's scores or pressed cache, :mod:`kvstore.store.derived`), the same
-# framing around another header, read only as such (a chunk reader takes it for corrupt; a reader of
-# format 4 or older refuses it as "written by format version 5 ... upgrade kvstore").
-# The store's own layout (meta, e/, r/, a/, x/) is STORE_FORMAT, unchanged since format 2: a store
-# without derived entries has no x/ keys, and an older kvstore ignores them.
-FORMAT_VERSION = 5
-CHUNK_FORMAT = 4  # the newest format of a chunk entry
-DERIVED_FORMAT = 5
-STORE_FORMAT = 2
 # A chunk ends by this context position at most (a trillion tokens): the rotation of a pre-RoPE codec
 # computes angles from positions, which float64 stops counting exactly past 2**53.
 MAX_POSITION = 1 << 40
-MAGIC = b"\x89KVS\r\n\x1a\n"
-_PREFIX = len(MAGIC) + 4
-TRAILER_BYTES = 8
-MAX_ENTRY_HEADER = 1 << 20
-PEEK_BYTES = 64 << 10  # first read of an entry's header; a longer header is read again in full
 MAX_COMPRESSION_RATIO = 1000  # a KV cache never compresses this well; a frame that claims to is hostile
 MAX_QUANTIZATION_RATIO = 32  # the fewest bits a lossy codec stores per value (int4 of float64) is 16x fewer
 STATE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # a state tensor's name in a layer record
@@ -95,23 +86,31 @@ class CodecOf:
             return otherwise
 
 
-@dataclass(frozen=True)
-class EntryHeader(CodecOf):
-    """What an entry says about itself (parsed from its header, no payload decoding)."""
+@dataclass(frozen=True, kw_only=True)
+class HeaderFacts(CodecOf):
+    """What the header of every kind of entry says (built by keyword): its own key, the model's
+    fingerprint, name and KV dtype, its tokens, its codec record and the numerics it was computed
+    with."""
 
     key: str
     model: str
     model_name: str
     dtype: str
     n_tokens: int
-    layers: tuple[LayerSpec, ...]
     codec: Mapping = field(hash=False, compare=False)
+    numerics: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntryHeader(HeaderFacts):
+    """What a chunk entry says about itself (parsed from its header, no payload decoding)."""
+
+    layers: tuple[LayerSpec, ...]
     raw_bytes: int
     created: float
     format: int = CHUNK_FORMAT
     parent: str = ""
     start: int = 0
-    numerics: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def end(self) -> int:
@@ -166,14 +165,6 @@ def check_layer(spec: LayerSpec, n_tokens: int, i: int, error: type[Exception]) 
         raise error(f"layer {i}: only sliding and chunked layers have a window")
 
 
-def field_int(h: Mapping, name: str, low: int = 0) -> int:
-    """The integer field ``name`` of a parsed header, at least ``low``; CorruptEntryError otherwise."""
-    v = h.get(name)
-    if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise CorruptEntryError(f"entry header field {name!r} is missing or invalid")
-    return v
-
-
 def _layers_v2(h: Mapping, n_tokens: int) -> tuple[LayerSpec, ...]:
     raw = h.get("layers")
     if not isinstance(raw, list) or not raw:
@@ -206,29 +197,6 @@ def _layers_v2(h: Mapping, n_tokens: int) -> tuple[LayerSpec, ...]:
         check_layer(spec, n_tokens, i, CorruptEntryError)
         specs.append(spec)
     return tuple(specs)
-
-
-def read_frame(buf: bytes | memoryview) -> tuple[dict, int, int]:
-    """The framing every stored entry shares (magic, header length, canonical JSON header), read
-    without verifying the checksum: ``(header JSON, its format, payload offset)``. Raises
-    CorruptEntryError, or FormatVersionError for a format newer than :data:`FORMAT_VERSION`."""
-    if len(buf) < _PREFIX + TRAILER_BYTES or bytes(buf[: len(MAGIC)]) != MAGIC:
-        raise CorruptEntryError("not a kvstore entry (bad magic or too short)")
-    (hlen,) = struct.unpack_from("<I", buf, len(MAGIC))
-    if hlen > MAX_ENTRY_HEADER or _PREFIX + hlen + TRAILER_BYTES > len(buf):
-        raise CorruptEntryError("entry header length is out of range")
-    try:
-        h = json.loads(bytes(buf[_PREFIX : _PREFIX + hlen]))
-    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: hostile "[[[[..."
-        raise CorruptEntryError("entry header is not valid JSON") from None
-    if not isinstance(h, dict):
-        raise CorruptEntryError("entry header is not a JSON object")
-    fmt = field_int(h, "format", 1)
-    if fmt > FORMAT_VERSION:
-        raise FormatVersionError(
-            f"entry was written by format version {fmt}; this kvstore reads up to {FORMAT_VERSION} - upgrade kvstore"
-        )
-    return h, fmt, _PREFIX + hlen
 
 
 def check_facts(h: Mapping, names: tuple[str, ...] = ("key", "model", "model_name", "dtype")) -> float:
@@ -307,57 +275,17 @@ def check_sizes(header: EntryHeader, payload_bytes: int, lossless: bool | None =
         raise CorruptEntryError("entry declares an implausible compression ratio")
 
 
-def peek_frame(backend: Any, name: bytes, read: Callable[[bytes], tuple[Any, int]]) -> tuple[Any, int, int] | None:
-    """``(header, payload offset, stored size)`` of the stored value ``name``, its header parsed by
-    ``read`` (:func:`read_header`, or a derived entry's) from its first bytes (``backend.peek``: a
-    remote store reads no more); None when it is missing. A header longer than the first read is
-    read again in full. Raises what ``read`` raises."""
-    got = backend.peek(name, PEEK_BYTES)
-    if got is None:
-        return None
-    head, size = got
-    try:
-        header, offset = read(head)
-    except CorruptEntryError:
-        if size <= len(head):
-            raise
-        # a header longer than the first read (or a truncated entry): read as much as one can hold
-        got = backend.peek(name, MAX_ENTRY_HEADER + 64)
-        if got is None:
-            return None
-        (header, offset), size = read(got[0]), got[1]
-    return header, offset, size
-
-
-def verify_checksum(buf: bytes | memoryview) -> None:
-    """Raise CorruptEntryError unless the trailing xxh3-64 matches the bytes before it."""
-    if len(buf) < _PREFIX + TRAILER_BYTES:
-        raise CorruptEntryError("entry is truncated")
-    (want,) = struct.unpack_from("<Q", buf, len(buf) - TRAILER_BYTES)
-    if xxhash.xxh3_64_intdigest(memoryview(buf)[: len(buf) - TRAILER_BYTES]) != want:  # no copy of the body
-        raise CorruptEntryError("entry checksum mismatch (flipped or truncated bytes)")
-
-
 __all__ = [
-    "CHUNK_FORMAT",
-    "DERIVED_FORMAT",
-    "FORMAT_VERSION",
     "MAX_COMPRESSION_RATIO",
+    "MAX_POSITION",
     "MAX_QUANTIZATION_RATIO",
-    "STORE_FORMAT",
-    "MAGIC",
-    "MAX_ENTRY_HEADER",
-    "TRAILER_BYTES",
     "STATE_NAME",
     "EntryHeader",
+    "HeaderFacts",
     "LayerSpec",
     "check_layer",
     "CodecOf",
     "check_facts",
     "check_sizes",
-    "field_int",
-    "peek_frame",
-    "read_frame",
     "read_header",
-    "verify_checksum",
 ]

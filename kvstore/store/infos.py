@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.store.derived_header import SCORES
 from kvstore.store.keyspace import is_key
+from kvstore.store.kinds import keeps_part
 from kvstore.units import human_bytes, human_time
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -214,7 +214,7 @@ class DerivedInfo:
 
     def summary(self) -> str:
         """One phrase for a table: ``pressed kvzip:0.75 int8:128/64 25% 1.2 MiB``."""
-        kept = f" {self.kept_fraction:.0%}" if self.kind != SCORES else ""
+        kept = f" {self.kept_fraction:.0%}" if keeps_part(self.kind) else ""
         return f"{self.kind} {self.spec} {self.codec}{kept} {human_bytes(self.stored_bytes)}"
 
     def as_record(self) -> dict[str, Any]:
@@ -229,7 +229,7 @@ class DerivedInfo:
             "n_tokens": self.n_tokens,
             "codec": self.codec,
             "kept_pairs": self.kept_pairs,
-            "kept_fraction": None if self.kind == SCORES else round(self.kept_fraction, 6),
+            "kept_fraction": round(self.kept_fraction, 6) if keeps_part(self.kind) else None,
             "format": self.format,
             "press": dict(self.press),
             "raw_bytes": self.raw_bytes,
@@ -297,8 +297,11 @@ class ContextInfo:
         return dict(self.first.header.numerics) if self.first else {}
 
     @property
-    def derived_bytes(self) -> int:
+    def owned_bytes(self) -> int:
+        """Bytes of the entries this context owns (its derived entries)."""
         return sum(d.stored_bytes for d in self.derived)
+
+    derived_bytes = owned_bytes  # the name it had before kinds were one table
 
     @property
     def last_used(self) -> float:

@@ -20,7 +20,8 @@ META = b"meta"
 ENTRY = b"e/"
 RECORD = b"r/"
 ACCESS = b"a/"
-DERIVED = b"x/"
+OWNED = b"x/"
+DERIVED = OWNED  # the name it had before kinds were one table
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -44,23 +45,27 @@ def access_key(key: str) -> bytes:
     return ACCESS + key.encode("ascii")
 
 
-def derived_prefix(context: str) -> bytes:
-    """The backend prefix of every derived entry of the context ``context``."""
-    return DERIVED + context.encode("ascii") + b"/"
+def owned_prefix(context: str) -> bytes:
+    """The backend prefix of every entry the context ``context`` owns (its derived entries)."""
+    return OWNED + context.encode("ascii") + b"/"
 
 
-def derived_entry_key(context: str, key: str) -> bytes:
-    """The backend key of the derived entry ``key`` of the context ``context``."""
-    return derived_prefix(context) + key.encode("ascii")
+def owned_key(context: str, key: str) -> bytes:
+    """The backend key of the entry ``key`` the context ``context`` owns (a derived entry)."""
+    return owned_prefix(context) + key.encode("ascii")
 
 
-def derived_of(backend_key: bytes) -> tuple[str, str] | None:
-    """``(context, derived key)`` named by a backend key under ``x/``, or None when it is not one
-    (a malformed name: both parts must be keys)."""
-    if not backend_key.startswith(DERIVED):
+def owner_of(backend_key: bytes) -> tuple[str, str] | None:
+    """``(context, key)`` named by a backend key under ``x/``, or None when it is not one (a
+    malformed name: both parts must be keys)."""
+    if not backend_key.startswith(OWNED):
         return None
-    context, sep, key = backend_key[len(DERIVED) :].decode("utf-8", errors="replace").partition("/")
+    context, sep, key = backend_key[len(OWNED) :].decode("utf-8", errors="replace").partition("/")
     return (context, key) if sep and is_key(context) and is_key(key) else None
+
+
+# the names these had before kinds were one table
+derived_prefix, derived_entry_key, derived_of = owned_prefix, owned_key, owner_of
 
 
 def key_of(backend_key: bytes, prefix: bytes, errors: str = "strict") -> str:
@@ -75,6 +80,7 @@ __all__ = [
     "ENTRY",
     "HEX64",
     "META",
+    "OWNED",
     "RECORD",
     "access_key",
     "derived_entry_key",
@@ -83,5 +89,8 @@ __all__ = [
     "entry_key",
     "is_key",
     "key_of",
+    "owned_key",
+    "owned_prefix",
+    "owner_of",
     "record_key",
 ]

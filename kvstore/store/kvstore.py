@@ -38,7 +38,6 @@ from kvstore.errors import (
     CorruptEntryError,
     CorruptEntryWarning,
     EntryNotFoundError,
-    FormatVersionError,
     KVStoreError,
     ReadOnlyStoreError,
 )
@@ -46,42 +45,24 @@ from kvstore.facts import ATTN
 from kvstore.parallel import run_all
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
-from kvstore.store.codecs import Codec, get_codec, identity_of
+from kvstore.store.codecs import Codec, get_codec
 from kvstore.store.derived_store import DerivedEntries
-from kvstore.store.entry import Entry, EntryView, decode_entry, encode_entry
-from kvstore.store.header import TRAILER_BYTES, EntryHeader, check_sizes, peek_frame, read_header, verify_checksum
+from kvstore.store.entry import CHUNK, Entry, EntryView, encode_entry
+from kvstore.store.frame import TRAILER_BYTES, peek_frame, verify_checksum
+from kvstore.store.header import EntryHeader, check_sizes, read_header
 from kvstore.store.keyspace import (
     ACCESS,
     ENTRY,
     RECORD,
     access_key,
-    derived_entry_key,
     entry_key,
     is_key,
     key_of,
+    owned_key,
     record_key,
 )
 from kvstore.store.meta import MAX_CHUNK_TOKENS, load_meta
 from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
-
-
-def _same_entry(stored: memoryview, blob: bytes, key: str) -> bool:
-    """Whether ``stored`` is an intact entry with the facts of ``blob`` (model, dtype, span, parent,
-    layer records, token ids, lossy codec if any): then it holds the same cache, written by someone
-    else (only ``created`` and a lossless codec may differ). A newer format's entry counts as the
-    same: it is left to that version."""
-    try:
-        old = decode_entry(stored, key=key)
-    except FormatVersionError:
-        return True
-    except CorruptEntryError:
-        return False
-    new = decode_entry(blob, key=key)
-
-    def facts(h: EntryHeader):
-        return (h.model, h.dtype, h.parent, h.start, h.n_tokens, h.layers, identity_of(h.codec))
-
-    return facts(old.header) == facts(new.header) and old.token_ids() == new.token_ids()
 
 
 class KVStore(DerivedEntries):
@@ -170,17 +151,11 @@ class KVStore(DerivedEntries):
         """Store already-encoded entry bytes (see :meth:`encode`) under ``key``, unless ``key``
         already holds an intact entry of the same model, dtype, shape and tokens (another writer's
         copy, kept); a corrupt or different one is replaced."""
-        if self.backend.put_if_absent(entry_key(key), blob):
-            self._written.add(key)
-            return
-        with self.backend.origin().view(entry_key(key)) as buf:  # not a local tier's copy
-            keep = buf is not None and _same_entry(buf, blob, key)
-        if not keep:
-            self.backend.put(entry_key(key), blob)
+        if self._put_once(CHUNK, entry_key(key), key, blob):
             self._written.add(key)
 
     def contains(self, key: str) -> bool:
-        return self.backend.contains(entry_key(key))
+        return self.has(CHUNK, key)
 
     __contains__ = contains
 
@@ -208,39 +183,9 @@ class KVStore(DerivedEntries):
     def open_entry(self, key: str) -> Iterator[EntryView | None]:
         """Verified zero-copy access to one entry; yields None when it is missing or corrupt
         (a corrupt entry also emits a :class:`CorruptEntryWarning`: treat it as a miss)."""
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack:  # as open(), one frame less (the warnings name the caller)
             buf = stack.enter_context(self.backend.view(entry_key(key)))
-            yield None if buf is None else self._decode(key, buf, stack=stack)
-
-    def _decode(
-        self, key: str, buf, lazy: bool = False, checked: BaseException | bool = False,
-        stack: contextlib.ExitStack | None = None,
-    ) -> EntryView | None:  # fmt: skip
-        """``checked``: True when ``buf``'s checksum was verified already, or the exception
-        verifying it raised. A corrupt copy in a local tier is dropped and the remote's read
-        instead (its view kept open on ``stack``): a tier's fault stays local."""
-        try:
-            if isinstance(checked, BaseException):
-                raise checked
-            view = decode_entry(buf, key=key, threads=self.codec.decode_threads(), lazy=lazy, checked=bool(checked))
-        except CorruptEntryError as exc:
-            if stack is not None and self.backend.drop_local([entry_key(key)]):
-                warnings.warn(
-                    f"kvstore: the local tier's copy of entry {key[:16]} is corrupt ({exc}); dropped it, reading the "
-                    "remote's",
-                    CorruptEntryWarning,
-                    stacklevel=4,
-                )
-                fresh = stack.enter_context(self.backend.view(entry_key(key)))
-                return None if fresh is None else self._decode(key, fresh, lazy)
-            warnings.warn(
-                f"kvstore: entry {key[:16]} is corrupt ({exc}); treating it as a miss",
-                CorruptEntryWarning,
-                stacklevel=4,
-            )
-            return None
-        self._touched[key] = time.time()
-        return view
+            yield None if buf is None else self._open_verified(CHUNK, entry_key(key), key, buf, stack)
 
     def is_intact(self, key: str) -> bool:
         """True when ``key`` holds an entry that verifies and decodes; False when it is missing or
@@ -259,14 +204,14 @@ class KVStore(DerivedEntries):
             if buf is None:
                 raise EntryNotFoundError(f"no entry {key} in {self.url}")
             try:
-                view = decode_entry(buf, key=key)
+                view = CHUNK.decode(buf, key=key)
             except CorruptEntryError:
                 if not self.backend.drop_local([entry_key(key)]):
                     raise
                 buf = stack.enter_context(self.backend.view(entry_key(key)))  # the remote's copy
                 if buf is None:
                     raise EntryNotFoundError(f"no entry {key} in {self.url}") from None
-                view = decode_entry(buf, key=key)
+                view = CHUNK.decode(buf, key=key)
             self._touched[key] = time.time()
             return view.materialize()
 
@@ -308,7 +253,7 @@ class KVStore(DerivedEntries):
         chunks while the current batch decodes); later loads take them from there. Local backends
         (LMDB, memory) need nothing: a no-op."""
         names = [entry_key(k) for k in dict.fromkeys(keys)]
-        names += [derived_entry_key(c, k) for c, k in dict.fromkeys(derived)]
+        names += [owned_key(c, k) for c, k in dict.fromkeys(derived)]
         self.backend.prefetch(names)
 
     # -- chains ---------------------------------------------------------------------------------
@@ -346,7 +291,7 @@ class KVStore(DerivedEntries):
             for key, buf, check in zip(keys, bufs, checks):
                 if isinstance(check, BaseException) and not isinstance(check, CorruptEntryError):
                     raise check
-                view = self._decode(key, buf, lazy, check, stack)
+                view = self._open_verified(CHUNK, entry_key(key), key, buf, stack, lazy=lazy, checked=check)
                 if view is None:
                     break
                 h = view.header

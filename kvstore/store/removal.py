@@ -29,12 +29,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvstore.errors import CorruptEntryError, FormatVersionError, ReadOnlyStoreError
-from kvstore.store.derived import decode_derived
-from kvstore.store.entry import decode_entry
-from kvstore.store.keyspace import access_key, derived_entry_key, entry_key, record_key
+from kvstore.store.derived import ANY_OWNED
+from kvstore.store.entry import CHUNK
+from kvstore.store.keyspace import access_key, entry_key, owned_key, record_key
+from kvstore.store.kinds import EntryKind
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.kvstore import KVStore
@@ -97,13 +98,13 @@ class GcReport:
     derived: tuple[str, ...] = ()
 
 
-def _derived_id(context: str, key: str) -> str:
+def _owned_id(context: str, key: str) -> str:
     return f"{context}/{key}"
 
 
-def _derived_name(ident: str) -> bytes:
+def _owned_name(ident: str) -> bytes:
     context, _, key = ident.partition("/")
-    return derived_entry_key(context, key)
+    return owned_key(context, key)
 
 
 def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
@@ -116,8 +117,8 @@ def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
     planned = [k for k, _, _ in plan.contexts]
     contexts_busy = _contexts_busy(store, plan)
     used = contexts_busy(planned, {})  # a planned context used since the plan keeps its derived entries
-    sizes_d = {_derived_id(c, k): size for c, k, _, size in plan.derived}
-    derived, held = _remove(store, list(sizes_d), _derived_name, _derived_busy(store, plan, used, contexts_busy),
+    sizes_d = {_owned_id(c, k): size for c, k, _, size in plan.derived}
+    derived, held = _remove(store, list(sizes_d), _owned_name, _owned_busy(store, plan, used, contexts_busy),
                             lambda d: d.partition("/")[2] not in plan.derived_corrupt)  # fmt: skip
     kept |= held
     contexts, held = _remove(store, planned, record_key, contexts_busy)
@@ -131,12 +132,12 @@ def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
         kept |= held
     contexts += [k for k in unrecorded if k in set(entries)]
     gone_derived = {d.partition("/")[0] for d in derived}
-    left = {c for c, k, _, _ in plan.derived if _derived_id(c, k) not in derived}
+    left = {c for c, k, _, _ in plan.derived if _owned_id(c, k) not in derived}
     contexts += [k for k in unrecorded if k in plan.pressed_only and k in gone_derived and k not in left]
     removed = entries + [d.partition("/")[2] for d in derived]
     now = store.recorded_access(removed)  # the last uses of what went, unless someone used it since
     store.backend.delete_many([access_key(k) for k in removed if k in now and now[k] == plan.seen.get(k)])
-    names = [entry_key(k) for k, _, _ in plan.local] + [derived_entry_key(c, k) for c, k, _, _ in plan.derived_local]
+    names = [entry_key(k) for k, _, _ in plan.local] + [owned_key(c, k) for c, k, _, _ in plan.derived_local]
     dropped = store.backend.drop_local(names) if names else 0  # a tier's fault stays local
     freed = sum(sizes[k] for k in entries) + sum(sizes_d[d] for d in derived)
     return GcReport(tuple(contexts), tuple(entries), freed, tuple(kept.items()), dropped,
@@ -183,7 +184,7 @@ def _contexts_busy(store: KVStore, plan: GcPlan) -> Busy:
     return busy
 
 
-def _derived_busy(store: KVStore, plan: GcPlan, used: Mapping[str, str], contexts_busy: Busy) -> Busy:
+def _owned_busy(store: KVStore, plan: GcPlan, used: Mapping[str, str], contexts_busy: Busy) -> Busy:
     planned = {k for k, _, _ in plan.contexts}
 
     def busy(ids: Sequence[str], saved: Mapping[str, bytes]) -> dict[str, str]:
@@ -199,10 +200,10 @@ def _derived_busy(store: KVStore, plan: GcPlan, used: Mapping[str, str], context
             elif context in late:
                 out[d] = f"its context was {late[context].replace(' since the plan', '')} since the plan"
             elif context in plan.gone and (
-                store.backend.contains(record_key(context)) or set(store.derived_keys(context)) - plan.gone[context]
+                store.backend.contains(record_key(context)) or set(store.owned_keys(context)) - plan.gone[context]
             ):
                 out[d] = "its context was recorded since the plan"
-            elif key in plan.derived_corrupt and d in saved and _intact(saved[d], key, decode_derived):
+            elif key in plan.derived_corrupt and d in saved and _intact(saved[d], key, ANY_OWNED):
                 out[d] = "intact again since the plan"
         return out
 
@@ -233,10 +234,10 @@ def _recorded_chunks(store: KVStore, plan: GcPlan) -> set[str]:
     return chunks
 
 
-def _intact(value: bytes, key: str, decode: Callable[..., Any] = decode_entry) -> bool:
-    """Whether ``value`` decodes (``decode_entry``, or ``decode_derived``) as the entry ``key``."""
+def _intact(value: bytes, key: str, kind: EntryKind = CHUNK) -> bool:
+    """Whether ``value`` decodes as the entry ``key`` of ``kind`` (a chunk, or any owned kind)."""
     try:
-        decode(value, key=key)
+        kind.decode(value, key=key)
     except (CorruptEntryError, FormatVersionError):
         return False
     return True

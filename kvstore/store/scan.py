@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.progress import Progress
-from kvstore.store.derived_header import PRESSED, check_derived_sizes, read_derived_header
-from kvstore.store.header import TRAILER_BYTES, check_sizes, peek_frame, read_header
+from kvstore.store.frame import TRAILER_BYTES, peek_frame
+from kvstore.store.header import check_sizes
 
 # the values a scan reports live in infos; importable from here, as before
 from kvstore.store.infos import (  # noqa: F401
@@ -38,9 +38,10 @@ from kvstore.store.infos import (  # noqa: F401
     chain_problem,
     matches_model,
 )
-from kvstore.store.keyspace import ACCESS, DERIVED, ENTRY, RECORD, derived_of, entry_key, key_of
+from kvstore.store.keyspace import ACCESS, ENTRY, OWNED, RECORD, key_of, owner_of
+from kvstore.store.kinds import EntryKind, find_kind, stands_for_context
 from kvstore.store.tables import (
-    PRESSED_ONLY,
+    OWNED_ONLY,
     RECORDED,
     WHOLE_ENTRY,
     ByKey,
@@ -59,7 +60,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from kvstore.store.backends.base import Backend
     from kvstore.store.codecs import Codec
-    from kvstore.store.header import EntryHeader
     from kvstore.store.meta import StoreMeta
 
 _BATCH = 256  # records read per backend call
@@ -138,8 +138,11 @@ class StoreInfo:
         return self.entries.stored_bytes
 
     @property
-    def derived_bytes(self) -> int:
+    def owned_bytes(self) -> int:
+        """Bytes of the entries contexts own (derived entries)."""
         return sum(d.stored_bytes for d in self.derived)
+
+    derived_bytes = owned_bytes  # the name it had before kinds were one table
 
     @property
     def logical_bytes(self) -> int:
@@ -173,12 +176,14 @@ class StoreInfo:
         return tuple(self.entries.info(r) for r in self.orphan_rows())
 
     @property
-    def orphan_derived(self) -> tuple[DerivedInfo, ...]:
+    def orphan_owned(self) -> tuple[DerivedInfo, ...]:
         """Derived entries whose context is neither recorded (a record, a format-1 entry) nor
         stored as a pressed cache: nothing uses them (a context removed by an older kvstore, or a
         removal interrupted after the context went)."""
         live = set(self.contexts.keys)
         return tuple(d for d in self.derived if d.context not in live)
+
+    orphan_derived = orphan_owned  # the name it had before kinds were one table
 
     @property
     def size_str(self) -> str:
@@ -213,11 +218,12 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
     corrupt: list[CorruptInfo] = []
     local_corrupt: list[CorruptInfo] = []
     local_bad = local_corrupt if tiered else None
+    chunk = _chunk()
     for name in store.backend.keys(ENTRY):  # streamed: nothing but the table grows with the store
         key = key_of(name, ENTRY, errors="replace")
         size = 0
         try:
-            got = _read_entry(store, key, verify, local_bad, codecs)
+            got = _read(store, _Wanted(chunk, name, key, "", codecs), verify, local_bad)
         except (CorruptEntryError, FormatVersionError) as exc:
             size = _size(store, name)
             corrupt.append(CorruptInfo(key, str(exc), size))
@@ -230,7 +236,7 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
             progress(1, size)
     entries.finish()
     _read_access(store.backend, entries)
-    derived, malformed = _scan_derived(store, entries, verify, corrupt, local_bad, progress)
+    derived, malformed = _scan_owned(store, entries, verify, corrupt, local_bad, progress)
     contexts = ContextTable(entries)
     for record in _records(store.backend, malformed):
         contexts.add(record.key, record.chunks, record.n_tokens, record.created, RECORDED)
@@ -239,10 +245,10 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
             contexts.add(entries.keys[row], (entries.keys[row],), entries.n_tokens(row), entries.created(row),
                          WHOLE_ENTRY)  # fmt: skip
     known = set(contexts.keys)
-    for d in derived:  # a context stored only as pressed caches (build --no-dense)
-        if d.kind == PRESSED and d.context not in known:
+    for d in derived:  # a context stored only as entries that stand for it (pressed caches: build --no-dense)
+        if d.context not in known and stands_for_context(d.kind):
             known.add(d.context)
-            contexts.add(d.context, (), d.n_tokens, d.created, PRESSED_ONLY)
+            contexts.add(d.context, (), d.n_tokens, d.created, OWNED_ONLY)
     contexts.attach(derived)
     contexts.finish()
     about = StoreAbout(store.url, store.format, store.codec.spec, float(store.meta.created),
@@ -287,96 +293,90 @@ def _records(backend: Backend, malformed: list[CorruptInfo]) -> Iterator[Context
                 malformed.append(CorruptInfo(key, f"malformed context record: {exc}", len(raw)))
 
 
-def _peek_entry(backend: Backend, key: str, codecs: Codecs) -> tuple[EntryHeader, int] | None:
-    """(header, stored size) of a chunk entry from its first bytes, its sizes checked."""
-    got = peek_frame(backend, entry_key(key), read_header)
+def _chunk() -> EntryKind:
+    got = find_kind("chunk")
+    assert got is not None
+    return got
+
+
+def _owned() -> EntryKind:
+    from kvstore.store.derived import ANY_OWNED
+
+    return ANY_OWNED
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """One stored entry a scan reads: its kind, backend key, own key, owner (the context of an
+    owned entry, ``""`` for a chunk) and the scan's parsed codecs."""
+
+    kind: EntryKind
+    name: bytes
+    key: str
+    owner: str
+    codecs: Codecs
+
+
+def _peek(backend: Backend, w: _Wanted) -> tuple[Any, int] | None:
+    """(header, stored size) of an entry from its first bytes, its sizes checked (what a listing
+    shows is consistent), or None when it is gone."""
+    got = peek_frame(backend, w.name, w.kind.read_header)
     if got is None:
         return None
     header, offset, size = got
-    if header.key != key:
-        raise CorruptEntryError("entry header names another key")
-    check_sizes(header, size - offset - TRAILER_BYTES, codecs(header.codec)[1])  # what a listing shows is consistent
+    if header.key != w.key or (w.owner and header.context != w.owner):
+        raise CorruptEntryError(f"{_noun(w)} header names another {'context or key' if w.owner else 'key'}")
+    payload = size - offset - TRAILER_BYTES
+    if w.owner:
+        w.kind.check_sizes(header, payload)
+    else:  # a chunk's codec parsed once per scan
+        check_sizes(header, payload, w.codecs(header.codec)[1])
     return header, size
 
 
-def _read_entry(
-    store: ScannedStore, key: str, verify: bool, local_bad: list[CorruptInfo] | None, codecs: Codecs
-) -> tuple[EntryHeader, int] | None:
-    """(header, stored size) of an entry, or None when it is gone; raises CorruptEntryError or
-    FormatVersionError for the copy that counts. ``verify``: every byte of the origin's copy
-    (and, with ``local_bad``, the local tier's copy too); else its header only (a remote
-    listing downloads no entry), from the tier's copy when it has one and that reads."""
-    from kvstore.store.entry import decode_entry
+def _noun(w: _Wanted) -> str:
+    return "derived entry" if w.owner else "entry"
 
+
+def _decoded(w: _Wanted, buf: Any) -> Any:
+    header = w.kind.decode(buf, key=w.key).header
+    if w.owner and header.context != w.owner:
+        raise CorruptEntryError("derived entry header names another context")
+    return header
+
+
+def _read(store: ScannedStore, w: _Wanted, verify: bool, local_bad: list[CorruptInfo] | None) -> tuple[Any, int] | None:
+    """(header, stored size) of an entry of any kind, or None when it is gone; raises
+    CorruptEntryError or FormatVersionError for the copy that counts. ``verify``: every byte of the
+    origin's copy (and, with ``local_bad``, the local tier's copy too); else its header only (a
+    remote listing downloads no entry), from the tier's copy when it has one and that reads."""
     if verify:
         if local_bad is not None:
-            with store.backend.local_copy(entry_key(key)) as copy:
+            with store.backend.local_copy(w.name) as copy:
                 if copy is not None:
                     try:
-                        decode_entry(copy, key=key)
+                        _decoded(w, copy)
                     except (CorruptEntryError, FormatVersionError) as exc:
-                        local_bad.append(CorruptInfo(key, str(exc), len(copy)))
-        with store.backend.origin().view(entry_key(key)) as buf:
-            return None if buf is None else (decode_entry(buf, key=key).header, len(buf))
+                        local_bad.append(CorruptInfo(w.key, str(exc), len(copy), w.owner))
+        with store.backend.origin().view(w.name) as buf:
+            return None if buf is None else (_decoded(w, buf), len(buf))
     try:
-        return _peek_entry(store.backend, key, codecs)
+        return _peek(store.backend, w)
     except CorruptEntryError as exc:
         if local_bad is None:
             raise
-        got = _peek_entry(store.backend.origin(), key, codecs)  # the tier's copy is bad; the remote's decides
-        local_bad.append(CorruptInfo(key, str(exc), got[1] if got else 0))
+        got = _peek(store.backend.origin(), w)  # the tier's copy is bad; the remote's decides
+        local_bad.append(CorruptInfo(w.key, str(exc), got[1] if got else 0, w.owner))
         return got
 
 
-def _peek_derived(backend: Backend, name: bytes, context: str, key: str) -> tuple[Any, int] | None:
-    """(header, stored size) of a derived entry from its first bytes (sizes checked), or None."""
-    got = peek_frame(backend, name, read_derived_header)
-    if got is None:
-        return None
-    header, offset, size = got
-    if header.key != key or header.context != context:
-        raise CorruptEntryError("derived entry header names another context or key")
-    check_derived_sizes(header, size - offset - TRAILER_BYTES)
-    return header, size
-
-
-def _read_derived(store: ScannedStore, name: bytes, context: str, key: str, verify: bool,
-                  local_bad: list[CorruptInfo] | None) -> tuple[Any, int] | None:  # fmt: skip
-    """As :func:`_read_entry`, for the derived entry ``key`` of ``context`` (backend key ``name``)."""
-    from kvstore.store.derived import decode_derived
-
-    def check(buf) -> Any:
-        header = decode_derived(buf, key=key).header
-        if header.context != context:
-            raise CorruptEntryError("derived entry header names another context")
-        return header
-
-    if verify:
-        if local_bad is not None:
-            with store.backend.local_copy(name) as copy:
-                if copy is not None:
-                    try:
-                        check(copy)
-                    except (CorruptEntryError, FormatVersionError) as exc:
-                        local_bad.append(CorruptInfo(key, str(exc), len(copy), context))
-        with store.backend.origin().view(name) as buf:
-            return None if buf is None else (check(buf), len(buf))
-    try:
-        return _peek_derived(store.backend, name, context, key)
-    except CorruptEntryError as exc:
-        if local_bad is None:
-            raise
-        got = _peek_derived(store.backend.origin(), name, context, key)
-        local_bad.append(CorruptInfo(key, str(exc), got[1] if got else 0, context))
-        return got
-
-
-def _scan_derived(
+def _scan_owned(
     store: ScannedStore, entries: EntryTable, verify: bool, corrupt: list[CorruptInfo],
     local_bad: list[CorruptInfo] | None, progress: Progress | None,
 ) -> tuple[list[DerivedInfo], list[CorruptInfo]]:  # fmt: skip
-    """Every derived entry: the intact ones (strings shared among them), the unreadable ones into
-    ``corrupt``; returns them and the names under ``x/`` that name no context and key."""
+    """Every entry a context owns, of every kind: the intact ones (strings shared among them), the
+    unreadable ones into ``corrupt``; returns them and the names under ``x/`` that name no context
+    and key."""
     derived: list[DerivedInfo] = []
     malformed: list[CorruptInfo] = []
     shared: dict[Any, Any] = {}
@@ -384,16 +384,17 @@ def _scan_derived(
     def intern(value: Any) -> Any:
         return shared.setdefault(value, value)
 
-    for name in store.backend.keys(DERIVED):
-        parsed = derived_of(name)
+    owned = _owned()
+    for name in store.backend.keys(OWNED):
+        parsed = owner_of(name)
         if parsed is None:
-            malformed.append(CorruptInfo(key_of(name, DERIVED, errors="replace"), "malformed derived entry name",
+            malformed.append(CorruptInfo(key_of(name, OWNED, errors="replace"), "malformed derived entry name",
                                          _size(store, name)))  # fmt: skip
             continue
         context, key = parsed
         size = 0
         try:
-            got = _read_derived(store, name, context, key, verify, local_bad)
+            got = _read(store, _Wanted(owned, name, key, context, entries.codecs), verify, local_bad)
         except (CorruptEntryError, FormatVersionError) as exc:
             size = _size(store, name)
             corrupt.append(CorruptInfo(key, str(exc), size, context))

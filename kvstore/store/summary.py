@@ -142,8 +142,8 @@ class DerivedStats:
         }  # fmt: skip
 
 
-def derived_totals(info: StoreInfo) -> list[DerivedStats]:
-    """Totals of the store's derived entries per kind (none: an empty list)."""
+def owned_totals(info: StoreInfo) -> list[DerivedStats]:
+    """Totals of the entries the store's contexts own (derived entries), per kind (none: an empty list)."""
     by: dict[str, list[DerivedInfo]] = {}
     for d in info.derived:
         by.setdefault(d.kind, []).append(d)
@@ -160,4 +160,6 @@ def derived_totals(info: StoreInfo) -> list[DerivedStats]:
     return out
 
 
-__all__ = ["DerivedStats", "GroupStats", "derived_totals", "summarize"]
+derived_totals = owned_totals  # the name it had before kinds were one table
+
+__all__ = ["DerivedStats", "GroupStats", "derived_totals", "owned_totals", "summarize"]

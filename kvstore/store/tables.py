@@ -309,8 +309,9 @@ class Recorded(Mapping[str, float]):
         return sum(1 for _ in self)
 
 
-# what makes a key a context: its record, a format-1 entry, or pressed caches alone
-RECORDED, WHOLE_ENTRY, PRESSED_ONLY = 0, 1, 2
+# what makes a key a context: its record, a format-1 entry, or owned entries that stand for it alone
+# (pressed caches: kvstore.store.kinds)
+RECORDED, WHOLE_ENTRY, OWNED_ONLY = 0, 1, 2
 
 
 class ContextTable(_Values[ContextInfo]):
@@ -372,7 +373,7 @@ class ContextTable(_Values[ContextInfo]):
     def chunk_keys(self, i: int) -> tuple[str, ...]:
         return tuple(self.chunk_key(r) for r in self.rows(i))
 
-    def derived_of(self, i: int) -> tuple[DerivedInfo, ...]:
+    def owned_of(self, i: int) -> tuple[DerivedInfo, ...]:
         return self.derived.get(self.keys[i], ())
 
     def n_tokens(self, i: int) -> int:
@@ -383,19 +384,19 @@ class ContextTable(_Values[ContextInfo]):
         e = self.entries
         return sum(e.stored(r) for r in self.rows(i) if r >= 0)
 
-    def derived_bytes(self, i: int) -> int:
-        return sum(d.stored_bytes for d in self.derived_of(i))
+    def owned_bytes(self, i: int) -> int:
+        return sum(d.stored_bytes for d in self.owned_of(i))
 
     def created(self, i: int) -> float:
         e = self.entries
-        first = [e.created(r) for r in self.rows(i) if r >= 0] + [d.created for d in self.derived_of(i)]
+        first = [e.created(r) for r in self.rows(i) if r >= 0] + [d.created for d in self.owned_of(i)]
         return min(first, default=self._created[i])
 
     def last_access(self, i: int) -> float | None:
         e = self.entries
         used = [t for t in (e.access_of(self.chunk_key(r)) if r < 0 else e.last_access(r) for r in self.rows(i))
                 if t is not None]  # fmt: skip
-        used += [d.last_access for d in self.derived_of(i) if d.last_access is not None]
+        used += [d.last_access for d in self.owned_of(i) if d.last_access is not None]
         return max(used) if used else None
 
     def last_used(self, i: int) -> float:
@@ -409,7 +410,7 @@ class ContextTable(_Values[ContextInfo]):
         if rows and rows[0] >= 0:
             p = self.entries.profile(rows[0])
             return p.model, p.model_name
-        d = self.derived_of(i)
+        d = self.owned_of(i)
         return (d[0].model, d[0].model_name) if d else ("?", "?")
 
     def problem(self, i: int) -> str:
@@ -433,7 +434,7 @@ class ContextTable(_Values[ContextInfo]):
             key=self.keys[i], n_tokens=self._tokens[i], chunks=self.chunk_keys(i), stored_bytes=self.stored(i),
             raw_bytes=sum(e.raw(r) for r in present), kv_bytes=sum(e.profile(r).kv_bytes for r in present),
             missing=len(rows) - len(present), first=e.info(rows[0]) if rows and rows[0] >= 0 else None,
-            created=self.created(i), last_access=self.last_access(i), derived=self.derived_of(i),
+            created=self.created(i), last_access=self.last_access(i), derived=self.owned_of(i),
         )  # fmt: skip
 
 
@@ -460,7 +461,7 @@ def context_table_of(entries: EntryTable, contexts: Iterable[ContextInfo], deriv
     extra: list[DerivedInfo] = list(derived)
     for c in contexts:
         whole = len(c.chunks) == 1 and c.first is not None and c.first.header.format == 1
-        kind = PRESSED_ONLY if not c.chunks else WHOLE_ENTRY if whole else RECORDED
+        kind = OWNED_ONLY if not c.chunks else WHOLE_ENTRY if whole else RECORDED
         table.add(c.key, c.chunks, c.n_tokens, c.created, kind)
         extra += c.derived
     table.attach({(d.context, d.key): d for d in extra}.values())
@@ -469,7 +470,7 @@ def context_table_of(entries: EntryTable, contexts: Iterable[ContextInfo], deriv
 
 
 __all__ = [
-    "PRESSED_ONLY",
+    "OWNED_ONLY",
     "RECORDED",
     "WHOLE_ENTRY",
     "ByKey",

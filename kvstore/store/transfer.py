@@ -32,10 +32,11 @@ from kvstore.errors import CorruptEntryError, FormatVersionError, KVStoreError, 
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.derived import decode_derived
-from kvstore.store.derived_header import PRESSED, read_derived_header
+from kvstore.store.derived_header import read_derived_header
 from kvstore.store.entry import decode_entry
 from kvstore.store.header import STORE_FORMAT, peek_frame
-from kvstore.store.keyspace import DERIVED, ENTRY, META, derived_of, key_of
+from kvstore.store.keyspace import ENTRY, META, OWNED, key_of, owner_of
+from kvstore.store.kinds import stands_for_context
 
 BATCH_RECORDS = 256  # records read, verified and written together (held in memory until written)
 BATCH_BYTES = 64 << 20  # ... and about this many bytes of them
@@ -61,7 +62,7 @@ class SyncPlan:
     @property
     def derived(self) -> int:
         """Derived entries among the records to copy."""
-        return sum(k.startswith(DERIVED) for k in self.missing)
+        return sum(k.startswith(OWNED) for k in self.missing)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
     missing = [k for k in records if k not in have]
     # entries, then the records about them, then derived entries (pressed caches before scores: a
     # context stored only as pressed caches arrives before anything that derives from it)
-    missing.sort(key=lambda k: (_phase(k), _scores_last(src, k), k))
+    missing.sort(key=lambda k: (_phase(k), _owned_last(src, k), k))
     return SyncPlan(
         src=src_name,
         dst=dst_name,
@@ -147,26 +148,27 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
 
 def _phase(key: bytes) -> int:
     """When a record is copied: entries (0), the records about them (1), derived entries (2)."""
-    return 0 if key.startswith(ENTRY) else 2 if key.startswith(DERIVED) else 1
+    return 0 if key.startswith(ENTRY) else 2 if key.startswith(OWNED) else 1
 
 
-def _scores_last(src: Backend, key: bytes) -> int:
-    """1 for a derived entry of scores (or one whose header does not read), 0 for anything else."""
-    if not key.startswith(DERIVED):
+def _owned_last(src: Backend, key: bytes) -> int:
+    """1 for an owned entry that does not stand for its context (scores; or one whose header does
+    not read), 0 for anything else: those that do (pressed caches) are copied first."""
+    if not key.startswith(OWNED):
         return 0
     try:
         got = peek_frame(src, key, read_derived_header)
     except (CorruptEntryError, FormatVersionError):
         return 1
-    return 0 if got is not None and got[0].kind == PRESSED else 1
+    return 0 if got is not None and stands_for_context(got[0].kind) else 1
 
 
 def _check(key: bytes, buf: memoryview) -> None:
     """Raise CorruptEntryError or FormatVersionError unless the entry or derived entry ``key`` reads."""
     if key.startswith(ENTRY):
         decode_entry(buf, key=key_of(key, ENTRY, errors="replace"))
-    elif key.startswith(DERIVED):
-        named = derived_of(key)
+    elif key.startswith(OWNED):
+        named = owner_of(key)
         if named is None:
             raise CorruptEntryError("its name names no context and key")
         if decode_derived(buf, key=named[1]).header.context != named[0]:
@@ -188,7 +190,7 @@ def _read(src: Backend, key: bytes) -> tuple[str, bytes | None, str]:
 
 def _name(key: bytes) -> str:
     """How a report names a stored entry: its key (a derived entry's with its context)."""
-    named = derived_of(key)
+    named = owner_of(key)
     if named is not None:
         return f"{named[1]} (derived entry of context {named[0][:16]})"
     return key_of(key, ENTRY, errors="replace")
@@ -220,7 +222,7 @@ def execute_sync(
             if outcome == "copied":
                 totals["bytes"] += size
                 totals["entries"] += key.startswith(ENTRY)
-                totals["derived"] += key.startswith(DERIVED)
+                totals["derived"] += key.startswith(OWNED)
             elif outcome == "corrupt":
                 corrupt.append((_name(key), reason))
             if progress is not None:

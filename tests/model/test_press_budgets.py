@@ -25,7 +25,17 @@ from helpers.rows import random_ids
 from helpers.tiny import make_tiny_model
 from kvstore.errors import PressError
 from kvstore.model.adapter import Adapter
-from kvstore.model.press.registry import register_press, unregister_press
+from kvstore.model.press.registry import (
+    BudgetRule,
+    Param,
+    budget_names,
+    press_catalog,
+    press_table,
+    register_budget,
+    register_press,
+    unregister_budget,
+    unregister_press,
+)
 from kvstore.model.press.select import PressMemo, kept_positions
 from kvstore.model.press.spec import parse_press
 from kvstore.model.stages.answer import prefill_contexts
@@ -430,6 +440,42 @@ def test_a_press_registered_from_python_works_by_name_everywhere(eager, rows):
         unregister_press("vnorm_test")
     with pytest.raises(PressError, match="unknown press 'vnorm_test'"):
         parse_press("vnorm_test:0.5")
+
+
+def _keep_first(press, scores, c):
+    """A toy budget: every head keeps its first ``n_kept(c) - skip`` positions, whatever they score."""
+    n = press.n_kept(c) - int(press.param("skip"))
+    return [torch.arange(c, device=s.device).expand(s.shape) < n for s in scores]
+
+
+def test_a_budget_registered_from_python_is_a_record_with_its_keep_function(eager, rows):
+    contexts, questions = rows
+    register_budget(BudgetRule("first_test", (Param("skip", 0, "positions fewer"),), "the first n", keep=_keep_first))
+    try:
+        assert "first_test" in budget_names() and "first_test(skip=0)" in press_catalog()
+        assert "| `first_test` | the first n | `skip=0` |" in press_table()
+        cache = prefill_contexts(eager.handle, contexts, 1, False)
+        for spec, n in (("knorm:0.5:first_test", max(1, int(len(contexts[0]) * 0.5))),
+                        ("knorm:0.5:first_test:skip=3", max(1, int(len(contexts[0]) * 0.5)) - 3)):  # fmt: skip
+            kept = kept_positions(eager.handle, cache, parse_press(spec), 0, PressMemo())
+            assert all(head.tolist() == list(range(n)) for layer in kept for head in layer)
+        with KVStore("memory://", chunk_tokens=32) as store:  # through a pipeline, by name
+            swept = _sweep(eager, contexts, questions, ["knorm:0.5:first_test"], store=store)
+        assert swept["knorm:0.5:first_test"].tokens.shape[0] == len(contexts)
+        with pytest.raises(PressError, match="built in"):
+            unregister_budget("head")
+    finally:
+        unregister_budget("first_test")
+    with pytest.raises(PressError, match="keep must be a function"):
+        register_budget(BudgetRule("nokeep_test", (), "nothing"))
+    register_budget(
+        BudgetRule("bad_test", (), "wrong shapes", keep=lambda press, scores, c: [s > 0 for s in scores[:1]])
+    )
+    try:
+        with pytest.raises(PressError, match="one bool mask per layer"):
+            kept_positions(eager.handle, cache, parse_press("knorm:0.5:bad_test"), 0, PressMemo())
+    finally:
+        unregister_budget("bad_test")
 
 
 def test_a_registered_scorer_of_the_wrong_shape_is_one_line_naming_the_spec(eager, rows):

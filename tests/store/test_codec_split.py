@@ -371,7 +371,7 @@ def test_a_reader_of_format_2_refuses_a_format_3_entry_instead_of_taking_it_for_
     kvstore"), which its loads raise and its puts leave in place, where an unknown codec in a
     format-2 entry would have been a CorruptEntryError (a miss, recomputed and overwritten)."""
     from kvstore.errors import FormatVersionError
-    from kvstore.store import header as header_mod
+    from kvstore.store import frame as header_mod
 
     blob = golden_entry(torch.float32, "zstd-split:1:16")
     assert decode_entry(blob).header.format == 3

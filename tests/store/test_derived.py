@@ -20,7 +20,7 @@ from helpers.entries import assemble, bits, golden_facts, make_entry, split
 from helpers.paths import GOLDEN
 from kvstore.errors import CodecError, CorruptEntryError, CorruptEntryWarning, FormatVersionError, ReadOnlyStoreError
 from kvstore.store import derived as derived_mod
-from kvstore.store import header as header_mod
+from kvstore.store import frame as header_mod
 from kvstore.store.codecs import get_codec
 from kvstore.store.codecs.prerope import Rotary, rotate
 from kvstore.store.derived import (

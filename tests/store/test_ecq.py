@@ -183,7 +183,7 @@ def test_specs_keys_and_the_default_packing():
 def test_ecq_writes_format_4_which_a_format_3_reader_refuses(monkeypatch):
     """The previous release (entry format 3) does not know ecq: the entry says format 4, so it
     refuses it ("upgrade kvstore") instead of taking it for corrupt and overwriting it."""
-    from kvstore.store import header as header_mod
+    from kvstore.store import frame as header_mod
 
     assert get_codec("ecq").entry_format == 4 and get_codec("int4r").entry_format == 3
     blob = encode_entry(entry(), "ecq")

@@ -136,7 +136,7 @@ class CachePath(ABC):
         self, handle: ModelHandle, store: KVStore, jobs: Sequence[tuple[Chain, int]], writer: Writer,
         options: BuildOptions, progress: Progress | None, count: bool,
     ) -> BuildCounts:  # fmt: skip
-        """Compute and write ``(plan, stored depth)`` jobs: each plan's chunks from its depth on,
+        """Compute and write ``(chain, stored depth)`` jobs: each chain's chunks from its depth on,
         then (with ``count``: contexts, not shared prefixes) its record."""
 
     @abstractmethod

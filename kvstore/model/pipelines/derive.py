@@ -1,6 +1,6 @@
 """The derived part of a build: pressed caches and scores stored beside each context.
 
-For the contexts whose :class:`~kvstore.model.pipelines.build.ContextStep` lacks pressed caches or
+For the contexts whose :class:`~kvstore.model.plan.build.ContextStep` lacks pressed caches or
 scores, in batches: the dense cache is loaded (stored whole by the build's dense part, or before)
 or computed (``dense=False``: in memory, never stored; a lossy codec's round trip applied, as a
 stored chain would be), then each scorer's scores are computed once and stored

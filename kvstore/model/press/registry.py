@@ -105,12 +105,16 @@ class PressMethod:
 @dataclass(frozen=True)
 class BudgetRule:
     """How many tokens each layer and head keeps, given every token's scores (see the module
-    docstring); ``params`` are the budget's own; ``follows`` and ``summary`` for the docs."""
+    docstring); ``params`` are the budget's own; ``follows`` and ``summary`` for the docs. ``keep``:
+    ``keep(press, scores, c) -> masks``, per layer a ``[kv_heads, c]`` bool mask of the tokens kept
+    from that layer's ``[kv_heads, c]`` scores (higher is kept) for a ratio above 0 and ``c > 0``
+    tokens; or a ``module:function`` naming one (the built-ins': :mod:`kvstore.model.press.budgets`)."""
 
     name: str
     params: tuple[Param, ...]
     summary: str
     follows: str = ""
+    keep: Callable[..., Any] | str = ""
 
     def param(self, name: str) -> Param | None:
         return next((p for p in self.params if p.name == name), None)
@@ -118,6 +122,13 @@ class BudgetRule:
     @property
     def defaults(self) -> Mapping[str, ParamValue]:
         return MappingProxyType({p.name: p.default for p in self.params})
+
+    def load_keep(self) -> Callable[..., Any]:
+        """The ``keep`` function (imported on first use when named by ``module:function``)."""
+        if callable(self.keep):
+            return self.keep
+        module, _, fn = self.keep.partition(":")
+        return getattr(importlib.import_module(module), fn)
 
 
 _lock = threading.Lock()
@@ -141,8 +152,12 @@ def _check_params(owner: str, params: tuple[Param, ...]) -> None:
 
 
 def register_budget(rule: BudgetRule) -> BudgetRule:
-    """Add a budget rule (built-ins only: the selection code knows each by name)."""
+    """Add a budget (its record, with its ``keep`` function): then ``PRESS:RATIO:NAME`` selects
+    with it wherever a press spec works, and the catalog, the help and docs/presses.md's table list
+    it. Raises PressError for a bad name or parameter, a name a press has, or no ``keep``."""
     _check_name(rule.name, "budget")
+    if not (callable(rule.keep) or (isinstance(rule.keep, str) and ":" in rule.keep)):
+        raise PressError(f"budget {rule.name}: keep must be a function or 'module:function'")
     _check_params(f"budget {rule.name}", rule.params)
     with _lock:
         if rule.name in _PRESSES:
@@ -285,6 +300,15 @@ def unregister_press(name: str) -> None:
         _PRESSES.pop(name, None)
 
 
+def unregister_budget(name: str) -> None:
+    """Remove a budget :func:`register_budget` added (a built-in one stays: PressError)."""
+    rule = _BUDGETS.get(name)
+    if rule is not None and isinstance(rule.keep, str) and rule.keep.startswith("kvstore."):
+        raise PressError(f"budget {name!r} is built in")
+    with _lock:
+        _BUDGETS.pop(name, None)
+
+
 def press_method(name: str) -> PressMethod | None:
     return _PRESSES.get(name)
 
@@ -342,15 +366,19 @@ def _text(v: ParamValue) -> str:
 
 # -- the built-ins ----------------------------------------------------------------------------------
 _S = "kvstore.model.press.scorers:"
+_B = "kvstore.model.press.budgets:keep_"
 
 for _rule in (
-    BudgetRule("head", (), "every KV head keeps int(c(1 - ratio)) of its tokens (kvpress's ScorerPress)"),
+    BudgetRule(
+        "head", (), "every KV head keeps int(c(1 - ratio)) of its tokens (kvpress's ScorerPress)", keep=_B + "head"
+    ),
     BudgetRule(
         "adakv",
         (Param("alpha_safeguard", 0.2, "each head keeps at least this share of a head's budget"),),
         "a layer keeps int(c(1 - ratio)) tokens per head in all, shared by its heads by score; each head keeps at "
         "least int(alpha_safeguard x that) of its best tokens",
         "AdaKVPress, Feng et al. 2024 (arXiv 2407.11550)",
+        _B + "adakv",
     ),
     BudgetRule(
         "pyramid",
@@ -359,18 +387,21 @@ for _rule in (
         "layers' mean c(1 - ratio), the first layer at most c - window (the press's window, else 64); where "
         "the schedule does not fit, every layer round(c(1 - ratio))",
         "PyramidKVPress, Cai et al. 2024 (arXiv 2406.02069)",
+        _B + "pyramid",
     ),
     BudgetRule(
         "global",
         (),
         "one cut over every layer and head: the int(L H c ratio) lowest scores of the context go",
         "KVzipPress (its default, non-uniform budgets)",
+        _B + "global",
     ),
     BudgetRule(
         "layer",
         (),
         "one cut per layer over its heads: each layer drops its int(H c ratio) lowest scores",
         "KVzipPress(layerwise=True)",
+        _B + "layer",
     ),
 ):
     register_budget(_rule)
@@ -452,5 +483,6 @@ __all__ = [
     "register_budget",
     "register_press",
     "scorer_identity",
+    "unregister_budget",
     "unregister_press",
 ]

@@ -4,20 +4,10 @@
 press: its scorer (:mod:`kvstore.model.press.scorers`, :mod:`kvstore.model.press.kvzip`) on the
 row's cached keys and values, after the forward it reads (an observation window, a re-run of the
 context, a replay; :func:`kvstore.model.press.window.run_on_row`), or the question's queries with
-``:q``. :func:`kept_masks` applies the press's budget (:mod:`kvstore.model.press.registry`):
-
-* ``head``: every head keeps ``n = int(c(1 - ratio))`` (at least 1) of its best tokens;
-* ``adakv``: each head first keeps its ``int(n alpha_safeguard)`` best (at least 1 when alpha > 0),
-  then the layer keeps its ``H n`` best pairs over all heads (kvpress's AdaKVPress);
-* ``pyramid``: every head of layer ``l`` keeps ``n_l`` (PyramidKV's linear schedule, as kvpress's
-  ``PyramidKVPress.get_layer_budget``; its fallback ``round(c(1 - ratio))`` where the schedule does
-  not fit the context);
-* ``global``: the row drops its ``int(L H c ratio)`` lowest-scored pairs over every layer and head;
-* ``layer``: each layer drops its ``int(H c ratio)`` lowest over its heads.
-
-Ties are broken by the lower index: the lower position within a head, the lower head within a
-layer, the lower layer (a stable sort; kvpress uses ``torch.topk``, which breaks ties in no fixed
-order). A ratio of 0 keeps every token under every budget (the dense cache, bit for bit).
+``:q``. :func:`kept_masks` applies the press's budget: its record in the registry
+(:mod:`kvstore.model.press.registry`) holds the ``keep`` function (the built-ins':
+:mod:`kvstore.model.press.budgets`). A ratio of 0 keeps every token under every budget (the dense
+cache, bit for bit).
 
 A :class:`PressMemo` holds what one batch's presses share: the observation windows' queries (one
 forward per distinct context and window size), each scorer's scores per context (every ratio and
@@ -34,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvstore.errors import PressError
 from kvstore.model.compute.cache import BatchCache
 from kvstore.model.press.scorers import LayerInputs, RowContext, check_scores, record_shapes
 from kvstore.model.press.spec import Press, ScoringTokens
@@ -147,67 +138,15 @@ def row_scores(
     return out
 
 
-def _top(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """A bool mask of the ``n`` highest of the last dimension's ``scores`` (ties: lower index)."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n]
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, order, True)
-
-
-def pyramid_budget(press: Press, c: int, layer: int, n_layers: int) -> int:
-    """Tokens every head of ``layer`` keeps under the ``pyramid`` budget (see the module docstring)."""
-    window = int(press.param("window")) if press.has_param("window") else 64
-    beta = int(press.param("beta"))
-    most = window + c * (1 - press.ratio)
-    low = (most - window) / beta
-    high = (most - window) * 2 - low
-    if high >= c - window:
-        high = c - window
-        low = (most - window) * 2 - high
-    if not (c >= high >= low >= window):
-        return max(1, round(c * (1 - press.ratio)))
-    steps = (high - low) / (n_layers - 1) if n_layers > 1 else 0.0
-    return max(1, min(c, round(high - layer * steps)))
-
-
 def kept_masks(press: Press, scores: Sequence[torch.Tensor], c: int) -> list[torch.Tensor]:
-    """Per layer ``[kv_heads, c]`` bool: the tokens each head keeps under ``press``'s budget."""
+    """Per layer ``[kv_heads, c]`` bool: the tokens each head keeps under ``press``'s budget (its
+    registry record's ``keep``: :mod:`kvstore.model.press.budgets`)."""
     if press.ratio == 0 or c == 0:
         return [torch.ones(s.shape, dtype=torch.bool, device=s.device) for s in scores]
-    budget = press.budget
-    if budget == "global":
-        flat = torch.cat([s.reshape(-1) for s in scores])
-        keep = _top(flat, flat.numel() - int(flat.numel() * press.ratio))
-        return _unflatten(keep, scores)
-    out = []
-    n = press.n_kept(c)
-    for i, s in enumerate(scores):
-        H = s.shape[0]
-        if budget == "head":
-            out.append(_top(s, n))
-        elif budget == "pyramid":
-            out.append(_top(s, pyramid_budget(press, c, i, len(scores))))
-        elif budget == "layer":
-            out.append(_top(s.reshape(-1), H * c - int(H * c * press.ratio)).view(H, c))
-        elif budget == "adakv":
-            alpha = float(press.param("alpha_safeguard"))
-            safe = int(n * alpha)
-            if alpha > 0:
-                safe = max(1, safe) if n > 0 else 0
-            forced = s.clone()
-            if safe:
-                forced[_top(s, safe)] = torch.inf
-            out.append(_top(forced.reshape(-1), H * n).view(H, c))
-        else:  # pragma: no cover - the registry has no other budget
-            raise ValueError(f"unknown budget {budget!r}")
-    return out
-
-
-def _unflatten(keep: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    out, at = [], 0
-    for s in like:
-        out.append(keep[at : at + s.numel()].view(s.shape))
-        at += s.numel()
-    return out
+    masks = press.rule.load_keep()(press, scores, c)
+    if len(masks) != len(scores) or any(m.shape != s.shape or m.dtype != torch.bool for m, s in zip(masks, scores)):
+        raise PressError(f"budget {press.budget}: keep must return one bool mask per layer, shaped as its scores")
+    return list(masks)
 
 
 def kept_positions(
@@ -218,4 +157,4 @@ def kept_positions(
     return [[m[h].nonzero().flatten() for h in range(m.shape[0])] for m in masks]
 
 
-__all__ = ["Observations", "PressMemo", "ScoreSource", "kept_masks", "kept_positions", "pyramid_budget", "row_scores"]
+__all__ = ["Observations", "PressMemo", "ScoreSource", "kept_masks", "kept_positions", "row_scores"]

@@ -105,7 +105,7 @@ def derived_fits(handle: ModelHandle, view: DerivedView, chain: Chain, kind: str
         and h.n_tokens == chain.n_tokens
         and len(h.layers) == len(shapes)
         and all(
-            layer.kv_heads == heads and (kind == SCORES or layer.head_dim == dk)
+            layer.kv_heads == heads and layer.head_dim in (0, dk)  # 0: a kind keeping no keys (scores)
             for layer, (heads, dk, _) in zip(h.layers, shapes)
         )
     )

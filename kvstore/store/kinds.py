@@ -1,0 +1,173 @@
+"""The kinds of entry a store holds, in one table: chunks (a context's cache, chunk by chunk) and
+the entries a context owns (its scores, its pressed caches), each kind one object.
+
+An :class:`EntryKind` says how its entries read (header, sizes, tensors, decoding) and what the
+store's management makes of them; the store's ``has`` / ``open`` and its write-once put, its scan,
+gc, removal, sync, export, verify and stats ask the kind, never compare its name. An entry a
+context owns is stored under ``x/<context>/<key>`` in the format-5 frame
+(:mod:`kvstore.store.derived`); its header's ``kind`` names its row here.
+
+Adding a kind is one module defining it (an :class:`OwnedKind`, see
+:mod:`kvstore.store.kind_scores`) and one row in :data:`BUILTIN_KINDS`; :func:`register_kind`
+adds one at run time (a plug-in, a test).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+
+from kvstore.errors import CorruptEntryError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from kvstore.store.codecs import Codec, TensorRecord
+
+# an owned entry's header and layer record (kvstore.store.derived_header, which reads this table)
+DerivedHeader: TypeAlias = Any
+DerivedLayer: TypeAlias = Any
+
+
+class EntryKind(Protocol):
+    """What every kind of entry says of itself (chunks included)."""
+
+    name: str  # as an owned entry's header names its kind ("chunk" for chunk entries)
+    owned: bool  # stored under its context (x/<context>/<key>) rather than by its own key (e/<key>)
+    # its entries alone make their context known (a chain of chunks; a pressed cache, which serves
+    # the context by itself): written before the entries that only add to a context, removed after
+    stands_for_context: bool
+    noun: str  # how messages name one ("entry", "derived entry")
+
+    def address(self, key: str, owner: str = "") -> bytes:
+        """The backend key of the entry ``key`` (of the context ``owner``, for an owned kind)."""
+        ...
+
+    def read_header(self, buf: bytes | memoryview) -> tuple[Any, int]:
+        """``(header, payload offset)``, without verifying the checksum; CorruptEntryError."""
+        ...
+
+    def check_sizes(self, header: Any, payload_bytes: int) -> None:
+        """Raise CorruptEntryError unless the header's declared sizes agree (before allocating)."""
+        ...
+
+    def decode(self, buf: bytes | memoryview, *, key: str | None = None, threads: int = 1, lazy: bool = False,
+               checked: bool = False) -> Any:  # fmt: skip
+        """A verified view of the entry in ``buf``; CorruptEntryError or FormatVersionError."""
+        ...
+
+    def same_facts(self, old: Any, blob: bytes) -> bool:
+        """Whether the decoded stored entry ``old`` holds what the bytes ``blob`` (to be written
+        under the same key) do: then it is another writer's copy, kept."""
+        ...
+
+
+class OwnedKind(EntryKind, Protocol):
+    """A kind of entry a context owns (format 5): the shared header (:class:`DerivedHeader`) with
+    this kind's layer records and tensors."""
+
+    # keeps a part of the context's (token, head) pairs: listings show the kept fraction
+    keeps_part: bool
+    lossless_only: bool  # never quantized, whatever the codec (its key has no codec identity)
+
+    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> DerivedLayer:
+        """Layer ``i``'s record from the header, checked; CorruptEntryError."""
+        ...
+
+    def check_header(self, h: Mapping[str, Any]) -> str:
+        """Check the kind's own header fields; returns ``scores_dtype`` (``""`` where none)."""
+        ...
+
+    def value_bytes(self, header: DerivedHeader) -> int:
+        """Bytes of the stored values alone, uncompressed."""
+        ...
+
+    def tensor_names(self, header: DerivedHeader, codec: Codec) -> list[str]:
+        """The payload's tensor names, as the header and codec say they are."""
+        ...
+
+    def read_tensors(
+        self, header: DerivedHeader, records: Mapping[str, TensorRecord], codec: Codec
+    ) -> tuple[dict[tuple[int, int], tuple[Any, Any]], tuple[torch.Tensor, ...]]:
+        """``(keys and values by (layer, head), positions by layer)``, each checked against the
+        header (empty where the kind holds none); CorruptEntryError."""
+        ...
+
+    def export_tensors(self, view: Any) -> dict[str, torch.Tensor]:
+        """The tensors an export writes (``kvstore export``), by name."""
+        ...
+
+
+# The table: kind name -> "module:attribute" of its object, imported when first asked for (a kind
+# module imports the store's modules; the table stays below them).
+BUILTIN_KINDS: dict[str, str] = {
+    "chunk": "kvstore.store.entry:CHUNK",
+    "scores": "kvstore.store.kind_scores:KIND",
+    "pressed": "kvstore.store.kind_pressed:KIND",
+}
+_lock = threading.Lock()
+_loaded: dict[str, EntryKind] = {}
+
+
+def register_kind(kind: EntryKind) -> EntryKind:
+    """Add ``kind`` to the table (a kind of owned entry a store then reads, lists, verifies,
+    removes, syncs and exports); returns it. Raises ValueError for a name already taken."""
+    with _lock:
+        if kind.name in BUILTIN_KINDS or kind.name in _loaded:
+            raise ValueError(f"an entry kind {kind.name!r} is already registered")
+        _loaded[kind.name] = kind
+    return kind
+
+
+def unregister_kind(name: str) -> None:
+    """Remove a kind :func:`register_kind` added (built-in kinds stay)."""
+    if name not in BUILTIN_KINDS:
+        _loaded.pop(name, None)
+
+
+def find_kind(name: str) -> EntryKind | None:
+    """The kind named ``name``, or None for a name the table does not hold."""
+    got = _loaded.get(name)
+    if got is None and name in BUILTIN_KINDS:
+        module, _, attr = BUILTIN_KINDS[name].partition(":")
+        got = getattr(importlib.import_module(module), attr)
+        with _lock:
+            _loaded[name] = got
+    return got
+
+
+def kind_of(name: str) -> Any:
+    """The kind of owned entry named ``name`` (an :class:`OwnedKind`); CorruptEntryError for a
+    name that is no such kind."""
+    got = find_kind(name) if isinstance(name, str) else None
+    if got is None or not got.owned:
+        raise CorruptEntryError(f"derived entry header has an unknown kind {name!r}")
+    return got
+
+
+def stands_for_context(name: str) -> bool:
+    """Whether entries of the kind ``name`` alone make their context known (False for a name the
+    table does not hold: an unreadable entry stands for nothing)."""
+    kind = find_kind(name)
+    return kind is not None and kind.stands_for_context
+
+
+def keeps_part(name: str) -> bool:
+    """Whether entries of the kind ``name`` keep a part of their context (a kept fraction to show)."""
+    kind = find_kind(name)
+    return bool(getattr(kind, "keeps_part", False))
+
+
+__all__ = [
+    "BUILTIN_KINDS",
+    "EntryKind",
+    "OwnedKind",
+    "find_kind",
+    "keeps_part",
+    "kind_of",
+    "register_kind",
+    "stands_for_context",
+    "unregister_kind",
+]

@@ -1,0 +1,175 @@
+"""Entry kinds are one table (issue 40, item 1): a kind of entry a context owns defined here, in
+the test alone (one class and one ``register_kind``), is listed, counted, verified, removed with
+its context, collected as an orphan or as corrupt, synced and exported by the same commands as the
+built-in scores and pressed caches, with no line of the store's management knowing its name."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from helpers.entries import FP_TINY, make_chain, store_chain
+from kvstore.cli.main import app
+from kvstore.errors import CorruptEntryError
+from kvstore.store.codecs import get_codec
+from kvstore.store.derived import DerivedFacts, OwnedKindBase, encode_owned, owned_header
+from kvstore.store.derived_header import DerivedLayer
+from kvstore.store.frame import field_int
+from kvstore.store.gc import GcOptions, plan_gc
+from kvstore.store.keyspace import owned_key
+from kvstore.store.kinds import find_kind, register_kind, unregister_kind
+from kvstore.store.kvstore import KVStore
+from kvstore.store.removal import execute_plan
+
+LATER = 7200.0  # a plan made two hours later: past the default grace
+
+
+class SummaryKind(OwnedKindBase):
+    """A toy kind: each layer's per-head mean key norm, ``layers.{i}.summary`` float32 ``[kv_heads]``."""
+
+    name = "summary"
+    stands_for_context = False
+    keeps_part = False
+    lossless_only = True
+
+    def layer(self, record, n_tokens, i) -> DerivedLayer:
+        if set(record) != {"kv_heads"}:
+            raise CorruptEntryError(f"summary layer {i} is malformed")
+        return DerivedLayer(field_int(record, "kv_heads", 1))
+
+    def check_header(self, h) -> str:
+        return ""
+
+    def value_bytes(self, header) -> int:
+        return 4 * sum(layer.kv_heads for layer in header.layers)
+
+    def tensor_names(self, header, codec) -> list[str]:
+        return [f"layers.{i}.summary" for i in range(len(header.layers))]
+
+    def read_tensors(self, header, records, codec) -> tuple:
+        for i, layer in enumerate(header.layers):
+            rec = records[f"layers.{i}.summary"]
+            if rec.shape != (layer.kv_heads,) or rec.dtype != torch.float32:
+                raise CorruptEntryError(f"tensor {rec.name} does not match the header")
+        return {}, ()
+
+    def export_tensors(self, view) -> dict[str, torch.Tensor]:
+        return {name: view.records[name].materialize() for name in self.tensor_names(view.header, None)}
+
+
+@pytest.fixture
+def summary_kind():
+    kind = register_kind(SummaryKind())
+    yield kind
+    unregister_kind(kind.name)
+
+
+def summary_blob(context: str, n_tokens: int, seed: int = 0) -> tuple[str, bytes]:
+    facts = DerivedFacts(context, FP_TINY, "tiny", "float32", n_tokens, {"device": "cpu"})
+    g = torch.Generator().manual_seed(seed)
+    tensors = [(f"layers.{i}.summary", torch.rand(2, generator=g), None) for i in range(2)]
+    header = owned_header(facts, "summary", "mean-norm", {"method": "mean-norm"})
+    return encode_owned(header, [{"kv_heads": 2}] * 2, tensors, get_codec("raw"))
+
+
+def invoke(*args: str) -> Any:
+    return CliRunner().invoke(app, list(args))
+
+
+def populated(path: str) -> tuple[str, str, str]:
+    """A recorded context with a summary; a summary whose context is not stored (an orphan)."""
+    chain = make_chain(list(range(20, 33)))
+    orphan = "7" * 64
+    with KVStore(path) as s:
+        store_chain(s, chain)
+        context = chain[-1].key
+        key, blob = summary_blob(context, 13)
+        s.put_derived(blob)
+        orphan_key, orphan_blob = summary_blob(orphan, 9, seed=1)
+        s.put_derived(orphan_blob)
+    return context, key, orphan_key
+
+
+def test_a_kind_defined_in_a_test_is_managed_like_the_built_in_ones(tmp_path, summary_kind):
+    path = str(tmp_path / "store")
+    context, key, orphan_key = populated(path)
+
+    listed = json.loads(invoke("ls", "--store", path, "--derived", "--format", "json").stdout)
+    assert {(r["kind"], r["key"]) for r in listed} == {("summary", key), ("summary", orphan_key)}
+    assert all(r["kept_fraction"] is None for r in listed)  # keeps no part of its context
+    contexts = json.loads(invoke("ls", "--store", path, "--format", "json").stdout)
+    assert [d["key"] for c in contexts if c["key"] == context for d in c["derived"]] == [key]
+    assert "7" * 64 not in {c["key"] for c in contexts}  # a summary does not stand for its context
+
+    stats = json.loads(invoke("stats", "--store", path, "--format", "json").stdout)
+    assert [(k["kind"], k["entries"]) for k in stats["derived"]] == [("summary", 2)]
+
+    assert invoke("verify", "--store", path, "-q").exit_code == 0
+
+    out = tmp_path / "out"
+    r = invoke("export", "--store", path, str(out), "-q")
+    assert r.exit_code == 0, r.output
+    from safetensors.torch import load_file
+
+    exported = load_file(str(out / f"{context}.summary.{key}.safetensors"))
+    assert sorted(exported) == ["layers.0.summary", "layers.1.summary"]
+
+    dst = str(tmp_path / "copy")
+    r = invoke("sync", path, dst, "-q")
+    assert r.exit_code == 0, r.output
+    with KVStore(dst, readonly=True) as d:
+        assert d.derived_keys(context) == [key] and not d.verify().corrupt
+        assert d.has(summary_kind, key, context) and not d.has(summary_kind, key, "7" * 64)
+        with d.open(summary_kind, key, context) as view:  # the store's one open, for any kind
+            assert view is not None and view.header.kind == "summary"
+        chunk = find_kind("chunk")
+        assert chunk is not None and d.has(chunk, context)
+        with d.open(chunk, context) as view:
+            assert view is not None and view.header.key == context
+
+    with KVStore(path) as s:  # the orphan goes past the grace
+        plan = plan_gc(s.scan(), GcOptions(orphans=True), now=time.time() + LATER)
+        assert [(c, k) for c, k, _, _ in plan.derived] == [("7" * 64, orphan_key)]
+        execute_plan(s, plan)
+        assert s.derived_keys("7" * 64) == []
+
+    r = invoke("rm", "--store", path, context[:12], "--yes")  # its context goes, and the summary with it
+    assert r.exit_code == 0, r.output
+    with KVStore(path, readonly=True) as s:
+        assert s.derived_keys(context) == [] and len(s.scan().contexts) == 0
+
+
+def test_a_corrupt_entry_of_the_new_kind_is_found_and_collected(tmp_path, summary_kind):
+    path = str(tmp_path / "store")
+    context, key, _ = populated(path)
+    with KVStore(path) as s:
+        raw = bytearray(s.backend.get(owned_key(context, key)))
+        raw[-30] ^= 0xFF
+        s.backend.put(owned_key(context, key), bytes(raw))
+        with pytest.warns(UserWarning, match="corrupt"), s.open_derived(context, key) as view:
+            assert view is None  # a miss
+    assert invoke("verify", "--store", path, "-q").exit_code != 0
+    r = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")
+    assert r.exit_code == 0, r.output
+    with KVStore(path, readonly=True) as s:
+        assert s.derived_keys(context) == [] and not s.verify().corrupt
+
+
+def test_an_unregistered_kind_reads_as_corrupt_and_the_table_refuses_a_taken_name(tmp_path, summary_kind):
+    path = str(tmp_path / "store")
+    context, key, _ = populated(path)
+    unregister_kind("summary")
+    with KVStore(path, readonly=True) as s:
+        info = s.verify()
+        assert {c.key for c in info.corrupt} >= {key} and not info.derived
+        assert any("unknown kind 'summary'" in c.reason for c in info.corrupt)
+    register_kind(summary_kind)
+    with pytest.raises(ValueError, match="already registered"):
+        register_kind(SummaryKind())
+    with pytest.raises(ValueError, match="already registered"):
+        register_kind(find_kind("pressed"))  # type: ignore[arg-type]
