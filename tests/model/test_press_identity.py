@@ -19,8 +19,7 @@ from helpers.tiny import make_tiny_model
 from kvstore.model.adapter import Adapter
 from kvstore.model.press.registry import press_method, register_press, scorer_identity, unregister_press
 from kvstore.model.press.spec import parse_press
-from kvstore.model.press.stored import entry_spec
-from kvstore.store.derived import PRESSED, SCORES
+from kvstore.model.press.stored import pressed_spec, scores_spec
 from kvstore.store.kvstore import KVStore
 
 NAME = "vn_identity_test"
@@ -97,12 +96,12 @@ def test_a_version_bump_or_another_default_misses_and_built_in_keys_stay():
         unregister_press(NAME)
         register_press(NAME, _value_norm)
         assert press_method(NAME).identity == first
-        assert entry_spec(parse_press(f"{NAME}:0.5"), PRESSED) == f"{NAME}:0.5@{first}"
+        assert pressed_spec(parse_press(f"{NAME}:0.5")) == f"{NAME}:0.5@{first}"
     finally:
         unregister_press(NAME)
     # built-ins: the spec alone (their stored entries keep hitting; tests/golden pins the keys)
-    assert entry_spec(parse_press("kvzip:0.75"), PRESSED) == "kvzip:0.75"
-    assert entry_spec(parse_press("kvzip:0.75"), SCORES) == "kvzip:chunk=2048:n_sink=4:plus=false"
+    assert pressed_spec(parse_press("kvzip:0.75")) == "kvzip:0.75"
+    assert scores_spec(parse_press("kvzip:0.75")) == "kvzip:chunk=2048:n_sink=4:plus=false"
 
 
 def test_the_identity_follows_the_code_and_falls_back_to_the_name():

@@ -4,7 +4,8 @@ A query-agnostic press's scores (every press whose record is ``ratio_free``, wit
 on the context alone, so they are stored once per context as a derived entry
 (:mod:`kvstore.store.derived`, kind ``scores``, keyed by the context's key and the scorer with its
 parameters, :attr:`kvstore.model.press.spec.Press.scorer_spec`, and for a press registered with
-:func:`~kvstore.model.press.registry.register_press` its identity: :func:`entry_spec`): afterwards
+:func:`~kvstore.model.press.registry.register_press` its identity:
+:func:`scores_spec`, :func:`pressed_spec`): afterwards
 every ratio and budget of that press reads them and runs no scoring forward. :class:`StoredScores` is what a batch's
 :class:`~kvstore.model.press.select.PressMemo` asks first; a writable store gets the scores of a
 press that runs a scoring forward (a window, a re-run of the context, a replay) on their first use,
@@ -74,22 +75,30 @@ def press_record(press: Press) -> dict[str, Any]:
     }
 
 
-def entry_spec(press: Press, kind: str) -> str:
-    """The spec a derived entry of ``press`` is keyed by (and its header names): the scorer spec
-    for scores, the canonical press spec for a pressed cache, with a registered press's
+def _with_identity(press: Press, spec: str) -> str:
+    """``spec`` with a registered press's
     :attr:`~kvstore.model.press.registry.PressMethod.identity` after an ``@`` (a built-in's spec
     alone: their keys never change), so that a redefined press misses its old entries."""
-    spec = press.scorer_spec if kind == SCORES else press.name
     identity = press.record.identity
     return f"{spec}@{identity}" if identity else spec
 
 
+def scores_spec(press: Press) -> str:
+    """The spec ``press``'s stored scores are keyed by (and their header names): its scorer's."""
+    return _with_identity(press, press.scorer_spec)
+
+
+def pressed_spec(press: Press) -> str:
+    """The spec a pressed cache of ``press`` is keyed by (and its header names): the press's own."""
+    return _with_identity(press, press.name)
+
+
 def scores_key(chain: Chain, press: Press) -> str:
-    return derived_key_of(chain.context_key, SCORES, entry_spec(press, SCORES), "")
+    return derived_key_of(chain.context_key, SCORES, scores_spec(press), "")
 
 
 def pressed_key(chain: Chain, press: Press, codec: Codec) -> str:
-    return derived_key_of(chain.context_key, PRESSED, entry_spec(press, PRESSED), codec.identity)
+    return derived_key_of(chain.context_key, PRESSED, pressed_spec(press), codec.identity)
 
 
 def derived_fits(handle: ModelHandle, view: DerivedView, chain: Chain, kind: str) -> bool:
@@ -167,7 +176,7 @@ class StoredScores:
         exact = [
             s if s.dtype in (torch.float32, torch.float64) else s.float() for s in scores
         ]  # 16-bit: widened, exact
-        key, blob = encode_scores(facts(self.handle, chain), entry_spec(press, SCORES), press_record(press), exact,
+        key, blob = encode_scores(facts(self.handle, chain), scores_spec(press), press_record(press), exact,
                                   self.store.meta.codec)  # fmt: skip
         self.saved_bytes += self.store.put_derived(blob)
         self.saved.append(key)
@@ -175,7 +184,7 @@ class StoredScores:
 
 def encode_kept(handle: ModelHandle, chain: Chain, press: Press, kept: KeptLayers, codec: Codec) -> tuple[str, bytes]:
     """A row's kept tokens as a pressed derived entry: ``(derived key, bytes)``."""
-    spec = entry_spec(press, PRESSED)
+    spec = pressed_spec(press)
     return encode_pressed(facts(handle, chain), spec, press_record(press), kept, codec, rotary=handle.rotary)
 
 
@@ -228,7 +237,8 @@ __all__ = [
     "KeptLayers",
     "StoredScores",
     "encode_kept",
-    "entry_spec",
+    "pressed_spec",
+    "scores_spec",
     "facts",
     "derived_fits",
     "has_pressed",
