@@ -79,11 +79,15 @@ def _same(a, b) -> None:
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("spec", ["raw", "zstd-split:1", "zstd:1"])
-def test_the_ring_is_allocated_once_and_reused_by_every_load(tiny, monkeypatch, spec):
+@pytest.mark.parametrize(("spec", "piece"), [("raw", None), ("raw", 192), ("zstd-split:1", None), ("zstd:1", None)])
+def test_the_ring_is_allocated_once_and_reused_by_every_load(tiny, monkeypatch, spec, piece):
     """Loads take their slots from the handle's ring: the second and third loads allocate nothing
     (same buffers, same addresses), chunks rotate through the slots in chain order, and the
-    answers are the direct load's bit for bit."""
+    answers are the direct load's bit for bit. ``piece``: a raw chunk's bytes copied in pieces of
+    this many bytes (cut across records, on several threads) instead of the default."""
+    if piece is not None:
+        monkeypatch.setattr(staging, "PIECE", piece)
+        monkeypatch.setattr(staging, "ALIGN", 64)
     contexts, questions = _rows(tiny.tokenizer)
     with KVStore("memory://", codec=spec, chunk_tokens=CHUNK) as store:
         tiny.generate_kv_cache(contexts, store)
@@ -97,7 +101,13 @@ def test_the_ring_is_allocated_once_and_reused_by_every_load(tiny, monkeypatch, 
             real_send(self, slot, used, places)
 
         monkeypatch.setattr(staging.Ring, "send", spy)
+        one_by_one: list[int] = []
+        real_decode = staging._decode
+        monkeypatch.setattr(staging, "_decode", lambda *a: (one_by_one.append(1), real_decode(*a)))
         first = _sample(tiny, contexts, questions, store)
+        assert bool(one_by_one) == (spec != "raw"), (
+            "raw chunks are copied as runs of bytes, the others record by record"
+        )
         ring = staging.Ring.of(tiny.handle, torch.device("cpu"), force=True)
         buffers = [(s.host.data_ptr(), s.device.data_ptr()) for s in ring.slots if s is not None]
         allocations = ring.allocations

@@ -236,10 +236,7 @@ class Staging:
                 slot = self.ring.acquire(used) if staged else None
                 tasks = [functools.partial(self.copy_into, rec, dest) for rec, dest in on_device]
                 if slot is not None:
-                    tasks += [
-                        functools.partial(_decode, rec, slot.host, off, dest)
-                        for (rec, dest), off in zip(staged, offsets)
-                    ]
+                    tasks += _decode_tasks(staged, offsets, slot.host, threads)
                 errors = run_all(tasks, threads)
                 failed = next((e for e in errors if e is not None), None)
                 if failed is not None:
@@ -261,6 +258,62 @@ class Staging:
 
 def _decode(record, host: torch.Tensor, offset: int, like: torch.Tensor) -> None:
     record.copy_into(_view(host, offset, like))
+
+
+PIECE = 1 << 20  # bytes: the smallest piece of a run of raw bytes a thread copies
+
+
+def _plain(record, dest: torch.Tensor) -> torch.Tensor | None:
+    """The stored bytes of ``record`` when it is ``dest``'s values as they are (a ``raw`` record:
+    one 1-D uint8 view of the payload), else None."""
+    source = getattr(record, "source", None)
+    if source is None or getattr(record, "planes", None) is not None or getattr(record, "frames", None) is not None:
+        return None
+    if tuple(record.shape) != tuple(dest.shape) or record.dtype != dest.dtype or not source.is_contiguous():
+        return None
+    return source if source.numel() == dest.numel() * dest.element_size() else None
+
+
+def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[int], host: torch.Tensor,
+                  threads: int) -> list[Any]:  # fmt: skip
+    """The tasks that decode ``staged`` into ``host`` at ``offsets``: records whose bytes lie end to
+    end in the store and in the slot (a ``raw`` chunk: all of its keys and values) make one run,
+    copied as one memcpy cut into a piece per thread; every other record decodes on its own."""
+    tasks: list[Any] = []
+    run: list[tuple[torch.Tensor, int]] = []  # (stored bytes, offset in the slot)
+
+    def flush() -> None:
+        if not run:
+            return
+        first, start = run[0]
+        nbytes = run[-1][1] + run[-1][0].numel() - start
+        span = first.as_strided((nbytes,), (1,))  # the run's bytes: one view of the payload
+        share = -(-nbytes // max(threads, 1))  # bytes per thread, rounded up
+        step = max(PIECE, -(-share // ALIGN) * ALIGN)
+        tasks.extend(
+            functools.partial(torch.Tensor.copy_, host[start + a : start + min(a + step, nbytes)], span[a : a + step])
+            for a in range(0, nbytes, step)
+        )
+        run.clear()
+
+    for (rec, dest), off in zip(staged, offsets):
+        source = _plain(rec, dest)
+        if source is None:
+            flush()
+            tasks.append(functools.partial(_decode, rec, host, off, dest))
+            continue
+        if run:
+            prev, prev_off = run[-1]
+            follows = (
+                source.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+                and source.storage_offset() == prev.storage_offset() + prev.numel()
+                and off == prev_off + prev.numel()
+            )
+            if not follows:
+                flush()
+        run.append((source, off))
+    flush()
+    return tasks
 
 
 __all__ = ["ALIGN", "RING_SLOTS", "Ring", "Slot", "Staging"]
