@@ -15,13 +15,14 @@ local disk (512-token chunks); the device synchronized around every clock read. 
   ``x_floor`` and ``speedup_vs_recompute`` on every row. Codecs: ``raw``, the default
   ``zstd-split:1:16`` and ``int8`` (``--codecs``);
 * ``cold:CODEC``: the stored TTFT with the page cache dropped before each run (``echo 3 >
-  /proc/sys/vm/drop_caches``; recorded as not permitted where it is not);
+  /proc/sys/vm/drop_caches``; recorded as not permitted where it is not; not with ``--tiny``
+  unless ``--drop-caches``);
 * ``build:CODEC``: ``Adapter.build`` of the context into an empty store, seconds and
   ``x_recompute`` (at the longest context only, ``--build-at``);
 * ``build-press:PRESS``: ``build --press PRESS`` over the context stored with the default codec,
   and ``stored-press:PRESS``: the TTFT answering from those pressed entries (``--press-at``);
 * ``decode-step:eager`` / ``decode-step:compiled``: ms per decode step from a stored context
-  (``--decode-steps`` tokens against one; ``compile=True``).
+  (``--decode-steps`` tokens against one; ``compile=True``; not with ``--tiny`` unless ``--compile``).
 
 ``--tiny`` rehearses the whole protocol on any machine (CPU here): a tiny Llama shape (2 layers,
 hidden 128, 4 / 2 heads, head_dim 32, vocabulary 1,024), short contexts, 2 repeats; it writes
@@ -129,7 +130,7 @@ def extra_rows(adapter, n: int, args, scratch, base: dict, recompute_s: float) -
     del layers
     for codec, store in stores.items():
         cold: list[float] = []
-        for _ in range(min(args.repeats, 3)):
+        for _ in range(min(args.repeats, 3) if args.drop_caches else 0):
             why = drop_page_cache()
             if why is not None:
                 notes["cold"] = why
@@ -147,7 +148,7 @@ def extra_rows(adapter, n: int, args, scratch, base: dict, recompute_s: float) -
             codec=store.codec.spec)  # fmt: skip
     store = stores.get("raw") or next(iter(stores.values()))
     steps = args.decode_steps
-    for mode, compiled in (("eager", False), ("compiled", True)):
+    for mode, compiled in (("eager", False), ("compiled", True))[: 2 if args.compile else 1]:
         try:
             one = rs.timed(answer(store, compile=compiled), args.repeats, dev)
             more = rs.timed(answer(store, 1 + steps, compile=compiled), args.repeats, dev)
@@ -180,7 +181,15 @@ def main() -> None:
     p.add_argument("--recompute-repeats", type=int, default=3)
     p.add_argument("--recompute-budget-s", type=float, default=30.0)
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="time compiled decode steps too (default: yes, but not with --tiny)")  # fmt: skip
+    p.add_argument("--drop-caches", action=argparse.BooleanOptionalAction, default=None,
+                   help="time cold reads, dropping the page cache (default: yes, but not with --tiny)")  # fmt: skip
     args = bl.start(p)
+    if args.compile is None:
+        args.compile = not args.tiny  # torch.compile of a CPU model takes minutes of a rehearsal's two
+    if args.drop_caches is None:
+        args.drop_caches = not args.tiny  # a rehearsal on a shared machine leaves its page cache alone
     if args.tiny:
         for k, v in TINY.items():
             setattr(args, k, v)
