@@ -104,17 +104,21 @@ def test_staged_load_fills_the_buffers_as_a_direct_load(llama, forced, spec):
             plan = adapter.chain(ctx, store)
             direct_n, direct = _load(adapter, store, plan, 80, 1, 80 - len(ctx))
             st = staging.Staging(torch.device("cpu"), force=True)
+            own = []  # host tensors allocated for one upload or record (not ring slots)
+            st.host_like = lambda shape, dtype, own=own, real=st.host_like: own.append(shape) or real(shape, dtype)  # type: ignore[method-assign]
             staged_n, staged = _load(adapter, store, plan, 80, 1, 80 - len(ctx), st)
             assert staged_n == direct_n == len(ctx)
             for (kd, vd), (ks, vs) in zip(direct, staged):
                 assert torch.equal(bits(kd), bits(ks)) and torch.equal(bits(vd), bits(vs))
             chunks = len(plan.keys)
+            assert not own, "an upload or record allocated a host tensor of its own instead of using a ring slot"
             if spec.startswith(("int", "ecq")):  # dequantized where the buffers are, record by record
-                assert st.counts == {"chunks": 0, "device_decoded": 2 * n_layers * chunks, "records": 0,
-                                     "uploads": st.counts["uploads"]}  # fmt: skip
+                assert st.counts == {"chunks": 0, "device_chunks": chunks, "device_decoded": 2 * n_layers * chunks,
+                                     "records": 0, "uploads": st.counts["uploads"]}  # fmt: skip
                 assert st.counts["uploads"] >= 3 * 2 * n_layers * chunks  # codes, scales, zeros (+ sink)
             else:  # one ring slot and one copy per chunk, whatever the number of layers
-                assert st.counts == {"chunks": chunks, "device_decoded": 0, "records": 0, "uploads": 0}
+                assert st.counts == {"chunks": chunks, "device_chunks": 0, "device_decoded": 0, "records": 0,
+                                     "uploads": 0}  # fmt: skip
 
 
 def test_staged_answers_equal_direct_answers(llama, monkeypatch):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -127,17 +128,58 @@ class Ring:
             with self.on_stream():
                 slot.device[:used].copy_(slot.host[:used], non_blocking=self.cuda)
                 for offset, dest in places:
-                    dest.copy_(_view(slot.device, offset, dest), non_blocking=self.cuda)
+                    dest.copy_(_view(slot.device, offset, dest.shape, dest.dtype), non_blocking=self.cuda)
         finally:
             if self.stream is not None:
                 slot.done = torch.cuda.Event()
                 slot.done.record(self.stream)
 
+    def release(self, slot: Slot) -> None:
+        """Mark ``slot`` free once what was queued so far on the side stream is done (a chunk not
+        sent whose device-decoded records may have queued copies out of it)."""
+        if self.stream is not None:
+            slot.done = torch.cuda.Event()
+            slot.done.record(self.stream)
 
-def _view(buf: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``buf`` (uint8) at ``offset`` seen as a contiguous tensor shaped like ``like``."""
-    n = like.numel() * like.element_size()
-    return buf[offset : offset + n].view(like.dtype).view(like.shape)
+
+class SlotUploads:
+    """The ``stage`` of device-decoded records (int8/int4/ecq codes, scales, zeros) through a ring
+    slot: each tensor is copied into the slot's pinned bytes ``[start, end)`` (taken in turn, from
+    several threads), sent to the same bytes of the slot's device twin by a copy on the side stream,
+    and handed back as a view of them: no pinned allocation per tensor. A tensor that no longer
+    fits goes through :meth:`Staging.upload` instead."""
+
+    def __init__(self, staging: Staging, slot: Slot, start: int, end: int):
+        self.staging, self.slot, self.pos, self.end = staging, slot, start, end
+        self._lock = threading.Lock()
+
+    def __call__(self, source, device: torch.device) -> torch.Tensor:
+        shape, dtype = tuple(source.shape), source.dtype
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            offset = self.pos
+            fits = offset + nbytes <= self.end and torch.device(device) == self.slot.device.device
+            if fits:
+                self.pos = offset + -(-nbytes // ALIGN) * ALIGN
+        if not fits:
+            return self.staging.upload(source, device)
+        host = _view(self.slot.host, offset, shape, dtype)
+        if isinstance(source, torch.Tensor):
+            host.copy_(source)
+        else:
+            source.copy_into(host)
+        out = _view(self.slot.device, offset, shape, dtype)
+        ring = self.staging.ring
+        with ring.on_stream():
+            out.copy_(host, non_blocking=ring.cuda)
+        self.staging._count("uploads")
+        return out
+
+
+def _view(buf: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of ``buf`` (uint8) at ``offset`` seen as a contiguous ``shape``/``dtype`` tensor."""
+    n = math.prod(shape) * dtype.itemsize
+    return buf[offset : offset + n].view(dtype).view(tuple(shape))
 
 
 def _layout(dests: Sequence[torch.Tensor]) -> tuple[list[int], int]:
@@ -164,8 +206,9 @@ class Staging:
         self._hosts: list[torch.Tensor] = []
         self._lock = threading.Lock()
         # what went through this staging (tests and benchmarks read it): chunks sent through ring
-        # slots, records decoded on the device, tensors uploaded for them, records staged one by one
-        self.counts = {"chunks": 0, "device_decoded": 0, "uploads": 0, "records": 0}
+        # slots (of decoded values; of device-decoded records only), records decoded on the device,
+        # tensors uploaded for them, records staged one by one
+        self.counts = {"chunks": 0, "device_chunks": 0, "device_decoded": 0, "uploads": 0, "records": 0}
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -233,18 +276,31 @@ class Staging:
                 staged = [(rec, dest) for rec, dest in pairs if not getattr(rec, "device_decode", False)]
                 on_device = [(rec, dest) for rec, dest in pairs if getattr(rec, "device_decode", False)]
                 offsets, used = _layout([dest for _, dest in staged])
-                slot = self.ring.acquire(used) if staged else None
-                tasks = [functools.partial(self.copy_into, rec, dest) for rec, dest in on_device]
+                # a device-decoded record uploads fewer bytes than its decoded values take (codes
+                # of 1 byte or less per value, a few scales): its values' size bounds its share
+                _, reserve = _layout([dest for _, dest in on_device])
+                slot = self.ring.acquire(used + reserve) if pairs else None
+                tasks: list[Any] = []
+                if slot is not None and on_device:
+                    uploads = SlotUploads(self, slot, used, used + reserve)
+                    tasks += [functools.partial(self._decode_on_device, rec, dest, uploads) for rec, dest in on_device]
                 if slot is not None:
                     tasks += _decode_tasks(staged, offsets, slot.host, threads)
                 errors = run_all(tasks, threads)
                 failed = next((e for e in errors if e is not None), None)
                 if failed is not None:
+                    if slot is not None:
+                        self.ring.release(slot)  # copies its device-decoded records queued may still read it
                     return j, failed
                 if slot is not None:
                     self.ring.send(slot, used, [(off, dest) for (_, dest), off in zip(staged, offsets)])
-                    self._count("chunks")
+                    self._count("chunks" if staged else "device_chunks")
         return len(chunks), None
+
+    def _decode_on_device(self, record, dest: torch.Tensor, uploads: SlotUploads) -> None:
+        self._count("device_decoded")
+        with self.ring.on_stream():
+            record.copy_into(dest, stage=uploads)
 
     def finish(self) -> None:
         """Order the compute stream after every queued copy and device decode; release the host
@@ -257,7 +313,7 @@ class Staging:
 
 
 def _decode(record, host: torch.Tensor, offset: int, like: torch.Tensor) -> None:
-    record.copy_into(_view(host, offset, like))
+    record.copy_into(_view(host, offset, like.shape, like.dtype))
 
 
 PIECE = 1 << 20  # bytes: the smallest piece of a run of raw bytes a thread copies
@@ -316,4 +372,4 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
     return tasks
 
 
-__all__ = ["ALIGN", "RING_SLOTS", "Ring", "Slot", "Staging"]
+__all__ = ["ALIGN", "RING_SLOTS", "Ring", "Slot", "SlotUploads", "Staging"]
