@@ -158,7 +158,7 @@ class SlotUploads:
         nbytes = math.prod(shape) * dtype.itemsize
         with self._lock:
             offset = self.pos
-            fits = offset + nbytes <= self.end and torch.device(device) == self.slot.device.device
+            fits = offset + nbytes <= self.end and _same_device(torch.device(device), self.slot.device.device)
             if fits:
                 self.pos = offset + -(-nbytes // ALIGN) * ALIGN
         if not fits:
@@ -174,6 +174,17 @@ class SlotUploads:
             out.copy_(host, non_blocking=ring.cuda)
         self.staging._count("uploads")
         return out
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are one device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or (a.index is not None and b.index is not None):
+        return a.index == b.index or a.type == "cpu"
+    return (a.index if a.index is not None else torch.cuda.current_device()) == (
+        b.index if b.index is not None else torch.cuda.current_device()
+    )
 
 
 def _view(buf: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
