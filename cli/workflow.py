@@ -418,6 +418,9 @@ def sample(
         "lossy": kv is not None and not kv.codec.lossless,
         "prefill_tokens_saved": result.prefill_tokens_saved,
         "prefill_tokens_computed": result.prefill_tokens_computed,
+        # the time batches waited for the next batch's load (run ahead on a worker): idle between batches
+        "load_wait_seconds": round(result.load_wait_seconds, 3) if options.use_cache else None,
+        "idle_share": round(result.load_wait_seconds / seconds, 4) if options.use_cache and seconds else None,
         "window_tokens_computed": result.window_tokens_computed if named else None,
         "replay_tokens_computed": result.replay_tokens_computed if named else None,
         "scoring_tokens_computed": result.scoring_tokens_computed if named else None,

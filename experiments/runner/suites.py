@@ -241,6 +241,12 @@ SUITES: tuple[Suite, ...] = (
           ("experiments/bench_families.py",), ("families",)),
     Suite("gpu_ttft", "Time to first token on a GPU", ("experiments/bench_gpu_ttft.py",), ("gpu_ttft",),
           quick=("--lengths", "1024", "--repeats", "2"), needs="a CUDA GPU"),
+    Suite("gpu_realsize", "An 8B model's stored contexts on one GPU: loads, TTFT, builds, cold reads, decode steps",
+          ("experiments/bench_gpu_realsize.py",), ("gpu_realsize",), quick=None, needs="a CUDA GPU"),
+    Suite("gpu_realsize_rehearsal", "The GPU suite's protocol rehearsed at a tiny shape (any device; not GPU figures)",
+          ("experiments/bench_gpu_realsize.py", "--tiny"), ("gpu_realsize_rehearsal",), quick=None),
+    Suite("load_host", "The host side of a load (store to staging slots) against a memcpy of the same bytes",
+          ("experiments/bench_load_host.py",), ("load_host",)),
     Suite("realsize", "Time to first token at real model sizes (1B shapes, random weights)",
           ("experiments/bench_realsize.py",), ("realsize",)),
     # the long set alone: --sets long --cost-rows 0 --stem sparse_long

@@ -76,6 +76,8 @@ def test_build_then_sample_matches_no_cache(tiny_llama_dir, data, tmp_path):
     assert all(r["cache_hit"] for r in c_rows) and not any(r["cache_hit"] for r in r_rows)
     for key in ("accuracy", "exact_match", "f1", "questions_per_second"):
         assert cached[key] is not None
+    assert cached["load_wait_seconds"] >= 0 and 0 <= cached["idle_share"] <= 1  # loads run ahead: their wait
+    assert ref["load_wait_seconds"] is None and ref["idle_share"] is None  # no store, nothing loaded
     # make demo (experiments/demo.py) reads these summaries: every field it uses must exist
 
     demo = (REPO / "experiments" / "demo.py").read_text()

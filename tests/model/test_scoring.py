@@ -397,3 +397,34 @@ def test_a_hooked_rolling_run_stores_no_hooked_keys_and_values():
         got = adapter.score([ids], [" and"], store=store)
     want = adapter.score([ids], [" and"], use_cache=False)
     assert abs(got.logprobs[0] - want.logprobs[0]) <= TOL[F64]
+
+
+def test_scoring_loads_the_next_batch_ahead_and_counts_the_wait(tiny_llama, monkeypatch):
+    """With a store, each batch's load after the first runs on the loader thread while the batch
+    before it scores (as sampling's does), the scores equal those of loads made in turn, and the
+    time scoring waited for them is reported (here each load is made to take 0.3 s longer)."""
+    import threading
+    import time
+
+    from kvstore.model.pipelines import score as score_mod
+
+    adapter = Adapter(*tiny_llama)
+    contexts = [CORPUS[i % len(CORPUS)] for i in range(3)]
+    conts = [" a", " b c", " d"]
+    with KVStore("memory://", chunk_tokens=16) as store:
+        adapter.score(contexts, conts, store=store, batch_size=1)  # stored
+        in_turn = adapter.score(contexts, conts, store=store, batch_size=1)
+        threads: list[str] = []
+        real_load = score_mod.load
+
+        def slow_load(*args):
+            threads.append(threading.current_thread().name)
+            time.sleep(0.3)
+            return real_load(*args)
+
+        monkeypatch.setattr(score_mod, "load", slow_load)
+        ahead = adapter.score(contexts, conts, store=store, batch_size=1)
+    assert len(threads) == 2 and all(t.startswith("kvstore-load") for t in threads), threads
+    assert [r.logprob for r in ahead.rows] == [r.logprob for r in in_turn.rows]
+    assert ahead.load_wait_seconds >= 0.2, "the wait for the loads done ahead was not counted"
+    assert in_turn.load_wait_seconds < ahead.load_wait_seconds

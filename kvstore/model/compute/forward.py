@@ -8,6 +8,7 @@ greedy loop. They import nothing from the stages, paths or pipelines, which all 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
         return True
     return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def loaded_ahead(future: Future) -> Any:
+    """The result of a load run ahead on a worker, or None when it ran out of memory (the batch then
+    loads itself, and halves on its own out-of-memory error)."""
+    try:
+        return future.result()
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            return None
+        raise
 
 
 def in_halves(run: Callable[[list[int]], list[Any]], items: list[int], handle: ModelHandle) -> list[Any]:
@@ -254,6 +266,7 @@ __all__ = [
     "extend",
     "greedy_loop",
     "in_halves",
+    "loaded_ahead",
     "is_out_of_memory",
     "prefill",
     "right_padded",

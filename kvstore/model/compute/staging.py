@@ -1,27 +1,32 @@
-"""Host staging for loads into accelerator memory: pinned buffers, one asynchronous copy per
-layer, and dequantization on the device.
+"""Host staging for loads into accelerator memory: a ring of pinned buffers allocated once, one
+large host-to-device copy per stored chunk on a side stream, and dequantization on the device.
 
 Stored records decode on the CPU (checksum, zstd, unshuffle). Into a CUDA batch buffer, a plain
-``dest.copy_(host)`` from pageable memory is synchronous and goes through a driver bounce buffer.
-:class:`Staging` instead:
+``dest.copy_(host)`` from pageable memory is synchronous and goes through a driver bounce buffer,
+and a pinned allocation per load costs more than the copy. :class:`Staging` instead:
 
-* **regions** (:meth:`Staging.region`): the records of one layer's keys (or values) over a run of
-  chunks decode straight into one **pinned** host tensor shaped like their span of the batch
-  buffer (raw bytes: one memcpy out of the store's map), and the last record to land queues one
-  host-to-device copy of the whole span on a side stream (``non_blocking=True``). The copy of one
-  layer overlaps with the decoding of the others;
-* **device decoding** (:meth:`Staging.copy_into` of a record with ``device_decode``, the int8/int4
-  readers): the record's codes go to the device as they are stored (uint8, a quarter or an eighth
-  of the bytes of float32 values) with their scales and zeros, each through a pinned tensor and an
-  asynchronous copy (:meth:`Staging.upload`), and the reader dequantizes on the device, on the side
-  stream;
-* anything else decodes into a pinned host tensor of its own and is copied asynchronously.
+* **chunks** (:meth:`Staging.load_chunks`): every key and value record of one stored chunk decodes
+  (on the load threads: memcpy and zstd release the GIL) into a **slot of a ring** (:class:`Ring`)
+  of pinned host buffers, laid end to end (64-byte aligned); then, on a side stream, **one**
+  host-to-device copy moves the slot's bytes into its device twin (a 512-token chunk of an 8B model:
+  64 MiB), device-side copies move each record's span into its place in the left-padded batch
+  buffer, and an event marks the slot's copies done. The next chunk decodes into the next slot
+  while that copy runs; a slot is written again only after its event (so two or three slots
+  overlap the host's decoding with the copy engine). The ring belongs to the model handle
+  (:meth:`Ring.of`): its buffers are allocated once, grown only when a larger chunk comes, and
+  reused by every load;
+* **device decoding** (:meth:`Staging.copy_into` of a record with ``device_decode``, the
+  int8/int4/ecq readers): the record's codes go to the device as they are stored (uint8) with their
+  scales and zeros, each through a pinned tensor and an asynchronous copy (:meth:`Staging.upload`),
+  and the reader dequantizes on the device, on the side stream;
+* anything else (:meth:`Staging.copy_into`) decodes into a pinned host tensor of its own and is
+  copied asynchronously.
 
-:meth:`Staging.finish` makes the compute stream wait for the side stream and keeps every host
-tensor alive until the copies are done. None of this has run on a GPU yet (no GPU was lent when it
-was written): ``Staging(device, force=True)`` (tests) runs the same bookkeeping on CPU, with
-ordinary host tensors, synchronous copies and the device branch of the readers, so it is checked
-where no GPU is.
+:meth:`Staging.finish` makes the compute stream wait for the side stream (the host does not wait,
+unless tensors of their own were uploaded: those must outlive their copies). None of this has run
+on a GPU yet (no GPU was lent when it was written): ``Staging(device, force=True)`` (tests) runs
+the same bookkeeping on CPU, with ordinary host tensors as the slots and their "device" twins,
+synchronous copies and the device branch of the readers, so it is checked where no GPU is.
 
 On a CPU-only machine (``force`` off) there is nothing to stage: records decode straight into the
 destination.
@@ -30,45 +35,199 @@ destination.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
+from kvstore.parallel import run_all
 
-class Staging:
-    """Loads into ``device`` tensors through pinned host memory on a side stream (CUDA), or
-    directly (CPU); ``force``: stage on CPU too (tests: the same bookkeeping, ordinary memory,
-    synchronous copies). Its methods may be called from several threads at once."""
+ALIGN = 64  # bytes: every record's place in a slot starts here (any dtype's view, vectorized copies)
+RING_SLOTS = 3  # one decoding, one crossing PCIe, one spare (a chunk that decodes faster than it copies)
+_RING_ATTR = "_kvstore_staging_ring"
 
-    def __init__(self, device: torch.device, *, force: bool = False):
+
+class Slot:
+    """One buffer of a :class:`Ring`: ``host`` (uint8, pinned on CUDA), its ``device`` twin of the
+    same size, and ``done``: the event recorded after the last copies that read them (None before
+    the first use; on CPU copies are synchronous and there is no event)."""
+
+    def __init__(self, host: torch.Tensor, device: torch.Tensor):
+        self.host, self.device = host, device
+        self.done: Any = None
+        self.uses = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.host.numel()
+
+
+class Ring:
+    """``slots`` staging buffers for loads into ``device``, allocated on first use and reused:
+    a slot grows (is allocated again) only for a chunk larger than every slot so far. ``stream``:
+    the side stream the copies run on (CUDA). Loads take the ring one at a time (``lock``): a load
+    running ahead on a worker and a batch's own retry may overlap."""
+
+    def __init__(self, device: torch.device, *, force: bool = False, slots: int = RING_SLOTS):
         self.device = device
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
         self.active = self.cuda or force
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        if self.stream is not None:  # buffers allocated or zeroed on the compute stream come first
-            self.stream.wait_stream(torch.cuda.current_stream(device))
-        self._hosts: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-        # what went through this staging (tests and benchmarks read it): copies of whole regions,
-        # records decoded on the device, tensors uploaded for them, records staged one by one
-        self.counts = {"regions": 0, "device_decoded": 0, "uploads": 0, "records": 0}
+        self.slots: list[Slot | None] = [None] * max(1, slots)
+        self.next = 0
+        self.lock = threading.Lock()
+        self.allocations = 0  # buffers allocated so far, host and device twins counted once (tests)
 
-    def _count(self, what: str) -> None:
-        with self._lock:
-            self.counts[what] += 1
+    @classmethod
+    def of(cls, owner: Any, device: torch.device, *, force: bool = False) -> Ring:
+        """The ring ``owner`` (a model handle) keeps for ``device``, made on first use."""
+        ring = getattr(owner, _RING_ATTR, None)
+        if ring is None or ring.device != device or ring.active != (ring.cuda or force):
+            ring = cls(device, force=force)
+            setattr(owner, _RING_ATTR, ring)
+        return ring
 
-    def _keep(self, host: torch.Tensor) -> None:
-        with self._lock:
-            self._hosts.append(host)
+    def acquire(self, nbytes: int) -> Slot:
+        """The next slot, once the copies of its previous use are done, holding at least ``nbytes``
+        (call with ``lock`` held)."""
+        i = self.next
+        self.next = (i + 1) % len(self.slots)
+        slot = self.slots[i]
+        if slot is not None and slot.done is not None:
+            slot.done.synchronize()  # its bytes crossed; the host may write them again
+        if slot is None or slot.capacity < nbytes:
+            size = max([nbytes] + [s.capacity for s in self.slots if s is not None])
+            slot = self.slots[i] = self._allocate(-(-size // ALIGN) * ALIGN)
+        slot.uses += 1
+        return slot
+
+    def _allocate(self, nbytes: int) -> Slot:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        with self.on_stream():
+            device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.allocations += 1
+        return Slot(host, device)
 
     @contextlib.contextmanager
-    def _on_side_stream(self) -> Iterator[None]:
+    def on_stream(self) -> Iterator[None]:
         if self.stream is None:
             yield
             return
         with torch.cuda.stream(self.stream):
             yield
+
+    def send(self, slot: Slot, used: int, places: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Queue the copy of ``slot``'s first ``used`` bytes to the device and, for each ``(offset,
+        dest)`` of ``places``, the copy of the bytes at ``offset`` (``dest``'s shape and dtype) into
+        ``dest``; the slot's event is recorded after them even when queuing fails part-way (an
+        out-of-memory error), so the slot is never written while a copy may still read it."""
+        try:
+            with self.on_stream():
+                slot.device[:used].copy_(slot.host[:used], non_blocking=self.cuda)
+                for offset, dest in places:
+                    dest.copy_(_view(slot.device, offset, dest.shape, dest.dtype), non_blocking=self.cuda)
+        finally:
+            if self.stream is not None:
+                slot.done = torch.cuda.Event()
+                slot.done.record(self.stream)
+
+    def release(self, slot: Slot) -> None:
+        """Mark ``slot`` free once what was queued so far on the side stream is done (a chunk not
+        sent whose device-decoded records may have queued copies out of it)."""
+        if self.stream is not None:
+            slot.done = torch.cuda.Event()
+            slot.done.record(self.stream)
+
+
+class SlotUploads:
+    """The ``stage`` of device-decoded records (int8/int4/ecq codes, scales, zeros) through a ring
+    slot: each tensor is copied into the slot's pinned bytes ``[start, end)`` (taken in turn, from
+    several threads), sent to the same bytes of the slot's device twin by a copy on the side stream,
+    and handed back as a view of them: no pinned allocation per tensor. A tensor that no longer
+    fits goes through :meth:`Staging.upload` instead."""
+
+    def __init__(self, staging: Staging, slot: Slot, start: int, end: int):
+        self.staging, self.slot, self.pos, self.end = staging, slot, start, end
+        self._lock = threading.Lock()
+
+    def __call__(self, source, device: torch.device) -> torch.Tensor:
+        shape, dtype = tuple(source.shape), source.dtype
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            offset = self.pos
+            fits = offset + nbytes <= self.end and _same_device(torch.device(device), self.slot.device.device)
+            if fits:
+                self.pos = offset + -(-nbytes // ALIGN) * ALIGN
+        if not fits:
+            return self.staging.upload(source, device)
+        host = _view(self.slot.host, offset, shape, dtype)
+        if isinstance(source, torch.Tensor):
+            host.copy_(source)
+        else:
+            source.copy_into(host)
+        out = _view(self.slot.device, offset, shape, dtype)
+        ring = self.staging.ring
+        with ring.on_stream():
+            out.copy_(host, non_blocking=ring.cuda)
+        self.staging._count("uploads")
+        return out
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are one device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or (a.index is not None and b.index is not None):
+        return a.index == b.index or a.type == "cpu"
+    return (a.index if a.index is not None else torch.cuda.current_device()) == (
+        b.index if b.index is not None else torch.cuda.current_device()
+    )
+
+
+def _view(buf: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of ``buf`` (uint8) at ``offset`` seen as a contiguous ``shape``/``dtype`` tensor."""
+    n = math.prod(shape) * dtype.itemsize
+    return buf[offset : offset + n].view(dtype).view(tuple(shape))
+
+
+def _layout(dests: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Each destination's offset in a slot (end to end, aligned) and the bytes they take."""
+    offsets, pos = [], 0
+    for d in dests:
+        offsets.append(pos)
+        pos += -(-(d.numel() * d.element_size()) // ALIGN) * ALIGN
+    return offsets, pos
+
+
+class Staging:
+    """Loads into ``device`` tensors through pinned host memory on a side stream (CUDA), or
+    directly (CPU); ``force``: stage on CPU too (tests: the same bookkeeping, ordinary memory,
+    synchronous copies). ``ring``: the handle's :class:`Ring` (default: one of its own). Its
+    methods may be called from several threads at once, except :meth:`load_chunks`."""
+
+    def __init__(self, device: torch.device, *, force: bool = False, ring: Ring | None = None):
+        self.device = device
+        self.ring = ring if ring is not None else Ring(device, force=force)
+        self.cuda, self.active, self.stream = self.ring.cuda, self.ring.cuda or force, self.ring.stream
+        if self.stream is not None:  # buffers allocated or zeroed on the compute stream come first
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+        self._hosts: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        # what went through this staging (tests and benchmarks read it): chunks sent through ring
+        # slots (of decoded values; of device-decoded records only), records decoded on the device,
+        # tensors uploaded for them, records staged one by one
+        self.counts = {"chunks": 0, "device_chunks": 0, "device_decoded": 0, "uploads": 0, "records": 0}
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[what] += n
+
+    def _keep(self, host: torch.Tensor) -> None:
+        with self._lock:
+            self._hosts.append(host)
 
     def host_like(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialized host tensor to stage ``shape``/``dtype`` in: pinned on CUDA."""
@@ -93,7 +252,7 @@ class Staging:
         else:
             source.copy_into(host)
         self._count("uploads")
-        with self._on_side_stream():
+        with self.ring.on_stream():
             out = torch.empty(host.shape, dtype=host.dtype, device=device)
         self._send(host, out)
         return out
@@ -106,7 +265,7 @@ class Staging:
             return
         if getattr(record, "device_decode", False):
             self._count("device_decoded")
-            with self._on_side_stream():
+            with self.ring.on_stream():
                 record.copy_into(dest, stage=self.upload)
             return
         self._count("records")
@@ -114,44 +273,114 @@ class Staging:
         record.copy_into(host)
         self._send(host, dest)
 
-    def region(self, dest: torch.Tensor, parts: int) -> Region:
-        """A host tensor shaped like ``dest`` (``[heads, span, dim]``: one layer's keys or values
-        over a run of chunks) that ``parts`` records decode into (:meth:`Region.copy_into`); once
-        every part has been tried, one copy moves it all into ``dest``."""
-        return Region(self, dest, parts)
+    def load_chunks(
+        self, chunks: Sequence[Sequence[tuple[Any, torch.Tensor]]], threads: int
+    ) -> tuple[int, BaseException | None]:
+        """Decode each chunk's ``(record, dest)`` pairs and send them, chunk after chunk, through
+        the ring (see the module docstring); records that decode on the device go that way instead.
+        A chunk is sent only once every record of it decoded: at the first chunk with a record
+        that fails, nothing of that chunk or the later ones is sent (its device-decoded records
+        may have written their slots: the caller recomputes those). Returns ``(chunks sent, the
+        first error or None)``; the ring is released however this ends."""
+        with self.ring.lock:
+            for j, pairs in enumerate(chunks):
+                staged = [(rec, dest) for rec, dest in pairs if not getattr(rec, "device_decode", False)]
+                on_device = [(rec, dest) for rec, dest in pairs if getattr(rec, "device_decode", False)]
+                offsets, used = _layout([dest for _, dest in staged])
+                # a device-decoded record uploads fewer bytes than its decoded values take (codes
+                # of 1 byte or less per value, a few scales): its values' size bounds its share
+                _, reserve = _layout([dest for _, dest in on_device])
+                slot = self.ring.acquire(used + reserve) if pairs else None
+                tasks: list[Any] = []
+                if slot is not None and on_device:
+                    uploads = SlotUploads(self, slot, used, used + reserve)
+                    tasks += [functools.partial(self._decode_on_device, rec, dest, uploads) for rec, dest in on_device]
+                if slot is not None:
+                    tasks += _decode_tasks(staged, offsets, slot.host, threads)
+                errors = run_all(tasks, threads)
+                failed = next((e for e in errors if e is not None), None)
+                if failed is not None:
+                    if slot is not None:
+                        self.ring.release(slot)  # copies its device-decoded records queued may still read it
+                    return j, failed
+                if slot is not None:
+                    self.ring.send(slot, used, [(off, dest) for (_, dest), off in zip(staged, offsets)])
+                    self._count("chunks" if staged else "device_chunks")
+        return len(chunks), None
+
+    def _decode_on_device(self, record, dest: torch.Tensor, uploads: SlotUploads) -> None:
+        self._count("device_decoded")
+        with self.ring.on_stream():
+            record.copy_into(dest, stage=uploads)
 
     def finish(self) -> None:
         """Order the compute stream after every queued copy and device decode; release the host
-        tensors once the copies are done."""
+        tensors of their own once their copies are done (the ring's slots wait for their events)."""
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self.stream.synchronize()  # the pinned sources must outlive their copies
+            if self._hosts:
+                self.stream.synchronize()  # the pinned sources must outlive their copies
         self._hosts.clear()
 
 
-class Region:
-    """One host staging tensor for a span of a batch buffer, filled by several records (possibly
-    on several threads) and sent with one copy when the last of them has been tried: a part that
-    fails (a corrupt record) still counts, so the parts before it arrive; what the failed part left
-    in its slots is never read (the caller loads only the prefix before it and recomputes the rest
-    into those slots)."""
-
-    def __init__(self, staging: Staging, dest: torch.Tensor, parts: int):
-        self.staging, self.dest, self.left = staging, dest, parts
-        self.host = staging.host_like(tuple(dest.shape), dest.dtype)
-        self._lock = threading.Lock()
-
-    def copy_into(self, record, start: int, end: int) -> None:
-        """Decode ``record`` into slots ``start:end`` (dim 1) of the region; the last part sends it."""
-        try:
-            record.copy_into(self.host[:, start:end])
-        finally:
-            with self._lock:
-                self.left -= 1
-                last = self.left == 0
-            if last:
-                self.staging._count("regions")
-                self.staging._send(self.host, self.dest)
+def _decode(record, host: torch.Tensor, offset: int, like: torch.Tensor) -> None:
+    record.copy_into(_view(host, offset, like.shape, like.dtype))
 
 
-__all__ = ["Region", "Staging"]
+PIECE = 1 << 20  # bytes: the smallest piece of a run of raw bytes a thread copies
+
+
+def _plain(record, dest: torch.Tensor) -> torch.Tensor | None:
+    """The stored bytes of ``record`` when it is ``dest``'s values as they are (a ``raw`` record:
+    one 1-D uint8 view of the payload), else None."""
+    source = getattr(record, "source", None)
+    if source is None or getattr(record, "planes", None) is not None or getattr(record, "frames", None) is not None:
+        return None
+    if tuple(record.shape) != tuple(dest.shape) or record.dtype != dest.dtype or not source.is_contiguous():
+        return None
+    return source if source.numel() == dest.numel() * dest.element_size() else None
+
+
+def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[int], host: torch.Tensor,
+                  threads: int) -> list[Any]:  # fmt: skip
+    """The tasks that decode ``staged`` into ``host`` at ``offsets``: records whose bytes lie end to
+    end in the store and in the slot (a ``raw`` chunk: all of its keys and values) make one run,
+    copied as one memcpy cut into a piece per thread; every other record decodes on its own."""
+    tasks: list[Any] = []
+    run: list[tuple[torch.Tensor, int]] = []  # (stored bytes, offset in the slot)
+
+    def flush() -> None:
+        if not run:
+            return
+        first, start = run[0]
+        nbytes = run[-1][1] + run[-1][0].numel() - start
+        span = first.as_strided((nbytes,), (1,))  # the run's bytes: one view of the payload
+        share = -(-nbytes // max(threads, 1))  # bytes per thread, rounded up
+        step = max(PIECE, -(-share // ALIGN) * ALIGN)
+        tasks.extend(
+            functools.partial(torch.Tensor.copy_, host[start + a : start + min(a + step, nbytes)], span[a : a + step])
+            for a in range(0, nbytes, step)
+        )
+        run.clear()
+
+    for (rec, dest), off in zip(staged, offsets):
+        source = _plain(rec, dest)
+        if source is None:
+            flush()
+            tasks.append(functools.partial(_decode, rec, host, off, dest))
+            continue
+        if run:
+            prev, prev_off = run[-1]
+            follows = (
+                source.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+                and source.storage_offset() == prev.storage_offset() + prev.numel()
+                and off == prev_off + prev.numel()
+            )
+            if not follows:
+                flush()
+        run.append((source, off))
+    flush()
+    return tasks
+
+
+__all__ = ["ALIGN", "RING_SLOTS", "Ring", "Slot", "SlotUploads", "Staging"]

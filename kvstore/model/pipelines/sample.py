@@ -18,6 +18,7 @@ the contexts densely in memory and answers each variant as the cached path does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import torch
 
 from kvstore.errors import ContextTooLongError
 from kvstore.model.compute.attention import uses_grouped_kv
-from kvstore.model.compute.forward import Decoding, batches, in_halves, is_out_of_memory, row_length
+from kvstore.model.compute.forward import Decoding, batches, in_halves, loaded_ahead, row_length
 from kvstore.model.compute.writer import Writer
 from kvstore.model.handle import row_label
 from kvstore.model.options import SampleOptions
@@ -84,6 +85,7 @@ class SampleResult:
     window_tokens_computed: int = 0
     scoring_tokens_computed: int = 0
     replay_tokens_computed: int = 0
+    load_wait_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,11 +158,14 @@ def sample_variants(
     loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if ahead else None
     done: list[tuple[BatchPlan, BatchAnswers]] = []
     requests = rows.requests(decoding.new_tokens)
+    waited = 0.0
     try:
         nxt_item: tuple[BatchPlan, Future[Loaded]] | None = None
         for b, batch in enumerate(todo):
-            if nxt_item is not None:  # planned and loading ahead
-                plan, loaded = nxt_item[0], _result(nxt_item[1])
+            if nxt_item is not None:  # planned and loading ahead: the wait is the accelerator's idle time
+                t0 = time.perf_counter()
+                plan, loaded = nxt_item[0], loaded_ahead(nxt_item[1])
+                waited += time.perf_counter() - t0
             else:
                 plan = plan_batch(batch, requests, use_store, writer, decoding.fixed, variants)
                 loaded = None
@@ -177,7 +182,7 @@ def sample_variants(
             loader.shutdown(wait=True, cancel_futures=True)
         if writer is not None:
             writer.close()
-    return _collect(handle, rows, done, variants, decoding, options.use_cache)
+    return _collect(handle, rows, done, variants, decoding, options.use_cache, waited)
 
 
 @dataclass(frozen=True)
@@ -220,24 +225,12 @@ def _run_batch(
     return out, following[0]
 
 
-def _result(future: Future[Loaded] | None) -> Loaded | None:
-    """A batch loaded ahead, or None when there is none or it ran out of memory (the batch then
-    loads itself, and halves on its own out-of-memory error)."""
-    if future is None:
-        return None
-    try:
-        return future.result()
-    except Exception as exc:
-        if is_out_of_memory(exc):
-            return None
-        raise
-
-
 def _collect(
     handle: ModelHandle, rows: Rows, done: Sequence[tuple[BatchPlan, BatchAnswers]], variants: Sequence[Variant],
-    decoding: Decoding, use_cache: bool,
+    decoding: Decoding, use_cache: bool, waited: float = 0.0,
 ) -> list[SampleResult]:  # fmt: skip
-    """The per-variant results of every batch, in the caller's row order."""
+    """The per-variant results of every batch, in the caller's row order (``waited``: seconds spent
+    waiting for loads done ahead)."""
     n, N = len(rows.chains), decoding.new_tokens
     out = []
     cached = [0] * n
@@ -286,6 +279,7 @@ def _collect(
                 scoring.window,
                 scoring.total,
                 scoring.replay,
+                waited,
             )  # fmt: skip
         )
     return out

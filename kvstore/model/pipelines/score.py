@@ -21,7 +21,9 @@ scores them as rows. The result types and the tokenization rules live in
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,7 +31,7 @@ import torch
 
 from kvstore.errors import ContextTooLongError, DatasetError, ModelError, PressError
 from kvstore.model.compute.attention import uses_grouped_kv
-from kvstore.model.compute.forward import Decoding, in_halves
+from kvstore.model.compute.forward import Decoding, in_halves, loaded_ahead
 from kvstore.model.compute.writer import Writer
 from kvstore.model.handle import row_label
 from kvstore.model.options import ScoreOptions
@@ -49,6 +51,7 @@ from kvstore.model.scoring.scores import (
     prefix_token_id,
     rolling_windows,
 )
+from kvstore.model.stages.load import Loaded, load
 from kvstore.model.variants.variant import Variant
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
@@ -166,28 +169,58 @@ def _score_cached(
     work = Work(store, writer, Decoding(), tuple(variants), Scoring(tuple(cont), options.token_logprobs, keep))
     done: list[tuple[BatchPlan, BatchScores]] = []
     row_logits = vocab_size(handle) * 4
+    todo = list(row_batches(order, [p.key for p in chain_list], sizes, [len(f) for f in fed], options.batch_size,
+                            options.max_batch_tokens, row_logits))  # fmt: skip
+    # the next batch's load runs on a worker while this one scores, as sampling's does
+    ahead = store is not None and path.supports("load_ahead") and len(todo) > 1
+    loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if ahead else None
+    pending: list[tuple[BatchPlan, Future[Loaded]]] = []  # the next batch, planned and loading
+    waited = 0.0
     try:
-        for batch in row_batches(order, [p.key for p in chain_list], sizes, [len(f) for f in fed], options.batch_size,
-                                 options.max_batch_tokens, row_logits):  # fmt: skip
-            plan = plan_batch(batch, requests, store, writer, False, variants)  # a context split over batches waits
+        for b, batch in enumerate(todo):
+            if pending:
+                plan, future = pending.pop()
+                t0 = time.perf_counter()
+                got = loaded_ahead(future)
+                waited += time.perf_counter() - t0
+            else:  # a context split over batches waits
+                plan, got = plan_batch(batch, requests, store, writer, False, variants), None
+            nxt = todo[b + 1] if loader is not None and b + 1 < len(todo) else None
+            held = [got]
+            del got
 
-            def run(positions: list[int], plan: BatchPlan = plan) -> list[tuple[BatchPlan, BatchScores]]:
+            def submit(nxt: list[int] | None = nxt) -> None:
+                if nxt is not None and not pending and loader is not None:
+                    ahead_plan = plan_batch(nxt, requests, store, writer, False, variants)
+                    pending.append((ahead_plan, loader.submit(load, handle, ahead_plan, store, writer)))
+
+            def run(
+                positions: list[int], plan: BatchPlan = plan, held: list = held, submit=submit
+            ) -> list[tuple[BatchPlan, BatchScores]]:
                 part = plan if len(positions) == len(plan.rows) else plan.part(positions)
-                return [(part, path.score(handle, part, work, path.prepare(handle, part, work, None)))]
+                mine, held[0] = held[0] if part is plan else None, None  # an out-of-memory retry frees it
+                prepared = path.prepare(handle, part, work, mine)
+                del mine
+                submit()  # once this batch's new chunks are with the writer
+                return [(part, path.score(handle, part, work, prepared))]
 
             done += in_halves(run, list(range(len(batch))), handle)
+            submit()
             if progress:
                 progress(len(batch), sum(sizes[i] for i in batch))
     finally:
+        if loader is not None:
+            loader.shutdown(wait=True, cancel_futures=True)
         if writer is not None:
             writer.close()
-    return _collect(rows, variants, done)
+    return _collect(rows, variants, done, waited)
 
 
 def _collect(
-    rows: ScoreRows, variants: Sequence[Variant], done: Sequence[tuple[BatchPlan, BatchScores]]
+    rows: ScoreRows, variants: Sequence[Variant], done: Sequence[tuple[BatchPlan, BatchScores]], waited: float = 0.0
 ) -> list[ScoreResult]:
-    """The per-variant results of every batch, in the caller's row order."""
+    """The per-variant results of every batch, in the caller's row order (``waited``: seconds spent
+    waiting for loads done ahead)."""
     n = len(rows.contexts)
     computed = sum(b.computed for _, b in done)
     scoring = sum((b.scoring for _, b in done), ScoringTokens())
@@ -206,7 +239,7 @@ def _collect(
         done_rows = [r for r in scored if r is not None]
         assert len(done_rows) == n
         out.append(ScoreResult(done_rows, computed, saved, v.name, kept, nbytes, scoring.window, scoring.total,
-                               scoring.replay))  # fmt: skip
+                               scoring.replay, waited))  # fmt: skip
     return out
 
 

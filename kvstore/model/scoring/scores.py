@@ -40,7 +40,9 @@ class ScoreResult:
     context tokens its continuation was scored over (fewer under a press); ``cache_bytes``: bytes of
     their keys and values, summed over rows; ``scoring_tokens_computed``: context tokens the presses'
     scoring forwards ran (shared by every variant of a sweep; not prefill), of which
-    ``window_tokens_computed`` observation windows and ``replay_tokens_computed`` replays."""
+    ``window_tokens_computed`` observation windows and ``replay_tokens_computed`` replays.
+    ``load_wait_seconds``: time scoring waited between batches for the next batch's load, which
+    runs ahead on a worker (the accelerator's idle time between batches; shared by the variants)."""
 
     rows: list[ScoredRow]
     prefill_tokens_computed: int = 0
@@ -51,6 +53,7 @@ class ScoreResult:
     window_tokens_computed: int = 0
     scoring_tokens_computed: int = 0
     replay_tokens_computed: int = 0
+    load_wait_seconds: float = 0.0
 
     @property
     def logprobs(self) -> list[float]:

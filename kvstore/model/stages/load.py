@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,7 @@ import torch
 
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning
 from kvstore.model.compute.cache import Buffers, LayerKV, new_buffers
-from kvstore.model.compute.staging import Staging
+from kvstore.model.compute.staging import Ring, Staging
 from kvstore.model.plan.batch import BatchPlan
 from kvstore.model.plan.chains import Chain, fits
 from kvstore.parallel import run_all
@@ -63,19 +63,25 @@ def load(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, writer: Wr
     bufs = new_buffers(handle.kv_shapes(), len(plan.rows), plan.slots, handle.dtype, dev)
     P = plan.context_slots
     short: dict[str, tuple[int, int]] = {}
-    staging = Staging(dev, force=handle.force_staging)  # accelerator buffers: pinned host tensors, side stream
-    for key, rows in plan.distinct.items():
-        if key not in plan.dense:
-            continue
-        ctx = plan.contexts[rows[0]]
-        found: list[str] = []
-        if store is not None:  # the plan's chunks, each checked
-            depth = plan.stored.get(key, 0)
-            loaded[key] = load_prefix(handle, store, ctx.upto(depth), bufs, rows[0], P - ctx.n_tokens, found, staging)
-            if loaded[key] < plan.load_tokens(key):
-                short[key] = (plan.load_tokens(key), loaded[key])
-        codecs[key] = tuple(found)
-    staging.finish()
+    # accelerator buffers: the handle's ring of pinned slots, one copy per chunk on a side stream
+    force = handle.force_staging
+    staging = Staging(dev, force=force, ring=Ring.of(handle, dev, force=force) if dev.type == "cuda" or force else None)
+    try:
+        for key, rows in plan.distinct.items():
+            if key not in plan.dense:
+                continue
+            ctx = plan.contexts[rows[0]]
+            found: list[str] = []
+            if store is not None:  # the plan's chunks, each checked
+                depth = plan.stored.get(key, 0)
+                loaded[key] = load_prefix(
+                    handle, store, ctx.upto(depth), bufs, rows[0], P - ctx.n_tokens, found, staging
+                )
+                if loaded[key] < plan.load_tokens(key):
+                    short[key] = (plan.load_tokens(key), loaded[key])
+            codecs[key] = tuple(found)
+    finally:  # also on an error (out of memory): copies still in flight are ordered before what comes next
+        staging.finish()
     return Loaded(bufs, loaded, codecs, short)
 
 
@@ -101,17 +107,12 @@ def load_prefix(
                 _warn_corrupt(chain.keys[j], exc)
                 break
             fitting.append(view)
-        # every tensor of every chunk straight into place, decompressed and copied on a few threads
-        tasks = _copy_tasks(fitting, bufs, row, slot0, staging)
-        errors = run_all([fn for _, fn in tasks], store.codec.decode_threads())
-        good = len(fitting)
-        for (j, _), err in zip(tasks, errors):
-            if err is not None:
-                if not isinstance(err, CorruptEntryError):
-                    raise err
-                if j < good:
-                    good = j
-                    _warn_corrupt(chain.keys[j], err)
+        # every tensor of every chunk into place, decompressed and copied on a few threads
+        good, err = _copy_chunks(fitting, bufs, row, slot0, staging, store.codec.decode_threads())
+        if err is not None:
+            if not isinstance(err, CorruptEntryError):
+                raise err
+            _warn_corrupt(chain.keys[good], err)
         if good:
             loaded = fitting[good - 1].header.end
         if codecs is not None:
@@ -129,35 +130,33 @@ def load_prefix(
     return loaded
 
 
-def _copy_tasks(
-    fitting: Sequence[EntryView], bufs: Buffers, row: int, slot0: int, staging: Staging | None
-) -> list[tuple[int, Callable[[], None]]]:
-    """``(chunk index, copy)`` for every stored tensor of the ``fitting`` chunks into row ``row``.
-    With an active ``staging``, one layer's keys (or values) over chunks that tile a span decode
-    into one host region sent with one copy, unless they dequantize on the device."""
-    items: list[tuple[int, int, int, StoredTensor, int, int]] = []  # chunk, layer, role, record, slots
-    for j, view in enumerate(fitting):
+def _copy_chunks(
+    fitting: Sequence[EntryView], bufs: Buffers, row: int, slot0: int, staging: Staging | None, threads: int
+) -> tuple[int, BaseException | None]:
+    """Copy every stored key and value tensor of the ``fitting`` chunks into row ``row``: straight
+    into place (in the order they lie in the store), or through an active ``staging`` (one ring slot
+    and one device copy per chunk). Returns ``(chunks copied whole, the error of the first chunk
+    that failed, or None)``: that chunk and the later ones do not count as loaded."""
+    per_chunk: list[list[tuple[StoredTensor, torch.Tensor]]] = []
+    for view in fitting:
         h = view.header
-        for i, (kv, spec) in enumerate(zip(view.layers, h.layers)):
+        pairs: list[tuple[StoredTensor, torch.Tensor]] = []
+        for (kb, vb), kv, spec in zip(bufs, view.layers, h.layers):
             if kv is not None:
                 lo, hi = slot0 + h.end - spec.length, slot0 + h.end
-                items += [(j, i, 0, kv[0], lo, hi), (j, i, 1, kv[1], lo, hi)]
-    if staging is None or not staging.active:  # straight into place, in the order they lie in the store
-        return [(j, functools.partial(_copy_into, rec, bufs[i][r][row, :, lo:hi])) for j, i, r, rec, lo, hi in items]
-    groups: dict[tuple[int, int], list[tuple[int, StoredTensor, int, int]]] = {}
-    for j, i, r, rec, lo, hi in items:
-        groups.setdefault((i, r), []).append((j, rec, lo, hi))
-    tasks: list[tuple[int, Callable[[], None]]] = []
-    for (i, r), ps in groups.items():
-        buf = bufs[i][r]
-        tiled = all(a[3] == b[2] for a, b in zip(ps, ps[1:]))
-        if tiled and not any(getattr(rec, "device_decode", False) for _, rec, _, _ in ps):
-            lo0 = ps[0][2]
-            region = staging.region(buf[row, :, lo0 : ps[-1][3]], len(ps))
-            tasks += [(j, functools.partial(region.copy_into, rec, lo - lo0, hi - lo0)) for j, rec, lo, hi in ps]
-        else:
-            tasks += [(j, functools.partial(staging.copy_into, rec, buf[row, :, lo:hi])) for j, rec, lo, hi in ps]
-    return tasks
+                pairs += [(kv[0], kb[row, :, lo:hi]), (kv[1], vb[row, :, lo:hi])]
+        per_chunk.append(pairs)
+    if staging is not None and staging.active:
+        return staging.load_chunks(per_chunk, threads)
+    tasks = [(j, functools.partial(_copy_into, rec, dest)) for j, pairs in enumerate(per_chunk) for rec, dest in pairs]
+    errors = run_all([fn for _, fn in tasks], threads)
+    failed = [(j, err) for (j, _), err in zip(tasks, errors) if err is not None]
+    if not failed:
+        return len(fitting), None
+    for _, err in failed:  # anything but a corrupt record is the caller's error
+        if not isinstance(err, CorruptEntryError):
+            return min(j for j, _ in failed), err
+    return min(failed, key=lambda f: f[0])
 
 
 def _copy_into(record, dest) -> None:

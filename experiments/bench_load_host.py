@@ -1,0 +1,169 @@
+"""The host side of a load into accelerator memory, against a plain memcpy of the same bytes.
+
+What runs on the CPU before the copy engine takes over (``kvstore.model.compute.staging``): open a
+stored chain in a warm LMDB store, verify every chunk's checksum, and decode every key and value
+record of every chunk into the staging ring's host slots (one slot per chunk, reused in turn; the
+host-to-device copy and the device-side scatter are left out: no GPU here, and on one they run
+on the copy engine and the device while the next chunk decodes). ``memcpy``: the same number of
+bytes, held in ordinary memory one contiguous tensor per chunk, copied into the same
+preallocated slots on the same threads (one piece per thread). ``checksum``: the checksum pass
+alone (part of ``staged``); ``staged-per-record:raw``: ``staged`` with every raw record copied on
+its own (what staging did before it copied a chunk's records lying end to end as one run). GB/s
+are KV bytes (decoded) per second for every method, so the ratio ``staged / memcpy`` is what the
+store's host side costs against the copy it cannot avoid.
+
+The KV is shaped like Llama-3.1-8B's (32 layers, 8 KV heads, head_dim 128, bfloat16: 128 KiB per
+token, 64 MiB per 512-token chunk), random normal values (scale 2; the high byte of bf16 compresses
+as a real cache's does, the low byte not at all), stored as the store stores them (512-token
+chunks, ``raw`` and the default ``zstd-split:1:16``). ``--threads`` decode threads (the machine's
+cores). Every timing: min / median / max over ``--repeats`` runs after one warm-up, the methods
+alternating within each repeat, the load average recorded.
+
+Command (from the repository root; the suite ``load_host``: ``python -m experiments run load_host
+[ARGS]`` writes experiments/results/; run by hand it writes to cache/bench/raw/)::
+
+    .venv/bin/python experiments/bench_load_host.py                    # 512, 2048, 8192 tokens
+    .venv/bin/python experiments/bench_load_host.py --quick            # smoke run
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+
+import torch
+
+import benchlib as bl
+
+CODECS = ("raw", "zstd-split:1:16")
+LAYERS, KV_HEADS, HEAD_DIM, CHUNK = 32, 8, 128, 512
+
+
+def _chain(n_tokens: int, seed: int):
+    from kvstore.store.entry import Entry
+    from kvstore.store.keys import chain_keys, chain_seed
+
+    ids = bl.synthetic_ids(n_tokens, seed=seed)
+    spans = [(s, min(s + CHUNK, n_tokens)) for s in range(0, n_tokens, CHUNK)]
+    keys = chain_keys(chain_seed("b" * 64, torch.bfloat16, device="cuda", attn="sdpa"), ids, spans)
+    g = torch.Generator().manual_seed(seed)
+    parent = ""
+    for key, (a, b) in zip(keys, spans):
+        layers = tuple(
+            tuple((torch.randn(KV_HEADS, b - a, HEAD_DIM, generator=g) * 2).to(torch.bfloat16) for _ in range(2))
+            for _ in range(LAYERS)
+        )
+        yield Entry(key, "b" * 64, "llama-3.1-8b-shape", torch.tensor(ids[a:b]), layers, parent=parent, start=a,
+                    numerics={"device": "cuda", "attn": "sdpa"})  # fmt: skip
+        parent = key
+
+
+def main() -> None:
+    p = bl.parser(__doc__)
+    p.add_argument("--lengths", default="512,2048,8192")
+    p.add_argument("--codecs", default=",".join(CODECS))
+    p.add_argument("--repeats", type=int, default=7)
+    args = bl.start(p, {"lengths": "512,1024", "repeats": 2})
+    from kvstore.model.compute import staging
+    from kvstore.model.compute.cache import new_buffers
+    from kvstore.model.compute.staging import Ring, Staging
+    from kvstore.parallel import run_all
+    from kvstore.store.header import verify_checksum
+    from kvstore.store.kvstore import KVStore
+
+    class HostRing(Ring):
+        """The staging ring with its device side left out: the host side alone."""
+
+        def send(self, slot, used, places):  # noqa: ARG002 - the copy engine's part, not measured here
+            return None
+
+    codecs = args.codecs.split(",")
+    scratch = bl.SCRATCH / "load_host"
+    rows = []
+    threads = args.threads
+    for n in [int(x) for x in args.lengths.split(",")]:
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        stores = {c: KVStore(str(scratch / str(i)), codec=c, sync=False) for i, c in enumerate(codecs)}
+        try:
+            sources, keys = [], []
+            for entry in _chain(n, seed=1000 + n):
+                for store in stores.values():
+                    store.put(entry)
+                sources.append(torch.cat([t.reshape(-1) for kv in entry.layers for t in kv]).view(torch.uint8))
+                keys.append(entry.key)
+            kv_bytes = sum(s.numel() for s in sources)
+            bufs = new_buffers([(KV_HEADS, HEAD_DIM, HEAD_DIM)] * LAYERS, 1, n, torch.bfloat16, torch.device("cpu"))
+            ring = HostRing(torch.device("cpu"), force=True)
+
+            def staged(store: KVStore) -> None:
+                st = Staging(torch.device("cpu"), force=True, ring=ring)
+                with store.open_chain(keys, lazy=True) as views:
+                    assert len(views) == len(keys)
+                    chunks = []
+                    for view in views:
+                        h = view.header
+                        chunks.append([(kv[r], bufs[i][r][0, :, h.start : h.end])
+                                       for i, kv in enumerate(view.layers) for r in (0, 1)])  # fmt: skip
+                    sent, err = st.load_chunks(chunks, store.codec.decode_threads())
+                    assert err is None and sent == len(keys), err
+
+            def memcpy() -> None:
+                with ring.lock:
+                    for src in sources:
+                        slot = ring.acquire(src.numel())
+                        step = -(-src.numel() // threads)
+                        pieces = [(slot.host[i : i + step], src[i : i + step]) for i in range(0, src.numel(), step)]
+                        run_all([functools.partial(torch.Tensor.copy_, d, s) for d, s in pieces], threads)
+
+            def checksum(store: KVStore):
+                blobs = [store.backend.get(f"e/{k}".encode()) for k in keys]  # copied out before the timing
+                return lambda: run_all([functools.partial(verify_checksum, b) for b in blobs], threads)
+
+            def per_record(store: KVStore) -> None:  # every raw record copied on its own, as before runs
+                real = staging._plain
+                staging._plain = lambda record, dest: None
+                try:
+                    staged(store)
+                finally:
+                    staging._plain = real
+
+            methods = {"memcpy": memcpy} | {f"staged:{c}": functools.partial(staged, s) for c, s in stores.items()}
+            if "raw" in stores:
+                methods["staged-per-record:raw"] = functools.partial(per_record, stores["raw"])
+            check = {f"checksum:{c}": checksum(s) for c, s in stores.items() if c == "raw"}
+            methods |= check
+            for fn in methods.values():  # warm-up: page cache, the ring's slots, the thread pool
+                fn()
+            times: dict[str, list[float]] = {m: [] for m in methods}
+            for _ in range(args.repeats):
+                for m, fn in methods.items():
+                    with bl.timed() as t:
+                        fn()
+                    times[m].append(t.seconds)
+            memcpy_med = bl.summarize(times["memcpy"])["median"]
+            for m in methods:
+                s = bl.summarize(times[m])
+                codec = m.partition(":")[2] or None
+                stored = None
+                if codec is not None:
+                    stored = sum(len(b) for b in stores[codec].backend.get_many([f"e/{k}".encode() for k in keys]))
+                row = {"context_tokens": n, "method": m, "kv_bytes": kv_bytes, "stored_bytes": stored, "n": s["n"],
+                       "min_ms": s["min"] * 1e3, "median_ms": s["median"] * 1e3, "max_ms": s["max"] * 1e3,
+                       "gbps_median": kv_bytes / s["median"] / 1e9, "gbps_max": kv_bytes / s["min"] / 1e9,
+                       "x_memcpy": memcpy_med / s["median"], "slot_allocations": ring.allocations,
+                       "loadavg": bl.loadavg()}  # fmt: skip
+                rows.append(row)
+                print(f"{n:>6} {m:<22} median {row['median_ms']:8.1f} ms  {row['gbps_median']:5.2f} GB/s "
+                      f"(best {row['gbps_max']:5.2f})  x memcpy {row['x_memcpy']:.2f}  (load avg {row['loadavg']})",
+                      flush=True)  # fmt: skip
+        finally:
+            for store in stores.values():
+                store.close()
+            shutil.rmtree(scratch, ignore_errors=True)
+        bl.write_result("load_host", params=vars(args) | {"shape": [LAYERS, KV_HEADS, HEAD_DIM], "chunk": CHUNK},
+                        rows=rows)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
