@@ -22,11 +22,12 @@ from kvstore.store.keyspace import is_key
 # by entries whose codec an older reader does not know: 3 for zstd-split, int4r, int8r; 4 for ecq),
 # and 5: a derived entry (a context's scores or pressed cache, :mod:`kvstore.store.derived`), the same
 # framing around another header, read only as such (a chunk reader takes it for corrupt; a reader of
-# format 4 or older refuses it as "written by format version 5 ... upgrade kvstore").
+# format 4 or older refuses it as "written by format version 5 ... upgrade kvstore"); 6: a chunk entry
+# again (the layout of 2-4), written by int4h, which a reader of format 5 does not know.
 # The store's own layout (meta, e/, r/, a/, x/) is STORE_FORMAT, unchanged since format 2: a store
 # without derived entries has no x/ keys, and an older kvstore ignores them.
-FORMAT_VERSION = 5
-CHUNK_FORMAT = 4  # the newest format of a chunk entry
+FORMAT_VERSION = 6
+CHUNK_FORMAT = 6  # the newest format of a chunk entry
 DERIVED_FORMAT = 5
 STORE_FORMAT = 2
 # A chunk ends by this context position at most (a trillion tokens): the rotation of a pre-RoPE codec
@@ -251,7 +252,7 @@ def check_facts(h: Mapping, names: tuple[str, ...] = ("key", "model", "model_nam
 
 
 def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
-    """Parse a chunk entry's header (formats 1 to 4) without verifying the checksum.
+    """Parse a chunk entry's header (formats 1 to 4 and 6) without verifying the checksum.
 
     Returns ``(header, payload_offset)``. Raises CorruptEntryError (a derived entry, format 5, is
     not a chunk) or FormatVersionError."""
