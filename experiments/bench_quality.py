@@ -11,16 +11,18 @@ Text, the bundled SmolLM2-135M-Instruct in float32, no chat template:
 
 Per codec (every row of the JSON): bytes vs float32, next-token KL and top-1 agreement against the
 lossless cache with keys and values quantized, only keys, only values; rows whose greedy answer is
-identical and the mean common prefix. ``--decode``: per codec, one 2,048-token cache of 30 layers x
-3 heads x 64 channels of real keys and values (the prose's first window, prefilled) decoded from its
-stored bytes into float32 buffers on CPU (``copy_into``, the load path's call): median/min/max of
-``--repeats`` runs, one thread.
+identical and the mean common prefix (``quality.json``, per row in its notes). ``--decode``
+(``quality_decode.json``): per codec, the first ``--decode-tokens`` tokens of the text (30 layers x
+3 heads x 64 channels of real keys and values, prefilled) decoded from their stored bytes into
+float32 buffers on CPU (``copy_into``, the load path's call, one payload per layer): median, min
+and max of ``--repeats`` runs, on ``--threads`` threads.
 
 Command (from the repository root; the suite ``quality``: ``python -m experiments run quality``
 writes experiments/results/quality.json; run by hand it writes to cache/bench/raw/)::
 
     .venv/bin/python experiments/bench_quality.py
-    .venv/bin/python experiments/bench_quality.py --text tuning --rows 12 --stem quality_tuning
+    .venv/bin/python experiments/bench_quality.py --text tuning --rows 12 --no-decode --stem quality_tuning
+    .venv/bin/python experiments/bench_quality.py --no-gate --codecs int4h,int4,int4r,ecq,int8   # decode times only
     .venv/bin/python experiments/bench_quality.py --quick    # 3 rows, 4 new tokens
 """
 
@@ -107,19 +109,31 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--gate", action=bl.argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--decode", action=bl.argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--decode-stem", default="quality_decode")
     ap.add_argument("--decode-tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--stem", default="quality")
     args = bl.start(ap, {"rows": 3, "new_tokens": 4, "decode_tokens": 256, "repeats": 3})
     from kvstore.model.adapter import Adapter
-    from kvstore.quality import QualityRow, quality_gate
+    from kvstore.quality import QualityRow
 
     adapter = Adapter.from_pretrained(None, dtype="float32", device="cpu")
     text = prose_text() if args.text == "prose" else tuning_text()
     ids = adapter.tokenizer.encode(text, add_special_tokens=False)
     rows = [QualityRow(tuple(w[:-1]), tuple(w[-1:])) for w in windows(ids, args.rows, args.context + 1)]
     codecs = args.codecs.split(",")
+    if args.gate:
+        gate(adapter, rows, codecs, args)
+    if args.decode:
+        speed = decode_speed(adapter, ids[: args.decode_tokens], codecs, args.repeats)
+        bl.write_result(args.decode_stem, params=vars(args), rows=speed)
+
+
+def gate(adapter, rows, codecs, args) -> None:
+    from kvstore.quality import quality_gate
+
     per_row: list[list[dict]] = []  # per row, per codec: one row's gate (written after every row)
     with bl.timed() as t:  # every codec on the same lossless answers, computed once per row
         for i, row in enumerate(rows):
@@ -131,9 +145,6 @@ def main() -> None:
         print(f"  {r['codec']:<22} {r['size_vs_f32']:.3f}x f32  identical {r['identical']}/{r['rows']}  prefix "
               f"{r['common_prefix']:.3f}  KL {r['kl']['kv']:.5f} (K {r['kl']['keys']:.5f} V {r['kl']['values']:.5f})"
               f"  top1 {r['top1']['kv']:.4f}", flush=True)  # fmt: skip
-    speed = decode_speed(adapter, ids[: args.decode_tokens], codecs, args.repeats) if args.decode else []
-    notes = {"gate_seconds": t.seconds, "per_row": per_row, "decode": speed}
-    bl.write_result(args.stem, params=vars(args), rows=results, notes=notes)
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ SUITES: tuple[Suite, ...] = (
     # the other part: --text tuning --rows 12 --no-decode --stem quality_tuning; --threads 1: on a shared
     # 2-core box two torch threads ran this 20x slower than one
     Suite("quality", "The lossy codecs' quality gate (kvstore quality) on held-out prose, and their CPU decode time",
-          ("experiments/bench_quality.py", "--threads", "1"), ("quality", "quality_tuning")),
+          ("experiments/bench_quality.py", "--threads", "1"), ("quality", "quality_tuning", "quality_decode")),
     Suite("int4h_variants", "The 4-bit variants int4h was chosen from, on the tuning text only",
           ("experiments/int4h_variants.py", "--threads", "1"), ("int4h_variants",)),
     Suite("prerope_ranges", "How much undoing RoPE narrows the key ranges int4r quantizes",

@@ -203,3 +203,44 @@ def test_golden_int4h_entry():
     check_lossy_golden(GOLDEN / "format_v6_int4h.json", GOLDEN / "entry_v6_int4h.kvs", "int4h", golden_entry, REGEN,
                        "int4h layout")  # fmt: skip
     assert lossy_facts(golden_entry("int4h"))["header"]["format"] == 6
+
+
+# -- CLI: stacked with a press, verified, converted --------------------------------------------------
+def test_cli_press_build_sample_verify_and_sync_under_int4h(tiny_llama_dir, tmp_path, capsys):
+    """``build --press kvzip:0.75 --codec int4h`` stores pressed int4h entries that ``sample`` answers
+    from without computing anything; ``verify`` finds them intact; ``sync --codec int4h`` converts a
+    lossless store without the model (no rotary parameters needed); a lossless sample misses."""
+    import json
+
+    from helpers.cli import run_main, write_dataset
+
+    data = write_dataset(tmp_path / "qa.jsonl", range(3), questions=2)
+    common = ["--model", tiny_llama_dir, "--quiet", "--format", "json", "--no-chat"]
+    store, plain, converted = tmp_path / "pressed", tmp_path / "plain", tmp_path / "converted"
+
+    def ok(*args):
+        code, out, err = run_main(capsys, *args)
+        assert code == 0, err
+        return json.loads(out) if out.lstrip().startswith("{") else out
+
+    built = ok("build", data, *common, "--store", store, "--press", "kvzip:0.75", "--codec", "int4h")
+    assert built["pressed_written"] == 3 and built["codec"] == "int4h:32/64+zstd:1"
+    got = ok("sample", data, *common, "--store", store, "--press", "kvzip:0.75", "--codec", "int4h", "-n", "3")
+    assert got["prefill_tokens_computed"] == 0 and got["scoring_tokens_computed"] == 0 and got["cache_hit_rate"] == 1
+    with KVStore(str(store), readonly=True) as s:
+        key = s.context_keys()[0]
+        headers = []
+        for dkey in s.derived_keys(key):
+            with s.open_derived(key, dkey) as view:
+                headers.append(view.header)
+    (pressed,) = [h for h in headers if h.kind == "pressed"]
+    assert pressed.codec_spec == "int4h:32/64+zstd:1" and pressed.identity == "int4h:32/64"
+    assert "all intact" in ok("verify", "--store", store, "--quiet")
+    lossless = ok("sample", data, *common, "--store", store, "--readonly-store", "-n", "3")
+    assert lossless["cache_hit_rate"] == 0  # a lossless request never reads the int4h entries
+    ok("build", data, *common, "--store", plain)
+    synced = ok("sync", plain, converted, "--codec", "int4h", "--quiet", "--format", "json")
+    assert synced["converted"] == 3 and synced["codec"] == "int4h:32/64+zstd:1"
+    again = ok("sample", data, *common, "--store", converted, "--codec", "int4h", "--readonly-store", "-n", "3")
+    assert again["cache_hit_rate"] == 1
+    assert "all intact" in ok("verify", "--store", converted, "--quiet")

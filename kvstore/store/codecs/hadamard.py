@@ -141,8 +141,9 @@ class _HadamardReader(_IntReader):
                           _no_sink(self.name, heads, dim, wdt), self.group)  # fmt: skip
         body.copy_into(work, stage)
         h = hadamard(dim, wdt, d.device)
-        if d.dtype == wdt and d.is_contiguous():
-            torch.matmul(work, h, out=d)
+        if d.dtype == wdt and all(d[i].is_contiguous() for i in range(heads)):
+            for i in range(heads):  # each head's rows are contiguous in a batch buffer: no temporary, no copy
+                torch.mm(work[i], h, out=d[i])
         else:
             d.copy_(torch.matmul(work, h))
 
