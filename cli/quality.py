@@ -5,8 +5,8 @@ each ``--codec`` then round-trips that cache through its stored bytes and is com
 (:func:`kvstore.quality.quality_gate`): next-token KL and top-1 agreement on the lossless answer
 (keys and values quantized, only keys, only values) and its own greedy answer against the lossless
 one (identical rows, mean common prefix), with its bytes against float32. Nothing is stored. A row
-is its context's text and the question's text after it, as they are (no prompt template); a row
-without a question feeds its context's last token.
+is its context's text (the model's own BOS where it uses one) and the question's text after it, as
+they are (no prompt template); a row without a question feeds its context's last token.
 """
 
 from __future__ import annotations

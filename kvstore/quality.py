@@ -72,14 +72,14 @@ class CodecQuality:
 
 
 def rows_of(adapter: Any, contexts: Sequence[str], questions: Sequence[str | None]) -> list[QualityRow]:
-    """Rows from texts: each context tokenized as the model's tokenizer does by default; the question
-    (if any) fed after it. A row without a question feeds its context's last token. Raises
-    ValueError for a context of fewer than 2 tokens."""
-    tok = adapter.tokenizer
+    """Rows from texts: each context tokenized as a store keys it (the model's own special tokens, BOS
+    where it uses one: :meth:`Adapter.encode_context`); the question (if any, no special tokens) fed
+    after it. A row without a question feeds its context's last token. Raises ValueError for a
+    context of fewer than 2 tokens."""
     out = []
     for i, (c, q) in enumerate(zip(contexts, questions)):
-        ids = tok.encode(c, add_special_tokens=False)
-        follow = tok.encode(q, add_special_tokens=False) if q else []
+        ids = adapter.encode_context(c)
+        follow = adapter.encode_question(q) if q else []
         if not follow:
             ids, follow = ids[:-1], ids[-1:]
         if len(ids) < 1:
