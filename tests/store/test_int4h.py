@@ -125,6 +125,8 @@ def test_device_decoding_equals_the_hosts_bit_for_bit(role, dtype, start):
     k = SINK_TOKENS if start == 0 else 0
     assert (x.shape[0], 70 - k, 8) in [s for s, d in uploaded if d == torch.uint8], "codes go up as uint8"
     assert not any(s[1] == 70 - k and s[2] == 16 and d.is_floating_point for s, d in uploaded), "no float values"
+    wdt = torch.float64 if dtype == torch.float64 else torch.float32
+    assert ((16, 16), wdt) in uploaded, "the Hadamard matrix goes up through the staging, as the codes do"
     assert torch.isnan(dev[1, :, :7]).all() and torch.isnan(dev[1, :, 77:]).all() and torch.isnan(dev[0]).all()
     assert not torch.isnan(dev[1, :, 7:77]).any()
 

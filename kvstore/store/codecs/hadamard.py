@@ -78,11 +78,11 @@ def _hadamard_cpu(head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     return h.to(dtype)
 
 
-def hadamard(head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The normalized (block) Hadamard matrix ``[head_dim, head_dim]`` ``int4h`` rotates by:
-    orthogonal and symmetric (its own inverse). Raises CodecError for an odd ``head_dim``."""
-    h = _hadamard_cpu(head_dim, dtype)
-    return h if torch.device(device).type == "cpu" else h.to(device)
+def hadamard(head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The normalized (block) Hadamard matrix ``[head_dim, head_dim]`` ``int4h`` rotates by, on the
+    CPU (cached: do not write to it): orthogonal and symmetric (its own inverse). Raises CodecError
+    for an odd ``head_dim``."""
+    return _hadamard_cpu(head_dim, dtype)
 
 
 class HadamardQuantizer(IntQuantizer):
@@ -132,16 +132,16 @@ class _HadamardReader(_IntReader):
         if m == 0:
             return
         wdt = torch.float64 if self.dtype == torch.float64 else torch.float32
-        if stage is not None:
-            work = torch.empty(d.shape, dtype=wdt, device=d.device)
+        h = hadamard(dim, wdt)
+        if stage is not None:  # the matrix goes up as the codes do (staged: pinned, on the loads' stream)
+            work, h = torch.empty(d.shape, dtype=wdt, device=d.device), stage(h, d.device)
         else:
             work = _scratch("h_f64" if wdt == torch.float64 else "h_f32", d.numel(), wdt).view(d.shape)
         # int4's dequantization of the codes alone (no sink: it went straight to dest above)
         body = _IntReader(self.q, self.role, self.name, (heads, m, dim), wdt, self.codes, self.scales, self.zeros,
                           _no_sink(self.name, heads, dim, wdt), self.group)  # fmt: skip
         body.copy_into(work, stage)
-        h = hadamard(dim, wdt, d.device)
-        if d.dtype == wdt and all(d[i].is_contiguous() for i in range(heads)):
+        if d.dtype == wdt and d.device == work.device and all(d[i].is_contiguous() for i in range(heads)):
             for i in range(heads):  # each head's rows are contiguous in a batch buffer: no temporary, no copy
                 torch.mm(work[i], h, out=d[i])
         else:
