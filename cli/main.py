@@ -26,6 +26,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "score",
         "Multiple-choice accuracy (acc, acc_norm) or reference perplexity, from stored contexts.",
     ),
+    "quality": (
+        "kvstore.cli.quality",
+        "quality",
+        "Measure lossy codecs against the lossless cache on a dataset (KL, top-1, K/V, answers).",
+    ),
     "ls": ("kvstore.cli.manage", "ls", "List the contexts (or chunks) of a store."),
     "stats": ("kvstore.cli.manage", "stats", "Totals of a store per model, dtype and codec; dedupe."),
     "verify": ("kvstore.cli.manage", "verify", "Check every entry's checksum and structure, and every chain."),

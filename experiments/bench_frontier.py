@@ -3,10 +3,10 @@ dense caches under every codec and for pressed caches, alone and stacked with in
 
 The bundled SmolLM2-135M-Instruct (float32, CPU, sdpa). Points:
 
-* **dense** under ``zstd-split:1:16`` (lossless, the default), ``int8``, ``int4``, ``int4r`` and ``ecq``;
+* **dense** under ``zstd-split:1:16`` (lossless, the default), ``int8``, ``int4``, ``int4r``, ``ecq`` and ``int4h``;
 * **pressed**: ``kvzip``, ``expected_attention``, ``snapkv:adakv`` (AdaKV over SnapKV), ``snapkv``,
   ``knorm`` and ``streaming_llm`` at the ratios 0.25, 0.5, 0.75 and 0.875, each stored alone (lossless)
-  and stacked with ``int8`` and ``int4`` (``kvstore build --press SPEC --codec C``: the kept tokens
+  and stacked with ``int8``, ``int4`` and ``int4h`` (``kvstore build --press SPEC --codec C``: the kept tokens
   stored with the codec).
 
 For each codec a fresh store holds the dense caches of the contexts and every pressed cache
@@ -58,8 +58,8 @@ import benchlib as bl
 WORK = bl.SCRATCH / "frontier"
 PRESSES = ("kvzip", "expected_attention", "snapkv:adakv", "snapkv", "knorm", "streaming_llm")
 RATIOS = (0.25, 0.5, 0.75, 0.875)
-STACKS = ("zstd-split:1:16", "int8", "int4")  # codecs pressed caches are stored with
-DENSE = ("zstd-split:1:16", "int8", "int4", "int4r", "ecq")  # codecs of the dense points
+STACKS = ("zstd-split:1:16", "int8", "int4", "int4h")  # codecs pressed caches are stored with
+DENSE = ("zstd-split:1:16", "int8", "int4", "int4r", "ecq", "int4h")  # codecs of the dense points
 N_NEW = 12
 # documentation prose from the standard library: none of kvstore's codecs or presses was tuned on it
 PROSE_SOURCES = (

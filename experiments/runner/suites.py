@@ -230,6 +230,12 @@ SUITES: tuple[Suite, ...] = (
           ("experiments/bench_quant.py", "--dtypes", "float32", "--codecs", "ecq,ecq:0.15,ecq:0.25,ecq:0.04",
            "--repeats", "3", "--no-floor", "--stem", "quant_ecq"),
           ("quant_ecq", "quant_ecq_bf16"), quick=None),
+    # the other part: --text tuning --rows 12 --no-decode --stem quality_tuning; --threads 1: on a shared
+    # 2-core box two torch threads ran this 20x slower than one
+    Suite("quality", "The lossy codecs' quality gate (kvstore quality) on held-out prose, and their CPU decode time",
+          ("experiments/bench_quality.py", "--threads", "1"), ("quality", "quality_tuning", "quality_decode")),
+    Suite("int4h_variants", "The 4-bit variants int4h was chosen from, on the tuning text only",
+          ("experiments/int4h_variants.py", "--threads", "1"), ("int4h_variants",)),
     Suite("prerope_ranges", "How much undoing RoPE narrows the key ranges int4r quantizes",
           ("experiments/prerope_ranges.py",), ("prerope_ranges",), quick=None),
     Suite("s3", "S3 backend against a local SeaweedFS", ("experiments/bench_s3.py",), _s3_outputs(),

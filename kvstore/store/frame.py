@@ -9,7 +9,7 @@ frame, read a frame's header back, verify its checksum, check the payload's meta
     payload   a codec's output (kvstore.store.codecs): a safetensors file, optionally in zstd frames
     checksum  u64 LE      xxh3-64 of every byte before it
 
-What a header holds is its kind's (:mod:`kvstore.store.kinds`): a chunk's (formats 1 to 4,
+What a header holds is its kind's (:mod:`kvstore.store.kinds`): a chunk's (formats 1 to 4 and 6,
 :mod:`kvstore.store.entry`), or an owned entry's (format 5, :mod:`kvstore.store.derived`).
 """
 
@@ -29,11 +29,12 @@ from kvstore.store.codecs import codec_from_params
 # by entries whose codec an older reader does not know: 3 for zstd-split, int4r, int8r; 4 for ecq),
 # and 5: an entry a context owns (its scores or a pressed cache, :mod:`kvstore.store.derived`), the
 # same framing around another header, read only as such (a chunk reader takes it for corrupt; a
-# reader of format 4 or older refuses it as "written by format version 5 ... upgrade kvstore").
+# reader of format 4 or older refuses it as "written by format version 5 ... upgrade kvstore"); 6: a
+# chunk entry again (the layout of 2-4), written by int4h, which a reader of format 5 does not know.
 # The store's own layout (meta, e/, r/, a/, x/) is STORE_FORMAT, unchanged since format 2: a store
 # without owned entries has no x/ keys, and an older kvstore ignores them.
-FORMAT_VERSION = 5
-CHUNK_FORMAT = 4  # the newest format of a chunk entry
+FORMAT_VERSION = 6
+CHUNK_FORMAT = 6  # the newest format of a chunk entry
 DERIVED_FORMAT = 5
 STORE_FORMAT = 2
 MAGIC = b"\x89KVS\r\n\x1a\n"

@@ -219,7 +219,7 @@ def check_facts(h: Mapping, names: tuple[str, ...] = ("key", "model", "model_nam
 
 
 def read_header(buf: bytes | memoryview) -> tuple[EntryHeader, int]:
-    """Parse a chunk entry's header (formats 1 to 4) without verifying the checksum.
+    """Parse a chunk entry's header (formats 1 to 4 and 6) without verifying the checksum.
 
     Returns ``(header, payload_offset)``. Raises CorruptEntryError (a derived entry, format 5, is
     not a chunk) or FormatVersionError."""

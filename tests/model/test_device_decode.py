@@ -29,7 +29,7 @@ from kvstore.store.codecs import records as records_mod
 from kvstore.store.kvstore import KVStore
 
 CHUNK = 16
-CODECS = ("raw", "zstd:1", "zstd-shuffle:1", "int8", "int4", "int8:32+zstd:1", "fp8", "ecq")
+CODECS = ("raw", "zstd:1", "zstd-shuffle:1", "int8", "int4", "int8:32+zstd:1", "fp8", "ecq", "int4h")
 
 
 def _ids(tok, n: int, seed: int) -> list[int]:

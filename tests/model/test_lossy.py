@@ -78,7 +78,7 @@ def test_lossy_entries_never_answer_a_lossless_request(llama, tmp_path):
         report = llama.generate_kv_cache(sorted({tuple(c) for c in contexts}), store)
         assert report.built == 4
     reference = _sample(llama, None, contexts, questions, use_cache=False)
-    for other in (None, "raw", "int4", "int8:32", "fp8"):
+    for other in (None, "raw", "int4", "int4h", "int8:32", "fp8"):
         with KVStore(path, codec=other, readonly=True) as store:
             got = _sample(llama, store, contexts, questions)
         assert got.cached_tokens == [0] * len(contexts), other  # not even a prefix
@@ -208,7 +208,9 @@ def test_cli_sync_codec_converts_without_recompute(tiny_llama_dir, tmp_path, cap
     assert (done["converted"], done["refused"], done["codec"]) == (3, 0, "int8:128/64") and done["chunks_written"] >= 3
     assert sync(store, store, "--codec", "int8")["already_present"] == 3
     assert sync(store, other, "--codec", "int4:64")["converted"] == 3
-    for path, codec in ((store, "int8"), (other, "int4:64")):
+    third = tmp_path / "third"
+    assert sync(store, third, "--codec", "int4h")["converted"] == 3  # no rotary parameters needed
+    for path, codec in ((store, "int8"), (other, "int4:64"), (third, "int4h")):
         code, out, err = run_main(capsys, "sample", data, *base, "--store", path, "--codec", codec, "--readonly-store")
         assert code == 0 and json.loads(out)["cache_hit_rate"] == 1, err
     code, out, err = run_main(capsys, "sync", store, other, "--codec", "zstd:3")

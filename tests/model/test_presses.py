@@ -291,7 +291,7 @@ def test_presses_compose_with_decode_attention_and_lossy_codecs(eager, rows):
     for spec in specs:
         assert torch.equal(got[spec].tokens, ref[spec].tokens) and _max_diff(got[spec], ref[spec]) < 1e-10
     # a lossy store: the press runs on what the codes decode to, on a miss (computed, reloaded) as on a hit
-    for codec in ("int8", "ecq"):
+    for codec in ("int8", "ecq", "int4h"):
         with KVStore("memory://", codec=codec, chunk_tokens=32) as store:
             miss = _sweep(eager, contexts, questions, ["snapkv:0.5"], store=store)["snapkv:0.5"]
             hit = _sweep(eager, contexts, questions, ["snapkv:0.5"], store=store)["snapkv:0.5"]

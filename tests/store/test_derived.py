@@ -138,7 +138,7 @@ def test_pressed_round_trips_exactly_under_lossless_codecs(codec, dtype):
 
 
 @pytest.mark.parametrize("spec, bound", [("int8", 0.02), ("int4", 0.35), ("fp8", 0.15), ("int8+zstd:1", 0.02),
-                                         ("int4:32/64+zstd-shuffle:1", 0.35)])  # fmt: skip
+                                         ("int4:32/64+zstd-shuffle:1", 0.35), ("int4h", 0.35)])  # fmt: skip
 def test_pressed_under_lossy_codecs(spec, bound):
     layers = pressed()
     key, blob = encode_pressed(facts(), "kvzip:0.75", PRESS, layers, spec)
@@ -158,7 +158,7 @@ def test_pressed_under_lossy_codecs(spec, bound):
                 assert torch.equal(view.kv(i, j)[0].materialize()[0, 0], k[0])
 
 
-@pytest.mark.parametrize("spec", ["int8", "int4", "int4r", "int8r", "ecq"])
+@pytest.mark.parametrize("spec", ["int8", "int4", "int4r", "int8r", "ecq", "int4h"])
 def test_contiguous_positions_store_what_a_chunk_stores(spec):
     """A head keeping tokens start..start+n is quantized exactly as a chunk of those tokens is."""
     q = get_codec(spec).quantizer

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 # The built-in codecs register themselves on import; each imports only ``base`` and ``records``.
 from kvstore.store.codecs import entropy as _entropy  # noqa: F401
+from kvstore.store.codecs import hadamard as _hadamard  # noqa: F401
 from kvstore.store.codecs import plain as _plain  # noqa: F401
 from kvstore.store.codecs import prerope as _prerope  # noqa: F401
 from kvstore.store.codecs import quant as _quant  # noqa: F401

@@ -1,0 +1,101 @@
+"""``kvstore quality``: the lossy codecs' quality gate on your own model and data.
+
+Every row's context is prefilled once (the lossless cache) and the model answers greedily from it;
+each ``--codec`` then round-trips that cache through its stored bytes and is compared with it
+(:func:`kvstore.quality.quality_gate`): next-token KL and top-1 agreement on the lossless answer
+(keys and values quantized, only keys, only values) and its own greedy answer against the lossless
+one (identical rows, mean common prefix), with its bytes against float32. Nothing is stored. A row
+is its context's text (the model's own BOS where it uses one) and the question's text after it, as
+they are (no prompt template); a row without a question feeds its context's last token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+from kvstore.cli.common import CLIError, emit, format_option, progress_bar, quiet_option
+from kvstore.cli.flags import ModelChoice, dataset_flags, model_flags, receives
+
+
+@dataclass(frozen=True)
+class GateSource:
+    """The dataset and its fields (DATASET, ``--context-field``, ``--question-field``, ``--id-field``, ``--limit``)."""
+
+    dataset: str
+    context_field: str
+    question_field: str
+    id_field: str
+    limit: int | None
+
+    def load(self) -> tuple[list[str], list[str | None]]:
+        from kvstore.data.datasets import load_dataset
+        from kvstore.data.readers import Fields
+
+        fields = Fields(self.context_field, self.question_field, id=self.id_field)
+        data = load_dataset(self.dataset, fields, require_question=False, limit=self.limit)
+        return [e.context for e in data.examples], [e.question for e in data.examples]
+
+
+@dataclass(frozen=True)
+class Gate:
+    """``--codec`` (repeatable), ``--new-tokens``, ``--chunk-tokens``, ``--format``, ``--quiet``."""
+
+    codec: tuple[str, ...]
+    new_tokens: int
+    chunk_tokens: int
+    fmt: str
+    quiet: bool
+
+
+COLUMNS = {
+    "codec": "codec", "size_vs_f32": "x f32", "identical": "identical", "common_prefix": "prefix",
+    "kl_kv": "KL", "top1_kv": "top-1", "kl_keys": "KL K only", "kl_values": "KL V only",
+    "top1_keys": "top-1 K", "top1_values": "top-1 V",
+}  # fmt: skip
+
+
+@click.command("quality")
+@dataset_flags
+@model_flags
+@click.option("--codec", "-c", multiple=True, required=True, help="A lossy codec to measure (repeat for several).")
+@click.option("--new-tokens", "-n", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Greedy tokens per row compared with the lossless answer.")  # fmt: skip
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens per stored chunk the codecs encode (a store's default).")  # fmt: skip
+@format_option
+@quiet_option
+@receives(source=GateSource, model=ModelChoice, gate=Gate)
+def quality(source: GateSource, model: ModelChoice, gate: Gate) -> None:
+    """Measure lossy codecs against the lossless cache on DATASET's rows: next-token KL and top-1,
+    key and value damage apart, identical answers and their common prefix, bytes vs float32."""
+    from kvstore.quality import quality_gate, rows_of
+    from kvstore.store.codecs import get_codec
+
+    for spec in gate.codec:
+        if get_codec(spec).lossless:
+            raise CLIError(f"--codec {spec} is lossless: give lossy codecs (int8, int4h, ecq, ...)")
+    contexts, questions = source.load()
+    adapter = model.load(gate.quiet)
+    try:
+        rows = rows_of(adapter, contexts, questions)
+    except ValueError as exc:
+        raise CLIError(f"{source.dataset}: {exc}") from None
+    bar = progress_bar(len(rows) * len(gate.codec), "quality", gate.quiet)
+    results = quality_gate(adapter, rows, gate.codec, new_tokens=gate.new_tokens, chunk_tokens=gate.chunk_tokens,
+                           progress=bar.update)  # fmt: skip
+    bar.close()
+    out = []
+    for q in results:
+        rec = q.record()
+        flat = {k: v for k, v in rec.items() if k not in ("kl", "top1")}
+        flat |= {f"kl_{m}": v for m, v in q.kl.items()} | {f"top1_{m}": v for m, v in q.top1.items()}
+        out.append(flat)
+    if gate.fmt == "table":
+        click.echo(f"{len(rows)} rows, {gate.new_tokens} new tokens each; against the lossless cache")
+    emit(out, gate.fmt, columns=COLUMNS, formatters={
+        "size_vs_f32": "{:.3f}".format, "common_prefix": "{:.1%}".format,
+        "identical": lambda v: f"{v}/{len(rows)}", **{k: "{:.5f}".format for k in ("kl_kv", "kl_keys", "kl_values")},
+        **{k: "{:.3f}".format for k in ("top1_kv", "top1_keys", "top1_values")},
+    })  # fmt: skip

@@ -1,0 +1,161 @@
+"""``int4h``: ``int4`` with keys and values rotated by a Hadamard transform over each head's channels.
+
+A few channels of a head carry most of its range (a large steady offset, or outliers); a per-group
+4-bit step is cut from the widest channel of the group, so the quiet channels get a coarse grid.
+Multiplying every token's ``head_dim`` vector by a normalized Hadamard matrix ``H`` (orthogonal and
+symmetric, ``H @ H = I``) spreads each channel's energy over all of them before quantizing;
+decoding multiplies by ``H`` again. The dot products attention takes are unchanged by an orthogonal
+rotation, and the rounding error comes back spread evenly over the channels (the same squared
+error, no channel holding it all). ik_llama.cpp's rotated Q4_0 keys (PR #1034) and QuaRot do this;
+``int4h`` applies it to ``int4``'s codes on the KIVI axes:
+
+* **keys**: rotated, then per channel in groups of ``GK`` tokens (as ``int4``: a 16-bit scale and
+  zero per channel and group);
+* **values**: rotated, then per token in groups of ``GV`` channels (as ``int4``).
+
+``head_dim`` a power of two: one Hadamard over the whole head. Otherwise a block-diagonal one of the
+largest power-of-two blocks that divide ``head_dim`` (e.g. 80 = 5 x 16): still orthogonal and
+symmetric. An odd ``head_dim`` is refused (as ``int4`` refuses it). No rotary parameters are needed
+(the keys are rotated as the model cached them, after RoPE): ``sync --codec int4h`` converts a store
+without the model. The tuning runs that chose this (and measured pre-RoPE keys and kept outliers,
+not taken) are in docs/lossy-codecs.md.
+
+Error bound: an element of the rotated tensor is within half its step of its code (as for
+``int4``); ``H`` is orthogonal, so a decoded token row's error has the same Euclidean norm, at most
+``sqrt(sum_j (step_j / 2) ** 2)`` over the row's channel steps, plus float32 arithmetic and one
+rounding to the model's dtype (float64 models are decoded in float64). A context's first
+``SINK_TOKENS`` tokens are stored as the model made them (not rotated).
+
+Stored tensors: those of ``int4`` (``NAME.codes``, ``.scales``, ``.zeros``, ``.sink``), the codes,
+scales and zeros describing the rotated values. Entry format 6: a kvstore that reads up to format 5
+refuses an ``int4h`` chunk instead of taking it for corrupt.
+
+Specs: ``int4h[:G]`` or ``int4h:GK/GV`` (default ``32/64``: 4.75 bits per element with the 16-bit
+scales and zeros, the bytes of ``int4``; the packing ``zstd:1`` unless the spec names another).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from functools import lru_cache
+
+import torch
+
+from kvstore.errors import CodecError, CorruptEntryError
+from kvstore.store.codecs.base import register_quantizer
+from kvstore.store.codecs.quant import (
+    PARTS,
+    IntQuantizer,
+    Stage,
+    _IntReader,
+    _scratch,
+    int_factory,
+    sink_count,
+    sink_then_rest,
+)
+from kvstore.store.codecs.records import TensorRecord
+
+DEFAULT_PACKING = "zstd:1"
+
+
+def hadamard_block(head_dim: int) -> int:
+    """The Hadamard block size for ``head_dim``: the largest power of two dividing it. Raises
+    CodecError for an odd ``head_dim`` (a block of 1 rotates nothing)."""
+    block = head_dim & -head_dim
+    if block < 2:
+        raise CodecError(f"int4h needs an even head_dim (it rotates blocks of a power of two), not {head_dim}")
+    return block
+
+
+@lru_cache(maxsize=16)
+def _hadamard_cpu(head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    block = hadamard_block(head_dim)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:  # Sylvester's construction: symmetric, entries +-1
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = torch.block_diag(*[h / math.sqrt(block)] * (head_dim // block))
+    return h.to(dtype)
+
+
+def hadamard(head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The normalized (block) Hadamard matrix ``[head_dim, head_dim]`` ``int4h`` rotates by, on the
+    CPU (cached: do not write to it): orthogonal and symmetric (its own inverse). Raises CodecError
+    for an odd ``head_dim``."""
+    return _hadamard_cpu(head_dim, dtype)
+
+
+class HadamardQuantizer(IntQuantizer):
+    """``int4h``: ``int4`` codes of Hadamard-rotated keys and values (see the module docstring)."""
+
+    default_packing = DEFAULT_PACKING
+
+    def __init__(self, bits: int, group_k: int, group_v: int):
+        super().__init__(bits, group_k, group_v)
+        self.name = "int4h"
+
+    def encode(
+        self, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        x = tensor.detach().to("cpu")
+        heads, n, dim = x.shape
+        h = hadamard(dim, torch.float64)
+        k = sink_count(n, start, positions)
+        body = (x[:, k:].double() @ h).float()
+        # int4's codes of the rotated tokens (start > 0: no sink of their own), the sink as it is
+        parts = dict(super().encode(role, body, start=1))
+        parts[".sink"] = x[:, :k].contiguous()
+        return [(p, parts[p]) for p in PARTS]
+
+    def reader(
+        self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
+        start: int = 0, positions: torch.Tensor | None = None,
+    ) -> _HadamardReader:  # fmt: skip
+        try:
+            hadamard_block(shape[2])
+        except CodecError as exc:
+            raise CorruptEntryError(str(exc)) from None
+        codes, s, z, sink, group = self.checked_parts(role, name, records, shape, dtype)
+        return _HadamardReader(self, role, name, shape, dtype, codes, s, z, sink, group)
+
+
+class _HadamardReader(_IntReader):
+    """Decodes one ``int4h`` tensor: ``int4``'s dequantization into a float32 (float64) work tensor,
+    then one matrix product by ``H`` into the destination. ``device_decode``: with a ``stage`` the
+    codes, scales and zeros go to the destination's device and both steps run there."""
+
+    device_decode = True
+
+    def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
+        d = sink_then_rest(self, dest, stage)
+        heads, m, dim = d.shape
+        if m == 0:
+            return
+        wdt = torch.float64 if self.dtype == torch.float64 else torch.float32
+        h = hadamard(dim, wdt)
+        if stage is not None:  # the matrix goes up as the codes do (staged: pinned, on the loads' stream)
+            work, h = torch.empty(d.shape, dtype=wdt, device=d.device), stage(h, d.device)
+        else:
+            work = _scratch("h_f64" if wdt == torch.float64 else "h_f32", d.numel(), wdt).view(d.shape)
+        # int4's dequantization of the codes alone (no sink: it went straight to dest above)
+        body = _IntReader(self.q, self.role, self.name, (heads, m, dim), wdt, self.codes, self.scales, self.zeros,
+                          _no_sink(self.name, heads, dim, wdt), self.group)  # fmt: skip
+        body.copy_into(work, stage)
+        if d.dtype == wdt and d.device == work.device and all(d[i].is_contiguous() for i in range(heads)):
+            for i in range(heads):  # each head's rows are contiguous in a batch buffer: no temporary, no copy
+                torch.mm(work[i], h, out=d[i])
+        else:
+            d.copy_(torch.matmul(work, h))
+
+
+def _no_sink(name: str, heads: int, dim: int, dtype: torch.dtype) -> TensorRecord:
+    return TensorRecord(name + ".sink", dtype, (heads, 0, dim), torch.empty(0, dtype=torch.uint8))
+
+
+def _factory(args: str) -> HadamardQuantizer:
+    return int_factory(HadamardQuantizer, "int4h", 4, 32, 64)(args)
+
+
+register_quantizer("int4h", _factory, since=6)
+
+__all__ = ["HadamardQuantizer", "hadamard", "hadamard_block"]
