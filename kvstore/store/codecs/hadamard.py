@@ -85,6 +85,12 @@ def hadamard(head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _hadamard_cpu(head_dim, dtype)
 
 
+@lru_cache(maxsize=16)
+def _hadamard_on(head_dim: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """:func:`hadamard` on ``device``, made there once per process (a load uploads no matrix)."""
+    return _hadamard_cpu(head_dim, dtype).to(device)
+
+
 class HadamardQuantizer(IntQuantizer):
     """``int4h``: ``int4`` codes of Hadamard-rotated keys and values (see the module docstring)."""
 
@@ -133,8 +139,8 @@ class _HadamardReader(_IntReader):
             return
         wdt = torch.float64 if self.dtype == torch.float64 else torch.float32
         h = hadamard(dim, wdt)
-        if stage is not None:  # the matrix goes up as the codes do (staged: pinned, on the loads' stream)
-            work, h = torch.empty(d.shape, dtype=wdt, device=d.device), stage(h, d.device)
+        if stage is not None:  # on the device: the matrix is made there once, only codes and scales go up
+            work, h = torch.empty(d.shape, dtype=wdt, device=d.device), _hadamard_on(dim, wdt, str(d.device))
         else:
             work = _scratch("h_f64" if wdt == torch.float64 else "h_f32", d.numel(), wdt).view(d.shape)
         # int4's dequantization of the codes alone (no sink: it went straight to dest above)
