@@ -271,22 +271,22 @@ def _collect(
         saved = sum(len(c) for c in rows.contexts) - computed
         out.append(
             SampleResult(
-                tokens,
-                lengths,
-                hits,
-                scores,
-                saved,
-                computed,
-                list(cached),
-                list(codecs),
-                variant.name,
-                seconds,
-                kept,
-                nbytes,
-                scoring.window,
-                scoring.total,
-                scoring.replay,
-            )  # fmt: skip
+                tokens=tokens,
+                lengths=lengths,
+                cache_hit=hits,
+                scores=scores,
+                prefill_tokens_saved=saved,
+                prefill_tokens_computed=computed,
+                cached_tokens=list(cached),
+                codecs=list(codecs),
+                variant=variant.name,
+                decode_seconds=seconds,
+                kept_tokens=kept,
+                cache_bytes=nbytes,
+                window_tokens_computed=scoring.window,
+                scoring_tokens_computed=scoring.total,
+                replay_tokens_computed=scoring.replay,
+            )
         )
     return out
 

@@ -133,11 +133,12 @@ class BatchPlan:
         keys = {c.key for c in ctx}
         P, Q = max(c.n_tokens for c in ctx), max(len(f) for f in fed)
         return BatchPlan(
-            tuple(self.rows[i] for i in positions), ctx, fed, self.new_tokens,
-            bucket_slots(P + Q + self.new_tokens, self.fixed), MappingProxyType({k: self.stored[k] for k in keys}),
-            self.unwritten, self.write, self.fixed, self.dense & keys,
-            _frozen({v: {k: d for k, d in m.items() if k in keys} for v, m in self.pressed.items()}),
-            tuple(self.derived[i] for i in positions) if self.derived else (),
+            rows=tuple(self.rows[i] for i in positions), contexts=ctx, fed=fed, new_tokens=self.new_tokens,
+            slots=bucket_slots(P + Q + self.new_tokens, self.fixed),
+            stored=MappingProxyType({k: self.stored[k] for k in keys}), unwritten=self.unwritten, write=self.write,
+            fixed=self.fixed, dense=self.dense & keys,
+            pressed=_frozen({v: {k: d for k, d in m.items() if k in keys} for v, m in self.pressed.items()}),
+            derived=tuple(self.derived[i] for i in positions) if self.derived else (),
         )  # fmt: skip
 
 
@@ -191,9 +192,10 @@ def plan_batch(
         needed = {p.key for p in distinct}
     P, Q = max(p.n_tokens for p in ctx), max(len(f) for f in feds)
     return BatchPlan(
-        tuple(rows), ctx, feds, new_tokens, bucket_slots(P + Q + new_tokens, fixed_slots),
-        MappingProxyType(stored), unwritten, writer is not None, fixed_slots, frozenset(needed), _frozen(pressed),
-        derived,
+        rows=tuple(rows), contexts=ctx, fed=feds, new_tokens=new_tokens,
+        slots=bucket_slots(P + Q + new_tokens, fixed_slots), stored=MappingProxyType(stored), unwritten=unwritten,
+        write=writer is not None, fixed=fixed_slots,
+        dense=frozenset(needed), pressed=_frozen(pressed), derived=derived,
     )  # fmt: skip
 
 
