@@ -386,6 +386,21 @@ def test_the_library_passes_no_call_more_than_eight_positional_arguments() -> No
     assert not found, "\n".join(found)
 
 
+def test_cache_paths_narrow_no_type_at_run_time() -> None:
+    """A cache path's prepared batch has its type (``CachePath`` is generic in what ``prepare``
+    returns): no ``assert isinstance`` in kvstore/model/paths/ to recover it."""
+    found = []
+    for path in (ROOTS["kvstore"] / "model" / "paths").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Assert)
+                and isinstance(node.test, ast.Call | ast.BoolOp)
+                and "isinstance(" in ast.unparse(node.test)
+            ):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found
+
+
 def test_process_wide_state_lives_in_one_documented_place() -> None:
     """No ``global`` statement in kvstore/ or cli/: what is process-wide is a field of the objects in
     kvstore/process.py, whose docstring names each user (docs/architecture.md: no module-level

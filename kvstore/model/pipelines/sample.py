@@ -31,7 +31,7 @@ from kvstore.model.compute.forward import Decoding, batches, in_halves, is_out_o
 from kvstore.model.compute.writer import Writer
 from kvstore.model.handle import row_label
 from kvstore.model.options import SampleOptions
-from kvstore.model.paths.base import BatchAnswers, CachePath, Work
+from kvstore.model.paths.base import BatchAnswers, CachePath, PreparedT, Work
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.plan import chains
 from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
@@ -195,7 +195,12 @@ class _Ahead:
 
 
 def _run_batch(
-    handle: ModelHandle, path: CachePath, plan: BatchPlan, work: Work, loaded: Loaded | None, ahead: _Ahead | None
+    handle: ModelHandle,
+    path: CachePath[PreparedT],
+    plan: BatchPlan,
+    work: Work,
+    loaded: Loaded | None,
+    ahead: _Ahead | None,
 ) -> tuple[list[tuple[BatchPlan, BatchAnswers]], tuple[BatchPlan, Future[Loaded]] | None]:
     """One batch through its path: prepared (loaded, completed, new chunks handed to the writer),
     then the next batch planned and its load submitted, then answered under every variant. Out of
