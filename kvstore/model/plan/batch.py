@@ -2,8 +2,8 @@
 
 A :class:`BatchPlan` is a frozen value made by :func:`plan_batch` before any tensor is touched,
 and the contract the stages keep (:mod:`kvstore.model.stages`): the load reads the planned chunks
-of the contexts whose dense cache the batch needs (``dense``) and reports where it found less
-(``Loaded.short``), complete computes exactly what was not loaded and hands it to the writer,
+of the contexts whose dense cache the batch needs (``dense``) and reports how much it found
+(``Loaded.tokens``), complete computes exactly what was not loaded and hands it to the writer,
 transform presses the contexts or reads the planned pressed entries (``pressed``), answer and
 score run the fed tokens. Sampling, sweeps, scoring and the lm-eval backend run the same stages
 from it; loading ahead is "plan the next batch, then submit its load"; an out-of-memory batch runs
