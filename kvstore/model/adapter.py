@@ -327,9 +327,9 @@ class Adapter(ModelView):
         opts: SampleOptions, store: KVStore | None, keying: Keying, labels: Sequence[str] | None,
         progress: Progress | None,
     ) -> list[SampleResult]:  # fmt: skip
-        check_supported(self.handle, store if opts.use_cache else None)  # a refused model: before any tokenizing
+        path = sample.check_sample(self.handle, opts, chosen, store)  # a refused model: before any tokenizing
         rows = sample.tokenize_rows(self.handle, contexts, questions, opts, store, keying, labels)
-        return sample.sample_variants(self.handle, rows, opts, chosen, store, progress)
+        return sample.sample_variants(self.handle, rows, opts, chosen, store, path, progress)
 
     # -- scoring -------------------------------------------------------------------------------
     @takes_options(ScoreOptions)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -127,25 +127,36 @@ def tokenize_rows(
     return Rows(chain_list, tuple(c_ids), tuple(q_ids))
 
 
-@uses_grouped_kv
-def sample_variants(
-    handle: ModelHandle, rows: Rows, options: SampleOptions, variants: Sequence[Variant], store: KVStore | None,
-    progress: Progress | None = None,
-) -> list[SampleResult]:  # fmt: skip
-    """Greedy answers (see :meth:`kvstore.model.adapter.Adapter.sample`) under each of
-    ``variants``, from one load of each batch: one :class:`SampleResult` per variant, in order."""
+def check_sample(
+    handle: ModelHandle, options: SampleOptions, variants: Sequence[Variant], store: KVStore | None
+) -> CachePath[Any]:
+    """A sample's one check, before any tokenizing: the model's cache path for the store it reads
+    (ModelError for a model or codec it cannot serve), ValueError for no variant or compiled steps on
+    a path without them, HookError for hooked variants under fixed-shape steps, ModelError for
+    variants on a path without them."""
     if not variants:
         raise ValueError("no variant to answer with")
-    decoding = options.decoding()
-    hooks.check_steps(variants, decoding.steps)
-    use_store = store if options.use_cache else None
-    path = check_supported(handle, use_store)
-    if decoding.fixed and not path.supports("compile"):
+    hooks.check_steps(variants, options.steps)
+    path = check_supported(handle, store if options.use_cache else None)
+    if options.steps != "dynamic" and not path.supports("compile"):
         raise ValueError(
             f"compiled decoding supports models whose every layer is full attention; {handle.name} has "
             "sliding-window, chunked or state layers (decode it without compile)"
         )
     check_variants(handle, variants)
+    return path
+
+
+@uses_grouped_kv
+def sample_variants(
+    handle: ModelHandle, rows: Rows, options: SampleOptions, variants: Sequence[Variant], store: KVStore | None,
+    path: CachePath[Any], progress: Progress | None = None,
+) -> list[SampleResult]:  # fmt: skip
+    """Greedy answers (see :meth:`kvstore.model.adapter.Adapter.sample`) under each of
+    ``variants``, from one load of each batch: one :class:`SampleResult` per variant, in order.
+    ``path``: what :func:`check_sample` returned for these options, variants and store."""
+    decoding = options.decoding()
+    use_store = store if options.use_cache else None
     writer = Writer(store) if (options.use_cache and store is not None and not store.readonly) else None
     work = Work(use_store, writer, decoding, tuple(variants))
     n = len(rows.chains)
@@ -296,4 +307,4 @@ def _collect(
     return out
 
 
-__all__ = ["Rows", "SampleResult", "sample_variants", "tokenize_rows"]
+__all__ = ["Rows", "SampleResult", "check_sample", "sample_variants", "tokenize_rows"]
