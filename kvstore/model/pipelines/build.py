@@ -166,9 +166,11 @@ def run_build(
             lost, writer.lost = set(writer.lost), []
             redo = [(p, d) for p in distinct if p.key in lost and (d := verified_depth(handle, store, p)) < len(p.keys)]
             counts += path.compute(handle, store, redo, writer, options, None, True)
+        writer.flush()  # every context's chunks and record written before its derived entries
+        pressing = [st for st in steps if st.presses or st.scores]
+        derived = derive(handle, store, pressing, options, path, writer, progress)
     finally:
         writer.close()
-    derived = derive(handle, store, [st for st in steps if st.presses or st.scores], options, progress)
     s = writer.stats
     return BuildReport(
         contexts=len(plan.chains), distinct=len(steps), other_shards=plan.other_shards,
