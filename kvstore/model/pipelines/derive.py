@@ -17,7 +17,7 @@ others (its plan finds what is there).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,12 +67,14 @@ def derive(
     chains = tuple(s.chain for s in steps)
     requests = RowSet(chains, ((),) * len(chains), 0)
     work = Work(store, writer if options.dense else None, Decoding(), ())  # dense=False: computed chains not stored
+    # what the build's plan and dense part left stored: not probed again
+    known = {s.chain.key: len(s.chain.keys) if options.dense else s.depth for s in steps}
     sizes = [c.n_tokens for c in chains]
     order = sorted(range(len(chains)), key=lambda i: sizes[i])
     assert options.batch_size is not None
     done = Derived()
     for batch in batches(order, sizes, options.batch_size, options.max_batch_tokens):
-        done = _batch(handle, path, work, [steps[i] for i in batch], _Run(requests, batch), done)
+        done = _batch(handle, path, work, [steps[i] for i in batch], _Run(requests, batch, known), done)
         if progress:
             progress(0, sum(sizes[i] for i in batch))
     return done
@@ -82,6 +84,7 @@ def derive(
 class _Run:
     requests: RowSet
     batch: list[int]
+    known: Mapping[str, int]
 
 
 def _batch(
@@ -89,7 +92,7 @@ def _batch(
 ) -> Derived:
     store = work.store
     assert store is not None
-    plan = plan_batch(run.batch, run.requests, store, work.writer)
+    plan = plan_batch(run.batch, run.requests, store, work.writer, known=run.known)
     prepared = path.prepare(handle, plan, work, None)
     with prepared.stack:  # no variant: no pressed entry is open
         completed = prepared.done

@@ -163,12 +163,14 @@ def stored_depth(chain: Chain, store: KVStore | None, unwritten: frozenset[str])
 
 def plan_batch(
     rows: Sequence[int], requests: RowSet, store: KVStore | None, writer: Writer | None, fixed_slots: bool = False,
-    variants: Sequence[Variant] = (),
+    variants: Sequence[Variant] = (), *, known: Mapping[str, int] | None = None,
 ) -> BatchPlan:  # fmt: skip
     """Plan a batch of the caller's ``rows`` of ``requests`` for ``store`` (None: nothing is
     loaded, as the reference runs), the chunks the writer holds included; a context is read from a
     stored pressed entry by a press variant when ``store`` holds one, and its dense cache is loaded
-    (or computed) only if some variant needs it."""
+    (or computed) only if some variant needs it. ``known``: stored depths the caller already has
+    (a build's plan), by context key, used instead of probing the store again (a chunk gone since is
+    found by the load, and computed)."""
     ctx = tuple(requests.chains[i] for i in rows)
     feds = tuple(tuple(requests.fed[i]) for i in rows)
     derived = tuple(requests.derived[i] for i in rows) if requests.derived else ()
@@ -176,7 +178,8 @@ def plan_batch(
     chunk_keys = {k for p in ctx for k in p.keys}
     unwritten = writer.unwritten(chunk_keys) if writer is not None else frozenset()
     distinct = list({p.key: p for p in ctx}.values())
-    stored = {p.key: stored_depth(p, store, unwritten) for p in distinct}
+    known = known or {}
+    stored = {p.key: known[p.key] if p.key in known else stored_depth(p, store, unwritten) for p in distinct}
     filed = {c.key: d for c, d in zip(ctx, derived or ctx)}  # context key -> the chain its entries are under
     pressed: dict[str, Mapping[str, str]] = {}
     needed: set[str] = set()
