@@ -372,7 +372,8 @@ def sample(
     from kvstore.model.variants.hooks import check_steps
 
     store.check_codec()
-    check_steps(list(sweep) or [options.variant()], options.steps)  # refused before the model loads
+    variant = options.variant()  # built once: checked here and named in the rows
+    check_steps(list(sweep) or [variant], options.steps)  # refused before the model loads
     rows = data.load(require_question=True)
     adapter = model.load(report.quiet)
     prompt = prompting.format(adapter.tokenizer)
@@ -395,7 +396,7 @@ def sample(
         if kv is not None:
             kv.close()
     seconds = time.perf_counter() - t0
-    named = bool(sweep) or not options.variant().dense  # rows say which variant answered them
+    named = bool(sweep) or not variant.dense  # rows say which variant answered them
     out_rows = _answer_rows(adapter, examples, results, options.use_cache, named)
     if report.output:
         with Path(report.output).open("w", encoding="utf-8") as f:

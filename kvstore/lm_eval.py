@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -56,6 +56,9 @@ from kvstore.model.options import ScoreOptions, press_of
 from kvstore.model.pipelines.sample import SampleResult
 from kvstore.model.press.spec import Press, is_press_spec
 from kvstore.store.kvstore import KVStore
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Unpack
 
 _log = logging.getLogger(__name__)
 MODEL_NAME = "kvstore"
@@ -183,6 +186,27 @@ class ModelArgs:
     )  # fmt: skip
 
 
+class ModelArgKeywords(TypedDict, total=False):
+    """:class:`ModelArgs`' fields as :class:`KVStoreLM`'s keywords (for the type checker)."""
+
+    pretrained: str | None
+    store: str | None
+    dtype: str | None
+    device: str | None
+    batch_size: int | str | None
+    max_batch_size: int | None
+    max_length: int | str | None
+    max_gen_toks: int | str | None
+    use_cache: bool | str
+    readonly: bool | str
+    codec: str | None
+    chunk_tokens: int | str | None
+    attn_implementation: str | None
+    add_bos_token: bool | str | None
+    prefix_token_id: int | str | None
+    press: str | None
+
+
 def _unknown_args(names: Iterable[str]) -> None:
     known = ", ".join(f.name for f in fields(ModelArgs) if f.name != "max_batch_size")
     raise ModelError(f"unknown model arg(s) for model {MODEL_NAME!r}: {', '.join(names)}; known: {known}")
@@ -195,8 +219,9 @@ class KVStoreLM(TemplateLM):
     model arg or a bad value, before the model loads."""
 
     @takes_options(ModelArgs, unknown=_unknown_args)
-    def __init__(self, options: ModelArgs) -> None:
+    def __init__(self, options: ModelArgs | None = None, **fields: Unpack[ModelArgKeywords]) -> None:
         """The model and store of ``options`` (see :class:`ModelArgs`)."""
+        assert options is not None  # completed by takes_options (from the field keywords)
         super().__init__()
         # every argument is checked before the (slow) model load
         self.use_cache = _bool(options.use_cache, "use_cache")

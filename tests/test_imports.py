@@ -329,10 +329,66 @@ def test_every_options_field_is_a_visible_keyword_of_each_method_that_takes_it()
     ]  # greedy_sample(contexts, questions, 20, ...), as the research code calls it  # fmt: skip
 
 
+def test_each_method_types_its_option_keywords_for_the_type_checker() -> None:
+    """Each method that takes an options class declares ``**fields: Unpack[K]`` (PEP 692), ``K`` a
+    ``TypedDict`` naming exactly the class's fields (less the one it takes positionally), so mypy
+    checks every keyword of every call and the two declarations cannot drift apart."""
+    import dataclasses
+    import importlib
+    import inspect
+    import typing
+
+    for fn in _takers():
+        written = inspect.signature(fn.__wrapped__)
+        var = [p for p in written.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+        assert len(var) == 1 and var[0].annotation.startswith("Unpack["), (fn.__name__, var)
+        name = var[0].annotation.removeprefix("Unpack[").removesuffix("]")
+        keywords = getattr(importlib.import_module(fn.__module__), name)
+        assert typing.is_typeddict(keywords) and not keywords.__required_keys__, name
+        fields = {f.name for f in dataclasses.fields(fn.__options__)}
+        positional = {p for p in fields if p in written.parameters}
+        assert set(keywords.__optional_keys__) == fields - positional, (fn.__name__, name)
+
+
+def _mypy_errors(code: str, tmp_path) -> str:
+    """mypy's report on ``code`` calling this checkout's kvstore (skipped without mypy)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mypy")
+    (tmp_path / "snippet.py").write_text(code)
+    env = {**__import__("os").environ, "MYPYPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-m", "mypy", "--python-version", "3.10", "--ignore-missing-imports",
+         "--follow-imports=silent", "--no-site-packages", "--cache-dir", str(tmp_path / "cache"), "snippet.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    return run.stdout + run.stderr
+
+
+def test_mypy_finds_a_misspelt_or_mistyped_option_keyword(tmp_path) -> None:
+    """The type checker sees the methods' option keywords: a misspelt one and a wrongly typed one
+    are errors naming them; well-formed calls (the positional ``greedy_sample(..., 5)`` too) pass."""
+    out = _mypy_errors(
+        "from kvstore import Adapter, KVStore\n\n\n"
+        "def f(a: Adapter, s: KVStore) -> None:\n"
+        "    a.sample(['c'], ['q'], store=s, max_new_tokns=3)\n"
+        "    a.score(['c'], ['x'], token_logprobs='yes')\n"
+        "    a.greedy_sample(['c'], ['q'], 5, store=s, batch_size=2)\n"
+        "    a.build(['c'], s, presses=['kvzip:0.5'], dense=False)\n"
+        "    a.sample(['c'], ['q'], num_new_tokens=3, press='snapkv:0.5')\n",
+        tmp_path,
+    )
+    assert 'snippet.py:5: error: Unexpected keyword argument "max_new_tokns"' in out, out
+    assert 'snippet.py:6: error: Argument "token_logprobs"' in out, out
+    assert "Found 2 errors" in out, out
+
+
 def test_options_fields_are_written_once() -> None:
     """No function in kvstore/ or cli/ declares a parameter named like an options field with a
-    literal default of its own (the options class holds it), and no options class is built field by
-    field from loose values in the Adapter (``_given(...)``)."""
+    literal default of its own (the options class holds it; the one field a method takes
+    positionally, ``takes_options(first=...)``, is declared where it comes with a default of None),
+    and no options class is built field by field from loose values in the Adapter (``_given(...)``)."""
     import dataclasses
 
     from kvstore.model.options import BuildOptions, SampleOptions, ScoreOptions
@@ -343,7 +399,11 @@ def test_options_fields_are_written_once() -> None:
     for fn in (f for _, f in _functions(ast.parse(adapter))):
         a = fn.args
         declared = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
-        found += [f"adapter.py:{fn.name} declares {n}" for n in sorted(declared & names)]
+        firsts = {k.value.value for d in fn.decorator_list if isinstance(d, ast.Call) for k in d.keywords
+                  if k.arg == "first" and isinstance(k.value, ast.Constant)}  # fmt: skip
+        positional = dict(zip([x.arg for x in a.posonlyargs + a.args][::-1], a.defaults[::-1]))
+        firsts = {n for n in firsts if isinstance(positional.get(n), ast.Constant) and positional[n].value is None}
+        found += [f"adapter.py:{fn.name} declares {n}" for n in sorted(declared & names - firsts)]
     assert "_given(" not in adapter
     for name, path in module_files().items():
         if name == "kvstore.model.options":
@@ -369,6 +429,36 @@ def test_the_cli_passes_no_call_more_than_ten_positional_arguments() -> None:
             if isinstance(node, ast.Call) and len(node.args) > MAX_PARAMS:
                 found.append(f"{name}:{node.lineno} ({len(node.args)} positional arguments)")
     assert not found, "\n".join(found)
+
+
+MAX_POSITIONAL = 8
+
+
+def test_the_library_passes_no_call_more_than_eight_positional_arguments() -> None:
+    """Results, plans and infos are built by keyword in kvstore/ (``SampleResult(tokens, lengths,
+    ...)`` with 15 positional arguments, ``DerivedInfo(`` with 18, could be read by position only:
+    a field added in the middle shifts every one after it without an error)."""
+    found = []
+    for path in ROOTS["kvstore"].rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and len(node.args) > MAX_POSITIONAL:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} ({len(node.args)} positional arguments)")
+    assert not found, "\n".join(found)
+
+
+def test_cache_paths_narrow_no_type_at_run_time() -> None:
+    """A cache path's prepared batch has its type (``CachePath`` is generic in what ``prepare``
+    returns): no ``assert isinstance`` in kvstore/model/paths/ to recover it."""
+    found = []
+    for path in (ROOTS["kvstore"] / "model" / "paths").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Assert)
+                and isinstance(node.test, ast.Call | ast.BoolOp)
+                and "isinstance(" in ast.unparse(node.test)
+            ):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, found
 
 
 def test_process_wide_state_lives_in_one_documented_place() -> None:

@@ -26,7 +26,16 @@ from kvstore.model.compute.cache import LayerKV
 from kvstore.model.compute.forward import prefill
 from kvstore.model.handle import DEFAULT_RESERVE_TOKENS, ModelHandle, TextOrIds
 from kvstore.model.keywords import takes_options
-from kvstore.model.options import BuildOptions, SampleOptions, ScoreOptions, apply_prompt
+from kvstore.model.options import (
+    BuildKeywords,
+    BuildOptions,
+    GreedyKeywords,
+    SampleKeywords,
+    SampleOptions,
+    ScoreKeywords,
+    ScoreOptions,
+    apply_prompt,
+)
 from kvstore.model.paths.choice import check_supported, path_of
 from kvstore.model.pipelines import build, sample, score
 from kvstore.model.pipelines.build import BuildReport
@@ -44,6 +53,8 @@ from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Unpack
+
     from kvstore.data.prompts import PromptFormat
 
 
@@ -134,13 +145,14 @@ class Adapter(ModelView):
         self,
         contexts: Sequence[TextOrIds],
         store: KVStore,
-        options: BuildOptions,
+        options: BuildOptions | None = None,
         *,
         prompt: PromptFormat | None = None,
         special_tokens: bool = True,
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
+        **fields: Unpack[BuildKeywords],
     ) -> BuildReport:
         """Store the cache of every distinct context not stored whole and intact in ``store``.
 
@@ -167,6 +179,7 @@ class Adapter(ModelView):
         memory and dropped) and needs ``presses`` (ValueError otherwise: scores alone would belong
         to no stored context). PressError (one line) for a question-aware press or a scorer whose
         scores cannot be stored; ReadOnlyStoreError for a read-only store."""
+        assert options is not None  # completed by takes_options (from the field keywords)
         texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
         keying = Keying(special_tokens, prefix)
         return build.build_caches(self.handle, texts, store, options, keying, labels, progress)
@@ -178,16 +191,18 @@ class Adapter(ModelView):
         self,
         contexts: Sequence[TextOrIds],
         store: KVStore,
-        options: BuildOptions,
+        options: BuildOptions | None = None,
         *,
         prompt: PromptFormat | None = None,
         special_tokens: bool = True,
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
+        **fields: Unpack[BuildKeywords],
     ) -> BuildPlan:
         """What :meth:`build` would do, and nothing more (``kvstore build --dry-run``): a
         :class:`kvstore.model.plan.build.BuildPlan` per distinct context (skip, record, migrate or
         compute; pressed caches and scores to make). Arguments as for :meth:`build`."""
+        assert options is not None  # completed by takes_options (from the field keywords)
         texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
         return plan_build(self.handle, texts, store, options, Keying(special_tokens, prefix), labels)
 
@@ -197,7 +212,7 @@ class Adapter(ModelView):
         self,
         contexts: Sequence[TextOrIds],
         questions: Sequence[TextOrIds],
-        options: SampleOptions,
+        options: SampleOptions | None = None,
         *,
         store: KVStore | None = None,
         prompt: PromptFormat | None = None,
@@ -206,6 +221,7 @@ class Adapter(ModelView):
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
         generation_context: GenerationContext | None = None,
+        **fields: Unpack[SampleKeywords],
     ) -> SampleResult:
         """Greedy answers to ``questions[i]`` about ``contexts[i]``: a :class:`SampleResult`.
 
@@ -228,6 +244,7 @@ class Adapter(ModelView):
         (:mod:`kvstore.model.variants.hooks`); an error under them is a one-line HookError. The
         three compose into one variant; several variants from one load are :meth:`sweep`.
         Full-attention models, eager steps only."""
+        assert options is not None  # completed by takes_options (from the field keywords)
         texts, asked, keying = self._prompted(prompt, contexts, questions, special_tokens, prefix)
         return self._sample([options.variant(generation_context)], texts, asked, options, store, keying, labels,
                             progress)[0]  # fmt: skip
@@ -237,7 +254,7 @@ class Adapter(ModelView):
         self,
         contexts: Sequence[TextOrIds],
         questions: Sequence[TextOrIds],
-        options: SampleOptions,
+        options: SampleOptions | None = None,
         *,
         variants: Sequence[VariantLike],
         store: KVStore | None = None,
@@ -246,6 +263,7 @@ class Adapter(ModelView):
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
+        **fields: Unpack[SampleKeywords],
     ) -> dict[str, SampleResult]:
         """:meth:`sample` under each of ``variants`` (specs such as ``dense``, ``knorm:0.5``,
         ``snapkv:0.5+sparq:16:64``, ``topk:64``, presses, attention functions or
@@ -253,6 +271,7 @@ class Adapter(ModelView):
         of each batch: results by variant name, in order. Other arguments as for :meth:`sample`;
         a sweep's presses and decode attention are its variants (ValueError for ``press`` or
         ``decode_attention`` in its options)."""
+        assert options is not None  # completed by takes_options (from the field keywords)
         chosen = _swept(variants, options)
         texts, asked, keying = self._prompted(prompt, contexts, questions, special_tokens, prefix)
         results = self._sample(chosen, texts, asked, options, store, keying, labels, progress)
@@ -263,8 +282,9 @@ class Adapter(ModelView):
         self,
         contexts: Sequence[TextOrIds],
         questions: Sequence[TextOrIds],
+        num_new_tokens: int | None = None,
         *,
-        options: SampleOptions,
+        options: SampleOptions | None = None,
         return_details: bool = False,
         compile: bool = False,
         store: KVStore | None = None,
@@ -274,12 +294,14 @@ class Adapter(ModelView):
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
         generation_context: GenerationContext | None = None,
+        **fields: Unpack[GreedyKeywords],
     ) -> torch.Tensor | SampleResult:
         """:meth:`sample` as the research code calls it (``greedy_sample(contexts, questions, 20,
         ...)``): ``[n_rows, num_new_tokens]`` int64 token ids (the :class:`SampleResult` with
         ``return_details``); ``compile``: fixed-shape decode steps under ``torch.compile``
         (``steps="compiled"``, :mod:`kvstore.model.compute.static`). Other arguments as for
         :meth:`sample`."""
+        assert options is not None  # completed by takes_options (from the field keywords)
         if compile:
             options = SampleOptions.of(options, steps="compiled")
         result = self.sample(
@@ -305,9 +327,9 @@ class Adapter(ModelView):
         opts: SampleOptions, store: KVStore | None, keying: Keying, labels: Sequence[str] | None,
         progress: Progress | None,
     ) -> list[SampleResult]:  # fmt: skip
-        check_supported(self.handle, store if opts.use_cache else None)  # a refused model: before any tokenizing
+        path = sample.check_sample(self.handle, opts, chosen, store)  # a refused model: before any tokenizing
         rows = sample.tokenize_rows(self.handle, contexts, questions, opts, store, keying, labels)
-        return sample.sample_variants(self.handle, rows, opts, chosen, store, progress)
+        return sample.sample_variants(self.handle, rows, opts, chosen, store, path, progress)
 
     # -- scoring -------------------------------------------------------------------------------
     @takes_options(ScoreOptions)
@@ -315,7 +337,7 @@ class Adapter(ModelView):
         self,
         contexts: Sequence[TextOrIds],
         continuations: Sequence[TextOrIds],
-        options: ScoreOptions,
+        options: ScoreOptions | None = None,
         *,
         store: KVStore | None = None,
         special_tokens: bool = True,
@@ -323,6 +345,7 @@ class Adapter(ModelView):
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
         generation_context: GenerationContext | None = None,
+        **fields: Unpack[ScoreKeywords],
     ) -> ScoreResult:
         """Log-likelihood of ``continuations[i]`` given ``contexts[i]`` per row, from stored contexts
         (``use_cache``) or without them, as lm-eval's ``hf`` model computes it: a
@@ -343,6 +366,7 @@ class Adapter(ModelView):
         ``truncate``, which drops the context's first tokens as lm-eval does), ModelError for a
         model whose cache kvstore cannot reuse exactly (windowed and state models: with
         ``use_cache=False`` only)."""
+        assert options is not None  # completed by takes_options (from the field keywords)
         check_supported(self.handle, store if options.use_cache else None)  # a refused model: before any tokenizing
         rows = score.encode_rows(self.handle, contexts, continuations, special_tokens, labels, options.truncate)
         variant, keying = options.variant(generation_context), Keying(special_tokens, prefix)
@@ -353,7 +377,7 @@ class Adapter(ModelView):
         self,
         contexts: Sequence[TextOrIds],
         continuations: Sequence[TextOrIds],
-        options: ScoreOptions,
+        options: ScoreOptions | None = None,
         *,
         variants: Sequence[VariantLike],
         store: KVStore | None = None,
@@ -361,9 +385,11 @@ class Adapter(ModelView):
         prefix: TextOrIds | None = None,
         labels: Sequence[str] | None = None,
         progress: Progress | None = None,
+        **fields: Unpack[ScoreKeywords],
     ) -> dict[str, ScoreResult]:
         """:meth:`score` under each of ``variants`` (as for :meth:`sweep`) from one load of each
         batch; results by variant name, in order."""
+        assert options is not None  # completed by takes_options (from the field keywords)
         chosen = _swept(variants, options)
         check_supported(self.handle, store if options.use_cache else None)
         rows = score.encode_rows(self.handle, contexts, continuations, special_tokens, labels, options.truncate)
@@ -374,13 +400,14 @@ class Adapter(ModelView):
     def score_rolling(
         self,
         texts: Sequence[TextOrIds],
-        options: ScoreOptions,
+        options: ScoreOptions | None = None,
         *,
         store: KVStore | None = None,
         max_length: int | None = None,
         store_documents: bool = True,
         progress: Progress | None = None,
         generation_context: GenerationContext | None = None,
+        **fields: Unpack[ScoreKeywords],
     ) -> RollingResults:
         """Log-likelihood of whole documents, as lm-eval's ``loglikelihood_rolling`` computes it:
         text encoded without special tokens, the first token scored from the BOS (or EOS) token,
@@ -395,6 +422,7 @@ class Adapter(ModelView):
         position, which stored keys and values do not give). With ``store_documents`` the keys and
         values that forward computed for a document's first window are stored as a chain too, at
         no extra compute, for later requests whose context starts with it."""
+        assert options is not None  # completed by takes_options (from the field keywords)
         variant = options.variant(generation_context)
         documents = (max_length, store_documents)
         return score.score_rolling(self.handle, texts, options, variant, store, documents, progress)

@@ -3,11 +3,14 @@
 An options class is a frozen dataclass whose fields are declared with :func:`option` (a default and
 one line saying what it means) and whose class is decorated with :func:`documented` (the fields and
 their defaults are appended to its docstring). A method that takes one is decorated with
-:func:`takes_options`: its written signature has one ``options`` parameter, and its public
-signature (``inspect.signature``, ``help()``, the docs) gains every field of the class as a
-keyword, with the field's default and its line in the method's docstring. A call's field keywords
-replace the fields of the ``options`` given (``cls.of(options, **fields)``), so the method body
-receives one complete options object. Adding an option is one field; no method repeats it.
+:func:`takes_options`: its written signature has one ``options`` parameter and ``**fields:
+Unpack[K]``, ``K`` the ``TypedDict`` of the class's fields as keywords (PEP 692: the type checker
+sees each keyword and its type at every call site), and its public signature (``inspect.signature``,
+``help()``, the docs) has every field of the class as a keyword instead, with the field's default and
+its line in the method's docstring. A call's field keywords replace the fields of the ``options``
+given (``cls.of(options, **fields)``) before the body runs, so the body receives one complete options
+object (and no ``fields``). Adding an option is one field, and its name and accepted type in the
+``TypedDict`` (a test keeps the two equal); no method repeats it.
 
 Plain Python (no torch): the command line reads the same fields' defaults for its flags.
 """
@@ -20,9 +23,9 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-R = TypeVar("R")
 C = TypeVar("C", bound=type)
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def option(default: Any, doc: str) -> Any:
@@ -74,32 +77,38 @@ def documented(cls: C) -> C:
 
 def takes_options(
     cls: type, *, first: str | None = None, unknown: Callable[[Iterable[str]], None] | None = None
-) -> Callable[[Callable[..., R]], Callable[..., R]]:
+) -> Callable[[F], F]:
     """Method decorator: the method receives one complete ``options`` object of the options class
     ``cls``; its callers may also name every field of ``cls`` as a keyword.
 
-    The written method declares an ``options`` parameter and none of the fields. Its public
-    signature is the written one with ``options`` defaulting to None (``cls()``) and every field
-    added as a keyword-only parameter with the field's default; ``first`` names a field that comes
-    right after the written positional parameters instead, positional or keyword (the research
-    code's ``greedy_sample(contexts, questions, 20)``). A call's field keywords replace those fields
-    of ``options`` (:func:`replaced`). An unknown keyword is the TypeError Python
-    gives, unless ``unknown`` is given: it is called with the unknown names (and should raise)."""
+    The written method declares an ``options`` parameter defaulting to None and ``**fields`` typed
+    with the class's keywords (``Unpack[...]``), and no field but ``first``: a field that comes
+    positionally (the research code's ``greedy_sample(contexts, questions, 20)``), declared where it
+    comes with a default of None. Its public signature is the written one with ``**fields`` replaced by
+    every field as a keyword-only parameter with the field's default (``first`` where it is written).
+    A call's field keywords replace those fields of ``options`` (:func:`replaced`); the body receives
+    the complete ``options``, no ``fields`` and ``first`` None. An unknown keyword is the TypeError
+    Python gives, unless ``unknown`` is given: it is called with the unknown names (and should raise).
+    For the type checker the method is the written one."""
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
 
-    def deco(fn: Callable[..., R]) -> Callable[..., R]:
+    def deco(fn: F) -> F:
         written = inspect.signature(fn)
         if "options" not in written.parameters:
             raise TypeError(f"{fn.__qualname__}: takes_options needs an 'options' parameter")
-        clash = sorted(set(names) & set(written.parameters))
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in written.parameters.values()):
+            raise TypeError(f"{fn.__qualname__}: takes_options needs '**fields' typed with {cls.__name__}'s keywords")
+        if first is not None and (first not in written.parameters or written.parameters[first].default is not None):
+            raise TypeError(f"{fn.__qualname__}: declare {first} where it comes, with a default of None")
+        clash = sorted(set(names) & set(written.parameters) - {first})
         if clash:
             raise TypeError(f"{fn.__qualname__}: {', '.join(clash)} come from {cls.__name__}; do not declare them")
         public = _public_signature(written, cls, fields, first)
         allowed = set(public.parameters)
 
         @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> R:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             if unknown is not None and set(kwargs) - allowed:
                 unknown(sorted(set(kwargs) - allowed))
             bound = public.bind(*args, **kwargs)
@@ -110,7 +119,7 @@ def takes_options(
         wrapper.__signature__ = public  # type: ignore[attr-defined]
         wrapper.__doc__ = _doc(fn, cls)
         wrapper.__options__ = cls  # type: ignore[attr-defined]
-        return wrapper
+        return wrapper  # type: ignore[return-value]
 
     return deco
 
@@ -118,20 +127,20 @@ def takes_options(
 def _public_signature(
     written: inspect.Signature, cls: type, fields: tuple[dataclasses.Field, ...], first: str | None
 ) -> inspect.Signature:
-    """``written`` with ``options`` optional and the fields of ``cls`` as parameters."""
+    """``written`` with ``**fields`` replaced by the fields of ``cls`` as parameters (``first``
+    where it is written)."""
     P = inspect.Parameter
-    positional: list[inspect.Parameter] = []
-    keyword: list[inspect.Parameter] = []
-    for p in written.parameters.values():
-        if p.name == "options":
-            p = p.replace(default=None, annotation=f"{cls.__name__} | None")
-            if first is not None:
-                p = p.replace(kind=P.KEYWORD_ONLY)
-        (keyword if p.kind is P.KEYWORD_ONLY else positional).append(p)
     by_name = {f.name: P(f.name, P.KEYWORD_ONLY, default=f.default, annotation=f.type) for f in fields}
-    if first is not None:
-        positional.append(by_name.pop(first).replace(kind=P.POSITIONAL_OR_KEYWORD))
-    return written.replace(parameters=[*positional, *keyword, *by_name.values()])
+    params: list[inspect.Parameter] = []
+    for p in written.parameters.values():
+        if p.kind is P.VAR_KEYWORD:
+            continue
+        if p.name == first:
+            p = by_name.pop(first).replace(kind=p.kind)
+        elif p.name == "options":
+            p = p.replace(default=None, annotation=f"{cls.__name__} | None")
+        params.append(p)
+    return written.replace(parameters=[*params, *by_name.values()])
 
 
 def _doc(fn: Callable, cls: type) -> str:

@@ -8,7 +8,11 @@ functions below the front take them whole instead of re-declaring every knob. Ea
 declared once, here, with its default and what it means (:func:`kvstore.model.keywords.option`):
 the Adapter's methods take every field as a keyword (:func:`kvstore.model.keywords.takes_options`)
 and the CLI reads the defaults from here. A field named in a call overrides the options given
-(:meth:`SampleOptions.of`).
+(:meth:`SampleOptions.of`). What each method accepts as those keywords is typed for the type checker by
+a ``TypedDict`` beside its class (:class:`BuildKeywords`, :class:`SampleKeywords`,
+:class:`ScoreKeywords`: ``**fields: Unpack[...]``, PEP 692), so ``sample(..., max_new_tokns=3)`` is an
+error under mypy; they name the same fields as the class (a test keeps them equal) and the types a
+caller may pass (``presses=["kvzip:0.75"]`` as well as Press values).
 
 ``press`` and ``decode_attention`` are parsed here, once, into typed values
 (:class:`~kvstore.model.press.spec.Press`, :class:`~kvstore.model.variants.variant.Attention`)
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvstore.errors import HookError, PressError
 from kvstore.model.keywords import documented, option, replaced
@@ -172,6 +176,20 @@ class BuildOptions:
         return replaced(cls, options, fields)
 
 
+class BuildKeywords(TypedDict, total=False):
+    """:class:`BuildOptions`' fields as the keywords of the methods that take it (for the type checker)."""
+
+    batch_size: int | None
+    max_batch_tokens: int | None
+    truncate: bool
+    max_context_tokens: int | None
+    skip_errors: bool
+    shard: tuple[int, int] | None
+    presses: Sequence[Press | str]
+    scores: Sequence[Press | str]
+    dense: bool
+
+
 @documented
 @dataclass(frozen=True)
 class SampleOptions:
@@ -224,6 +242,30 @@ class SampleOptions:
         return _make_variant(self, generation_context)
 
 
+class GreedyKeywords(TypedDict, total=False):
+    """:class:`SampleOptions`' fields but ``num_new_tokens`` (which ``greedy_sample`` takes third,
+    positionally) as keywords (for the type checker)."""
+
+    use_cache: bool
+    batch_size: int
+    max_batch_tokens: int | None
+    stop_at_eos: bool
+    stop_strings: Sequence[str]
+    truncate: bool
+    max_context_tokens: int | None
+    return_scores: bool
+    steps: str
+    load_ahead: bool
+    press: PressLike
+    decode_attention: AttentionLike
+
+
+class SampleKeywords(GreedyKeywords, total=False):
+    """:class:`SampleOptions`' fields as the keywords of the methods that take it (for the type checker)."""
+
+    num_new_tokens: int
+
+
 @documented
 @dataclass(frozen=True)
 class ScoreOptions:
@@ -256,6 +298,18 @@ class ScoreOptions:
         return _make_variant(self, generation_context)
 
 
+class ScoreKeywords(TypedDict, total=False):
+    """:class:`ScoreOptions`' fields as the keywords of the methods that take it (for the type checker)."""
+
+    use_cache: bool
+    batch_size: int
+    max_batch_tokens: int | None
+    token_logprobs: bool
+    truncate: bool
+    press: PressLike
+    decode_attention: AttentionLike
+
+
 def apply_prompt(
     prompt: PromptFormat | None,
     contexts: Sequence[Any],
@@ -284,8 +338,12 @@ def apply_prompt(
 __all__ = [
     "KEYWORDS",
     "STEPS",
+    "BuildKeywords",
     "BuildOptions",
+    "GreedyKeywords",
+    "SampleKeywords",
     "SampleOptions",
+    "ScoreKeywords",
     "ScoreOptions",
     "Spelling",
     "apply_prompt",

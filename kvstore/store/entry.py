@@ -154,9 +154,10 @@ class EntryView:
         layers = tuple(None if kv is None else (kv[0].materialize(), kv[1].materialize()) for kv in self.layers)
         states = tuple(None if s is None else {n: r.materialize() for n, r in s.items()} for s in self.states)
         return Entry(
-            h.key, h.model, h.model_name, self.records["token_ids"].materialize(), layers, h.created, h.parent, h.start,
-            states if any(s is not None for s in states) else None, tuple(s.kind for s in h.layers),
-            tuple(s.window for s in h.layers), dict(h.numerics), dtypes.to_torch(h.dtype),
+            key=h.key, model=h.model, model_name=h.model_name, token_ids=self.records["token_ids"].materialize(),
+            layers=layers, created=h.created, parent=h.parent, start=h.start,
+            states=states if any(s is not None for s in states) else None, kinds=tuple(s.kind for s in h.layers),
+            windows=tuple(s.window for s in h.layers), numerics=dict(h.numerics), kv_dtype=dtypes.to_torch(h.dtype),
         )  # fmt: skip
 
 

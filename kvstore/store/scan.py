@@ -404,10 +404,11 @@ def _scan_owned(
                 codec, _ = entries.codecs(h.codec)
                 press = json.dumps(h.press, sort_keys=True)
                 derived.append(DerivedInfo(
-                    intern(h.context), h.key, intern(h.kind), intern(h.spec), intern(h.model), intern(h.model_name),
-                    intern(h.dtype), h.n_tokens, intern(codec), h.kept_pairs, h.kept_fraction, h.raw_bytes,
-                    h.kv_bytes, size, h.created, h.format, shared.setdefault(press, h.press),
-                    entries.access_of(key),
+                    context=intern(h.context), key=h.key, kind=intern(h.kind), spec=intern(h.spec),
+                    model=intern(h.model), model_name=intern(h.model_name), dtype=intern(h.dtype),
+                    n_tokens=h.n_tokens, codec=intern(codec), kept_pairs=h.kept_pairs, kept_fraction=h.kept_fraction,
+                    raw_bytes=h.raw_bytes, kv_bytes=h.kv_bytes, stored_bytes=size, created=h.created, format=h.format,
+                    press=shared.setdefault(press, h.press), last_access=entries.access_of(key),
                 ))  # fmt: skip
         if progress is not None:
             progress(1, size)

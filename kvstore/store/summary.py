@@ -152,10 +152,11 @@ def owned_totals(info: StoreInfo) -> list[DerivedStats]:
         pairs = sum(d.kept_pairs for d in items)
         possible = sum(d.kept_pairs / d.kept_fraction for d in items if d.kept_fraction > 0)
         out.append(DerivedStats(
-            kind, len(items), len({d.context for d in items}), sum(d.stored_bytes for d in items),
-            sum(d.raw_bytes for d in items), sum(d.kv_bytes for d in items), pairs,
-            pairs / possible if possible else 1.0, ", ".join(sorted({d.spec for d in items})),
-            ", ".join(sorted({d.codec for d in items})),
+            kind=kind, entries=len(items), contexts=len({d.context for d in items}),
+            stored_bytes=sum(d.stored_bytes for d in items), raw_bytes=sum(d.raw_bytes for d in items),
+            kv_bytes=sum(d.kv_bytes for d in items), kept_pairs=pairs,
+            kept_fraction=pairs / possible if possible else 1.0, specs=", ".join(sorted({d.spec for d in items})),
+            codecs=", ".join(sorted({d.codec for d in items})),
         ))  # fmt: skip
     return out
 

@@ -164,13 +164,15 @@ def test_takes_options_builds_keywords_signature_and_docs_from_the_fields():
 
     class Thing:
         @takes_options(Knobs)
-        def run(self, items: list, options: Knobs, *, label: str = "") -> tuple:
+        def run(self, items: list, options: Knobs | None = None, *, label: str = "", **fields: object) -> tuple:
             """Run over ``items``."""
+            assert not fields  # folded into options before the body runs
             return items, options, label
 
         @takes_options(Knobs, first="depth")
-        def legacy(self, items: list, *, options: Knobs) -> Knobs:
+        def legacy(self, items: list, depth: int | None = None, *, options: Knobs | None = None, **fields: object):
             """The old call."""
+            assert depth is None and not fields
             return options
 
     sig = inspect.signature(Thing.run)
@@ -186,8 +188,13 @@ def test_takes_options_builds_keywords_signature_and_docs_from_the_fields():
     with pytest.raises(TypeError, match="must be a Knobs"):
         thing.run([1], BuildOptions())
     assert field_default(Knobs, "name") == "x"
+    assert list(inspect.signature(Thing.legacy).parameters) == ["self", "items", "depth", "options", "name"]
     with pytest.raises(TypeError, match="depth come from Knobs; do not declare them"):
-        takes_options(Knobs)(lambda self, options, depth=1: None)
+        takes_options(Knobs)(lambda self, options, depth=1, **fields: None)
+    with pytest.raises(TypeError, match="needs '\\*\\*fields' typed with Knobs's keywords"):
+        takes_options(Knobs)(lambda self, options: None)
+    with pytest.raises(TypeError, match="declare depth where it comes, with a default of None"):
+        takes_options(Knobs, first="depth")(lambda self, depth=3, options=None, **fields: None)
     with pytest.raises(TypeError, match="declare size with option"):
 
         @documented

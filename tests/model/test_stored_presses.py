@@ -261,3 +261,28 @@ def test_the_plan_says_what_a_build_will_do(llama, rows):
         report = llama.build(contexts, store, presses=["kvzip:0.5"])
         assert report.built == 2 and report.skipped == 2 and report.pressed_written == 4
         assert facts(llama.handle, llama.chain(contexts[0], store)).n_tokens == LENGTHS[0]
+
+
+def test_a_build_with_presses_probes_the_store_once(llama, rows, monkeypatch):
+    """The derived part reads the stored depths the build's plan and dense part left (the build
+    probed them once); it plans its batches without asking the store again, and what it stores
+    equals what the plan asked for (a sample reads it back)."""
+    import kvstore.model.plan.batch as batch_plans
+
+    contexts, questions = rows
+    probes = []
+    real = batch_plans.stored_depth
+    monkeypatch.setattr(batch_plans, "stored_depth", lambda *a: probes.append(a) or real(*a))
+    distinct = len({tuple(c) for c in contexts})
+    for dense in (True, False):
+        with KVStore("memory://", chunk_tokens=16) as store:
+            if not dense:
+                llama.build(contexts[:1], store)  # a stored prefix for one context: loaded, the rest computed
+            probes.clear()
+            report = llama.build(contexts, store, presses=["knorm:0.5"], dense=dense)
+            assert probes == [], len(probes)
+            assert report.pressed_written == distinct
+            monkeypatch.setattr(batch_plans, "stored_depth", real)
+            got = llama.sample(contexts, questions, store=store, press="knorm:0.5", num_new_tokens=3)
+            assert all(got.cache_hit)
+            monkeypatch.setattr(batch_plans, "stored_depth", lambda *a: probes.append(a) or real(*a))

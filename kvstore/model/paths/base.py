@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvstore.model.compute.forward import Decoding
 from kvstore.model.plan.batch import BatchPlan
@@ -39,6 +39,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.handle import ModelHandle
     from kvstore.model.options import BuildOptions
     from kvstore.progress import Progress
+
+PreparedT = TypeVar("PreparedT")  # what a path's prepare hands its answer and score
 
 # What a path may offer beyond building and sampling exactly.
 FEATURES = (
@@ -120,8 +122,9 @@ class BatchScores:
     scoring: ScoringTokens = ScoringTokens()
 
 
-class CachePath(ABC):
-    """How one family of caches is computed, stored and answered from (see the module docstring)."""
+class CachePath(ABC, Generic[PreparedT]):
+    """How one family of caches is computed, stored and answered from (see the module docstring),
+    generic in what :meth:`prepare` returns for :meth:`answer` and :meth:`score`."""
 
     name: str = ""
     features: frozenset[str] = frozenset()
@@ -140,23 +143,23 @@ class CachePath(ABC):
         then (with ``count``: contexts, not shared prefixes) its record."""
 
     @abstractmethod
-    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> object:
+    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> PreparedT:
         """A batch's contexts from the store, whole: its load (``loaded``, when it was loaded
         ahead) and what is missing computed and handed to the writer. What it returns is this
-        path's own, for :meth:`answer`."""
+        path's own, for :meth:`answer` and :meth:`score`."""
 
     @abstractmethod
-    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchAnswers:
+    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: PreparedT) -> BatchAnswers:
         """Answer a prepared batch under every variant of ``work``."""
 
     @abstractmethod
     def reference(self, handle: ModelHandle, plan: BatchPlan, work: Work) -> BatchAnswers:
         """Answer a batch without a store (the reference)."""
 
-    def score(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchScores:
+    def score(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: PreparedT) -> BatchScores:
         """Score a prepared batch's continuations (``work.scoring``) under every variant of
         ``work`` (paths that offer ``scoring``)."""
         raise NotImplementedError(f"the {self.name} cache path does not score from stored contexts")
 
 
-__all__ = ["FEATURES", "BatchAnswers", "BatchScores", "BuildCounts", "CachePath", "Scoring", "Work"]
+__all__ = ["FEATURES", "BatchAnswers", "BatchScores", "BuildCounts", "CachePath", "PreparedT", "Scoring", "Work"]

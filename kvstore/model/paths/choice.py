@@ -9,7 +9,7 @@ a path without them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ModelError
 from kvstore.model.family import families
@@ -25,12 +25,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.handle import ModelHandle
 
 
-def path_of(handle: ModelHandle) -> CachePath:
+def path_of(handle: ModelHandle) -> CachePath[Any]:
     """The cache path of the handle's model: dense when every layer is full attention."""
     return DENSE_PATH if handle.layout.dense else FAMILIES_PATH
 
 
-def check_supported(handle: ModelHandle, store: KVStore | None = None) -> CachePath:
+def check_supported(handle: ModelHandle, store: KVStore | None = None) -> CachePath[Any]:
     """The model's cache path; ModelError (one line naming the family and why) unless kvstore can
     store and reuse this model's caches exactly (:mod:`kvstore.model.family.families`) and, with
     ``store``, in that store's codec: lossy codecs are measured on models whose every layer is full

@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.progress import Progress
 
 
-class DensePath(CachePath):
+class DensePath(CachePath["Prepared"]):
     """Full-attention caches (see the module docstring)."""
 
     name = "dense"
@@ -102,8 +102,7 @@ class DensePath(CachePath):
             stack.close()
             raise
 
-    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchAnswers:
-        assert isinstance(prepared, Prepared)
+    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: Prepared) -> BatchAnswers:
         with prepared.stack:
             plan, done = prepared.plan, prepared.done
             memo = _memo(handle, plan, work)
@@ -114,8 +113,8 @@ class DensePath(CachePath):
                 out.append(answer(handle, mine, plan.fed, work.decoding, v, questions_memo))
         return BatchAnswers(tuple(out), _loaded(plan, done), done.computed, _labels(plan, prepared), memo.tokens)
 
-    def score(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchScores:
-        assert isinstance(prepared, Prepared) and work.scoring is not None
+    def score(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: Prepared) -> BatchScores:
+        assert work.scoring is not None
         job = work.scoring
         with prepared.stack:
             plan, done = prepared.plan, prepared.done

@@ -273,7 +273,7 @@ def _answer(handle: ModelHandle, slots: Slots, prompts: Sequence[Sequence[int]],
     return greedy_loop(handle, logits, DecodeSlots(None, None, None, 0, step), decoding)
 
 
-class FamiliesPath(CachePath):
+class FamiliesPath(CachePath[None]):
     """Sliding-window, chunked-attention, state-space and hybrid caches (see the module docstring)."""
 
     name = "families"
@@ -285,10 +285,10 @@ class FamiliesPath(CachePath):
     ) -> BuildCounts:  # fmt: skip
         return compute_jobs(handle, store, jobs, writer, options, progress, count)
 
-    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> object:
+    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> None:
         return None  # loaded and completed row by row in answer: one variant, nothing ahead
 
-    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: object) -> BatchAnswers:
+    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: None) -> BatchAnswers:
         return decode_cached(handle, plan, work.store, work.writer, work.decoding)
 
     def reference(self, handle: ModelHandle, plan: BatchPlan, work: Work) -> BatchAnswers:

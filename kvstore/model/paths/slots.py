@@ -81,10 +81,6 @@ class _SlotCache(DynamicCache):
         Cache.__init__(self, layers=layers)
 
 
-def _new_state_layer(hybrid: bool) -> LinearAttentionLayer:
-    return PreallocatedHybridLayer() if hybrid else LinearAttentionLayer()
-
-
 def _fill_state(layer: LinearAttentionLayer, state: dict[str, torch.Tensor]) -> None:
     # the public API: update_conv_state on a fresh layer takes its prefill branch (copies the
     # tensor, marks a previous state); update_recurrent_state keeps the tensor's own dtype
@@ -119,6 +115,7 @@ class Slots:
         self.fresh = [r is None for r in rows]
         self.kv: list[KV | None] = []
         self.states: list[LinearAttentionLayer | None] = []
+        self.hybrid: dict[int, PreallocatedHybridLayer] = {}  # the hybrid layers of states, by layer index
         for i, lay in enumerate(layout.layers):
             if lay.has_kv:
                 assert lay.group is not None
@@ -143,7 +140,10 @@ class Slots:
                         if st is not None:
                             t[r].copy_(st[name])
                     state[name] = t
-                layer = _new_state_layer(lay.kind == HYBRID)
+                hybrid = PreallocatedHybridLayer() if lay.kind == HYBRID else None
+                layer = hybrid if hybrid is not None else LinearAttentionLayer()
+                if hybrid is not None:
+                    self.hybrid[i] = hybrid
                 _fill_state(layer, state)
                 self.states.append(layer)
             else:
@@ -217,15 +217,15 @@ class Slots:
             persistent = self.states[i]
             assert persistent is not None
             if whole and not fresh:
-                layer = persistent
+                layer = self.hybrid[i].attach(*kv_layer) if kv_layer is not None else persistent
             else:  # fresh rows start with no state at all: transformers' own prefill path
-                layer = _new_state_layer(lay.kind == HYBRID)
+                hybrid = PreallocatedHybridLayer() if kv_layer is not None else None  # its state and its keys/values
+                layer = hybrid if hybrid is not None else LinearAttentionLayer()
                 if not fresh:
                     _fill_state(layer, {k: v[sel] for k, v in _layer_state(persistent).items()})
                 states_back.append((i, layer))
-            if kv_layer is not None:
-                assert isinstance(layer, PreallocatedHybridLayer)
-                layer.attach(*kv_layer)
+                if hybrid is not None and kv_layer is not None:
+                    hybrid.attach(*kv_layer)
             layers.append(layer)
         ids = self.tail_ids[sel, slot:end]
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": True, "logits_to_keep": 1}

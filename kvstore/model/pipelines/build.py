@@ -21,13 +21,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ReadOnlyStoreError
 from kvstore.model.compute.attention import uses_grouped_kv
 from kvstore.model.compute.writer import Writer
 from kvstore.model.options import BuildOptions
-from kvstore.model.paths.base import BuildCounts
+from kvstore.model.paths.base import BuildCounts, CachePath
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.pipelines.derive import derive
 from kvstore.model.plan.build import BuildPlan, plan_build
@@ -97,12 +97,14 @@ def build_caches(
     :func:`kvstore.model.plan.build.in_shard` gives to ``i``), and the pressed caches and scores the
     options ask for. See :meth:`kvstore.model.adapter.Adapter.build`."""
     t_start = time.perf_counter()
-    options = _checked(handle, store, options)
+    options, path = _checked(handle, store, options)
     plan = plan_build(handle, contexts, store, options, keying, labels)
-    return run_build(handle, plan, store, progress, t_start)
+    return run_build(handle, plan, store, path, progress, t_start)
 
 
-def _checked(handle: ModelHandle, store: KVStore, options: BuildOptions) -> BuildOptions:
+def _checked(handle: ModelHandle, store: KVStore, options: BuildOptions) -> tuple[BuildOptions, CachePath[Any]]:
+    """The build's one check: ``options`` with its batch size resolved, and the model's cache path
+    for ``store`` (ModelError for a model or codec it cannot serve, or presses on a path without them)."""
     shard = options.shard
     if shard is not None and not 0 <= shard[0] < shard[1]:
         raise ValueError(f"shard {shard[0]}/{shard[1]}: need 0 <= I < N")
@@ -111,24 +113,24 @@ def _checked(handle: ModelHandle, store: KVStore, options: BuildOptions) -> Buil
     assert options.batch_size is not None
     if options.batch_size < 1:
         raise ValueError("batch_size must be at least 1")
-    check_supported(handle, store)
+    path = check_supported(handle, store)
     if options.presses or options.scores:
         if store.readonly:
             raise ReadOnlyStoreError(f"store {store.url} was opened read-only: build cannot store pressed caches")
         check_variants(handle, [make_variant(press=p) for p in options.presses or options.scores])
-    return options
+    return options, path
 
 
 @uses_grouped_kv
 def run_build(
-    handle: ModelHandle, plan: BuildPlan, store: KVStore, progress: Progress | None = None,
+    handle: ModelHandle, plan: BuildPlan, store: KVStore, path: CachePath[Any], progress: Progress | None = None,
     t_start: float | None = None,
 ) -> BuildReport:  # fmt: skip
-    """Carry out ``plan`` (made by :func:`plan_build` for ``store``): the dense chains, then the
-    pressed caches and scores."""
+    """Carry out ``plan`` (made by :func:`plan_build` for ``store`` from options checked by
+    :func:`build_caches`, which gives the model's cache ``path`` it found): the dense chains, then
+    the pressed caches and scores."""
     t_start = time.perf_counter() if t_start is None else t_start
-    options = _checked(handle, store, plan.options)
-    path = check_supported(handle, store)
+    options = plan.options
     steps = plan.steps
     skipped = sum(1 for st in steps if st.action in ("skip", "record"))
     reused = sum(st.chain.n_tokens for st in steps if st.action in ("skip", "record"))
@@ -164,9 +166,11 @@ def run_build(
             lost, writer.lost = set(writer.lost), []
             redo = [(p, d) for p in distinct if p.key in lost and (d := verified_depth(handle, store, p)) < len(p.keys)]
             counts += path.compute(handle, store, redo, writer, options, None, True)
+        writer.flush()  # every context's chunks and record written before its derived entries
+        pressing = [st for st in steps if st.presses or st.scores]
+        derived = derive(handle, store, pressing, options, path, writer, progress)
     finally:
         writer.close()
-    derived = derive(handle, store, [st for st in steps if st.presses or st.scores], options, progress)
     s = writer.stats
     return BuildReport(
         contexts=len(plan.chains), distinct=len(steps), other_shards=plan.other_shards,

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,7 +32,7 @@ from kvstore.model.compute.forward import Decoding, batches, in_halves, loaded_a
 from kvstore.model.compute.writer import Writer
 from kvstore.model.handle import row_label
 from kvstore.model.options import SampleOptions
-from kvstore.model.paths.base import BatchAnswers, CachePath, Work
+from kvstore.model.paths.base import BatchAnswers, CachePath, PreparedT, Work
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.plan import chains
 from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
@@ -129,25 +129,36 @@ def tokenize_rows(
     return Rows(chain_list, tuple(c_ids), tuple(q_ids))
 
 
-@uses_grouped_kv
-def sample_variants(
-    handle: ModelHandle, rows: Rows, options: SampleOptions, variants: Sequence[Variant], store: KVStore | None,
-    progress: Progress | None = None,
-) -> list[SampleResult]:  # fmt: skip
-    """Greedy answers (see :meth:`kvstore.model.adapter.Adapter.sample`) under each of
-    ``variants``, from one load of each batch: one :class:`SampleResult` per variant, in order."""
+def check_sample(
+    handle: ModelHandle, options: SampleOptions, variants: Sequence[Variant], store: KVStore | None
+) -> CachePath[Any]:
+    """A sample's one check, before any tokenizing: the model's cache path for the store it reads
+    (ModelError for a model or codec it cannot serve), ValueError for no variant or compiled steps on
+    a path without them, HookError for hooked variants under fixed-shape steps, ModelError for
+    variants on a path without them."""
     if not variants:
         raise ValueError("no variant to answer with")
-    decoding = options.decoding()
-    hooks.check_steps(variants, decoding.steps)
-    use_store = store if options.use_cache else None
-    path = check_supported(handle, use_store)
-    if decoding.fixed and not path.supports("compile"):
+    hooks.check_steps(variants, options.steps)
+    path = check_supported(handle, store if options.use_cache else None)
+    if options.steps != "dynamic" and not path.supports("compile"):
         raise ValueError(
             f"compiled decoding supports models whose every layer is full attention; {handle.name} has "
             "sliding-window, chunked or state layers (decode it without compile)"
         )
     check_variants(handle, variants)
+    return path
+
+
+@uses_grouped_kv
+def sample_variants(
+    handle: ModelHandle, rows: Rows, options: SampleOptions, variants: Sequence[Variant], store: KVStore | None,
+    path: CachePath[Any], progress: Progress | None = None,
+) -> list[SampleResult]:  # fmt: skip
+    """Greedy answers (see :meth:`kvstore.model.adapter.Adapter.sample`) under each of
+    ``variants``, from one load of each batch: one :class:`SampleResult` per variant, in order.
+    ``path``: what :func:`check_sample` returned for these options, variants and store."""
+    decoding = options.decoding()
+    use_store = store if options.use_cache else None
     writer = Writer(store) if (options.use_cache and store is not None and not store.readonly) else None
     work = Work(use_store, writer, decoding, tuple(variants))
     n = len(rows.chains)
@@ -200,7 +211,12 @@ class _Ahead:
 
 
 def _run_batch(
-    handle: ModelHandle, path: CachePath, plan: BatchPlan, work: Work, loaded: Loaded | None, ahead: _Ahead | None
+    handle: ModelHandle,
+    path: CachePath[PreparedT],
+    plan: BatchPlan,
+    work: Work,
+    loaded: Loaded | None,
+    ahead: _Ahead | None,
 ) -> tuple[list[tuple[BatchPlan, BatchAnswers]], tuple[BatchPlan, Future[Loaded]] | None]:
     """One batch through its path: prepared (loaded, completed, new chunks handed to the writer),
     then the next batch planned and its load submitted, then answered under every variant. Out of
@@ -264,25 +280,25 @@ def _collect(
         saved = sum(len(c) for c in rows.contexts) - computed
         out.append(
             SampleResult(
-                tokens,
-                lengths,
-                hits,
-                scores,
-                saved,
-                computed,
-                list(cached),
-                list(codecs),
-                variant.name,
-                seconds,
-                kept,
-                nbytes,
-                scoring.window,
-                scoring.total,
-                scoring.replay,
-                waited,
-            )  # fmt: skip
+                tokens=tokens,
+                lengths=lengths,
+                cache_hit=hits,
+                scores=scores,
+                prefill_tokens_saved=saved,
+                prefill_tokens_computed=computed,
+                cached_tokens=list(cached),
+                codecs=list(codecs),
+                variant=variant.name,
+                decode_seconds=seconds,
+                kept_tokens=kept,
+                cache_bytes=nbytes,
+                window_tokens_computed=scoring.window,
+                scoring_tokens_computed=scoring.total,
+                replay_tokens_computed=scoring.replay,
+                load_wait_seconds=waited,
+            )
         )
     return out
 
 
-__all__ = ["Rows", "SampleResult", "sample_variants", "tokenize_rows"]
+__all__ = ["Rows", "SampleResult", "check_sample", "sample_variants", "tokenize_rows"]

@@ -238,8 +238,20 @@ def _collect(
                 kept[i] = b.kept_tokens[j][r]
         done_rows = [r for r in scored if r is not None]
         assert len(done_rows) == n
-        out.append(ScoreResult(done_rows, computed, saved, v.name, kept, nbytes, scoring.window, scoring.total,
-                               scoring.replay, waited))  # fmt: skip
+        out.append(
+            ScoreResult(
+                rows=done_rows,
+                prefill_tokens_computed=computed,
+                prefill_tokens_saved=saved,
+                variant=v.name,
+                kept_tokens=kept,
+                cache_bytes=nbytes,
+                window_tokens_computed=scoring.window,
+                scoring_tokens_computed=scoring.total,
+                replay_tokens_computed=scoring.replay,
+                load_wait_seconds=waited,
+            )
+        )
     return out
 
 

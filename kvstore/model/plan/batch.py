@@ -2,8 +2,8 @@
 
 A :class:`BatchPlan` is a frozen value made by :func:`plan_batch` before any tensor is touched,
 and the contract the stages keep (:mod:`kvstore.model.stages`): the load reads the planned chunks
-of the contexts whose dense cache the batch needs (``dense``) and reports where it found less
-(``Loaded.short``), complete computes exactly what was not loaded and hands it to the writer,
+of the contexts whose dense cache the batch needs (``dense``) and reports how much it found
+(``Loaded.tokens``), complete computes exactly what was not loaded and hands it to the writer,
 transform presses the contexts or reads the planned pressed entries (``pressed``), answer and
 score run the fed tokens. Sampling, sweeps, scoring and the lm-eval backend run the same stages
 from it; loading ahead is "plan the next batch, then submit its load"; an out-of-memory batch runs
@@ -133,11 +133,12 @@ class BatchPlan:
         keys = {c.key for c in ctx}
         P, Q = max(c.n_tokens for c in ctx), max(len(f) for f in fed)
         return BatchPlan(
-            tuple(self.rows[i] for i in positions), ctx, fed, self.new_tokens,
-            bucket_slots(P + Q + self.new_tokens, self.fixed), MappingProxyType({k: self.stored[k] for k in keys}),
-            self.unwritten, self.write, self.fixed, self.dense & keys,
-            _frozen({v: {k: d for k, d in m.items() if k in keys} for v, m in self.pressed.items()}),
-            tuple(self.derived[i] for i in positions) if self.derived else (),
+            rows=tuple(self.rows[i] for i in positions), contexts=ctx, fed=fed, new_tokens=self.new_tokens,
+            slots=bucket_slots(P + Q + self.new_tokens, self.fixed),
+            stored=MappingProxyType({k: self.stored[k] for k in keys}), unwritten=self.unwritten, write=self.write,
+            fixed=self.fixed, dense=self.dense & keys,
+            pressed=_frozen({v: {k: d for k, d in m.items() if k in keys} for v, m in self.pressed.items()}),
+            derived=tuple(self.derived[i] for i in positions) if self.derived else (),
         )  # fmt: skip
 
 
@@ -162,12 +163,14 @@ def stored_depth(chain: Chain, store: KVStore | None, unwritten: frozenset[str])
 
 def plan_batch(
     rows: Sequence[int], requests: RowSet, store: KVStore | None, writer: Writer | None, fixed_slots: bool = False,
-    variants: Sequence[Variant] = (),
+    variants: Sequence[Variant] = (), *, known: Mapping[str, int] | None = None,
 ) -> BatchPlan:  # fmt: skip
     """Plan a batch of the caller's ``rows`` of ``requests`` for ``store`` (None: nothing is
     loaded, as the reference runs), the chunks the writer holds included; a context is read from a
     stored pressed entry by a press variant when ``store`` holds one, and its dense cache is loaded
-    (or computed) only if some variant needs it."""
+    (or computed) only if some variant needs it. ``known``: stored depths the caller already has
+    (a build's plan), by context key, used instead of probing the store again (a chunk gone since is
+    found by the load, and computed)."""
     ctx = tuple(requests.chains[i] for i in rows)
     feds = tuple(tuple(requests.fed[i]) for i in rows)
     derived = tuple(requests.derived[i] for i in rows) if requests.derived else ()
@@ -175,7 +178,8 @@ def plan_batch(
     chunk_keys = {k for p in ctx for k in p.keys}
     unwritten = writer.unwritten(chunk_keys) if writer is not None else frozenset()
     distinct = list({p.key: p for p in ctx}.values())
-    stored = {p.key: stored_depth(p, store, unwritten) for p in distinct}
+    known = known or {}
+    stored = {p.key: known[p.key] if p.key in known else stored_depth(p, store, unwritten) for p in distinct}
     filed = {c.key: d for c, d in zip(ctx, derived or ctx)}  # context key -> the chain its entries are under
     pressed: dict[str, Mapping[str, str]] = {}
     needed: set[str] = set()
@@ -191,9 +195,10 @@ def plan_batch(
         needed = {p.key for p in distinct}
     P, Q = max(p.n_tokens for p in ctx), max(len(f) for f in feds)
     return BatchPlan(
-        tuple(rows), ctx, feds, new_tokens, bucket_slots(P + Q + new_tokens, fixed_slots),
-        MappingProxyType(stored), unwritten, writer is not None, fixed_slots, frozenset(needed), _frozen(pressed),
-        derived,
+        rows=tuple(rows), contexts=ctx, fed=feds, new_tokens=new_tokens,
+        slots=bucket_slots(P + Q + new_tokens, fixed_slots), stored=MappingProxyType(stored), unwritten=unwritten,
+        write=writer is not None, fixed=fixed_slots,
+        dense=frozenset(needed), pressed=_frozen(pressed), derived=derived,
     )  # fmt: skip
 
 

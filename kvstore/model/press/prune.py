@@ -168,14 +168,7 @@ def press_batch(
             continue
         dense = sources.dense
         assert dense is not None, "a row without a pressed entry is pressed from the dense cache"
-        a, b = dense.spans[r]
-        layers = [(kb[r, :, a:b], vb[r, :, a:b]) for kb, vb in dense.bufs]
-        masks = None
-        if press.ratio > 0 and b > a:
-            masks = kept_masks(press, row_scores(handle, dense, press, r, memo, observe), b - a)
-            if all(bool(m.all()) for m in masks):
-                masks = None
-        row = DenseRow(layers, masks)
+        row = pressed_row(handle, dense, r, press, memo, observe)
         if sources.codec is not None and not sources.codec.lossless:
             rows.append(StoredRow(round_trip(handle, sources.chains[r], press, row.kept_tensors(), sources.codec)))
         else:
@@ -187,6 +180,22 @@ def press_batch(
     ):
         return sources.dense
     return gather_rows(geometry, rows)
+
+
+def pressed_row(
+    handle: ModelHandle, dense: BatchCache, r: int, press: Press, memo: PressMemo, observe: Observations | None = None
+) -> DenseRow:
+    """Row ``r`` of ``dense`` under ``press``: its context scored (``memo`` shares the scores
+    between the presses of one scorer), then masked by the budget (no masks when every token is
+    kept). What ``sample`` answers from and what ``build`` stores are this one row."""
+    a, b = dense.spans[r]
+    layers = [(kb[r, :, a:b], vb[r, :, a:b]) for kb, vb in dense.bufs]
+    masks = None
+    if press.ratio > 0 and b > a:
+        masks = kept_masks(press, row_scores(handle, dense, press, r, memo, observe), b - a)
+        if all(bool(m.all()) for m in masks):
+            masks = None
+    return DenseRow(layers, masks)
 
 
 def gather_rows(geometry: Geometry, rows: Sequence[KeptRow]) -> BatchCache:
@@ -251,4 +260,5 @@ __all__ = [
     "gather_rows",
     "press_batch",
     "press_cache",
+    "pressed_row",
 ]

@@ -5,8 +5,8 @@ for each distinct context whose dense cache the plan needs (``plan.dense``), cop
 plan expects stored (``plan.stored``) into its first row, context position ``p`` at slot ``P - c +
 p`` (left-padded). Every chunk is checked against its chain (:func:`kvstore.model.plan.chains.fits`)
 and its checksum before any byte reaches the buffers; a missing, corrupt or foreign chunk ends the
-prefix there (a corrupt one warns) and the load reports it found less than planned (``Loaded.short``);
-the complete stage computes the rest. Chunks the writer still held when the batch was planned are
+prefix there (a corrupt one warns): ``Loaded.tokens`` says how much it found, and the complete stage
+computes the rest. Chunks the writer still held when the batch was planned are
 waited for first. ``sample`` runs it for the next batch on a worker thread while the current batch
 decodes. A batch that needs no dense cache (every row read from a pressed entry) allocates nothing.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,14 +39,13 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass(frozen=True)
 class Loaded:
     """What :func:`load` found: the batch's KV buffers (each needed context's stored prefix in its
-    first row; empty when no context is needed densely), context tokens loaded per distinct key, the
-    codec spec of each chunk loaded, and per key where it found less than planned ``(planned
-    tokens, loaded tokens)``."""
+    first row; empty when no context is needed densely), context tokens loaded per distinct key (less
+    than :meth:`BatchPlan.load_tokens` where a planned chunk went missing or turned out corrupt), and
+    the codec spec of each chunk loaded."""
 
     bufs: Buffers
     tokens: Mapping[str, int]
     codecs: Mapping[str, tuple[str, ...]]
-    short: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @torch.inference_mode()
@@ -62,7 +61,6 @@ def load(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, writer: Wr
     dev = handle.device
     bufs = new_buffers(handle.kv_shapes(), len(plan.rows), plan.slots, handle.dtype, dev)
     P = plan.context_slots
-    short: dict[str, tuple[int, int]] = {}
     # accelerator buffers: the handle's ring of pinned slots, one copy per chunk on a side stream
     force = handle.force_staging
     staging = Staging(dev, force=force, ring=Ring.of(handle, dev, force=force) if dev.type == "cuda" or force else None)
@@ -77,12 +75,10 @@ def load(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, writer: Wr
                 loaded[key] = load_prefix(
                     handle, store, ctx.upto(depth), bufs, rows[0], P - ctx.n_tokens, found, staging
                 )
-                if loaded[key] < plan.load_tokens(key):
-                    short[key] = (plan.load_tokens(key), loaded[key])
             codecs[key] = tuple(found)
     finally:  # also on an error (out of memory): copies still in flight are ordered before what comes next
         staging.finish()
-    return Loaded(bufs, loaded, codecs, short)
+    return Loaded(bufs, loaded, codecs)
 
 
 def load_prefix(

@@ -155,7 +155,17 @@ class EntropyQuantizer:
         rotary = None
         if role == "keys":
             rotary = need_rotary(self.rotary, self.spec, CorruptEntryError, dim)
-        return _EntropyReader(name, tuple(shape), dtype, codes, o, s, sink, rotary, (start, positions))
+        return _EntropyReader(
+            name=name,
+            shape=tuple(shape),
+            dtype=dtype,
+            codes=codes,
+            offsets=o,
+            steps=s,
+            sink=sink,
+            rotary=rotary,
+            where=(start, positions),
+        )
 
 
 class _EntropyReader:

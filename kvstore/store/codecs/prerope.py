@@ -190,7 +190,18 @@ class PreRopeQuantizer(IntQuantizer):
             return super().reader(role, name, records, shape, dtype)
         rotary = need_rotary(self.rotary, self.spec, CorruptEntryError, shape[2])
         codes, s, z, sink, _ = self.checked_parts(role, name, records, shape, dtype)
-        return _PreRopeReader(self, rotary, name, tuple(shape), dtype, codes, s, z, sink, (start, positions))
+        return _PreRopeReader(
+            self,
+            rotary,
+            name=name,
+            shape=tuple(shape),
+            dtype=dtype,
+            codes=codes,
+            scales=s,
+            zeros=z,
+            sink=sink,
+            where=(start, positions),
+        )
 
 
 class _PreRopeReader:
