@@ -122,7 +122,7 @@ class HadamardQuantizer(IntQuantizer):
         except CodecError as exc:
             raise CorruptEntryError(str(exc)) from None
         codes, s, z, sink, group = self.checked_parts(role, name, records, shape, dtype)
-        return _HadamardReader(self, role, name, shape, dtype, codes, s, z, sink, group)
+        return _HadamardReader(self, role, name, shape, dtype, codes=codes, scales=s, zeros=z, sink=sink, group=group)
 
 
 class _HadamardReader(_IntReader):
@@ -144,8 +144,8 @@ class _HadamardReader(_IntReader):
         else:
             work = _scratch("h_f64" if wdt == torch.float64 else "h_f32", d.numel(), wdt).view(d.shape)
         # int4's dequantization of the codes alone (no sink: it went straight to dest above)
-        body = _IntReader(self.q, self.role, self.name, (heads, m, dim), wdt, self.codes, self.scales, self.zeros,
-                          _no_sink(self.name, heads, dim, wdt), self.group)  # fmt: skip
+        body = _IntReader(self.q, self.role, self.name, (heads, m, dim), wdt, codes=self.codes, scales=self.scales,
+                          zeros=self.zeros, sink=_no_sink(self.name, heads, dim, wdt), group=self.group)  # fmt: skip
         body.copy_into(work, stage)
         if d.dtype == wdt and d.device == work.device and all(d[i].is_contiguous() for i in range(heads)):
             for i in range(heads):  # each head's rows are contiguous in a batch buffer: no temporary, no copy
