@@ -216,6 +216,7 @@ def main() -> None:
     ap.add_argument("--prose-context", type=int, default=1200)
     ap.add_argument("--prose-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5, help="time-to-first-token runs")
+    ap.add_argument("--stem", default="frontier", help="the result's name (a subset of the points: another stem)")
     quick = dict(presses="kvzip,knorm", ratios="0.5", stacks="zstd-split:1:16,int8", dense_codecs="zstd-split:1:16",
                  limit=4, prose_rows=1, prose_context=300, prose_tokens=16, repeats=2)  # fmt: skip
     ap.add_argument(
@@ -290,15 +291,15 @@ def main() -> None:
                     "decode_s": res.decode_seconds, "sweep_s": sweep_s,
                 })  # fmt: skip
             print(f"{codec}: {len(results)} points in {sweep_s:.0f} s", flush=True)
-            bl.write_result("frontier", params=vars(args) | {"presses_": presses}, rows=rows, notes=notes)
+            bl.write_result(args.stem, params=vars(args) | {"presses_": presses}, rows=rows, notes=notes)
     base = next(r["bytes"] for r in rows if r["point"] == "dense@zstd-split:1:16")
     for r in rows:
         r["vs_lossless_dense"] = r["bytes"] / base
     notes["timing"] = performance(adapter, fmt, distinct, asked, args, stacks)
     notes["break_even"] = break_even(notes)
     notes["answers"] = answers
-    bl.write_result("frontier", params=vars(args) | {"presses_": presses}, rows=rows, notes=notes)
-    plot(rows, bl.RESULTS / "frontier.png")
+    bl.write_result(args.stem, params=vars(args) | {"presses_": presses}, rows=rows, notes=notes)
+    plot(rows, bl.RESULTS / f"{args.stem}.png")
 
 
 def perf_only(adapter, fmt, distinct, asked, args) -> None:
