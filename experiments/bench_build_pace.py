@@ -13,8 +13,8 @@ contexts built in at most 1.2x the sum of its prefills. Per repeat, in one run a
   with a writer of ``T`` encoding threads (``t1``: one, encoding on the writer's own thread as
   before this change; ``tN``: the default, the CPU count at most 8), writer close included;
   ``x_prefill`` is its seconds over the same repeat's summed prefills;
-* ``encode:CODEC:tT``: ``KVStore.encode`` of every chunk of the contexts (their KV from
-  ``Adapter.prefill``) on ``T`` threads at once, GB/s of KV bytes.
+* ``encode:CODEC:tT``: ``KVStore.encode`` of every chunk of the contexts, twice over (their KV
+  from ``Adapter.prefill``), on ``T`` threads at once, GB/s of KV bytes.
 
 Models (``--models``): ``8b-heads``, a random Llama with an 8B-like KV (32 layers, 8 KV heads,
 head_dim 128, bfloat16: 128 KiB per token, as Llama-3.1-8B) and a small body (hidden 256, 8 query
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import bench_realsize as rs
@@ -75,9 +74,9 @@ def run_model(name: str, adapter, args, threads: list[int]) -> list[dict]:
         writer_mod.encode_threads = lambda: t  # the Writer the build makes takes its default from here
         try:
             with KVStore(str(scratch / "s"), codec=codec, sync=False) as store:
-                t0 = time.perf_counter()
-                report = adapter.build(contexts, store, BuildOptions(batch_size=1))
-                seconds = time.perf_counter() - t0
+                with bl.timed() as t_build:
+                    report = adapter.build(contexts, store, BuildOptions(batch_size=1))
+                seconds = t_build.seconds
         finally:
             writer_mod.encode_threads = real_threads
             shutil.rmtree(scratch, ignore_errors=True)
@@ -143,6 +142,7 @@ def encode_rows(name, adapter, contexts, args, threads: list[int]) -> list[dict]
     with KVStore("memory://", codec="raw") as probe:
         for ids in contexts:  # every context's chunks, from its prefill
             entries += chunk_entries(adapter.handle, chain_of(adapter.handle, ids, probe), adapter.prefill([ids])[0])
+    entries *= 2  # at least a few chunks per thread
     kv_bytes = sum(e.kv_bytes for e in entries)
     for codec in CODECS:
         with KVStore("memory://", codec=codec) as store:
