@@ -251,6 +251,8 @@ SUITES: tuple[Suite, ...] = (
           ("experiments/bench_gpu_realsize.py",), ("gpu_realsize",), quick=None, needs="a CUDA GPU"),
     Suite("gpu_realsize_rehearsal", "The GPU suite's protocol rehearsed at a tiny shape (any device; not GPU figures)",
           ("experiments/bench_gpu_realsize.py", "--tiny"), ("gpu_realsize_rehearsal",), quick=None),
+    Suite("build_pace", "Builds of several contexts against the sum of their prefills; encode GB/s on 1 and N threads",
+          ("experiments/bench_build_pace.py",), ("build_pace",)),
     Suite("load_host", "The host side of a load (store to staging slots) against a memcpy of the same bytes",
           ("experiments/bench_load_host.py",), ("load_host",)),
     Suite("realsize", "Time to first token at real model sizes (1B shapes, random weights)",
