@@ -238,7 +238,7 @@ def encode_named(
     named = getattr(q, "encode_named", None)
     if named is not None:
         return named(name, role, tensor, start, positions)
-    return q.encode(role, tensor, start, positions)
+    return q.encode(role, tensor, start) if positions is None else q.encode(role, tensor, positions=positions)
 
 
 def codec_from_params(params: Mapping) -> Codec:
