@@ -34,6 +34,7 @@ import torch
 from kvstore.errors import CodecError
 from kvstore.store.codecs import Codec, get_codec
 from kvstore.store.codecs.prerope import needs_rotary, with_rotary
+from kvstore.store.entry import kv_tensor_name
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [kv_heads, n, head_dim]
 MODES = ("kv", "keys", "values")  # what a codec quantizes: both, only the keys, only the values
@@ -95,17 +96,18 @@ def stored_round_trip(codec: Codec, layers: Layers, chunk_tokens: int) -> tuple[
     out: Layers = []
     total = 0
     q = codec.quantizer
-    for k, v in layers:
+    for i, (k, v) in enumerate(layers):
         n = k.shape[1]
         kk, vv = torch.empty_like(k, device="cpu"), torch.empty_like(v, device="cpu")
+        kn, vn = kv_tensor_name(i, "keys"), kv_tensor_name(i, "values")  # as a store names them
         for a in range(0, n, chunk_tokens):
             b = min(n, a + chunk_tokens)
-            parts = [("k", k[:, a:b].cpu(), "keys"), ("v", v[:, a:b].cpu(), "values")]
+            parts = [(kn, k[:, a:b].cpu(), "keys"), (vn, v[:, a:b].cpu(), "values")]
             payload, params, raw = codec.encode(parts, {}, start=a)
             total += len(payload)
             records = codec.packing.unpack(payload, params, raw, threads=1).tensors
-            q.reader("keys", "k", records, tuple(parts[0][1].shape), k.dtype, start=a).copy_into(kk[:, a:b])
-            q.reader("values", "v", records, tuple(parts[1][1].shape), v.dtype, start=a).copy_into(vv[:, a:b])
+            q.reader("keys", kn, records, tuple(parts[0][1].shape), k.dtype, start=a).copy_into(kk[:, a:b])
+            q.reader("values", vn, records, tuple(parts[1][1].shape), v.dtype, start=a).copy_into(vv[:, a:b])
         out.append((kk.to(k.device), vv.to(v.device)))
     return out, total
 

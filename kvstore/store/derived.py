@@ -55,6 +55,7 @@ import torch
 from kvstore import dtypes
 from kvstore.errors import CorruptEntryError
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
+from kvstore.store.codecs.base import encode_named
 from kvstore.store.codecs.prerope import Rotary, with_rotary
 
 # the header and key live in derived_header (read by listings without this module's decoding);
@@ -115,7 +116,9 @@ def _seal(header: dict[str, Any], codec: Codec, tensors: list, positions: Mappin
         if role is None:
             stored.append((name, tensor))
         else:
-            stored += [(name + s, t) for s, t in codec.quantizer.encode(role, tensor, positions=positions[name])]
+            stored += [
+                (name + s, t) for s, t in encode_named(codec.quantizer, name, role, tensor, positions=positions[name])
+            ]
     stored.sort(key=lambda item: -item[1].element_size())
     payload, packing_params, raw_bytes = codec.packing.pack(stored, metadata)
     return seal(header | {"codec": codec.params(packing_params), "raw_bytes": raw_bytes}, payload)

@@ -246,3 +246,68 @@ def test_cli_press_build_sample_verify_and_sync_under_int4h(tiny_llama_dir, tmp_
     again = ok("sample", data, *common, "--store", converted, "--codec", "int4h", "--readonly-store", "-n", "3")
     assert again["cache_hit_rate"] == 1
     assert "all intact" in ok("verify", "--store", converted, "--quiet")
+
+
+# -- mixed precision: 8-bit codes for the layers a spec lists -----------------------------------------
+def test_mixed_specs_parse_and_plain_int4h_keeps_its_identity():
+    c = get_codec("int4h:k8=23.21:v8=23")
+    assert c.spec == "int4h:32/64:k8=21.23:v8=23+zstd:1" and c.identity == "int4h:32/64:k8=21.23:v8=23"
+    assert get_codec(c.spec).spec == c.spec and get_codec("int4h:16:v8=1").spec == "int4h:16:v8=1+zstd:1"
+    assert get_codec("int4h").identity == "int4h:32/64" != c.identity
+    assert c.quantizer.params() == {"name": "int4h", "args": "32/64:k8=21.23:v8=23"}
+    for bad in ("int4h:k8=", "int4h:k8=a", "int4h:k8=1.1", "int4h:k8=-1", "int4h:k8=1:k8=2", "int4h:32/64:x",
+                "int4h:w8=1", "int4h:k8"):  # fmt: skip
+        with pytest.raises(CodecError) as exc:
+            get_codec(bad)
+        assert "\n" not in str(exc.value), bad
+
+
+@pytest.mark.parametrize("start", [0, 700])
+def test_mixed_entries_store_the_listed_layers_in_8_bits(start):
+    """Layer 1's keys and layer 0's values get 8-bit codes (read back far closer); every other tensor
+    decodes exactly as plain ``int4h``'s; the header's spec is all decoding needs."""
+    e = entry(start=start, rotary=None)
+    plain_blob, mixed_blob = encode_entry(e, "int4h"), encode_entry(e, "int4h:k8=1:v8=0")
+    plain, mixed = decode_entry(plain_blob), decode_entry(mixed_blob)
+    assert mixed.header.codec["quant"] == {"name": "int4h", "args": "32/64:k8=1:v8=0"} and mixed.header.format == 6
+    assert len(plain_blob) < len(mixed_blob)
+    for i, ((k, v), (pk, pv), (mk, mv)) in enumerate(zip(e.layers, plain.layers, mixed.layers)):
+        for x, p, m, wide in ((k, pk, mk, i == 1), (v, pv, mv, i == 0)):
+            got, four = m.materialize(), p.materialize()
+            if wide:
+                assert float((got - x).abs().max()) * 8 < float((four - x).abs().max())
+            else:
+                assert torch.equal(got, four)
+
+
+def test_a_reader_expecting_8_bit_codes_refuses_4_bit_ones():
+    from kvstore.store.codecs.records import TensorRecord
+
+    q = quantizer("int4h:k8=3")
+    x = keys_like(n=40, dtype=torch.float32)
+    recs = {}
+    for suffix, t in q.encode_named("layers.2.keys", "keys", x):  # layer 2: 4-bit codes
+        t = t.contiguous()
+        recs["layers.3.keys" + suffix] = TensorRecord("layers.3.keys" + suffix, t.dtype, tuple(t.shape),
+                                                      t.reshape(-1).view(torch.uint8))  # fmt: skip
+    with pytest.raises(CorruptEntryError, match="codes"):
+        q.reader("keys", "layers.3.keys", recs, tuple(x.shape), x.dtype)
+
+
+def test_a_pressed_cache_gives_the_listed_layers_8_bits():
+    """The pressed path names its tensors per head (``layers.L.heads.H.keys``): layer 1's keys 8-bit."""
+    from test_derived import PRESS, facts, pressed
+
+    from kvstore.store.derived import decode_derived, encode_pressed
+
+    layers = pressed()
+    views = {
+        s: decode_derived(encode_pressed(facts(), "kvzip:0.75", PRESS, layers, s)[1]) for s in ("int4h", "int4h:k8=1")
+    }
+    assert views["int4h:k8=1"].header.codec_spec == "int4h:32/64:k8=1+zstd:1"
+    k0, k1 = layers[0][0][0], layers[1][0][0]  # 3 and 40 kept tokens
+    err = {
+        s: [float((v.kv(i, 0)[0].materialize()[0] - k).abs().max()) for i, k in ((0, k0), (1, k1))]
+        for s, v in views.items()
+    }
+    assert err["int4h:k8=1"][0] == err["int4h"][0] and err["int4h:k8=1"][1] * 8 < err["int4h"][1], err

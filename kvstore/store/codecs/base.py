@@ -223,11 +223,22 @@ class Codec:
         stored: list[tuple[str, torch.Tensor]] = []
         for name, tensor, role in tensors:
             if role in KV_ROLES:
-                stored += [(name + suffix, t) for suffix, t in self.quantizer.encode(role, tensor, start)]
+                stored += [(name + suffix, t) for suffix, t in encode_named(self.quantizer, name, role, tensor, start)]
             else:
                 stored.append((name, tensor))
         payload, packing_params, raw_bytes = self.packing.pack(stored, metadata)
         return payload, self.params(packing_params), raw_bytes
+
+
+def encode_named(
+    q: Quantizer, name: str, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """``q.encode`` of the tensor stored as ``name``: a quantizer with an ``encode_named`` (``int4h``
+    with per-layer bits) is told the name, as its reader is."""
+    named = getattr(q, "encode_named", None)
+    if named is not None:
+        return named(name, role, tensor, start, positions)
+    return q.encode(role, tensor, start) if positions is None else q.encode(role, tensor, positions=positions)
 
 
 def codec_from_params(params: Mapping) -> Codec:
@@ -327,6 +338,7 @@ __all__ = [
     "StoredTensor",
     "choices",
     "codec_from_params",
+    "encode_named",
     "get_codec",
     "identity_of",
     "register_packing",

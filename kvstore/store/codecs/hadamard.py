@@ -32,11 +32,20 @@ refuses an ``int4h`` chunk instead of taking it for corrupt.
 
 Specs: ``int4h[:G]`` or ``int4h:GK/GV`` (default ``32/64``: 4.75 bits per element with the 16-bit
 scales and zeros, the bytes of ``int4``; the packing ``zstd:1`` unless the spec names another).
+
+Mixed precision: ``int4h[:GK/GV]:k8=L.L...`` and/or ``:v8=L.L...`` give the keys (values) of the
+listed layers 8-bit codes on the same axes and groups (rotated as the rest), every other layer 4-bit:
+``int4h:k8=21.23`` (layers by index, ``.``-separated; ``,`` separates codecs in lists). The layer is
+read from the stored tensor's name (``layers.L.keys``, a pressed cache's ``layers.L.heads.H.keys``),
+at encoding and at decoding alike, so the spec in the entry's header is all decoding needs. The set
+is part of the spec, hence of the codec's identity: ``int4h`` alone is unchanged (same identity,
+same bytes). Which layers is a per-model choice measured on tuning text (docs/lossy-codecs.md).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from functools import lru_cache
 
@@ -96,20 +105,49 @@ class HadamardQuantizer(IntQuantizer):
 
     default_packing = DEFAULT_PACKING
 
-    def __init__(self, bits: int, group_k: int, group_v: int):
+    def __init__(
+        self, bits: int, group_k: int, group_v: int, keys8: tuple[int, ...] = (), values8: tuple[int, ...] = ()
+    ):
         super().__init__(bits, group_k, group_v)
         self.name = "int4h"
+        self.keys8, self.values8 = tuple(sorted(set(keys8))), tuple(sorted(set(values8)))
+        self._wide = IntQuantizer(8, group_k, group_v)  # the 8-bit codes of the layers listed
+
+    @property
+    def spec(self) -> str:
+        extra = "".join(
+            f":{tag}=" + ".".join(map(str, ls)) for tag, ls in (("k8", self.keys8), ("v8", self.values8)) if ls
+        )
+        return super().spec + extra
+
+    def codes_of(self, role: str, name: str) -> IntQuantizer:
+        """The integer codes tensor ``name`` is stored in: 8-bit for a layer of ``keys8``/``values8``
+        (read from the name, ``layers.L....``), else this quantizer's 4-bit ones."""
+        m = _LAYER.match(name)
+        chosen = self.keys8 if role == "keys" else self.values8
+        return self._wide if m and int(m.group(1)) in chosen else self
+
+    def encode_named(
+        self, name: str, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`encode` of the tensor stored as ``name`` (its layer picks 4- or 8-bit codes)."""
+        return self._encode(self.codes_of(role, name), role, tensor, start, positions)
 
     def encode(
         self, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        return self._encode(self, role, tensor, start, positions)
+
+    def _encode(
+        self, q: IntQuantizer, role: str, tensor: torch.Tensor, start: int, positions: torch.Tensor | None
     ) -> list[tuple[str, torch.Tensor]]:
         x = tensor.detach().to("cpu")
         heads, n, dim = x.shape
         h = hadamard(dim, torch.float64)
         k = sink_count(n, start, positions)
         body = (x[:, k:].double() @ h).float()
-        # int4's codes of the rotated tokens (start > 0: no sink of their own), the sink as it is
-        parts = dict(super().encode(role, body, start=1))
+        # int4's (int8's) codes of the rotated tokens (start > 0: no sink of their own), the sink as it is
+        parts = dict(IntQuantizer.encode(q, role, body, start=1))
         parts[".sink"] = x[:, :k].contiguous()
         return [(p, parts[p]) for p in PARTS]
 
@@ -121,8 +159,9 @@ class HadamardQuantizer(IntQuantizer):
             hadamard_block(shape[2])
         except CodecError as exc:
             raise CorruptEntryError(str(exc)) from None
-        codes, s, z, sink, group = self.checked_parts(role, name, records, shape, dtype)
-        return _HadamardReader(self, role, name, shape, dtype, codes=codes, scales=s, zeros=z, sink=sink, group=group)
+        q = self.codes_of(role, name)
+        codes, s, z, sink, group = IntQuantizer.checked_parts(q, role, name, records, shape, dtype)
+        return _HadamardReader(q, role, name, shape, dtype, codes=codes, scales=s, zeros=z, sink=sink, group=group)
 
 
 class _HadamardReader(_IntReader):
@@ -158,8 +197,33 @@ def _no_sink(name: str, heads: int, dim: int, dtype: torch.dtype) -> TensorRecor
     return TensorRecord(name + ".sink", dtype, (heads, 0, dim), torch.empty(0, dtype=torch.uint8))
 
 
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _layers(tag: str, text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(t) for t in text.split("."))
+    except ValueError:
+        out = ()
+    if not out or any(i < 0 for i in out) or len(set(out)) != len(out):
+        raise CodecError(f"int4h {tag}= takes distinct layer indices separated by '.', e.g. {tag}=21.23, not {text!r}")
+    return out
+
+
 def _factory(args: str) -> HadamardQuantizer:
-    return int_factory(HadamardQuantizer, "int4h", 4, 32, 64)(args)
+    groups, *rest = args.split(":")
+    if groups.startswith(("k8=", "v8=")):
+        groups, rest = "", [groups, *rest]
+    q = int_factory(HadamardQuantizer, "int4h", 4, 32, 64)(groups)
+    wide: dict[str, tuple[int, ...]] = {}
+    for part in rest:
+        tag, eq, text = part.partition("=")
+        if tag not in ("k8", "v8") or not eq or tag in wide:
+            raise CodecError(f"int4h takes [GK/GV][:k8=L.L...][:v8=L.L...] (each once), not {args!r}")
+        wide[tag] = _layers(tag, text)
+    if not wide:
+        return q
+    return HadamardQuantizer(4, q.group_k, q.group_v, keys8=wide.get("k8", ()), values8=wide.get("v8", ()))
 
 
 register_quantizer("int4h", _factory, since=6)
