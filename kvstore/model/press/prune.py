@@ -71,18 +71,22 @@ class DenseRow:
         _gather_row(k, v, None if self.masks is None else self.masks[layer], keys, values)
 
     def kept_tensors(self) -> KeptLayers:
-        """Per layer, per head ``(keys [n, d], values [n, d], positions [n])`` of the kept tokens."""
+        """Per layer, per head ``(keys [n, d], values [n, d], positions [n])`` of the kept tokens, on
+        the host (what encodes them reads them there). Gathered a layer at a time: one ``nonzero``,
+        one gather and one copy to the host per layer, never per head (on an accelerator each of
+        those waits for the device)."""
         out = []
         for i, (k, v) in enumerate(self.layers):
-            heads = []
-            for h in range(k.shape[0]):
-                pos = (
-                    torch.arange(k.shape[1], device=k.device)
-                    if self.masks is None
-                    else self.masks[i][h].nonzero().flatten()
-                )
-                heads.append((k[h, pos], v[h, pos], pos.cpu()))
-            out.append(heads)
+            heads, c = k.shape[0], k.shape[1]
+            if self.masks is None:
+                hs, pos = torch.arange(heads).repeat_interleave(c), torch.arange(c).repeat(heads)
+                counts = [c] * heads
+            else:
+                hs, pos = self.masks[i].nonzero(as_tuple=True)  # row-major: by head, positions ascending
+                counts = self.masks[i].sum(dim=-1).tolist()
+            hs, pos = hs.to(k.device), pos.to(k.device)
+            keys, values, pos = k[hs, pos].cpu(), v[hs, pos].cpu(), pos.cpu()
+            out.append(list(zip(keys.split(counts), values.split(counts), pos.split(counts))))
         return out
 
 
