@@ -2,7 +2,7 @@
 
 A chunk computed on a CUDA device used to reach the host inside its encoding, on the writer's
 thread: ``t.to("cpu")`` from pageable memory (measured 1.3 GB/s device-to-host on an H100 host
-against 14.8 GB/s pinned, ``/work/shared/NOTES.md``), and a synchronous copy on the default stream,
+against 14.8 GB/s pinned, issue 39), and a synchronous copy on the default stream,
 which waits for everything queued on it, the next context's prefill included.
 :meth:`HostBuffers.stage` instead copies every key and value tensor of the chunk into **one**
 pinned host buffer (64-byte aligned places, one asynchronous copy per tensor on the compute
