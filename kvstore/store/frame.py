@@ -55,8 +55,11 @@ def field_int(h: Mapping, name: str, low: int = 0) -> int:
 def seal(header: Mapping[str, Any], payload: bytes) -> bytes:
     """A frame: ``header`` as canonical JSON (sorted keys, no spaces) around ``payload``, checksummed."""
     text = json.dumps(dict(header), sort_keys=True, separators=(",", ":")).encode()
-    body = b"".join([MAGIC, struct.pack("<I", len(text)), text, payload])
-    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+    parts = [MAGIC, struct.pack("<I", len(text)), text, payload]
+    digest = xxhash.xxh3_64()  # hashed part by part: the frame is joined once (a chunk is ~64 MiB)
+    for part in parts:
+        digest.update(part)
+    return b"".join([*parts, struct.pack("<Q", digest.intdigest())])
 
 
 def read_frame(buf: bytes | memoryview) -> tuple[dict, int, int]:
