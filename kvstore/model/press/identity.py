@@ -70,7 +70,7 @@ def _callable_facts(fn: Any) -> Any:
     if isinstance(code, types.CodeType):
         cells = tuple(c.cell_contents for c in (fn.__closure__ or ()) if _filled(c))
         return ("function", name, code, fn.__defaults__, sorted((fn.__kwdefaults__ or {}).items()), cells)
-    call = type(fn).__dict__.get("__call__") if callable(fn) else None
+    call = next((k.__dict__["__call__"] for k in type(fn).__mro__ if "__call__" in k.__dict__), None)
     if not isinstance(fn, type) and isinstance(call, types.FunctionType) and hasattr(fn, "__dict__"):
         return ("object", name, call, sorted(vars(fn).items()))  # its state is what it computes with
     return ("object", name)
