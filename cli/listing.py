@@ -6,8 +6,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.cli.common import emit, short
+from kvstore.cli.common import emit, short, warn
 from kvstore.units import human_bytes, human_time
+
+
+def count(n: int, word: str) -> str:
+    """``1 entry``, ``2 entries``: ``n`` and ``word`` in the number ``n`` wants."""
+    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks", "context record": "context records",
+              "bad tier copy": "bad tier copies", "derived entry": "derived entries"}[word]  # fmt: skip
+    return f"{n} {word if n == 1 else plural}"
+
+
+def warn_unreadable(info: Any) -> None:
+    """One warning line per entry or context record a scan could not read, then what to do: a
+    corrupt one goes with ``gc --corrupt``; one of a newer format or an unknown kind is kept."""
+    for c in info.corrupt:
+        warn(f"skipped {_entry(c)}: {c.reason}")
+    for c in info.malformed:
+        warn(f"skipped context {c.key[:12]}: {c.reason}")
+    if info.corrupt or info.malformed:
+        parts = [count(len(info.corrupt), "entry")] if info.corrupt else []
+        parts += [count(len(info.malformed), "context record")] if info.malformed else []
+        warn(f"{' and '.join(parts)} unreadable, skipped; `kvstore gc --corrupt` removes them")
+    for c in info.unknown:
+        warn(f"not listed: {_entry(c)}: {c.reason}")
+    if info.unknown:
+        warn(
+            f"{count(len(info.unknown), 'entry')} of a newer format or of a kind this process does not know, "
+            "not listed (kept by gc, copied by sync): upgrade kvstore, or load the plug-in that writes them"
+        )
+
+
+def _entry(c: Any) -> str:
+    return f"derived entry {c.key[:12]} of context {c.context[:12]}" if c.context else f"entry {c.key[:12]}"
 
 
 def _time(ts: float | None) -> str:

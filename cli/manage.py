@@ -33,6 +33,7 @@ from kvstore.cli.common import (
     warn,
     yes_option,
 )
+from kvstore.cli.listing import count as _count
 from kvstore.units import human_bytes
 
 _SORTS = {
@@ -54,22 +55,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.scan import StoreInfo
 
 
-def _count(n: int, word: str) -> str:
-    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks", "context record": "context records",
-              "bad tier copy": "bad tier copies", "derived entry": "derived entries"}[word]  # fmt: skip
-    return f"{n} {word if n == 1 else plural}"
-
-
 def _warn_corrupt(info: Any) -> None:
-    for c in info.corrupt:
-        what = f"derived entry {c.key[:12]} of context {c.context[:12]}" if c.context else f"entry {c.key[:12]}"
-        warn(f"skipped {what}: {c.reason}")
-    for c in info.malformed:
-        warn(f"skipped context {c.key[:12]}: {c.reason}")
-    if info.corrupt or info.malformed:
-        parts = [_count(len(info.corrupt), "entry")] if info.corrupt else []
-        parts += [_count(len(info.malformed), "context record")] if info.malformed else []
-        warn(f"{' and '.join(parts)} unreadable, skipped; `kvstore gc --corrupt` removes them")
+    from kvstore.cli.listing import warn_unreadable
+
+    warn_unreadable(info)
 
 
 # -- ls -----------------------------------------------------------------------------------------
@@ -186,6 +175,7 @@ def _stats_totals(info: StoreInfo) -> dict[str, Any]:
         "entries": info.n_entries,
         "orphan_chunks": len(info.orphans),
         "corrupt": len(info.corrupt),
+        "unknown": len(info.unknown),
         "n_tokens": info.n_tokens,
         "raw_bytes": info.raw_bytes,
         "logical_bytes": info.logical_bytes,
@@ -254,6 +244,9 @@ def _stats_footer(info: StoreInfo, totals: dict[str, Any], kinds: list[dict[str,
     if info.corrupt:
         bad = human_bytes(sum(c.stored_bytes for c in info.corrupt))
         click.echo(f"Unreadable: {_count(len(info.corrupt), 'entry')} ({bad})")
+    if info.unknown:
+        newer = human_bytes(sum(c.stored_bytes for c in info.unknown))
+        click.echo(f"Unknown: {_count(len(info.unknown), 'entry')} ({newer}), a newer format or kind: upgrade kvstore")
     if info.disk_bytes is not None:
         click.echo(f"On disk: {human_bytes(info.disk_bytes)} ({_LMDB_NOTE})")
 
@@ -276,8 +269,9 @@ def verify(store: str, quiet: bool) -> None:
     with open_store(store, readonly=True) as s:
         with progress_bar(len(s) + len(s.all_derived()), "verify", quiet, unit="entry") as bar:
             info = s.verify(progress=bar)
-    contexts = info.contexts
-    broken = [(contexts.keys[i], reason) for i in range(len(contexts)) if (reason := contexts.problem(i))]
+    contexts, newer = info.contexts, info.unknown_chunks  # a context using a newer writer's chunk is not broken
+    broken = [(contexts.keys[i], reason) for i in range(len(contexts))
+              if not newer.intersection(contexts.chunk_keys(i)) and (reason := contexts.problem(i))]  # fmt: skip
     tiered = "cache_dir" in store_options()  # through a local tier the remote's copies are what count
     remote_bad = {(c.context, c.key) for c in info.corrupt}
     for c in info.corrupt:
@@ -291,7 +285,9 @@ def verify(store: str, quiet: bool) -> None:
         click.echo(f"broken   {key}  {reason}")
     for c in info.malformed:
         click.echo(f"malformed  {c.key}  {c.reason}")
-    total = info.n_entries + len(info.derived) + len(info.corrupt)
+    for c in info.unknown:
+        click.echo(f"unknown  {c.key}  {c.reason}" + (f" (derived entry of context {c.context})" if c.context else ""))
+    total = info.n_entries + len(info.derived) + len(info.corrupt) + len(info.unknown)
     entries = _count(total, "entry") + (f" ({len(info.derived)} derived)" if info.derived else "")
     if info.corrupt or broken or info.malformed:
         parts = [_corrupt_share(info, total)] if info.corrupt else []
@@ -307,6 +303,11 @@ def verify(store: str, quiet: bool) -> None:
         )
         return
     click.echo(f"{entries} and {_count(len(contexts), 'context')} verified, all intact.")
+    if info.unknown:  # not damage: exit 0, with the advice
+        warn(
+            f"{_count(len(info.unknown), 'entry')} of a newer format or of a kind this process does not know "
+            "(checksums intact): kept by gc, copied by sync; upgrade kvstore (or load the plug-in) to read them"
+        )
 
 
 def _corrupt_share(info: Any, total: int) -> str:
