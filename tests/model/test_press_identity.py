@@ -263,3 +263,34 @@ def test_a_press_registered_again_with_other_weights_misses(llama, registered):
         new_ref = _sweep(llama, contexts, questions, use_cache=False)
         assert not _same(old_ref, new_ref)
         assert _same(got, new_ref) and got.kept_tokens == new_ref.kept_tokens
+
+
+def test_a_corrupt_scores_entry_stored_beside_a_pressed_cache_is_remade_by_build_press(llama, tmp_path):
+    """Issue 45, finding 7: ``build --press P --codec C`` stores P's scores as a side effect; a
+    corrupt one is made again by the next ``build --press P`` (with or without C), and the plan
+    (``--dry-run``) counts exactly the scores the build writes."""
+    from kvstore.model.press.stored import scores_key
+    from kvstore.store.keyspace import derived_entry_key
+
+    contexts = random_ids(llama.tokenizer, [50, 60], rng=7)
+    path = str(tmp_path / "store")
+    with KVStore(path, chunk_tokens=32, codec="int8") as store:
+        plan = llama.plan_build(contexts, store, presses=["snapkv:0.5"])
+        built = llama.build(contexts, store, presses=["snapkv:0.5"])
+        assert (plan.scores_to_make, built.scores_written, built.pressed_written) == (2, 2, 2)
+        chain = llama.chain(contexts[0], store)
+        name = derived_entry_key(chain.context_key, scores_key(chain, parse_press("snapkv:0.5")))
+        raw = bytearray(store.backend.get(name))
+        raw[len(raw) // 2] ^= 0xFF
+        store.backend.put(name, bytes(raw))
+        with pytest.warns(Warning, match="corrupt"):
+            plan = llama.plan_build(contexts, store, presses=["snapkv:0.5"])
+        assert (plan.pressed_to_make, plan.scores_to_make) == (0, 1)
+        with pytest.warns(Warning, match="corrupt"):
+            built = llama.build(contexts, store, presses=["snapkv:0.5"])
+        assert (built.pressed_written, built.scores_written) == (0, 1)
+        assert not store.verify().corrupt
+    with KVStore(path, codec="zstd-split:1:16") as store:  # lossless: other pressed caches and scores
+        plan = llama.plan_build(contexts, store, presses=["snapkv:0.5"])
+        built = llama.build(contexts, store, presses=["snapkv:0.5"])
+        assert plan.scores_to_make == built.scores_written == 2 and built.pressed_written == 2
