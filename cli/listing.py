@@ -66,7 +66,10 @@ def context_rows(info: Any, model: str | None) -> list[dict[str, Any]]:
 
 
 _COMMON = {"model_name": "MODEL", "model": "FINGERPRINT", "dtype": "DTYPE", "n_tokens": "TOKENS"}
-_SIZES = {"codec": "CODEC", "stored_bytes": "SIZE", "ratio": "RATIO", "created": "CREATED", "last_access": "LAST USED"}
+# KV-RATIO: stored bytes over the keys and values in the model's dtype (``ratio`` in JSON is over the
+# payload before compression: for a lossy codec, already quantized)
+_SIZES = {"codec": "CODEC", "stored_bytes": "SIZE", "kv_ratio": "KV-RATIO", "created": "CREATED",
+          "last_access": "LAST USED"}  # fmt: skip
 
 
 def show(records: list[dict[str, Any]], what: str, full_keys: bool) -> None:
@@ -98,6 +101,7 @@ def show(records: list[dict[str, Any]], what: str, full_keys: bool) -> None:
             "model": lambda m: short(m, n),
             "stored_bytes": lambda b: human_bytes(b or 0),
             "kept_fraction": lambda f: "-" if f is None else f"{f:.0%}",
+            "kv_ratio": lambda r: "-" if r is None else f"{r:.3f}",
             "created": _time,
             "last_access": _time,
         },  # fmt: skip

@@ -34,6 +34,7 @@ from kvstore.cli.common import (
     yes_option,
 )
 from kvstore.cli.listing import count as _count
+from kvstore.cli.listing import warn_unreadable as _warn_corrupt
 from kvstore.units import human_bytes
 
 _SORTS = {
@@ -53,12 +54,6 @@ _LMDB_NOTE = "LMDB files never shrink: space freed by rm/gc is reused by new ent
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.gc import GcOptions
     from kvstore.store.scan import StoreInfo
-
-
-def _warn_corrupt(info: Any) -> None:
-    from kvstore.cli.listing import warn_unreadable
-
-    warn_unreadable(info)
 
 
 # -- ls -----------------------------------------------------------------------------------------
@@ -87,7 +82,7 @@ def ls(store: str, model: str | None, chunks: bool, derived: bool, sort_by: str,
 
     A context row shows its key (its last chunk's), model name and fingerprint (both shortened to
     12 characters unless --full-keys), KV dtype, tokens, chunks, codec, size (its chunks, shared
-    ones included), ratio (stored / uncompressed), creation time, last use (UTC) and the device and
+    ones included), KV-RATIO (stored / its keys and values in the model's dtype), creation time, last use (UTC) and the device and
     attention implementation its numbers came from; in a store holding derived entries, also what
     each context has of them (kind, spec, codec, kept fraction, size). A context stored only as
     pressed caches shows 0 chunks. JSON and CSV carry every field unabbreviated, sizes in bytes and
@@ -138,8 +133,8 @@ def stats(store: str, fmt: str) -> None:
 
     For each (model name, fingerprint, KV dtype, codec): contexts, tokens, uncompressed bytes,
     logical bytes (each context's chunks, a shared chunk counted for every context that uses it),
-    physical bytes (each chunk once), their ratio (dedupe), the codec's ratio (stored /
-    uncompressed) and stored bytes per token; then the store's totals and the size of its file on
+    physical bytes (each chunk once), their ratio (dedupe), KV-RATIO (logical bytes over the keys
+    and values in the model's dtype: a lossy codec's saving included) and stored bytes per token; then the store's totals and the size of its file on
     disk, which can exceed the stored bytes: LMDB files never shrink, and space freed by rm/gc is
     reused by new entries.
     """
@@ -205,6 +200,7 @@ def _stats_table(rows: list[dict[str, Any]]) -> None:
             "stored_bytes": "LOGICAL",
             "physical_bytes": "PHYSICAL",
             "dedupe_ratio": "DEDUPE",
+            "stored_to_kv": "KV-RATIO",  # logical bytes over the keys and values in the model's dtype
             "bytes_per_token": "BYTES/TOKEN",
         },  # fmt: skip
         formatters={
@@ -214,8 +210,9 @@ def _stats_table(rows: list[dict[str, Any]]) -> None:
             "physical_bytes": human_bytes,
             "bytes_per_token": lambda b: f"{b:,.0f}",
             "dedupe_ratio": lambda r: f"{r:.2f}x",
+            "stored_to_kv": lambda r: f"{r:.3f}",
         },  # fmt: skip
-        align="llllrrrrrrr",
+        align="llllrrrrrrrr",
     )
 
 
