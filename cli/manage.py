@@ -82,10 +82,10 @@ def ls(store: str, model: str | None, chunks: bool, derived: bool, sort_by: str,
 
     A context row shows its key (its last chunk's), model name and fingerprint (both shortened to
     12 characters unless --full-keys), KV dtype, tokens, chunks, codec, size (its chunks, shared
-    ones included), KV-RATIO (stored / its keys and values in the model's dtype), creation time, last use (UTC) and the device and
-    attention implementation its numbers came from; in a store holding derived entries, also what
-    each context has of them (kind, spec, codec, kept fraction, size). A context stored only as
-    pressed caches shows 0 chunks. JSON and CSV carry every field unabbreviated, sizes in bytes and
+    ones included), KV-RATIO (size / its keys and values in the model's dtype), creation time, last
+    use (UTC) and the device and attention implementation its numbers came from; in a store
+    holding derived entries, also what each context has of them (kind, spec, codec, kept fraction,
+    size). A context stored only as pressed caches shows 0 chunks. JSON and CSV carry every field unabbreviated, sizes in bytes and
     times in seconds since the epoch. Entries whose header cannot be read are skipped with a
     warning (`kvstore verify` checks every byte).
     """
@@ -134,9 +134,9 @@ def stats(store: str, fmt: str) -> None:
     For each (model name, fingerprint, KV dtype, codec): contexts, tokens, uncompressed bytes,
     logical bytes (each context's chunks, a shared chunk counted for every context that uses it),
     physical bytes (each chunk once), their ratio (dedupe), KV-RATIO (logical bytes over the keys
-    and values in the model's dtype: a lossy codec's saving included) and stored bytes per token; then the store's totals and the size of its file on
-    disk, which can exceed the stored bytes: LMDB files never shrink, and space freed by rm/gc is
-    reused by new entries.
+    and values in the model's dtype: a lossy codec's saving included) and stored bytes per token;
+    then the store's totals and the size of its file on disk, which can exceed the stored bytes:
+    LMDB files never shrink, and space freed by rm/gc is reused by new entries.
     """
     from kvstore.store.summary import owned_totals, summarize
 

@@ -79,8 +79,8 @@ def test_ls_table(store):
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert lines[0].split() == [
-        "KEY", "MODEL", "FINGERPRINT", "DTYPE", "TOKENS", "CHUNKS", "CODEC", "SIZE", "KV-RATIO", "CREATED", "LAST", "USED",
-        "NUMERICS",
+        "KEY", "MODEL", "FINGERPRINT", "DTYPE", "TOKENS", "CHUNKS", "CODEC", "SIZE", "KV-RATIO", "CREATED", "LAST",
+        "USED", "NUMERICS",
     ]  # fmt: skip
     assert all(e.key[:12] in r.stdout and e.key not in r.stdout for e in entries)
     assert "4 contexts" in lines[-1] and "cpu/sdpa" in lines[1]
