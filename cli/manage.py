@@ -85,9 +85,9 @@ def ls(store: str, model: str | None, chunks: bool, derived: bool, sort_by: str,
     ones included), KV-RATIO (size / its keys and values in the model's dtype), creation time, last
     use (UTC) and the device and attention implementation its numbers came from; in a store
     holding derived entries, also what each context has of them (kind, spec, codec, kept fraction,
-    size). A context stored only as pressed caches shows 0 chunks. JSON and CSV carry every field unabbreviated, sizes in bytes and
-    times in seconds since the epoch. Entries whose header cannot be read are skipped with a
-    warning (`kvstore verify` checks every byte).
+    size). A context stored only as pressed caches shows 0 chunks. JSON and CSV carry every field
+    unabbreviated, sizes in bytes and times in seconds since the epoch. Entries whose header cannot
+    be read are skipped with a warning (`kvstore verify` checks every byte).
     """
     from kvstore.cli.listing import context_rows, show
 
