@@ -27,7 +27,8 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
     Each derived entry, verified, is DIRECTORY/<context>.<kind>.<key>.safetensors: scores as
     layers.{i}.scores, a pressed cache as layers.{i}.heads.{h}.keys / .values / .positions.
     Files already there are skipped, so an interrupted export resumes. An incomplete context or a
-    corrupt derived entry is not exported, and the export exits 1 (after the others).
+    corrupt derived entry is not exported, and the export exits 1 (after the others); so is an
+    entry of a newer format or of a kind this process does not know (a plug-in's): upgrade kvstore.
     """
     from kvstore.store.export import export_store
 
@@ -36,9 +37,10 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
             report = export_store(s, directory, model=model, progress=bar)
     summary = {"directory": directory, "written": report.written, "derived": report.derived,
                "skipped": report.skipped, "incomplete": len(report.incomplete), "bytes": report.bytes,
-               "derived_corrupt": len(report.derived_bad)}  # fmt: skip
+               "derived_corrupt": len(report.derived_bad), "unknown": len(report.unknown)}  # fmt: skip
     if fmt == "json":
-        echo_json(summary | {"incomplete_keys": report.incomplete, "derived_corrupt_keys": report.derived_bad})
+        echo_json(summary | {"incomplete_keys": report.incomplete, "derived_corrupt_keys": report.derived_bad,
+                             "unknown_keys": report.unknown})  # fmt: skip
     else:
         derived = f" and {report.derived} derived entr{'y' if report.derived == 1 else 'ies'}" if report.derived else ""
         click.echo(f"Exported {report.written} context(s){derived} to {directory} ({report.bytes:,} bytes); "
@@ -46,6 +48,8 @@ def export(store: str, directory: str, model: str | None, quiet: bool, fmt: str)
     bad = [f"{len(report.incomplete)} incomplete context(s)"] * bool(report.incomplete) + [
         f"{len(report.derived_bad)} corrupt derived entr{'y' if len(report.derived_bad) == 1 else 'ies'}"
     ] * bool(report.derived_bad)
+    bad += [f"{len(report.unknown)} entr{'y' if len(report.unknown) == 1 else 'ies'} of a newer format or an unknown "
+            "kind (upgrade kvstore, or load the plug-in that writes them)"] * bool(report.unknown)  # fmt: skip
     if bad:  # as sync: what could not be exported is a failure (exit 1), named by verify
         raise CLIError(f"not exported: {' and '.join(bad)} (`kvstore verify --store {store}` names them)")
 

@@ -6,8 +6,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.cli.common import emit, short
+from kvstore.cli.common import emit, short, warn
 from kvstore.units import human_bytes, human_time
+
+
+def count(n: int, word: str) -> str:
+    """``1 entry``, ``2 entries``: ``n`` and ``word`` in the number ``n`` wants."""
+    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks", "context record": "context records",
+              "bad tier copy": "bad tier copies", "derived entry": "derived entries"}[word]  # fmt: skip
+    return f"{n} {word if n == 1 else plural}"
+
+
+def warn_unreadable(info: Any) -> None:
+    """One warning line per entry or context record a scan could not read, then what to do: a
+    corrupt one goes with ``gc --corrupt``; one of a newer format or an unknown kind is kept."""
+    for c in info.corrupt:
+        warn(f"skipped {_entry(c)}: {c.reason}")
+    for c in info.malformed:
+        warn(f"skipped context {c.key[:12]}: {c.reason}")
+    if info.corrupt or info.malformed:
+        parts = [count(len(info.corrupt), "entry")] if info.corrupt else []
+        parts += [count(len(info.malformed), "context record")] if info.malformed else []
+        warn(f"{' and '.join(parts)} unreadable, skipped; `kvstore gc --corrupt` removes them")
+    for c in info.unknown:
+        warn(f"not listed: {_entry(c)}: {c.reason}")
+    if info.unknown:
+        warn(
+            f"{count(len(info.unknown), 'entry')} of a newer format or of a kind this process does not know, "
+            "not listed (kept by gc, copied by sync): upgrade kvstore, or load the plug-in that writes them"
+        )
+
+
+def _entry(c: Any) -> str:
+    return f"derived entry {c.key[:12]} of context {c.context[:12]}" if c.context else f"entry {c.key[:12]}"
 
 
 def _time(ts: float | None) -> str:
@@ -35,7 +66,10 @@ def context_rows(info: Any, model: str | None) -> list[dict[str, Any]]:
 
 
 _COMMON = {"model_name": "MODEL", "model": "FINGERPRINT", "dtype": "DTYPE", "n_tokens": "TOKENS"}
-_SIZES = {"codec": "CODEC", "stored_bytes": "SIZE", "ratio": "RATIO", "created": "CREATED", "last_access": "LAST USED"}
+# KV-RATIO: stored bytes over the keys and values in the model's dtype (``ratio`` in JSON is over the
+# payload before compression: for a lossy codec, already quantized)
+_SIZES = {"codec": "CODEC", "stored_bytes": "SIZE", "kv_ratio": "KV-RATIO", "created": "CREATED",
+          "last_access": "LAST USED"}  # fmt: skip
 
 
 def show(records: list[dict[str, Any]], what: str, full_keys: bool) -> None:
@@ -67,6 +101,7 @@ def show(records: list[dict[str, Any]], what: str, full_keys: bool) -> None:
             "model": lambda m: short(m, n),
             "stored_bytes": lambda b: human_bytes(b or 0),
             "kept_fraction": lambda f: "-" if f is None else f"{f:.0%}",
+            "kv_ratio": lambda r: "-" if r is None else f"{r:.3f}",
             "created": _time,
             "last_access": _time,
         },  # fmt: skip

@@ -33,6 +33,8 @@ from kvstore.cli.common import (
     warn,
     yes_option,
 )
+from kvstore.cli.listing import count as _count
+from kvstore.cli.listing import warn_unreadable as _warn_corrupt
 from kvstore.units import human_bytes
 
 _SORTS = {
@@ -52,24 +54,6 @@ _LMDB_NOTE = "LMDB files never shrink: space freed by rm/gc is reused by new ent
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.gc import GcOptions
     from kvstore.store.scan import StoreInfo
-
-
-def _count(n: int, word: str) -> str:
-    plural = {"entry": "entries", "context": "contexts", "chunk": "chunks", "context record": "context records",
-              "bad tier copy": "bad tier copies", "derived entry": "derived entries"}[word]  # fmt: skip
-    return f"{n} {word if n == 1 else plural}"
-
-
-def _warn_corrupt(info: Any) -> None:
-    for c in info.corrupt:
-        what = f"derived entry {c.key[:12]} of context {c.context[:12]}" if c.context else f"entry {c.key[:12]}"
-        warn(f"skipped {what}: {c.reason}")
-    for c in info.malformed:
-        warn(f"skipped context {c.key[:12]}: {c.reason}")
-    if info.corrupt or info.malformed:
-        parts = [_count(len(info.corrupt), "entry")] if info.corrupt else []
-        parts += [_count(len(info.malformed), "context record")] if info.malformed else []
-        warn(f"{' and '.join(parts)} unreadable, skipped; `kvstore gc --corrupt` removes them")
 
 
 # -- ls -----------------------------------------------------------------------------------------
@@ -98,12 +82,12 @@ def ls(store: str, model: str | None, chunks: bool, derived: bool, sort_by: str,
 
     A context row shows its key (its last chunk's), model name and fingerprint (both shortened to
     12 characters unless --full-keys), KV dtype, tokens, chunks, codec, size (its chunks, shared
-    ones included), ratio (stored / uncompressed), creation time, last use (UTC) and the device and
-    attention implementation its numbers came from; in a store holding derived entries, also what
-    each context has of them (kind, spec, codec, kept fraction, size). A context stored only as
-    pressed caches shows 0 chunks. JSON and CSV carry every field unabbreviated, sizes in bytes and
-    times in seconds since the epoch. Entries whose header cannot be read are skipped with a
-    warning (`kvstore verify` checks every byte).
+    ones included), KV-RATIO (size / its keys and values in the model's dtype), creation time, last
+    use (UTC) and the device and attention implementation its numbers came from; in a store
+    holding derived entries, also what each context has of them (kind, spec, codec, kept fraction,
+    size). A context stored only as pressed caches shows 0 chunks. JSON and CSV carry every field
+    unabbreviated, sizes in bytes and times in seconds since the epoch. Entries whose header cannot
+    be read are skipped with a warning (`kvstore verify` checks every byte).
     """
     from kvstore.cli.listing import context_rows, show
 
@@ -149,10 +133,10 @@ def stats(store: str, fmt: str) -> None:
 
     For each (model name, fingerprint, KV dtype, codec): contexts, tokens, uncompressed bytes,
     logical bytes (each context's chunks, a shared chunk counted for every context that uses it),
-    physical bytes (each chunk once), their ratio (dedupe), the codec's ratio (stored /
-    uncompressed) and stored bytes per token; then the store's totals and the size of its file on
-    disk, which can exceed the stored bytes: LMDB files never shrink, and space freed by rm/gc is
-    reused by new entries.
+    physical bytes (each chunk once), their ratio (dedupe), KV-RATIO (logical bytes over the keys
+    and values in the model's dtype: a lossy codec's saving included) and stored bytes per token;
+    then the store's totals and the size of its file on disk, which can exceed the stored bytes:
+    LMDB files never shrink, and space freed by rm/gc is reused by new entries.
     """
     from kvstore.store.summary import owned_totals, summarize
 
@@ -186,6 +170,7 @@ def _stats_totals(info: StoreInfo) -> dict[str, Any]:
         "entries": info.n_entries,
         "orphan_chunks": len(info.orphans),
         "corrupt": len(info.corrupt),
+        "unknown": len(info.unknown),
         "n_tokens": info.n_tokens,
         "raw_bytes": info.raw_bytes,
         "logical_bytes": info.logical_bytes,
@@ -215,6 +200,7 @@ def _stats_table(rows: list[dict[str, Any]]) -> None:
             "stored_bytes": "LOGICAL",
             "physical_bytes": "PHYSICAL",
             "dedupe_ratio": "DEDUPE",
+            "stored_to_kv": "KV-RATIO",  # logical bytes over the keys and values in the model's dtype
             "bytes_per_token": "BYTES/TOKEN",
         },  # fmt: skip
         formatters={
@@ -224,8 +210,9 @@ def _stats_table(rows: list[dict[str, Any]]) -> None:
             "physical_bytes": human_bytes,
             "bytes_per_token": lambda b: f"{b:,.0f}",
             "dedupe_ratio": lambda r: f"{r:.2f}x",
+            "stored_to_kv": lambda r: f"{r:.3f}",
         },  # fmt: skip
-        align="llllrrrrrrr",
+        align="llllrrrrrrrr",
     )
 
 
@@ -254,6 +241,9 @@ def _stats_footer(info: StoreInfo, totals: dict[str, Any], kinds: list[dict[str,
     if info.corrupt:
         bad = human_bytes(sum(c.stored_bytes for c in info.corrupt))
         click.echo(f"Unreadable: {_count(len(info.corrupt), 'entry')} ({bad})")
+    if info.unknown:
+        newer = human_bytes(sum(c.stored_bytes for c in info.unknown))
+        click.echo(f"Unknown: {_count(len(info.unknown), 'entry')} ({newer}), a newer format or kind: upgrade kvstore")
     if info.disk_bytes is not None:
         click.echo(f"On disk: {human_bytes(info.disk_bytes)} ({_LMDB_NOTE})")
 
@@ -276,8 +266,9 @@ def verify(store: str, quiet: bool) -> None:
     with open_store(store, readonly=True) as s:
         with progress_bar(len(s) + len(s.all_derived()), "verify", quiet, unit="entry") as bar:
             info = s.verify(progress=bar)
-    contexts = info.contexts
-    broken = [(contexts.keys[i], reason) for i in range(len(contexts)) if (reason := contexts.problem(i))]
+    contexts, newer = info.contexts, info.unknown_chunks  # a context using a newer writer's chunk is not broken
+    broken = [(contexts.keys[i], reason) for i in range(len(contexts))
+              if not newer.intersection(contexts.chunk_keys(i)) and (reason := contexts.problem(i))]  # fmt: skip
     tiered = "cache_dir" in store_options()  # through a local tier the remote's copies are what count
     remote_bad = {(c.context, c.key) for c in info.corrupt}
     for c in info.corrupt:
@@ -291,7 +282,9 @@ def verify(store: str, quiet: bool) -> None:
         click.echo(f"broken   {key}  {reason}")
     for c in info.malformed:
         click.echo(f"malformed  {c.key}  {c.reason}")
-    total = info.n_entries + len(info.derived) + len(info.corrupt)
+    for c in info.unknown:
+        click.echo(f"unknown  {c.key}  {c.reason}" + (f" (derived entry of context {c.context})" if c.context else ""))
+    total = info.n_entries + len(info.derived) + len(info.corrupt) + len(info.unknown)
     entries = _count(total, "entry") + (f" ({len(info.derived)} derived)" if info.derived else "")
     if info.corrupt or broken or info.malformed:
         parts = [_corrupt_share(info, total)] if info.corrupt else []
@@ -307,6 +300,11 @@ def verify(store: str, quiet: bool) -> None:
         )
         return
     click.echo(f"{entries} and {_count(len(contexts), 'context')} verified, all intact.")
+    if info.unknown:  # not damage: exit 0, with the advice
+        warn(
+            f"{_count(len(info.unknown), 'entry')} of a newer format or of a kind this process does not know "
+            "(checksums intact): kept by gc, copied by sync; upgrade kvstore (or load the plug-in) to read them"
+        )
 
 
 def _corrupt_share(info: Any, total: int) -> str:

@@ -95,6 +95,8 @@ def sync(src: str, dst: str, dry_run: bool, jobs: int, codec: str | None, quiet:
         source.close()
     for key, reason in report.corrupt:
         warn(f"entry {key if ' ' in key else key[:16]} of {src} is corrupt ({reason}); not copied")
+    for key, reason in report.unknown:
+        warn(f"entry {key if ' ' in key else key[:16]} of {src}: {reason}; copied as it is")
     if fmt == "json":
         echo_json(report.as_dict())
     else:

@@ -47,6 +47,7 @@ _LAZY = {
     "size_report": "kvstore.size.estimate",
     "register_press": "kvstore.model.press.registry",
     "register_budget": "kvstore.model.press.registry",
+    "unregister_press": "kvstore.model.press.registry",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -67,6 +68,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.pipelines.sample import SampleResult as SampleResult
     from kvstore.model.press.registry import register_budget as register_budget
     from kvstore.model.press.registry import register_press as register_press
+    from kvstore.model.press.registry import unregister_press as unregister_press
     from kvstore.model.press.spec import Press as Press
     from kvstore.model.scoring.scores import ScoreResult as ScoreResult
     from kvstore.model.variants.variant import Variant as Variant

@@ -30,3 +30,9 @@ def test_type_checking_imports_mirror_the_one_list():
 def test_all_is_the_one_list():
     assert kvstore.__all__ == ["__version__", *kvstore._LAZY]
     assert set(dir(kvstore)) >= set(kvstore.__all__)
+
+
+def test_the_names_the_docs_use_to_redefine_a_press_are_public():
+    from kvstore import register_press, unregister_press  # docs/presses.md names both
+
+    assert callable(register_press) and callable(unregister_press)

@@ -23,6 +23,10 @@ Each derived entry (:mod:`kvstore.store.derived`), verified, becomes
 
 with the context and derived keys, kind, spec, model, dtype, tokens, codec and the ``press`` record
 (JSON) in the metadata. A file that already exists is skipped, so an interrupted export resumes.
+
+An entry this kvstore cannot read (a newer format, a kind this process does not know) is not
+exported: it is listed in the report's ``unknown`` (a context using such a chunk, by its key; such a
+derived entry, by its own), and ``kvstore export`` exits 1 after the others.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class ExportReport:
     bytes: int = 0
     derived: int = 0  # derived entries written
     derived_bad: list[str] = field(default_factory=list)  # derived entries that did not verify (not written)
+    unknown: list[str] = field(default_factory=list)  # a newer format or an unknown kind (not written)
 
 
 def export_context(store: KVStore, chunks: tuple[str, ...], path: Path) -> int | None:
@@ -156,6 +161,8 @@ def export_store(
         raise _cannot_write(out, exc) from None
     report = ExportReport()
     info = store.scan()
+    newer = info.unknown_chunks
+    report.unknown += [u.key for u in info.unknown if u.context]  # no model to filter by: its header is unread
     for c in info.contexts:
         if not c.matches_model(model):
             continue
@@ -164,6 +171,8 @@ def export_store(
         path = out / f"{c.key}.safetensors"
         if path.exists():
             report.skipped += 1
+        elif newer.intersection(c.chunks):
+            report.unknown.append(c.key)
         elif not c.complete:
             report.incomplete.append(c.key)
         else:

@@ -78,7 +78,9 @@ def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | N
     ``local``/``derived_local``, to drop from the tier only), the contexts that use a corrupt entry
     or miss a chunk, and malformed context records; ``orphans`` removes chunks no context uses and
     derived entries whose context is gone, once their last use is older than ``grace`` seconds.
-    With nothing at all, nothing is removed.
+    With nothing at all, nothing is removed. Entries this kvstore cannot read (``info.unknown``: a
+    newer format, a kind this process does not know) are never removed, a context using or owning
+    one is neither broken nor gone, and its readable entries are no orphans.
 
     Raises EntryNotFoundError when a key prefix matches nothing.
     """
@@ -218,6 +220,7 @@ def _broken_contexts(info: StoreInfo, drop: Mapping[int, str], remove: Mapping[s
     E, C = info.entries, info.contexts
     bad_keys = {bad.key for bad in info.corrupt if not bad.context}
     gone = bad_keys & set(remove)
+    present = bad_keys | info.unknown_chunks  # a newer writer's chunk is there, not missing
     out: dict[int, str] = {}
     broken: set[str] = set()
     for i in range(len(C)):
@@ -226,7 +229,7 @@ def _broken_contexts(info: StoreInfo, drop: Mapping[int, str], remove: Mapping[s
         chunks = C.chunk_keys(i)
         if gone & set(chunks):
             out[i] = "uses a corrupt entry"
-        elif problem := _broken_by_absence(chunks, E, bad_keys):
+        elif problem := _broken_by_absence(chunks, E, present):
             out[i] = problem  # e.g. an rm or gc killed between its two deletes, before records went first
             broken.add(C.keys[i])
     return out, broken
@@ -290,7 +293,7 @@ def _gone(info: StoreInfo, contexts: set[str]) -> dict[str, frozenset[str]]:
     for d in info.derived:
         if d.context in seen:
             seen[d.context].add(d.key)
-    for bad in info.corrupt:
+    for bad in (*info.corrupt, *info.unknown):
         if bad.context in seen:
             seen[bad.context].add(bad.key)
     return {c: frozenset(keys) for c, keys in seen.items()}
@@ -301,7 +304,7 @@ def _plan_owned(info: StoreInfo, opts: GcOptions, dropped: Mapping[str, str], no
     """The derived entries to remove, those that stand for their context (pressed caches) last (so
     that a context known by them alone stays one until its last goes): those of the ``dropped`` contexts, those
     named by key (or by the key of a context that is gone), the orphans past the grace, the corrupt."""
-    live = set(info.contexts.keys)
+    live = set(info.contexts.keys) | info.unknown_contexts  # a newer writer's context is no orphan's
     keys, model, criterion = opts.keys, opts.model, opts.corrupt or opts.orphans
     criterion = criterion or opts.older_than is not None or opts.max_bytes is not None
     out: dict[tuple[str, str], tuple[str, str, str, int]] = {}
@@ -357,10 +360,11 @@ def _unused_ancestors(entries: EntryTable, row: int, remove: Mapping[str, Any]) 
     return out[::-1]
 
 
-def _broken_by_absence(chunks: Sequence[str], entries: EntryTable, corrupt: set[str]) -> str:
-    """``chunk i of n (key) is missing`` for the first chunk neither stored intact nor corrupt."""
+def _broken_by_absence(chunks: Sequence[str], entries: EntryTable, present: set[str]) -> str:
+    """``chunk i of n (key) is missing`` for the first chunk neither stored intact nor ``present``
+    (corrupt, or of a format newer than this kvstore's)."""
     for i, k in enumerate(chunks):
-        if entries.row(k) < 0 and k not in corrupt:
+        if entries.row(k) < 0 and k not in present:
             return f"chunk {i + 1} of {len(chunks)} ({k[:12]}) is missing"
     return ""
 

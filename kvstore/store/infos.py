@@ -65,6 +65,12 @@ class ContextRecord:
         return cls(key, chunks, n, created)
 
 
+def kv_ratio(stored: int, kv: int) -> float | None:
+    """Stored bytes over the keys and values they hold in the model's dtype (a lossy codec's saving
+    included, unlike ``ratio``, whose uncompressed payload is already quantized); None without KV."""
+    return round(stored / kv, 4) if kv else None
+
+
 def matches_model(model: str, model_name: str, wanted: str | None) -> bool:
     """Whether ``wanted`` (a model name, or a prefix of a fingerprint) names the model
     ``model``/``model_name``; ``None`` matches everything."""
@@ -158,6 +164,7 @@ class EntryInfo:
             "raw_bytes": h.raw_bytes,
             "stored_bytes": self.stored_bytes,
             "ratio": round(self.ratio, 4),
+            "kv_ratio": kv_ratio(self.stored_bytes, h.kv_bytes),
             "created": h.created,
             "last_access": self.last_access,
             "last_used": self.last_used,
@@ -235,6 +242,7 @@ class DerivedInfo:
             "raw_bytes": self.raw_bytes,
             "stored_bytes": self.stored_bytes,
             "ratio": round(self.ratio, 4),
+            "kv_ratio": kv_ratio(self.stored_bytes, self.kv_bytes),
             "created": self.created,
             "last_access": self.last_access,
             "last_used": self.last_used,
@@ -325,6 +333,7 @@ class ContextInfo:
             "raw_bytes": self.raw_bytes,
             "stored_bytes": self.stored_bytes,
             "ratio": round(self.stored_bytes / self.raw_bytes, 4) if self.raw_bytes else 1.0,
+            "kv_ratio": kv_ratio(self.stored_bytes, self.kv_bytes),
             "created": self.created,
             "last_access": self.last_access,
             "last_used": self.last_used,
@@ -374,5 +383,6 @@ __all__ = [
     "EntryInfo",
     "chain_problem",
     "context_of",
+    "kv_ratio",
     "matches_model",
 ]

@@ -15,11 +15,12 @@ adds one at run time (a plug-in, a test).
 from __future__ import annotations
 
 import importlib
+import re
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-from kvstore.errors import CorruptEntryError
+from kvstore.errors import CorruptEntryError, FormatVersionError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -108,12 +109,15 @@ BUILTIN_KINDS: dict[str, str] = {
     "pressed": "kvstore.store.kind_pressed:KIND",
 }
 _lock = threading.Lock()
+_KIND_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")  # what a kind's name can be
 _loaded: dict[str, EntryKind] = {}
 
 
 def register_kind(kind: EntryKind) -> EntryKind:
     """Add ``kind`` to the table (a kind of owned entry a store then reads, lists, verifies,
     removes, syncs and exports); returns it. Raises ValueError for a name already taken."""
+    if not _KIND_NAME.match(kind.name):
+        raise ValueError(f"an entry kind's name is lower-case letters, digits and _, not {kind.name!r}")
     with _lock:
         if kind.name in BUILTIN_KINDS or kind.name in _loaded:
             raise ValueError(f"an entry kind {kind.name!r} is already registered")
@@ -139,9 +143,15 @@ def find_kind(name: str) -> EntryKind | None:
 
 
 def kind_of(name: str) -> Any:
-    """The kind of owned entry named ``name`` (an :class:`OwnedKind`); CorruptEntryError for a
-    name that is no such kind."""
+    """The kind of owned entry named ``name`` (an :class:`OwnedKind`). Raises FormatVersionError
+    for a name this process does not know (a plug-in's kind, or a newer kvstore's: such an entry is
+    kept, never taken for corrupt), CorruptEntryError for one that is no name or not an owned kind."""
     got = find_kind(name) if isinstance(name, str) else None
+    if got is None and isinstance(name, str) and _KIND_NAME.match(name):
+        raise FormatVersionError(
+            f"derived entry of kind {name!r}, which this process does not know (a plug-in's kind not loaded, or a "
+            "newer kvstore's) - load the plug-in or upgrade kvstore"
+        )
     if got is None or not got.owned:
         raise CorruptEntryError(f"derived entry header has an unknown kind {name!r}")
     return got

@@ -235,10 +235,14 @@ def _recorded_chunks(store: KVStore, plan: GcPlan) -> set[str]:
 
 
 def _intact(value: bytes, key: str, kind: EntryKind = CHUNK) -> bool:
-    """Whether ``value`` decodes as the entry ``key`` of ``kind`` (a chunk, or any owned kind)."""
+    """Whether ``value`` decodes as the entry ``key`` of ``kind`` (a chunk, or any owned kind), or
+    is an intact entry of a newer format or unknown kind (decoding checks the checksum first):
+    never removed as corrupt."""
     try:
         kind.decode(value, key=key)
-    except (CorruptEntryError, FormatVersionError):
+    except FormatVersionError:
+        return True
+    except CorruptEntryError:
         return False
     return True
 

@@ -87,7 +87,9 @@ class StoreInfo:
     :class:`~kvstore.store.tables.EntryTable`: a sequence of ``EntryInfo``), ``contexts`` (a
     :class:`~kvstore.store.tables.ContextTable`: a sequence of ``ContextInfo``), ``derived`` (its
     intact derived entries), what does not read (``corrupt``: chunk and derived entries;
-    ``malformed``: context records; ``local_corrupt``: through a local tier, its bad copies), and
+    ``malformed``: context records; ``local_corrupt``: through a local tier, its bad copies), what
+    this kvstore cannot read but is no damage (``unknown``: entries whose header says a newer format
+    or a kind this process does not know; management keeps them and sync copies them), and
     ``refs`` / ``recorded_access`` / ``by_key`` (mappings by key, made when read).
 
     Made by a scan; also from values (``entries``/``contexts`` as sequences of ``EntryInfo`` and
@@ -97,12 +99,13 @@ class StoreInfo:
         self, about: StoreAbout, entries: EntryTable | Sequence[EntryInfo], corrupt: Sequence[CorruptInfo] = (),
         contexts: ContextTable | Sequence[ContextInfo] = (), *, recorded_access: Mapping[str, float] | None = None,
         local_corrupt: Sequence[CorruptInfo] = (), malformed: Sequence[CorruptInfo] = (),
-        derived: Sequence[DerivedInfo] = (),
+        derived: Sequence[DerivedInfo] = (), unknown: Sequence[CorruptInfo] = (),
     ):  # fmt: skip
         self.about = about
         self.url, self.format, self.codec, self.created = about.url, about.format, about.codec, about.created
         self.disk_bytes, self.verified, self.chunk_tokens = about.disk_bytes, about.verified, about.chunk_tokens
         self.corrupt, self.local_corrupt, self.malformed = tuple(corrupt), tuple(local_corrupt), tuple(malformed)
+        self.unknown = tuple(unknown)
         if not isinstance(entries, EntryTable):
             entries = entry_table_of(entries, recorded_access)
         if not isinstance(contexts, ContextTable):
@@ -180,8 +183,19 @@ class StoreInfo:
         """Derived entries whose context is neither recorded (a record, a format-1 entry) nor
         stored as a pressed cache: nothing uses them (a context removed by an older kvstore, or a
         removal interrupted after the context went)."""
-        live = set(self.contexts.keys)
+        live = set(self.contexts.keys) | self.unknown_contexts
         return tuple(d for d in self.derived if d.context not in live)
+
+    @property
+    def unknown_contexts(self) -> frozenset[str]:
+        """Contexts that own an entry this kvstore cannot read (``unknown``): a newer writer's
+        context, which management keeps (its readable entries are no orphans)."""
+        return frozenset(u.context for u in self.unknown if u.context)
+
+    @property
+    def unknown_chunks(self) -> frozenset[str]:
+        """Keys of the chunk entries this kvstore cannot read (``unknown``): present, not missing."""
+        return frozenset(u.key for u in self.unknown if not u.context)
 
     orphan_derived = orphan_owned  # the name it had before kinds were one table
 
@@ -216,6 +230,7 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
     codecs = Codecs()
     entries = EntryTable(touched=store.last_access({}), codecs=codecs)  # this handle's unsaved uses
     corrupt: list[CorruptInfo] = []
+    unknown: list[CorruptInfo] = []
     local_corrupt: list[CorruptInfo] = []
     local_bad = local_corrupt if tiered else None
     chunk = _chunk()
@@ -226,7 +241,7 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
             got = _read(store, _Wanted(chunk, name, key, "", codecs), verify, local_bad)
         except (CorruptEntryError, FormatVersionError) as exc:
             size = _size(store, name)
-            corrupt.append(CorruptInfo(key, str(exc), size))
+            _unreadable(exc, unknown, corrupt).append(CorruptInfo(key, str(exc), size))
         else:
             if got is None:  # deleted while we scanned
                 continue
@@ -236,7 +251,7 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
             progress(1, size)
     entries.finish()
     _read_access(store.backend, entries)
-    derived, malformed = _scan_owned(store, entries, verify, corrupt, local_bad, progress)
+    derived, malformed = _scan_owned(store, entries, verify, (corrupt, unknown), local_bad, progress)
     contexts = ContextTable(entries)
     for record in _records(store.backend, malformed):
         contexts.add(record.key, record.chunks, record.n_tokens, record.created, RECORDED)
@@ -253,7 +268,14 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
     contexts.finish()
     about = StoreAbout(store.url, store.format, store.codec.spec, float(store.meta.created),
                        store.backend.disk_bytes(), verify, store.chunk_tokens)  # fmt: skip
-    return StoreInfo(about, entries, corrupt, contexts, local_corrupt=local_corrupt, malformed=malformed)
+    return StoreInfo(about, entries, corrupt, contexts, local_corrupt=local_corrupt, malformed=malformed,
+                     unknown=unknown)  # fmt: skip
+
+
+def _unreadable(exc: Exception, unknown: list[CorruptInfo], corrupt: list[CorruptInfo]) -> list[CorruptInfo]:
+    """Where an entry that does not read is listed: a newer format or an unknown kind (whose
+    checksum, when verified, held: decoding checks it first) is ``unknown``, never corrupt."""
+    return unknown if isinstance(exc, FormatVersionError) else corrupt
 
 
 def _size(store: ScannedStore, name: bytes) -> int:
@@ -371,11 +393,11 @@ def _read(store: ScannedStore, w: _Wanted, verify: bool, local_bad: list[Corrupt
 
 
 def _scan_owned(
-    store: ScannedStore, entries: EntryTable, verify: bool, corrupt: list[CorruptInfo],
+    store: ScannedStore, entries: EntryTable, verify: bool, bad: tuple[list[CorruptInfo], list[CorruptInfo]],
     local_bad: list[CorruptInfo] | None, progress: Progress | None,
 ) -> tuple[list[DerivedInfo], list[CorruptInfo]]:  # fmt: skip
     """Every entry a context owns, of every kind: the intact ones (strings shared among them), the
-    unreadable ones into ``corrupt``; returns them and the names under ``x/`` that name no context
+    unreadable ones into ``bad`` (``(corrupt, unknown)``); returns them and the names under ``x/`` that name no context
     and key."""
     derived: list[DerivedInfo] = []
     malformed: list[CorruptInfo] = []
@@ -397,7 +419,7 @@ def _scan_owned(
             got = _read(store, _Wanted(owned, name, key, context, entries.codecs), verify, local_bad)
         except (CorruptEntryError, FormatVersionError) as exc:
             size = _size(store, name)
-            corrupt.append(CorruptInfo(key, str(exc), size, context))
+            _unreadable(exc, bad[1], bad[0]).append(CorruptInfo(key, str(exc), size, context))
         else:
             if got is not None:
                 h, size = got

@@ -4,6 +4,9 @@ Every record of SRC that DST lacks is copied byte for byte: entries (``e/KEY``, 
 with :func:`kvstore.store.entry.decode_entry` before it is written, so a corrupt one is reported
 and never copied), derived entries (``x/CONTEXT/KEY``, verified with
 :func:`kvstore.store.derived.decode_derived`), access times, and any other ``NAME/HEX`` record.
+An entry whose header says a format newer than this kvstore's, or a kind this process does not know
+(a plug-in's), is copied byte for byte once its checksum holds, and reported (``unknown``): it is
+another writer's, not corrupt.
 Entries go first, then the records about them, then the derived entries, pressed caches before
 scores (the reverse of a removal's order: an interrupted sync leaves entries no record names yet,
 never a record whose chunks did not arrive, nor a derived entry whose context did not). Writes use
@@ -34,6 +37,7 @@ from kvstore.store.backends import Backend, open_backend
 from kvstore.store.derived import decode_derived
 from kvstore.store.derived_header import read_derived_header
 from kvstore.store.entry import decode_entry
+from kvstore.store.frame import verify_checksum
 from kvstore.store.header import STORE_FORMAT, peek_frame
 from kvstore.store.keyspace import ENTRY, META, OWNED, key_of, owner_of
 from kvstore.store.kinds import stands_for_context
@@ -69,7 +73,8 @@ class SyncPlan:
 class SyncReport:
     """What a sync did. ``copied_bytes`` counts the bytes of the records copied; ``corrupt``
     lists ``(key, reason)`` of SRC entries that failed verification (not copied); ``vanished``
-    counts records deleted from SRC while the sync ran."""
+    counts records deleted from SRC while the sync ran; ``unknown`` lists ``(key, reason)`` of the
+    entries copied byte for byte that this kvstore cannot read (a newer format, an unknown kind)."""
 
     src: str
     dst: str
@@ -82,6 +87,7 @@ class SyncReport:
     vanished: int = 0
     corrupt: tuple[tuple[str, str], ...] = field(default=())
     seconds: float = 0.0
+    unknown: tuple[tuple[str, str], ...] = field(default=())
 
     def as_dict(self) -> dict:
         return {
@@ -95,6 +101,7 @@ class SyncReport:
             "copied_bytes": self.copied_bytes,
             "vanished": self.vanished,
             "corrupt": len(self.corrupt),
+            "unknown": len(self.unknown),
             "seconds": round(self.seconds, 3),
         }
 
@@ -176,14 +183,21 @@ def _check(key: bytes, buf: memoryview) -> None:
 
 
 def _read(src: Backend, key: bytes) -> tuple[str, bytes | None, str]:
-    """Read one record to copy: ("ok", bytes, ""), ("vanished", None, "") or ("corrupt", None,
-    reason) for an entry or derived entry that does not verify."""
+    """Read one record to copy: ("ok", bytes, ""), ("vanished", None, ""), ("unknown", bytes,
+    reason) for an intact entry of a newer format or unknown kind (copied as it is), or ("corrupt",
+    None, reason) for an entry or derived entry that does not verify."""
     with src.view(key) as buf:
         if buf is None:
             return "vanished", None, ""
         try:
             _check(key, buf)
-        except (CorruptEntryError, FormatVersionError) as exc:
+        except FormatVersionError as exc:
+            try:
+                verify_checksum(buf)  # decoding checked it first; said again here, where it matters
+            except CorruptEntryError as bad:
+                return "corrupt", None, str(bad)
+            return "unknown", bytes(buf), str(exc)
+        except CorruptEntryError as exc:
             return "corrupt", None, str(exc)
         return "ok", bytes(buf), ""
 
@@ -210,12 +224,15 @@ def execute_sync(
     counts = {"copied": 0, "present": 0, "vanished": 0, "corrupt": 0}
     totals = {"entries": 0, "derived": 0, "bytes": 0}
     corrupt: list[tuple[str, str]] = []
+    unknown: list[tuple[str, str]] = []
 
     def write(batch: list[tuple[bytes, str, bytes | None, str]]) -> None:
         stored = iter(dst.put_many_if_absent([(k, v) for k, _, v, _ in batch if v is not None]))
         for key, outcome, value, reason in batch:
             size = 0
             if value is not None:
+                if outcome == "unknown":
+                    unknown.append((_name(key), reason))
                 outcome = "copied" if next(stored) else "present"
                 size = len(value) if outcome == "copied" else 0
             counts[outcome] += 1
@@ -255,6 +272,7 @@ def execute_sync(
         vanished=counts["vanished"],
         corrupt=tuple(corrupt),
         seconds=time.perf_counter() - t0,
+        unknown=tuple(unknown),
     )
 
 

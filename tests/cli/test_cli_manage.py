@@ -79,8 +79,8 @@ def test_ls_table(store):
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert lines[0].split() == [
-        "KEY", "MODEL", "FINGERPRINT", "DTYPE", "TOKENS", "CHUNKS", "CODEC", "SIZE", "RATIO", "CREATED", "LAST", "USED",
-        "NUMERICS",
+        "KEY", "MODEL", "FINGERPRINT", "DTYPE", "TOKENS", "CHUNKS", "CODEC", "SIZE", "KV-RATIO", "CREATED", "LAST",
+        "USED", "NUMERICS",
     ]  # fmt: skip
     assert all(e.key[:12] in r.stdout and e.key not in r.stdout for e in entries)
     assert "4 contexts" in lines[-1] and "cpu/sdpa" in lines[1]
@@ -610,3 +610,29 @@ def test_sync_and_export_copy_derived_entries(derived_store, tmp_path):
     e = invoke("export", str(out), "--store", path, "-q")
     assert e.exit_code == 0 and "Exported 4 context(s) and 4 derived entries" in e.stdout, e.output
     assert (out / f"{'7' * 64}.pressed.{only['pressed']}.safetensors").exists()
+
+
+def test_ls_and_stats_ratio_a_lossy_store_against_the_model_dtype(tmp_path):
+    """Issue 45, finding 8: ``ratio`` is over the payload before compression (for int8, the codes);
+    KV-RATIO (``kv_ratio``, stats' ``stored_to_kv``) is over the keys and values in the model's
+    dtype, so a lossy codec's saving shows."""
+    from kvstore.store.keys import chain_keys, chain_seed
+
+    ids = list(range(256))
+    [key] = chain_keys(chain_seed(FP_TINY, torch.float32, device="cpu", attn="sdpa"), ids, [(0, 256)])
+    g = torch.Generator().manual_seed(0)
+    layers = tuple((torch.randn(4, 256, 64, generator=g), torch.randn(4, 256, 64, generator=g)) for _ in range(2))
+    entry = Entry(key, FP_TINY, "tiny", torch.tensor(ids), layers, time.time(), "", 0,
+                  numerics={"device": "cpu", "attn": "sdpa"})  # fmt: skip
+    path = str(tmp_path / "int8")
+    with KVStore(path, codec="int8") as s:
+        s.put(entry)
+        s.put_context(key, [key], 256)
+    runner = CliRunner()
+    [row] = json.loads(runner.invoke(app, ["ls", "--store", path, "--format", "json"]).stdout)
+    assert row["ratio"] > 0.5 and row["kv_ratio"] < 0.4  # float32 -> int8 codes: about a quarter
+    assert row["kv_ratio"] == round(row["stored_bytes"] / (2 * 2 * 4 * 256 * 64 * 4), 4)  # 2 layers of K and V
+    table = runner.invoke(app, ["ls", "--store", path]).stdout
+    assert "KV-RATIO" in table and f"{row['kv_ratio']:.3f}" in table
+    [group] = json.loads(runner.invoke(app, ["stats", "--store", path, "--format", "json"]).stdout)["groups"]
+    assert group["stored_to_kv"] < 0.4 and "KV-RATIO" in runner.invoke(app, ["stats", "--store", path]).stdout

@@ -4,12 +4,14 @@ scorer keeps hitting, and the identity is a digest that every process computes a
 
 from __future__ import annotations
 
+import enum
 import functools
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +19,8 @@ import kvstore
 from helpers.rows import random_ids
 from helpers.tiny import make_tiny_model
 from kvstore.model.adapter import Adapter
-from kvstore.model.press.registry import press_method, register_press, scorer_identity, unregister_press
+from kvstore.model.press.identity import OpaqueValueError, scorer_identity
+from kvstore.model.press.registry import press_method, register_press, unregister_press
 from kvstore.model.press.spec import parse_press
 from kvstore.model.press.stored import pressed_spec, scores_spec
 from kvstore.store.kvstore import KVStore
@@ -133,7 +136,7 @@ def test_the_identity_is_the_same_in_another_process(tmp_path):
             return inputs.values.norm(dim=-1) * scale
     """)
     )
-    code = "import idmod; from kvstore.model.press.registry import scorer_identity as s; print(s(idmod.score, 'v'))"
+    code = "import idmod; from kvstore.model.press.identity import scorer_identity as s; print(s(idmod.score, 'v'))"
     runs = []
     for seed in ("1", "2"):
         env = {"PYTHONPATH": f"{tmp_path}:{Path(kvstore.__file__).parent.parent}", "PYTHONHASHSEED": seed}
@@ -179,3 +182,115 @@ def test_a_corrupt_scores_entry_is_rebuilt_by_the_next_build(llama):
         with pytest.warns(Warning, match="corrupt"):
             assert llama.build(contexts, store, scores=["expected_attention"]).scores_written == 1
         assert store.backend.get(name) != bytes(raw) and not store.verify().corrupt
+
+
+def _weighted(weights):
+    def score(inputs):
+        return inputs.values.norm(dim=-1) * weights.sum()
+
+    return score
+
+
+_F4 = np.dtype("f4")
+
+
+class _Mode(enum.Enum):
+    UP = 1
+    DOWN = -1
+
+
+def test_tensors_arrays_enums_and_dtypes_count_by_content():
+    assert scorer_identity(_weighted(torch.ones(64))) != scorer_identity(_weighted(-torch.ones(64)))
+    assert scorer_identity(_weighted(torch.ones(64))) == scorer_identity(_weighted(torch.ones(64)))
+    assert scorer_identity(_weighted(torch.ones(64))) != scorer_identity(_weighted(torch.ones(64, dtype=torch.float64)))
+    assert scorer_identity(_weighted(torch.ones(64))) != scorer_identity(_weighted(torch.ones(8, 8)))
+    assert scorer_identity(_weighted(torch.ones(4, 4).t())) == scorer_identity(_weighted(torch.ones(4, 4)))
+    bf = torch.arange(6, dtype=torch.bfloat16)
+    assert scorer_identity(_weighted(bf)) != scorer_identity(_weighted(bf.flip(0)))
+    assert scorer_identity(_weighted(np.ones(3))) != scorer_identity(_weighted(np.zeros(3)))
+    assert scorer_identity(_weighted(np.float32(1))) != scorer_identity(_weighted(np.float32(2)))
+
+    def with_defaults(inputs, mode=_Mode.UP, dtype=torch.float32, np_dtype=_F4):
+        return inputs.values.norm(dim=-1)
+
+    def other(**kw):
+        return scorer_identity(functools.partial(with_defaults, **kw))
+
+    assert other(mode=_Mode.UP) != other(mode=_Mode.DOWN)
+    assert other(dtype=torch.float32) != other(dtype=torch.float16)
+    assert other(np_dtype=np.dtype("f4")) != other(np_dtype=np.dtype("f8"))
+    assert other(mode=_Mode.UP) == other(mode=_Mode.UP)
+
+    class Weighted:  # an object's attributes count too
+        def __init__(self, w):
+            self.w = w
+
+        def __call__(self, inputs):
+            return inputs.values.norm(dim=-1) * self.w.sum()
+
+    assert scorer_identity(Weighted(torch.ones(3))) != scorer_identity(Weighted(-torch.ones(3)))
+
+
+def test_a_value_without_content_is_refused_unless_a_version_is_given(registered):
+    class Opaque:  # no dataclass, no content the digest can read
+        pass
+
+    holder = Opaque()
+    with pytest.raises(OpaqueValueError, match=rf"press {NAME}: .*Opaque.*pass version="):
+        register_press(NAME, _weighted_by(holder))
+    assert press_method(NAME) is None
+    register_press(NAME, _weighted_by(holder), version="1")  # the version is the author's promise
+    assert press_method(NAME).identity
+
+
+def _weighted_by(holder):
+    return lambda inputs: inputs.values.norm(dim=-1) * (holder is not None)
+
+
+def test_a_press_registered_again_with_other_weights_misses(llama, registered):
+    contexts = random_ids(llama.tokenizer, [70, 90], rng=3)
+    questions = random_ids(llama.tokenizer, [3, 2], rng=4)
+    register_press(NAME, _weighted(torch.ones(64)))
+    old_ref = _sweep(llama, contexts, questions, use_cache=False)
+    with KVStore("memory://", chunk_tokens=32) as store:
+        built = llama.build(contexts, store, presses=[f"{NAME}:0.5"], scores=[NAME])
+        assert built.pressed_written == 2 and built.scores_written == 2
+        unregister_press(NAME)
+        register_press(NAME, _weighted(-torch.ones(64)))  # the same code, other weights
+        plan = llama.plan_build(contexts, store, presses=[f"{NAME}:0.5"], scores=[NAME])
+        assert plan.pressed_to_make == 2 and plan.scores_to_make == 2
+        got = _sweep(llama, contexts, questions, store=store)
+        new_ref = _sweep(llama, contexts, questions, use_cache=False)
+        assert not _same(old_ref, new_ref)
+        assert _same(got, new_ref) and got.kept_tokens == new_ref.kept_tokens
+
+
+def test_a_corrupt_scores_entry_stored_beside_a_pressed_cache_is_remade_by_build_press(llama, tmp_path):
+    """Issue 45, finding 7: ``build --press P --codec C`` stores P's scores as a side effect; a
+    corrupt one is made again by the next ``build --press P`` (with or without C), and the plan
+    (``--dry-run``) counts exactly the scores the build writes."""
+    from kvstore.model.press.stored import scores_key
+    from kvstore.store.keyspace import derived_entry_key
+
+    contexts = random_ids(llama.tokenizer, [50, 60], rng=7)
+    path = str(tmp_path / "store")
+    with KVStore(path, chunk_tokens=32, codec="int8") as store:
+        plan = llama.plan_build(contexts, store, presses=["snapkv:0.5"])
+        built = llama.build(contexts, store, presses=["snapkv:0.5"])
+        assert (plan.scores_to_make, built.scores_written, built.pressed_written) == (2, 2, 2)
+        chain = llama.chain(contexts[0], store)
+        name = derived_entry_key(chain.context_key, scores_key(chain, parse_press("snapkv:0.5")))
+        raw = bytearray(store.backend.get(name))
+        raw[len(raw) // 2] ^= 0xFF
+        store.backend.put(name, bytes(raw))
+        with pytest.warns(Warning, match="corrupt"):
+            plan = llama.plan_build(contexts, store, presses=["snapkv:0.5"])
+        assert (plan.pressed_to_make, plan.scores_to_make) == (0, 1)
+        with pytest.warns(Warning, match="corrupt"):
+            built = llama.build(contexts, store, presses=["snapkv:0.5"])
+        assert (built.pressed_written, built.scores_written) == (0, 1)
+        assert not store.verify().corrupt
+    with KVStore(path, codec="zstd-split:1:16") as store:  # lossless: other pressed caches and scores
+        plan = llama.plan_build(contexts, store, presses=["snapkv:0.5"])
+        built = llama.build(contexts, store, presses=["snapkv:0.5"])
+        assert plan.scores_to_make == built.scores_written == 2 and built.pressed_written == 2

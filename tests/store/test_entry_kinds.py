@@ -160,14 +160,31 @@ def test_a_corrupt_entry_of_the_new_kind_is_found_and_collected(tmp_path, summar
         assert s.derived_keys(context) == [] and not s.verify().corrupt
 
 
-def test_an_unregistered_kind_reads_as_corrupt_and_the_table_refuses_a_taken_name(tmp_path, summary_kind):
+def test_an_unregistered_kind_is_kept_copied_and_reported_never_corrupt(tmp_path, summary_kind):
+    """Issue 45, finding 4: a process without the plug-in keeps its entries (not corrupt)."""
     path = str(tmp_path / "store")
-    context, key, _ = populated(path)
+    context, key, orphan_key = populated(path)
     unregister_kind("summary")
     with KVStore(path, readonly=True) as s:
+        before = {k: s.backend.get(k) for k in s.backend.keys()}
         info = s.verify()
-        assert {c.key for c in info.corrupt} >= {key} and not info.derived
-        assert any("unknown kind 'summary'" in c.reason for c in info.corrupt)
+        assert not info.corrupt and not info.derived and {u.key for u in info.unknown} == {key, orphan_key}
+        assert any("kind 'summary', which this process does not know" in u.reason for u in info.unknown)
+    r = invoke("verify", "--store", path, "-q")
+    assert r.exit_code == 0 and "unknown" in r.stdout and "corrupt" not in r.stdout, r.output
+    r = invoke("ls", "--store", path)
+    assert r.exit_code == 0 and "load the plug-in" in r.stderr and "gc --corrupt" not in r.stderr
+    for args in (("--corrupt",), ("--grace", "0s")):
+        assert invoke("gc", "--store", path, *args, "--yes", "-q").exit_code == 0
+    with KVStore(path, readonly=True) as s:
+        assert {k: s.backend.get(k) for k in s.backend.keys()} == before  # nothing removed
+    dst = str(tmp_path / "copy")
+    r = invoke("sync", path, dst, "-q")
+    assert r.exit_code == 0 and r.stderr.count("copied as it is") == 2, r.output
+    with KVStore(dst, readonly=True) as d:
+        assert d.backend.get(owned_key(context, key)) == before[owned_key(context, key)]
+    r = invoke("export", "--store", path, str(tmp_path / "out"), "-q")
+    assert r.exit_code == 1 and "2 entries of a newer format or an unknown kind" in r.stderr
     register_kind(summary_kind)
     with pytest.raises(ValueError, match="already registered"):
         register_kind(SummaryKind())

@@ -22,7 +22,7 @@ from kvstore.model.options import BuildOptions
 from kvstore.model.plan import chains
 from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import Press
-from kvstore.model.press.stored import pressed_key, scores_key, stored_intact
+from kvstore.model.press.stored import FORWARD_READS, pressed_key, scores_key, storable, stored_intact
 from kvstore.model.stages.load import has_v1, verified_depth
 from kvstore.store.derived import PRESSED, SCORES
 from kvstore.store.kvstore import KVStore
@@ -160,7 +160,14 @@ def _step(handle: ModelHandle, store: KVStore, chain: Chain, options: BuildOptio
         return not stored_intact(store, handle, chain, key, kind)
 
     presses = tuple(p for p in options.presses if lacks(pressed_key(chain, p, store.codec), PRESSED))
-    scores = tuple(s for s in options.scores if lacks(scores_key(chain, s), SCORES))
+    # a press that runs a scoring forward stores its scores too (on first use): the build makes
+    # those it lacks, whether asked for (--score) or not, so that --dry-run counts what it writes
+    # and a corrupt one stored beside an earlier build's pressed cache is made again
+    wanted = {scores_key(chain, s): s for s in options.scores}
+    for p in options.presses:
+        if storable(p) and p.record.reads in FORWARD_READS:
+            wanted.setdefault(scores_key(chain, p), p)
+    scores = tuple(s for key, s in wanted.items() if lacks(key, SCORES))
     return ContextStep(chain, depth, action, presses, scores)
 
 

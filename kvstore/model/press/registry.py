@@ -29,18 +29,16 @@ torch): built-in scorers are named by ``module:function`` and imported on first 
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import importlib
 import re
 import threading
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from kvstore.errors import PressError
+from kvstore.model.press.identity import OpaqueValueError, scorer_identity
 
 ParamValue = int | float | bool
 READS = ("keys", "window", "context", "replay")
@@ -189,11 +187,12 @@ def register_press(
     tokens (the last token without one). ``budget``: its default budget (``head``, ``adakv``,
     ``pyramid``, ``global`` or ``layer``). ``ratio_free``: False when its scores depend on the
     ratio. ``version``: any text; change it when the scorer computes something else in a way its
-    code digest cannot see (see :func:`scorer_identity`: what it reads from other modules or from an
-    object's state). The record's ``identity`` digests all of these, so the scores and pressed
-    caches stored under an earlier definition of ``name`` are never read for this one. Raises
-    PressError for a bad name or parameter, a name taken (:func:`unregister_press`
-    first to redefine one), or an unknown ``reads`` or budget. (Built-in records, with the kvpress
+    code digest cannot see (see :func:`scorer_identity`: what it reads from other modules or
+    globals); it is required when the scorer holds a value the digest cannot read by content. The
+    record's ``identity`` digests all of these, so the scores and pressed caches stored under an
+    earlier definition of ``name`` are never read for this one. Raises PressError for a bad name or
+    parameter, a name taken (:func:`unregister_press` first to redefine one), an unknown ``reads``
+    or budget, or (OpaqueValueError) such a value without ``version``. (Built-in records, with the kvpress
     press they follow and their formula for the docs, go through :func:`add_press`.)"""
     _check_name(name, "press")
     if not (callable(score) or (isinstance(score, str) and ":" in score)):
@@ -207,70 +206,12 @@ def register_press(
     if not isinstance(version, str):
         raise PressError(f"press {name}: version must be text, not {version!r}")
     facts = (reads, budget, question, ratio_free, tuple((p.name, p.default) for p in declared))
-    identity = scorer_identity(score, version, facts)
+    try:
+        identity = scorer_identity(score, version, facts)
+    except OpaqueValueError as e:
+        raise OpaqueValueError(f"press {name}: {e}") from None
     return add_press(PressMethod(name, declared, reads, keeps, budget, score, question=question,
                                  ratio_free=ratio_free, identity=identity))  # fmt: skip
-
-
-def scorer_identity(score: Callable[..., Any] | str, version: str = "", extra: Any = ()) -> str:
-    """A digest (16 hex digits of sha256) of what a registered scorer computes: ``version``,
-    ``extra`` (the record's reads, budget and parameter defaults), and the scorer's qualified name
-    with, for a Python function (a ``def`` or lambda; a bound method's function), its code: the
-    bytecode, constants (nested functions' too), the names it uses, its default arguments and
-    closure values; a :func:`functools.partial` adds its arguments to its function's. Other
-    callables (objects with ``__call__``, builtins, C functions) and ``module:function`` names give
-    their qualified name alone: their ``version`` is what tells a redefinition apart. Values that
-    are not numbers, text or containers of them count by their type's name. The same code gives
-    the same digest in every process of one Python version (never Python's ``hash()``)."""
-    h = hashlib.sha256(b"kvstore-press-identity\0")
-    h.update(_stable(("version", version, "extra", extra, "scorer", _callable_facts(score))).encode())
-    return h.hexdigest()[:16]
-
-
-def _callable_facts(fn: Any) -> Any:
-    if isinstance(fn, str):
-        return ("name", fn)
-    if isinstance(fn, functools.partial):
-        return ("partial", fn.func, fn.args, sorted(fn.keywords.items()))
-    if isinstance(fn, types.MethodType):
-        return ("method", type(fn.__self__).__qualname__, fn.__func__)
-    name = f"{getattr(fn, '__module__', '') or ''}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-    code = getattr(fn, "__code__", None)
-    if not isinstance(code, types.CodeType):
-        return ("object", name)
-    cells = tuple(c.cell_contents for c in (fn.__closure__ or ()) if _filled(c))
-    return ("function", name, code, fn.__defaults__, sorted((fn.__kwdefaults__ or {}).items()), cells)
-
-
-_EMPTY = object()
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        return cell.cell_contents is not _EMPTY
-    except ValueError:  # an empty cell
-        return False
-
-
-def _stable(value: Any, depth: int = 0) -> str:
-    """Canonical text of ``value``, the same in every process (no addresses, no set order)."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
-        return repr(value)
-    if depth > 16:  # a function whose closure holds itself
-        return "<deep>"
-    d = depth + 1
-    if isinstance(value, types.CodeType):
-        parts = (value.co_code, value.co_consts, value.co_names, value.co_varnames, value.co_argcount)
-        return "code(" + _stable(parts, d) + ")"
-    if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
-        return _stable(_callable_facts(value), d)
-    if isinstance(value, (tuple, list)):
-        return "(" + ",".join(_stable(v, d) for v in value) + ")"
-    if isinstance(value, (set, frozenset)):
-        return "{" + ",".join(sorted(_stable(v, d) for v in value)) + "}"
-    if isinstance(value, dict):
-        return "{" + ",".join(sorted(f"{_stable(k, d)}:{_stable(v, d)}" for k, v in value.items())) + "}"
-    return "<" + type(value).__module__ + "." + type(value).__qualname__ + ">"
 
 
 def add_press(method: PressMethod, *, replace: bool = False) -> PressMethod:
@@ -482,7 +423,6 @@ __all__ = [
     "press_table",
     "register_budget",
     "register_press",
-    "scorer_identity",
     "unregister_budget",
     "unregister_press",
 ]
