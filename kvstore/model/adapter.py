@@ -182,8 +182,7 @@ class Adapter(ModelView):
         to no stored context). PressError (one line) for a question-aware press or a scorer whose
         scores cannot be stored; ReadOnlyStoreError for a read-only store."""
         assert options is not None  # completed by takes_options (from the field keywords)
-        texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
-        keying = Keying(special_tokens, prefix)
+        texts, keying = self._built(prompt, contexts, special_tokens, prefix)
         return build.build_caches(self.handle, texts, store, options, keying, labels, progress)
 
     generate_kv_cache = build  # the research code's name for build (same arguments)
@@ -205,8 +204,19 @@ class Adapter(ModelView):
         :class:`kvstore.model.plan.build.BuildPlan` per distinct context (skip, record, migrate or
         compute; pressed caches and scores to make). Arguments as for :meth:`build`."""
         assert options is not None  # completed by takes_options (from the field keywords)
+        texts, keying = self._built(prompt, contexts, special_tokens, prefix)
+        return plan_build(self.handle, texts, store, options, keying, labels)
+
+    def _built(
+        self, prompt: PromptFormat | None, contexts: Sequence[Any], special_tokens: bool, prefix: TextOrIds | None
+    ) -> tuple[list, Keying]:
+        """A build's contexts under ``prompt`` and how they are keyed (passage rows: their composed
+        ids, whose exact prefix chains a sample without ``compose`` reads)."""
+        composed = compose_inputs(self.handle, prompt, contexts, None, Keying(special_tokens, prefix))
+        if composed is not None:
+            return list(composed.contexts), composed.keying
         texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
-        return plan_build(self.handle, texts, store, options, Keying(special_tokens, prefix), labels)
+        return texts, Keying(special_tokens, prefix)
 
     # -- sampling ------------------------------------------------------------------------------
     @takes_options(SampleOptions)
