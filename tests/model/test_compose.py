@@ -7,6 +7,7 @@ full prefill again. Models are tiny and random with a scaled-up init, so a posit
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -16,7 +17,11 @@ from transformers import DynamicCache
 from helpers.tiny import make_family_model, make_tiny_model
 from kvstore.errors import ComposeError
 from kvstore.model.adapter import Adapter
+from kvstore.model.compose.recompute import selected
+from kvstore.model.compose.rows import compose_inputs
+from kvstore.model.compose.run import _Parts, assemble
 from kvstore.model.compose.spec import SEPARATOR, Passages
+from kvstore.model.plan.chains import Keying
 from kvstore.store.kvstore import KVStore
 
 WORDS = "alpha beta gamma delta river stone cloud paper window garden silver music field train".split()
@@ -143,3 +148,26 @@ def test_composition_is_refused_in_one_line_where_it_cannot_run(tmp_path):
     with pytest.raises(ComposeError, match="cannot compose passages on .*gpt2") as err:
         Adapter(gpt2, gtok).sample(contexts, questions, compose="none", num_new_tokens=2)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox"])
+def test_blend_recomputes_its_share_and_spans_none_to_full(kind):
+    model, tok = make_tiny_model(kind, seed=2)
+    adapter = Adapter(model, tok)
+    contexts, questions = _rows(seed=5)
+    kw = dict(num_new_tokens=N_NEW, stop_at_eos=False)
+    ref = adapter.sample(contexts, questions, use_cache=False, **kw)
+    none = adapter.sample(contexts, questions, compose="none", **kw)
+    everything = adapter.sample(contexts, questions, compose="blend:1", **kw)  # every passage token: the prefill
+    assert everything.compose == "blend:1" and torch.equal(everything.tokens, ref.tokens)
+    assert torch.equal(adapter.sample(contexts, questions, compose="blend:0", **kw).tokens, none.tokens)
+    some = adapter.sample(contexts, questions, compose="blend:0.15", **kw)
+    assert some.compose == "blend:0.15" and some.prefill_tokens_computed > 0
+    composed = compose_inputs(adapter.handle, None, contexts, questions, Keying())
+    assert composed is not None
+    for row in composed.rows:
+        layers = assemble(adapter.handle, row, None, _Parts())[0]
+        pick = selected(adapter.handle, row, layers, 0.15).tolist()
+        passage_tokens = len(row.ids) - len(row.head)
+        assert len(pick) == math.ceil(0.15 * passage_tokens) and pick == sorted(set(pick))
+        assert min(pick) >= len(row.head) and max(pick) < len(row.ids)
