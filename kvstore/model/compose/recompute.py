@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
 
 from kvstore.facts import ATTN
-
 from kvstore.model.compose.rows import ComposedRow
 from kvstore.model.compose.spec import BLEND_LAYER, Compose
 from kvstore.model.compute.cache import LayerKV, PreallocatedCache, new_buffers
@@ -76,7 +75,7 @@ def early_kv(handle: ModelHandle, ids: Sequence[int], layer: int) -> tuple[torch
         pass
     finally:
         hook.remove()
-    got = cache.layers[layer]
+    got: Any = cache.layers[layer]
     return got.keys[0], got.values[0]
 
 
