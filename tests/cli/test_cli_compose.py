@@ -70,3 +70,35 @@ def test_a_bad_policy_is_one_line(tiny_neox_dir, tmp_path):
     data = _dataset(tmp_path / "multi.jsonl")
     result = CliRunner().invoke(app, ["sample", str(data), "--model", str(tiny_neox_dir), "--compose", "blend"])
     assert result.exit_code != 0 and "compose policy 'blend'" in result.output
+
+
+def _passage_records(path):
+    with KVStore(path, readonly=True) as kv:
+        return {k: r for k in kv.context_keys() if (r := kv.context(k)) is not None and r.passage}
+
+
+def test_passages_are_listed_verified_synced_exported_and_removed_as_contexts(tiny_neox_dir, tmp_path):
+    data = _dataset(tmp_path / "multi.jsonl")
+    store = str(tmp_path / "store")
+    _run(["sample", str(data), "--model", str(tiny_neox_dir), "--store", store, "-q", "-n", "2", "--compose", "none"])
+    passages = _passage_records(store)
+    assert len(passages) == len(POOL)
+    listed = json.loads(_run(["ls", "--store", store, "--format", "json"]).stdout)
+    keys = {c["key"] for c in (listed["contexts"] if isinstance(listed, dict) else listed)}
+    assert set(passages) <= keys
+    _run(["verify", "--store", store])
+    copy = str(tmp_path / "copy")
+    _run(["sync", store, copy, "--quiet"])
+    assert set(_passage_records(copy)) == set(passages)  # the flag travels with the record
+    out = tmp_path / "exported"
+    _run(["export", "--store", store, str(out), "--quiet"])
+    assert {p.stem for p in out.glob("*.safetensors")} >= set(passages)
+    victim = next(iter(passages))
+    _run(["rm", "--store", store, victim, "--yes"])
+    _run(["gc", "--store", store, "--grace", "0s", "--yes", "--quiet"])
+    assert set(_passage_records(store)) == set(passages) - {victim}
+    with KVStore(store, readonly=True) as kv:
+        assert not any(kv.contains(k) for k in passages[victim].chunks)
+    # a later composed sample computes the removed passage again and stores it once more
+    _run(["sample", str(data), "--model", str(tiny_neox_dir), "--store", store, "-q", "-n", "2", "--compose", "none"])
+    assert set(_passage_records(store)) == set(passages)
