@@ -301,6 +301,17 @@ def _variants(ctx: click.Context, param: click.Parameter, values: tuple[str, ...
     return tuple(variants(list(values)))
 
 
+def compose_of(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    """``--compose POLICY`` parsed once (a bad policy: one line naming the policies)."""
+    from kvstore.errors import ComposeError
+    from kvstore.model.compose.spec import parse_compose
+
+    try:
+        return parse_compose(value)
+    except ComposeError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def variant_flags(verb: str, done: str) -> Callable[[Callable], Callable]:
     """``--press`` and ``--decode-attention`` (the options' ``press`` and ``decode_attention``: one
     variant, as the keywords compose them) and ``--variant`` (repeated: a sweep, :func:`sweep_of`);
@@ -346,6 +357,7 @@ __all__ = [
     "Report",
     "StoreChoice",
     "Values",
+    "compose_of",
     "cache_flags",
     "dataset_flags",
     "fill",

@@ -254,11 +254,11 @@ def build(
     rows = data.load(require_question=False)
     adapter = model.load(report.quiet)
     prompt = prompting.format(adapter.tokenizer)
-    contexts = rows.contexts()
-    first_id: dict[str, Any] = {}
+    first: dict[str, Any] = {}
     for ex in rows.examples:
-        first_id.setdefault(ex.context, ex.id)
-    labels = [f"{data.dataset}: context of row {first_id[c]}" for c in contexts]
+        first.setdefault(ex.context, ex)
+    contexts = [first[c].model_context for c in rows.contexts()]  # passage rows: their composed ids' chains
+    labels = [f"{data.dataset}: context of row {first[c].id}" for c in rows.contexts()]
     if preview.dry_run:
         with _plan_store(store) as (kv, exists):
             plan = adapter.plan_build(contexts, kv, options, prompt=prompt, labels=labels)
@@ -336,6 +336,16 @@ def _stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str,
     "e.g. --stop '\\n'.",
 )
 @click.option(
+    "--compose",
+    default=None,
+    metavar="POLICY",
+    callback=flags.compose_of,
+    help="For rows whose context is a list of passages: compose each row's context of its passages, each stored "
+    "once and placed at its offset, under POLICY: full (exact: the no-cache answer), none, last:N (recompute the "
+    "last N tokens) or blend:R (recompute the share R of passage tokens that deviate most). All but full are "
+    "approximate (docs/composing.md); each output row names its policy.",
+)
+@click.option(
     "--load-ahead/--no-load-ahead",
     default=field_default(SampleOptions, "load_ahead"),
     hidden=True,
@@ -378,7 +388,7 @@ def sample(
     adapter = model.load(report.quiet)
     prompt = prompting.format(adapter.tokenizer)
     examples = rows.examples
-    contexts = [ex.context for ex in examples]
+    contexts = [ex.model_context for ex in examples]
     questions = [ex.question for ex in examples]
     labels = [f"{data.dataset}: row {ex.id}" for ex in examples]
     kv = store.open() if options.use_cache else None
@@ -408,6 +418,7 @@ def sample(
         "model": adapter.name,
         "mode": "cache" if options.use_cache else "no-cache",
         "compiled": options.steps == "compiled",
+        "compose": result.compose,
         "variant": result.variant if named and not sweep else None,
         "questions": n,
         "bad_rows_skipped": rows.skipped,
@@ -459,6 +470,8 @@ def _answer_rows(adapter: Any, examples: list, results: list, use_cache: bool, n
             if named:
                 row["variant"] = res.variant
                 row["kept_tokens"] = res.kept_tokens[i]
+            if res.compose is not None:  # approximate unless full
+                row["compose"] = res.compose
             out.append(row)
     return out
 

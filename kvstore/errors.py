@@ -83,6 +83,11 @@ class PressError(KVStoreError, ValueError):
     there is no question, a model whose cache it cannot prune)."""
 
 
+class ComposeError(KVStoreError, ValueError):
+    """A composition policy is malformed, or contexts cannot be composed of passages as asked (a
+    model whose keys cannot be moved to another position, passage rows mixed with others)."""
+
+
 class CorruptEntryWarning(UserWarning):
     """A stored entry failed verification on load and was treated as a miss."""
 

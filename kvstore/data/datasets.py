@@ -60,6 +60,7 @@ from kvstore.data.readers import (
     type_name,
 )
 from kvstore.errors import DatasetError
+from kvstore.model.compose.spec import Passages
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,21 @@ class Example:
 
     ``question`` is None only for rows loaded with ``require_question=False`` that have none;
     ``answers`` is empty for such rows and for explicitly unanswerable questions (``[]``).
+    ``passages``: the context given as a list of passages (a JSON list of strings in the context
+    field), composed in this order (:mod:`kvstore.model.compose`); ``context`` is then their text
+    joined (each followed by a blank line), for display. Empty for an ordinary context.
     """
 
     id: str
     context: str
     question: str | None
     answers: tuple[str, ...]
+    passages: tuple[str, ...] = ()
+
+    @property
+    def model_context(self) -> Any:
+        """What the model is given as this row's context: the text, or its :class:`Passages`."""
+        return Passages(self.passages) if self.passages else self.context
 
 
 @dataclass(frozen=True)
@@ -200,8 +210,14 @@ def _example(record: dict, fields: Fields, default_id: str, require_question: bo
     context = record.get(fields.context)
     if context is None:
         raise missing_field(record, fields.context, "--context-field")
+    passages: tuple[str, ...] = ()
+    if isinstance(context, list):  # passages, composed in this order
+        if not context or not all(isinstance(p, str) and p.strip() for p in context):
+            raise BadRow(f"field {fields.context!r} holds a list: it must be a non-empty list of non-empty strings")
+        passages = tuple(context)
+        context = Passages(passages).joined()
     if not isinstance(context, str):
-        raise BadRow(f"field {fields.context!r} must be a string, got {type_name(context)}")
+        raise BadRow(f"field {fields.context!r} must be a string or a list of strings, got {type_name(context)}")
     if not context.strip():
         raise BadRow(f"empty context in field {fields.context!r}")
 
@@ -232,7 +248,7 @@ def _example(record: dict, fields: Fields, default_id: str, require_question: bo
         example_id = str(raw_id)
     else:
         raise BadRow(f"field {fields.id!r} must be a string or an integer, got {type_name(raw_id)}")
-    return Example(id=example_id, context=context, question=question, answers=answers)
+    return Example(id=example_id, context=context, question=question, answers=answers, passages=passages)
 
 
 def _answers(value: Any, field: str) -> tuple[str, ...]:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.errors import ModelError
+from kvstore.model.compose.rows import Composed, compose_inputs
+from kvstore.model.compose.run import sample_composed
 from kvstore.model.compute.cache import LayerKV
 from kvstore.model.compute.forward import prefill
 from kvstore.model.handle import DEFAULT_RESERVE_TOKENS, ModelHandle, TextOrIds
@@ -180,8 +182,7 @@ class Adapter(ModelView):
         to no stored context). PressError (one line) for a question-aware press or a scorer whose
         scores cannot be stored; ReadOnlyStoreError for a read-only store."""
         assert options is not None  # completed by takes_options (from the field keywords)
-        texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
-        keying = Keying(special_tokens, prefix)
+        texts, keying = self._built(prompt, contexts, special_tokens, prefix)
         return build.build_caches(self.handle, texts, store, options, keying, labels, progress)
 
     generate_kv_cache = build  # the research code's name for build (same arguments)
@@ -203,8 +204,19 @@ class Adapter(ModelView):
         :class:`kvstore.model.plan.build.BuildPlan` per distinct context (skip, record, migrate or
         compute; pressed caches and scores to make). Arguments as for :meth:`build`."""
         assert options is not None  # completed by takes_options (from the field keywords)
+        texts, keying = self._built(prompt, contexts, special_tokens, prefix)
+        return plan_build(self.handle, texts, store, options, keying, labels)
+
+    def _built(
+        self, prompt: PromptFormat | None, contexts: Sequence[Any], special_tokens: bool, prefix: TextOrIds | None
+    ) -> tuple[list, Keying]:
+        """A build's contexts under ``prompt`` and how they are keyed (passage rows: their composed
+        ids, whose exact prefix chains a sample without ``compose`` reads)."""
+        composed = compose_inputs(self.handle, prompt, contexts, None, Keying(special_tokens, prefix))
+        if composed is not None:
+            return list(composed.contexts), composed.keying
         texts, _, special_tokens, prefix = apply_prompt(prompt, contexts, special_tokens=special_tokens, prefix=prefix)
-        return plan_build(self.handle, texts, store, options, Keying(special_tokens, prefix), labels)
+        return texts, Keying(special_tokens, prefix)
 
     # -- sampling ------------------------------------------------------------------------------
     @takes_options(SampleOptions)
@@ -245,9 +257,9 @@ class Adapter(ModelView):
         three compose into one variant; several variants from one load are :meth:`sweep`.
         Full-attention models, eager steps only."""
         assert options is not None  # completed by takes_options (from the field keywords)
-        texts, asked, keying = self._prompted(prompt, contexts, questions, special_tokens, prefix)
+        texts, asked, keying, composed = self._prompted(prompt, contexts, questions, special_tokens, prefix)
         return self._sample([options.variant(generation_context)], texts, asked, options, store, keying, labels,
-                            progress)[0]  # fmt: skip
+                            progress, composed=composed)[0]  # fmt: skip
 
     @takes_options(SampleOptions)
     def sweep(
@@ -273,8 +285,8 @@ class Adapter(ModelView):
         ``decode_attention`` in its options)."""
         assert options is not None  # completed by takes_options (from the field keywords)
         chosen = _swept(variants, options)
-        texts, asked, keying = self._prompted(prompt, contexts, questions, special_tokens, prefix)
-        results = self._sample(chosen, texts, asked, options, store, keying, labels, progress)
+        texts, asked, keying, composed = self._prompted(prompt, contexts, questions, special_tokens, prefix)
+        results = self._sample(chosen, texts, asked, options, store, keying, labels, progress, composed=composed)
         return {r.variant: r for r in results}
 
     @takes_options(SampleOptions, first="num_new_tokens")
@@ -310,23 +322,29 @@ class Adapter(ModelView):
         )  # fmt: skip
         return result if return_details else result.tokens
 
-    @staticmethod
     def _prompted(
-        prompt: PromptFormat | None, contexts: Sequence[TextOrIds], questions: Sequence[TextOrIds],
+        self, prompt: PromptFormat | None, contexts: Sequence[Any], questions: Sequence[TextOrIds],
         special_tokens: bool, prefix: TextOrIds | None,
-    ) -> tuple[list, list, Keying]:  # fmt: skip
-        """The context and question texts under ``prompt``, and how contexts are keyed."""
+    ) -> tuple[list, list, Keying, Composed | None]:  # fmt: skip
+        """The context and question texts under ``prompt``, how contexts are keyed, and the rows'
+        compositions when their contexts are passages (then the contexts are the composed ids)."""
+        composed = compose_inputs(self.handle, prompt, contexts, questions, Keying(special_tokens, prefix))
+        if composed is not None:
+            assert composed.questions is not None
+            return list(composed.contexts), list(composed.questions), composed.keying, composed
         texts, asked, special_tokens, prefix = apply_prompt(
             prompt, contexts, questions, special_tokens=special_tokens, prefix=prefix
         )
         assert asked is not None
-        return texts, asked, Keying(special_tokens, prefix)
+        return texts, asked, Keying(special_tokens, prefix), None
 
     def _sample(
         self, chosen: Sequence[Variant], contexts: Sequence[TextOrIds], questions: Sequence[TextOrIds],
         opts: SampleOptions, store: KVStore | None, keying: Keying, labels: Sequence[str] | None,
-        progress: Progress | None,
+        progress: Progress | None, *, composed: Composed | None = None,
     ) -> list[SampleResult]:  # fmt: skip
+        if opts.compose is not None:  # passages placed at their offsets (or, for full, the reference)
+            return [sample_composed(self.handle, composed, opts, chosen, store, labels, progress)]
         path = sample.check_sample(self.handle, opts, chosen, store)  # a refused model: before any tokenizing
         rows = sample.tokenize_rows(self.handle, contexts, questions, opts, store, keying, labels)
         return sample.sample_variants(self.handle, rows, opts, chosen, store, path, progress)
@@ -431,6 +449,8 @@ class Adapter(ModelView):
 def _swept(variants: Sequence[VariantLike], options: SampleOptions | ScoreOptions) -> list[Variant]:
     """A sweep's variants, each parsed once (a :class:`Variant` is used as it is); ValueError when
     the options also name a press or decode attention (a sweep's are its variants)."""
+    if isinstance(options, SampleOptions) and options.compose is not None:
+        raise ValueError("a sweep answers its variants densely; compose= is for sample")
     if options.press is not None or options.decode_attention is not None:
         raise ValueError(
             "a sweep takes its presses and decode attention from variants= (e.g. variants=['snapkv:0.5+topk:64']), "

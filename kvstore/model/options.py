@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvstore.errors import HookError, PressError
+from kvstore.model.compose.spec import Compose, parse_compose
 from kvstore.model.keywords import documented, option, replaced
 from kvstore.model.press.spec import Press, check_storable, parse_press, parse_scorer
 
@@ -214,9 +215,15 @@ class SampleOptions:
     decode_attention: Attention | str | AttentionFunction | None = option(
         None, "a decode-attention spec (topk:64) or function the question and answer steps run under"
     )
+    compose: Compose | str | None = option(
+        None,
+        "for contexts given as passages: full (exact), none, last:N or blend:R (approximate: passages stored once, "
+        "placed at their offsets, part recomputed)",
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        object.__setattr__(self, "compose", parse_compose(self.compose))
         _typed(self)
         if self.steps not in STEPS:
             raise ValueError(f"steps must be one of {', '.join(STEPS)}, not {self.steps!r}")
@@ -258,6 +265,7 @@ class GreedyKeywords(TypedDict, total=False):
     load_ahead: bool
     press: PressLike
     decode_attention: AttentionLike
+    compose: Compose | str | None
 
 
 class SampleKeywords(GreedyKeywords, total=False):

@@ -25,15 +25,21 @@ if TYPE_CHECKING:  # pragma: no cover
 @dataclass(frozen=True)
 class ContextRecord:
     """A context's record (backend key ``r/<key>``): its chain of chunk keys, its tokens, when
-    it was recorded. ``key`` is the chain's last chunk key."""
+    it was recorded. ``key`` is the chain's last chunk key. ``passage``: the chain is a passage,
+    stored alone at positions ``0..n-1`` to be placed in composed contexts (written only when
+    true, so other records are byte for byte what earlier versions wrote)."""
 
     key: str
     chunks: tuple[str, ...]
     n_tokens: int
     created: float
+    passage: bool = False
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"chunks": list(self.chunks), "n_tokens": self.n_tokens, "created": self.created}).encode()
+        d: dict = {"chunks": list(self.chunks), "n_tokens": self.n_tokens, "created": self.created}
+        if self.passage:
+            d["passage"] = True
+        return json.dumps(d).encode()
 
     @classmethod
     def parse(cls, key: str, raw: bytes | memoryview) -> ContextRecord | None:
@@ -62,7 +68,7 @@ class ContextRecord:
             raise ValueError("its last chunk is not its own key")
         if n < 1:
             raise ValueError("it counts no tokens")
-        return cls(key, chunks, n, created)
+        return cls(key, chunks, n, created, d.get("passage") is True)
 
 
 def kv_ratio(stored: int, kv: int) -> float | None:

@@ -70,6 +70,18 @@ def chain_seed(fingerprint: str, dtype: Any, *, device: str, attn: str, lossy: s
     return h.hexdigest()
 
 
+def passage_seed(seed: str) -> str:
+    """The seed (hex) of a *passage*'s chain under the chain seed ``seed``: a passage is stored
+    alone, computed at positions ``0..n-1`` with no context before it, to be placed at any offset
+    of a composed context (:mod:`kvstore.model.compose`). Its own seed keeps its chunks apart from
+    a context's that starts with the same tokens (those attended to nothing before them only at
+    position 0 of an ordinary chain, and a passage is never answered as one)."""
+    h = hashlib.sha256()
+    h.update(b"kvstore-passage\x00")
+    h.update(bytes.fromhex(seed))
+    return h.hexdigest()
+
+
 def chunk_key(parent: str, token_ids: Sequence[int] | Any) -> str:
     """The key (hex) of a chunk holding ``token_ids`` after ``parent`` (a chunk key, or the seed)."""
     h = hashlib.sha256()
@@ -112,5 +124,6 @@ __all__ = [
     "chain_seed",
     "chunk_key",
     "chunk_spans",
+    "passage_seed",
     "token_bytes",
 ]

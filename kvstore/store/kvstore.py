@@ -307,8 +307,9 @@ class KVStore(DerivedEntries):
             yield views
 
     # -- contexts -------------------------------------------------------------------------------
-    def put_context(self, key: str, chunks: Sequence[str], n_tokens: int) -> tuple[str, ...]:
-        """Record that the context ``key`` (its last chunk's key) is the chain ``chunks``.
+    def put_context(self, key: str, chunks: Sequence[str], n_tokens: int, *, passage: bool = False) -> tuple[str, ...]:
+        """Record that the context ``key`` (its last chunk's key) is the chain ``chunks`` (a
+        position-independent passage with ``passage``: :mod:`kvstore.model.compose`).
 
         The record is written together with a mark of use now on each chunk this handle did not
         write itself (the ones it reuses; one transaction on LMDB), then every chunk is checked
@@ -320,7 +321,7 @@ class KVStore(DerivedEntries):
         now = struct.pack("<d", time.time())
         marks = [(access_key(k), now) for k in dict.fromkeys(chunks) if k not in self._written]
         self._written.difference_update(chunks)
-        record = ContextRecord(key, tuple(chunks), n_tokens, time.time())
+        record = ContextRecord(key, tuple(chunks), n_tokens, time.time(), passage)
         self.backend.put_many([*marks, (record_key(key), record.to_bytes())])
         return tuple(k for k in dict.fromkeys(chunks) if not self.backend.contains(entry_key(k)))
 

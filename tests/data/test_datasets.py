@@ -111,7 +111,7 @@ def test_format_override_and_unknown_extension(tmp_path: Path) -> None:
         ),
         (json.dumps(row(context=None)), "missing field 'context'"),
         (json.dumps(row(context=" \n ")), "empty context"),
-        (json.dumps(row(context=12)), "field 'context' must be a string, got a number"),
+        (json.dumps(row(context=12)), "field 'context' must be a string or a list of strings, got a number"),
         (json.dumps(row(question=["q"])), "field 'question' must be a string, got a list"),
         (json.dumps(row(answers={"x": 1})), "field 'answers' must be a string or a list of strings, got an object"),
         (

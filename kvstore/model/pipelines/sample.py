@@ -68,6 +68,8 @@ class SampleResult:
     ``scoring_tokens_computed``: context tokens the presses' scoring forwards ran (observation
     windows, context re-runs, replays; shared by every variant of a sweep; not prefill), of which
     ``window_tokens_computed`` observation windows and ``replay_tokens_computed`` replays.
+    ``compose``: the composition policy that answered (``none``, ``last:64``, ``full``...; None
+    for a context that was not composed of passages); only ``full`` is exact.
     """
 
     tokens: torch.Tensor
@@ -86,6 +88,7 @@ class SampleResult:
     scoring_tokens_computed: int = 0
     replay_tokens_computed: int = 0
     load_wait_seconds: float = 0.0
+    compose: str | None = None
 
 
 @dataclass(frozen=True)
