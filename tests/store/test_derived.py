@@ -345,6 +345,33 @@ def test_store_puts_and_opens_derived_entries(url):
             s.put_derived(sblob)
 
 
+def test_one_put_and_one_open_for_every_kind(url):
+    """``store.put(blob)`` reads the kind, owner and key from the frame; ``store.open(kind, key,
+    owner=)`` is the verified open of every kind, and the old names are the same path."""
+    from kvstore.store.access import kind_of_blob
+    from kvstore.store.kinds import find_kind
+
+    (skey, sblob), (pkey, pblob), _ = _blobs()
+    entry = make_entry(seed=3)
+    with KVStore(url) as s:
+        chunk_blob = s.encode(entry)
+        for blob in (sblob, pblob, chunk_blob):
+            assert s.put(blob) == len(blob)
+        assert [kind_of_blob(b)[0].name for b in (sblob, pblob, chunk_blob)] == ["scores", "pressed", "chunk"]
+        assert kind_of_blob(pblob)[1:] == (CONTEXT, pkey) and kind_of_blob(chunk_blob)[1:] == ("", entry.key)
+        assert s.backend.get(derived_entry_key(CONTEXT, pkey)) == pblob and s.keys() == [entry.key]
+        pressed_kind, chunk = find_kind("pressed"), find_kind("chunk")
+        assert s.has(pressed_kind, pkey, owner=CONTEXT) and s.has(chunk, entry.key)
+        with s.open(pressed_kind, pkey, owner=CONTEXT) as view, s.open_derived(CONTEXT, pkey) as old:
+            assert view.header == old.header and view.header.kind == PRESSED
+        with s.open(chunk, entry.key) as view, s.open_entry(entry.key) as old:
+            assert view.header == old.header and s[entry.key].key == entry.key
+        fresh = s.encode(make_entry(seed=4))
+        with pytest.raises(CorruptEntryError):
+            s.put(fresh[:-1] + bytes([fresh[-1] ^ 1]))  # bytes are verified before they are stored
+        assert s.keys() == [entry.key]
+
+
 def test_written_once_and_a_corrupt_copy_replaced(url, monkeypatch):
     key, blob = _blobs()[1]
     with KVStore(url) as s:
