@@ -484,7 +484,7 @@ OWNED_KIND_CONSTANTS = {"SCORES", "PRESSED"}
 # the store's public methods and functions named for derived entries (what callers and docs use);
 # every other function in kvstore/store/ is named for what it does to an entry of any kind
 KIND_NAMED_FUNCTIONS = {"put_derived", "has_derived", "open_derived", "decode_derived", "derived_key_of",
-                        "read_derived_header"}  # fmt: skip
+                        "read_derived_header", "derived_local", "derived_corrupt"}  # fmt: skip
 
 
 def _compared_words(node: ast.Compare) -> list[str]:
@@ -523,6 +523,21 @@ def test_the_store_keeps_no_twin_functions_for_one_kind() -> None:
                 found.add(node.name)
     assert found - KIND_NAMED_FUNCTIONS == set(), "functions named for one kind (make them kind-generic)"
     assert KIND_NAMED_FUNCTIONS - found == set(), "stale KIND_NAMED_FUNCTIONS entries"
+
+
+KIND_WORDS = ("derived", "scores", "pressed", "chunk")  # words that name one kind of entry
+
+
+def test_a_removal_plan_has_no_field_named_for_one_kind() -> None:
+    """``GcPlan`` holds rows of every kind (``Planned``: the kind a field of the row), not one
+    field per kind (``derived``, ``derived_local``, ``pressed_only``... are read-only aliases)."""
+    import dataclasses
+
+    from kvstore.store.removal import GcPlan, Planned
+
+    for cls in (GcPlan, Planned):
+        named = [f.name for f in dataclasses.fields(cls) if any(w in f.name for w in KIND_WORDS)]
+        assert not named, f"{cls.__name__} fields named for one kind: {named}"
 
 
 def test_the_kind_table_rows_name_their_kinds() -> None:

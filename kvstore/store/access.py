@@ -54,7 +54,7 @@ def kind_of_blob(blob: bytes | memoryview) -> tuple[EntryKind, str, str]:
     CorruptEntryError for bytes that are no entry, FormatVersionError for a kind or format this
     process does not know."""
     h, fmt, _ = read_frame(blob)
-    kind: EntryKind = kind_of(h.get("kind")) if fmt == DERIVED_FORMAT else CHUNK
+    kind: EntryKind = kind_of(h.get("kind", "")) if fmt == DERIVED_FORMAT else CHUNK
     header = kind.read_header(blob)[0]
     return kind, header.context if kind.owned else "", header.key
 

@@ -134,7 +134,7 @@ def test_a_kind_defined_in_a_test_is_managed_like_the_built_in_ones(tmp_path, su
 
     with KVStore(path) as s:  # the orphan goes past the grace
         plan = plan_gc(s.scan(), GcOptions(orphans=True), now=time.time() + LATER)
-        assert [(c, k) for c, k, _, _ in plan.derived] == [("7" * 64, orphan_key)]
+        assert [(r.kind, r.owner, r.key) for r in plan.entries] == [("summary", "7" * 64, orphan_key)]
         execute_plan(s, plan)
         assert s.derived_keys("7" * 64) == []
 
