@@ -10,7 +10,7 @@ strings in properties, and ``as_record()`` gives every field as JSON.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -213,6 +213,19 @@ class DerivedInfo:
     format: int
     press: Mapping[str, Any] = field(default_factory=dict)
     last_access: float | None = None
+
+    @classmethod
+    def of(cls, h: Any, stored: int, codec: str, share: Callable[[Any, Any], Any]) -> DerivedInfo:
+        """The value of an owned entry from its header ``h`` (its ``codec`` spec parsed), its
+        strings shared through ``share(value, value)`` with a scan's other values."""
+        press = json.dumps(h.press, sort_keys=True)
+        return cls(
+            context=share(h.context, h.context), key=h.key, kind=share(h.kind, h.kind), spec=share(h.spec, h.spec),
+            model=share(h.model, h.model), model_name=share(h.model_name, h.model_name),
+            dtype=share(h.dtype, h.dtype), n_tokens=h.n_tokens, codec=share(codec, codec),
+            kept_pairs=h.kept_pairs, kept_fraction=h.kept_fraction, raw_bytes=h.raw_bytes, kv_bytes=h.kv_bytes,
+            stored_bytes=stored, created=h.created, format=h.format, press=share(press, h.press),
+        )  # fmt: skip
 
     @property
     def last_used(self) -> float:

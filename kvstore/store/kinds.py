@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
+from kvstore.store.keyspace import ENTRY, OWNED, entry_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -131,12 +132,31 @@ def unregister_kind(name: str) -> None:
         _loaded.pop(name, None)
 
 
+# what reads the entries under each prefix: chunks; entries a context owns, of any kind (its header names it)
+_BY_PREFIX: dict[bytes, str] = {ENTRY: "kvstore.store.entry:CHUNK", OWNED: "kvstore.store.derived:ANY_OWNED"}
+
+
+def _load(where: str) -> Any:
+    module, _, attr = where.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def stored_at(backend_key: bytes) -> tuple[EntryKind, str, str] | None:
+    """``(kind, owner, key)`` of the entry stored under ``backend_key`` (the kind that reads it:
+    the chunk kind, or any owned kind, whose header says which; ``owner`` ``""`` for a chunk), or
+    None for a name that is no entry (:func:`kvstore.store.keyspace.entry_name`)."""
+    got = entry_name(backend_key)
+    if got is None:
+        return None
+    prefix, owner, key = got
+    return _load(_BY_PREFIX[prefix]), owner, key
+
+
 def find_kind(name: str) -> EntryKind | None:
     """The kind named ``name``, or None for a name the table does not hold."""
     got = _loaded.get(name)
     if got is None and name in BUILTIN_KINDS:
-        module, _, attr = BUILTIN_KINDS[name].partition(":")
-        got = getattr(importlib.import_module(module), attr)
+        got = _load(BUILTIN_KINDS[name])
         with _lock:
             _loaded[name] = got
     return got
@@ -179,5 +199,6 @@ __all__ = [
     "kind_of",
     "register_kind",
     "stands_for_context",
+    "stored_at",
     "unregister_kind",
 ]

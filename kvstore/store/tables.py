@@ -17,7 +17,8 @@ import math
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TypeVar, overload
+from dataclasses import replace
+from typing import Any, TypeVar, overload
 
 from kvstore.errors import CorruptEntryError
 from kvstore.store.codecs import codec_from_params
@@ -101,9 +102,11 @@ class _Values(Sequence[T]):
 
 
 class EntryTable(_Values[EntryInfo]):
-    """Every intact chunk entry of a scan, one row each, in key order (see the module docstring).
-    ``touched``: this handle's uses not yet recorded; ``other_access``: recorded last uses of keys
-    that are no chunk (derived entries, stale records)."""
+    """Every intact entry of a scan, of every kind: chunks one row each, in key order, as columns
+    (see the module docstring; the table is the sequence of their values), and the entries contexts
+    own (``owned``: a few per context, one value each, strings shared). ``touched``: this handle's
+    uses not yet recorded; ``other_access``: recorded last uses of keys that are no chunk (owned
+    entries, stale records)."""
 
     def __init__(self, touched: Mapping[str, float] | None = None, codecs: Codecs | None = None):
         self.keys: list[str] = []
@@ -116,10 +119,16 @@ class EntryTable(_Values[EntryInfo]):
         self.touched = dict(touched or {})
         self.other_access: dict[str, float] = {}
         self.refs = array("i")  # contexts using each row (ContextTable.finish)
+        self.owned: list[DerivedInfo] = []  # their last uses are filled in when read (owned_infos)
+        self._shared: dict[Any, Any] = {}
 
     # -- building ---------------------------------------------------------------------------------
-    def add(self, header: EntryHeader, stored: int, recorded: float | None = None) -> None:
-        """Append one entry (rows are sorted by :meth:`finish`)."""
+    def add(self, header: Any, stored: int, recorded: float | None = None, *, owned: bool = False) -> None:
+        """Append one entry (chunk rows are sorted by :meth:`finish`); ``owned``: an entry a context
+        owns (``header`` its kind's)."""
+        if owned:
+            self.owned.append(DerivedInfo.of(header, stored, self.codecs(header.codec)[0], self._shared.setdefault))
+            return
         spec, lossless = self.codecs(header.codec)
         numerics = tuple(sorted(header.numerics.items()))
         key = (header.model, header.model_name, header.dtype, spec, lossless, header.format, numerics, header.layers)
@@ -136,6 +145,10 @@ class EntryTable(_Values[EntryInfo]):
         self._created.append(header.created)
         self._recorded.append(_NONE if recorded is None else recorded)
         self._profile.append(index)
+
+    def owned_infos(self) -> list[DerivedInfo]:
+        """The owned entries' values, each with its last use (read once the uses are)."""
+        return [replace(d, last_access=self.access_of(d.key)) for d in self.owned]
 
     def finish(self) -> None:
         """Sort the rows by key (a backend lists them sorted already: then nothing moves)."""
