@@ -25,11 +25,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning, FormatVersionError
-from kvstore.store.derived import ANY_OWNED, DerivedView
 from kvstore.store.entry import CHUNK
 from kvstore.store.frame import DERIVED_FORMAT, read_frame, verify_checksum
 from kvstore.store.keyspace import OWNED, owned_prefix, owner_of
 from kvstore.store.kinds import EntryKind, kind_of
+from kvstore.store.owned import ANY_OWNED, OwnedView
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.backends.base import Backend
@@ -185,7 +185,7 @@ class EntryAccess:
         """Deprecated: ``store.has(kind, key, owner=context)``."""
         return self.has(ANY_OWNED, key, context)
 
-    def open_derived(self, context: str, key: str) -> contextlib.AbstractContextManager[DerivedView | None]:
+    def open_derived(self, context: str, key: str) -> contextlib.AbstractContextManager[OwnedView | None]:
         """Deprecated: ``store.open(kind, key, owner=context)`` (any owned kind: ``ANY_OWNED``)."""
         return self.open(ANY_OWNED, key, context)
 

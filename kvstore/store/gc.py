@@ -259,7 +259,7 @@ def _assemble(
         if opts.corrupt and in_keys(c.context or c.key, c.key) and (c.context, c.key) not in planned
     )
     keep_bytes = sum(E.stored(r) for r in range(len(E)) if E.keys[r] not in remove)
-    keep_bytes += sum(d.stored_bytes for d in info.derived if (d.context, d.key) not in planned)
+    keep_bytes += sum(d.stored_bytes for d in info.owned if (d.context, d.key) not in planned)
     context_rows = tuple((C.keys[i], why, C.stored(i) + C.owned_bytes(i)) for i, why in drop.items())
     # context records that do not read (under a name a record can have): nothing can use them
     context_rows += tuple(
@@ -281,7 +281,7 @@ def _gone(info: StoreInfo, contexts: set[str]) -> dict[str, frozenset[str]]:
     keys it saw of each: execution keeps their derived entries if one comes back meanwhile."""
     live = set(info.contexts.keys)
     seen: dict[str, set[str]] = {c: set() for c in contexts - live}
-    for d in info.derived:
+    for d in info.owned:
         if d.context in seen:
             seen[d.context].add(d.key)
     for bad in (*info.corrupt, *info.unknown):
@@ -300,7 +300,7 @@ def _plan_owned(info: StoreInfo, opts: GcOptions, dropped: Mapping[str, str], no
     keys, model, criterion = opts.keys, opts.model, opts.corrupt or opts.orphans
     criterion = criterion or opts.older_than is not None or opts.max_bytes is not None
     out: dict[tuple[str, str], Planned] = {}
-    for d in info.derived:
+    for d in info.owned:
         why = ""
         if d.context in dropped:
             why = f"derived entry of a removed context ({dropped[d.context]})"
@@ -327,7 +327,7 @@ def _matches(info: StoreInfo, prefix: str) -> bool:
     return (
         bool(info.entries.rows_with_prefix(prefix))
         or any(k.startswith(prefix) for k in info.contexts.keys)
-        or any(d.key.startswith(prefix) or d.context.startswith(prefix) for d in info.derived)
+        or any(d.key.startswith(prefix) or d.context.startswith(prefix) for d in info.owned)
         or any(c.key.startswith(prefix) or c.context.startswith(prefix) for c in info.corrupt)
     )
 

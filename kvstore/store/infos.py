@@ -1,5 +1,5 @@
 """What a scan reports, one value per thing stored: a chunk entry (:class:`EntryInfo`), an unreadable
-value (:class:`CorruptInfo`), a derived entry (:class:`DerivedInfo`), a context (:class:`ContextInfo`),
+value (:class:`CorruptInfo`), a derived entry (:class:`OwnedInfo`), a context (:class:`ContextInfo`),
 and the context record a store keeps (:class:`ContextRecord`).
 
 A scan (:mod:`kvstore.store.scan`) keeps what it saw in compact tables (:mod:`kvstore.store.tables`)
@@ -189,7 +189,7 @@ class CorruptInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class DerivedInfo:
+class OwnedInfo:
     """One intact derived entry (a context's scores or pressed cache) as a scan saw it: its
     header's facts, its stored size and its last use. ``codec``: its codec spec; ``kept_pairs``
     and ``kept_fraction``: the (token, head) pairs a pressed cache keeps, and their share of the
@@ -215,7 +215,7 @@ class DerivedInfo:
     last_access: float | None = None
 
     @classmethod
-    def of(cls, h: Any, stored: int, codec: str, share: Callable[[Any, Any], Any]) -> DerivedInfo:
+    def of(cls, h: Any, stored: int, codec: str, share: Callable[[Any, Any], Any]) -> OwnedInfo:
         """The value of an owned entry from its header ``h`` (its ``codec`` spec parsed), its
         strings shared through ``share(value, value)`` with a scan's other values."""
         press = json.dumps(h.press, sort_keys=True)
@@ -287,15 +287,16 @@ class ContextInfo:
     first: EntryInfo | None
     created: float
     last_access: float | None
-    derived: tuple[DerivedInfo, ...] = ()
+    owned: tuple[OwnedInfo, ...] = ()
+    derived = property(lambda self: self.owned, doc="Deprecated: ``owned``.")
 
     @property
     def complete(self) -> bool:
         return self.missing == 0
 
     @property
-    def _about(self) -> EntryInfo | DerivedInfo | None:
-        return self.first if self.first is not None else next(iter(self.derived), None)
+    def _about(self) -> EntryInfo | OwnedInfo | None:
+        return self.first if self.first is not None else next(iter(self.owned), None)
 
     @property
     def model(self) -> str:
@@ -317,7 +318,7 @@ class ContextInfo:
     def format(self) -> int:
         if self.first is not None:
             return self.first.header.format
-        return self.derived[0].format if self.derived else 2
+        return self.owned[0].format if self.owned else 2
 
     @property
     def numerics(self) -> dict[str, str]:
@@ -326,7 +327,7 @@ class ContextInfo:
     @property
     def owned_bytes(self) -> int:
         """Bytes of the entries this context owns (its derived entries)."""
-        return sum(d.stored_bytes for d in self.derived)
+        return sum(d.stored_bytes for d in self.owned)
 
     derived_bytes = owned_bytes  # the name it had before kinds were one table
 
@@ -359,7 +360,7 @@ class ContextInfo:
             "derived_bytes": self.derived_bytes,
             "derived": [
                 {k: d.as_record()[k] for k in ("key", "kind", "spec", "codec", "kept_fraction", "stored_bytes")}
-                for d in self.derived
+                for d in self.owned
             ],
         }
 
@@ -398,10 +399,12 @@ __all__ = [
     "ContextInfo",
     "ContextRecord",
     "CorruptInfo",
-    "DerivedInfo",
+    "OwnedInfo",
     "EntryInfo",
     "chain_problem",
     "context_of",
     "kv_ratio",
     "matches_model",
 ]
+
+DerivedInfo = OwnedInfo  # deprecated: the name it had

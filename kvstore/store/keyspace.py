@@ -5,11 +5,11 @@
 * ``r/<key>``: a context record (its chain of chunk keys; the key is the chain's last chunk's);
 * ``a/<key>``: the last access time of an entry or a derived entry (float64 seconds, little-endian);
 * ``x/<context>/<key>``: a derived entry of the context ``<context>`` (its scores, or a pressed
-  cache: :mod:`kvstore.store.derived`), ``<key>`` the derived key. Listing ``x/<context>/`` finds
+  cache: :mod:`kvstore.store.owned`), ``<key>`` the owned key. Listing ``x/<context>/`` finds
   every derived entry of one context; a store written before derived entries has no ``x/`` keys.
 
 ``<key>`` and ``<context>`` are always 64 lowercase hex digits (sha256s: :mod:`kvstore.store.keys`,
-:func:`kvstore.store.derived.derived_key_of`).
+:func:`kvstore.store.owned.owned_key_of`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ even none). Layer record ``{"kv_heads": H, "head_dim": d, "counts": [n_0, ..., n
 payload ``layers.{i}.heads.{h}.keys`` / ``.values`` ``[1, n_h, d]`` (or the quantizer's parts of
 them; a head with ``n_h == 0`` stores none) and ``layers.{i}.positions`` int32 ``[sum_h n_h]``.
 A pressed cache serves its context by itself: a store may hold a context as pressed caches alone.
-Written by :func:`kvstore.store.derived.encode_pressed`."""
+Written by :func:`kvstore.store.owned.encode_pressed`."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import torch
 from kvstore import dtypes
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs import Codec, StoredTensor, TensorRecord
-from kvstore.store.derived import OwnedKindBase
-from kvstore.store.derived_header import DerivedHeader, DerivedLayer, head_name, positions_name
 from kvstore.store.frame import field_int
+from kvstore.store.owned import OwnedKindBase
+from kvstore.store.owned_header import OwnedHeader, OwnedLayer, head_name, positions_name
 
 ROLES = ("keys", "values")
 
@@ -37,7 +37,7 @@ class _NoTokens:
         return torch.empty(self.shape, dtype=self.dtype)
 
 
-def _layer_positions(rec: TensorRecord, layer: DerivedLayer, n_tokens: int, i: int) -> torch.Tensor:
+def _layer_positions(rec: TensorRecord, layer: OwnedLayer, n_tokens: int, i: int) -> torch.Tensor:
     if rec.shape != (layer.kept,) or rec.dtype != torch.int32:
         raise CorruptEntryError(f"tensor {rec.name} is {rec.shape} {rec.dtype}, expected ({layer.kept},) int32")
     pos = rec.materialize().to(torch.int64)
@@ -56,7 +56,7 @@ class PressedKind(OwnedKindBase):
     keeps_part = True
     lossless_only = False
 
-    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> DerivedLayer:
+    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> OwnedLayer:
         heads = field_int(record, "kv_heads", 1)
         counts = record.get("counts")
         if (
@@ -66,18 +66,18 @@ class PressedKind(OwnedKindBase):
             or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= n_tokens for n in counts)
         ):
             raise CorruptEntryError(f"derived entry header layer {i}: its counts do not fit {heads} heads")
-        return DerivedLayer(heads, field_int(record, "head_dim", 1), tuple(counts))
+        return OwnedLayer(heads, field_int(record, "head_dim", 1), tuple(counts))
 
     def check_header(self, h: Mapping[str, Any]) -> str:
         if "scores_dtype" in h:
             raise CorruptEntryError("derived entry header field 'scores_dtype' is missing or invalid")
         return ""
 
-    def value_bytes(self, header: DerivedHeader) -> int:
+    def value_bytes(self, header: OwnedHeader) -> int:
         item = dtypes.bits(header.dtype) // 8
         return sum(2 * layer.kept * layer.head_dim for layer in header.layers) * item
 
-    def tensor_names(self, header: DerivedHeader, codec: Codec) -> list[str]:
+    def tensor_names(self, header: OwnedHeader, codec: Codec) -> list[str]:
         want = []
         for i, layer in enumerate(header.layers):
             want.append(positions_name(i))
@@ -87,7 +87,7 @@ class PressedKind(OwnedKindBase):
                         want += codec.quantizer.stored_names(head_name(i, h, role))
         return want
 
-    def read_tensors(self, header: DerivedHeader, records: Mapping[str, TensorRecord], codec: Codec) -> tuple:
+    def read_tensors(self, header: OwnedHeader, records: Mapping[str, TensorRecord], codec: Codec) -> tuple:
         dtype = dtypes.to_torch(header.dtype)
         kv: dict[tuple[int, int], tuple[StoredTensor, StoredTensor]] = {}
         positions: list[torch.Tensor] = []

@@ -5,7 +5,7 @@ An :class:`EntryKind` says how its entries read (header, sizes, tensors, decodin
 store's management makes of them; the store's ``has`` / ``open`` and its write-once put, its scan,
 gc, removal, sync, export, verify and stats ask the kind, never compare its name. An entry a
 context owns is stored under ``x/<context>/<key>`` in the format-5 frame
-(:mod:`kvstore.store.derived`); its header's ``kind`` names its row here.
+(:mod:`kvstore.store.owned`); its header's ``kind`` names its row here.
 
 Adding a kind is one module defining it (an :class:`OwnedKind`, see
 :mod:`kvstore.store.kind_scores`) and one row in :data:`BUILTIN_KINDS`; :func:`register_kind`
@@ -28,9 +28,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from kvstore.store.codecs import Codec, TensorRecord
 
-# an owned entry's header and layer record (kvstore.store.derived_header, which reads this table)
-DerivedHeader: TypeAlias = Any
-DerivedLayer: TypeAlias = Any
+# an owned entry's header and layer record (kvstore.store.owned_header, which reads this table)
+OwnedHeader: TypeAlias = Any
+OwnedLayer: TypeAlias = Any
 
 
 class EntryKind(Protocol):
@@ -67,14 +67,14 @@ class EntryKind(Protocol):
 
 
 class OwnedKind(EntryKind, Protocol):
-    """A kind of entry a context owns (format 5): the shared header (:class:`DerivedHeader`) with
+    """A kind of entry a context owns (format 5): the shared header (:class:`OwnedHeader`) with
     this kind's layer records and tensors."""
 
     # keeps a part of the context's (token, head) pairs: listings show the kept fraction
     keeps_part: bool
     lossless_only: bool  # never quantized, whatever the codec (its key has no codec identity)
 
-    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> DerivedLayer:
+    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> OwnedLayer:
         """Layer ``i``'s record from the header, checked; CorruptEntryError."""
         ...
 
@@ -82,16 +82,16 @@ class OwnedKind(EntryKind, Protocol):
         """Check the kind's own header fields; returns ``scores_dtype`` (``""`` where none)."""
         ...
 
-    def value_bytes(self, header: DerivedHeader) -> int:
+    def value_bytes(self, header: OwnedHeader) -> int:
         """Bytes of the stored values alone, uncompressed."""
         ...
 
-    def tensor_names(self, header: DerivedHeader, codec: Codec) -> list[str]:
+    def tensor_names(self, header: OwnedHeader, codec: Codec) -> list[str]:
         """The payload's tensor names, as the header and codec say they are."""
         ...
 
     def read_tensors(
-        self, header: DerivedHeader, records: Mapping[str, TensorRecord], codec: Codec
+        self, header: OwnedHeader, records: Mapping[str, TensorRecord], codec: Codec
     ) -> tuple[dict[tuple[int, int], tuple[Any, Any]], tuple[torch.Tensor, ...]]:
         """``(keys and values by (layer, head), positions by layer)``, each checked against the
         header (empty where the kind holds none); CorruptEntryError."""
@@ -133,7 +133,7 @@ def unregister_kind(name: str) -> None:
 
 
 # what reads the entries under each prefix: chunks; entries a context owns, of any kind (its header names it)
-_BY_PREFIX: dict[bytes, str] = {ENTRY: "kvstore.store.entry:CHUNK", OWNED: "kvstore.store.derived:ANY_OWNED"}
+_BY_PREFIX: dict[bytes, str] = {ENTRY: "kvstore.store.entry:CHUNK", OWNED: "kvstore.store.owned:ANY_OWNED"}
 
 
 def _load(where: str) -> Any:

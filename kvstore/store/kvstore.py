@@ -144,8 +144,8 @@ class KVStore(EntryAccess):
     def put(self, item: Entry | bytes, *, codec: str | Codec | None = None) -> int:
         """Store an entry of any kind once; returns its stored size in bytes. ``item``: an
         :class:`Entry` (a chunk, encoded with ``codec``, default the store's), or the bytes of an
-        entry of any kind (:meth:`encode`, :func:`~kvstore.store.derived.encode_scores`,
-        :func:`~kvstore.store.derived.encode_pressed`, a kind's encoder): its kind, key and owner
+        entry of any kind (:meth:`encode`, :func:`~kvstore.store.owned.encode_scores`,
+        :func:`~kvstore.store.owned.encode_pressed`, a kind's encoder): its kind, key and owner
         are read from its frame. A key that holds an intact entry of the same facts keeps it
         (another writer's copy); a corrupt or different one is replaced. Raises
         ReadOnlyStoreError on a read-only store, CorruptEntryError for bytes that are no intact
@@ -247,13 +247,15 @@ class KVStore(EntryAccess):
         if items and not self.readonly:
             self.backend.put_many(items)
 
-    def prefetch(self, keys: Iterable[str], *, derived: Iterable[tuple[str, str]] = ()) -> None:
-        """Start fetching these entries, and the ``derived`` entries ``(context, derived key)``, in
-        the background where the backend can (a remote one: ``sample`` asks for the next batch's
-        chunks while the current batch decodes); later loads take them from there. Local backends
-        (LMDB, memory) need nothing: a no-op."""
+    def prefetch(
+        self, keys: Iterable[str], *, owned: Iterable[tuple[str, str]] = (), derived: Iterable[tuple[str, str]] = ()
+    ) -> None:
+        """Start fetching these entries, and the ``owned`` entries ``(context, key)`` (``derived``:
+        its deprecated name), in the background where the backend can (a remote one: ``sample``
+        asks for the next batch's chunks while the current batch decodes); later loads take them
+        from there. Local backends (LMDB, memory) need nothing: a no-op."""
         names = [entry_key(k) for k in dict.fromkeys(keys)]
-        names += [owned_key(c, k) for c, k in dict.fromkeys(derived)]
+        names += [owned_key(c, k) for c, k in dict.fromkeys([*owned, *derived])]  # derived: deprecated
         self.backend.prefetch(names)
 
     # -- chains ---------------------------------------------------------------------------------

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import CorruptEntryError, FormatVersionError, ReadOnlyStoreError
-from kvstore.store.derived import ANY_OWNED
 from kvstore.store.entry import CHUNK
 from kvstore.store.keyspace import access_key, record_key
 from kvstore.store.kinds import EntryKind, stands_for_context
+from kvstore.store.owned import ANY_OWNED
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.kvstore import KVStore
@@ -161,7 +161,8 @@ class GcReport:
     freed_bytes: int = 0
     kept: tuple[tuple[str, str], ...] = ()
     dropped_local: int = 0  # bad copies dropped from a local tier (the remote's untouched)
-    derived: tuple[str, ...] = ()  # owned entries removed
+    owned: tuple[str, ...] = ()  # owned entries removed
+    derived = property(lambda self: self.owned, doc="Deprecated: ``owned``.")
 
 
 def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:

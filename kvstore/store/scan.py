@@ -9,7 +9,7 @@ a few hundred bytes per chunk, whatever the model), and the values callers read
 one whole-context entry (format 1), or, in a store that keeps only pressed caches, a context known
 by its pressed entries alone. A chunk shared by several contexts is stored once, so a store has
 *physical* bytes (its entries) and *logical* bytes (each context's chunks, counted per context);
-their ratio is the dedupe ratio. A derived entry (:class:`~kvstore.store.infos.DerivedInfo`) lives
+their ratio is the dedupe ratio. A derived entry (:class:`~kvstore.store.infos.OwnedInfo`) lives
 with its context: one whose context is neither recorded nor pressed is an orphan.
 
 Per-group totals are :mod:`kvstore.store.summary`; removal plans, :mod:`kvstore.store.gc`.
@@ -33,8 +33,8 @@ from kvstore.store.infos import (  # noqa: F401
     ContextInfo,
     ContextRecord,
     CorruptInfo,
-    DerivedInfo,
     EntryInfo,
+    OwnedInfo,
     chain_problem,
     matches_model,
 )
@@ -99,7 +99,7 @@ class StoreInfo:
         self, about: StoreAbout, entries: EntryTable | Sequence[EntryInfo], corrupt: Sequence[CorruptInfo] = (),
         contexts: ContextTable | Sequence[ContextInfo] = (), *, recorded_access: Mapping[str, float] | None = None,
         local_corrupt: Sequence[CorruptInfo] = (), malformed: Sequence[CorruptInfo] = (),
-        derived: Sequence[DerivedInfo] = (), unknown: Sequence[CorruptInfo] = (),
+        owned: Sequence[OwnedInfo] = (), unknown: Sequence[CorruptInfo] = (),
     ):  # fmt: skip
         self.about = about
         self.url, self.format, self.codec, self.created = about.url, about.format, about.codec, about.created
@@ -109,10 +109,10 @@ class StoreInfo:
         if not isinstance(entries, EntryTable):
             entries = entry_table_of(entries, recorded_access)
         if not isinstance(contexts, ContextTable):
-            contexts = context_table_of(entries, contexts, derived)
+            contexts = context_table_of(entries, contexts, owned)
         self.entries: EntryTable = entries
         self.contexts: ContextTable = contexts
-        self.derived: tuple[DerivedInfo, ...] = tuple(d for ds in contexts.derived.values() for d in ds)
+        self.owned: tuple[OwnedInfo, ...] = tuple(d for ds in contexts.owned.values() for d in ds)
 
     @property
     def n_entries(self) -> int:
@@ -143,9 +143,10 @@ class StoreInfo:
     @property
     def owned_bytes(self) -> int:
         """Bytes of the entries contexts own (derived entries)."""
-        return sum(d.stored_bytes for d in self.derived)
+        return sum(d.stored_bytes for d in self.owned)
 
-    derived_bytes = owned_bytes  # the name it had before kinds were one table
+    derived_bytes = owned_bytes  # deprecated: the name it had
+    derived = property(lambda self: self.owned, doc="Deprecated: ``owned``.")
 
     @property
     def logical_bytes(self) -> int:
@@ -179,12 +180,12 @@ class StoreInfo:
         return tuple(self.entries.info(r) for r in self.orphan_rows())
 
     @property
-    def orphan_owned(self) -> tuple[DerivedInfo, ...]:
+    def orphan_owned(self) -> tuple[OwnedInfo, ...]:
         """Derived entries whose context is neither recorded (a record, a format-1 entry) nor
         stored as a pressed cache: nothing uses them (a context removed by an older kvstore, or a
         removal interrupted after the context went)."""
         live = set(self.contexts.keys) | self.unknown_contexts
-        return tuple(d for d in self.derived if d.context not in live)
+        return tuple(d for d in self.owned if d.context not in live)
 
     @property
     def unknown_contexts(self) -> frozenset[str]:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar, overload
 from kvstore.errors import CorruptEntryError
 from kvstore.store.codecs import codec_from_params
 from kvstore.store.header import EntryHeader
-from kvstore.store.infos import ContextInfo, DerivedInfo, EntryInfo
+from kvstore.store.infos import ContextInfo, EntryInfo, OwnedInfo
 
 _NONE = math.nan  # no recorded use
 _NO_PARENT = bytes(32)
@@ -119,7 +119,7 @@ class EntryTable(_Values[EntryInfo]):
         self.touched = dict(touched or {})
         self.other_access: dict[str, float] = {}
         self.refs = array("i")  # contexts using each row (ContextTable.finish)
-        self.owned: list[DerivedInfo] = []  # their last uses are filled in when read (owned_infos)
+        self.owned: list[OwnedInfo] = []  # their last uses are filled in when read (owned_infos)
         self._shared: dict[Any, Any] = {}
 
     # -- building ---------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ class EntryTable(_Values[EntryInfo]):
         """Append one entry (chunk rows are sorted by :meth:`finish`); ``owned``: an entry a context
         owns (``header`` its kind's)."""
         if owned:
-            self.owned.append(DerivedInfo.of(header, stored, self.codecs(header.codec)[0], self._shared.setdefault))
+            self.owned.append(OwnedInfo.of(header, stored, self.codecs(header.codec)[0], self._shared.setdefault))
             return
         spec, lossless = self.codecs(header.codec)
         numerics = tuple(sorted(header.numerics.items()))
@@ -146,7 +146,7 @@ class EntryTable(_Values[EntryInfo]):
         self._recorded.append(_NONE if recorded is None else recorded)
         self._profile.append(index)
 
-    def owned_infos(self) -> list[DerivedInfo]:
+    def owned_infos(self) -> list[OwnedInfo]:
         """The owned entries' values, each with its last use (read once the uses are)."""
         return [replace(d, last_access=self.access_of(d.key)) for d in self.owned]
 
@@ -339,7 +339,7 @@ class ContextTable(_Values[ContextInfo]):
         self.missing_keys: list[str] = []
         self._missing: dict[str, int] = {}
         self._tokens, self._created, self.kind = array("q"), array("d"), bytearray()
-        self.derived: dict[str, tuple[DerivedInfo, ...]] = {}  # context key -> its derived entries
+        self.owned: dict[str, tuple[OwnedInfo, ...]] = {}  # context key -> its derived entries
 
     def add(self, key: str, chunks: Sequence[str], n_tokens: int, created: float, kind: int = RECORDED) -> None:
         for k in chunks:
@@ -358,12 +358,12 @@ class ContextTable(_Values[ContextInfo]):
         self._created.append(created)
         self.kind.append(kind)
 
-    def attach(self, derived: Iterable[DerivedInfo]) -> None:
+    def attach(self, owned: Iterable[OwnedInfo]) -> None:
         """File each derived entry under its context."""
-        by: dict[str, list[DerivedInfo]] = {}
-        for d in derived:
+        by: dict[str, list[OwnedInfo]] = {}
+        for d in owned:
             by.setdefault(d.context, []).append(d)
-        self.derived = {k: tuple(v) for k, v in by.items()}
+        self.owned = {k: tuple(v) for k, v in by.items()}
 
     def finish(self) -> None:
         """Count the contexts using each chunk (``entries.refs``)."""
@@ -386,8 +386,8 @@ class ContextTable(_Values[ContextInfo]):
     def chunk_keys(self, i: int) -> tuple[str, ...]:
         return tuple(self.chunk_key(r) for r in self.rows(i))
 
-    def owned_of(self, i: int) -> tuple[DerivedInfo, ...]:
-        return self.derived.get(self.keys[i], ())
+    def owned_of(self, i: int) -> tuple[OwnedInfo, ...]:
+        return self.owned.get(self.keys[i], ())
 
     def n_tokens(self, i: int) -> int:
         return self._tokens[i]
@@ -447,7 +447,7 @@ class ContextTable(_Values[ContextInfo]):
             key=self.keys[i], n_tokens=self._tokens[i], chunks=self.chunk_keys(i), stored_bytes=self.stored(i),
             raw_bytes=sum(e.raw(r) for r in present), kv_bytes=sum(e.profile(r).kv_bytes for r in present),
             missing=len(rows) - len(present), first=e.info(rows[0]) if rows and rows[0] >= 0 else None,
-            created=self.created(i), last_access=self.last_access(i), derived=self.owned_of(i),
+            created=self.created(i), last_access=self.last_access(i), owned=self.owned_of(i),
         )  # fmt: skip
 
 
@@ -467,16 +467,16 @@ def entry_table_of(entries: Iterable[EntryInfo], recorded: Mapping[str, float] |
     return table
 
 
-def context_table_of(entries: EntryTable, contexts: Iterable[ContextInfo], derived: Iterable[DerivedInfo] = ()
+def context_table_of(entries: EntryTable, contexts: Iterable[ContextInfo], owned: Iterable[OwnedInfo] = ()
                      ) -> ContextTable:  # fmt: skip
     """A table of ``contexts`` made by hand over ``entries``."""
     table = ContextTable(entries)
-    extra: list[DerivedInfo] = list(derived)
+    extra: list[OwnedInfo] = list(owned)
     for c in contexts:
         whole = len(c.chunks) == 1 and c.first is not None and c.first.header.format == 1
         kind = OWNED_ONLY if not c.chunks else WHOLE_ENTRY if whole else RECORDED
         table.add(c.key, c.chunks, c.n_tokens, c.created, kind)
-        extra += c.derived
+        extra += c.owned
     table.attach({(d.context, d.key): d for d in extra}.values())
     table.finish()
     return table

@@ -61,9 +61,11 @@ class SyncPlan:
         return sum(k.startswith(ENTRY) for k in self.missing)
 
     @property
-    def derived(self) -> int:
+    def owned(self) -> int:
         """Derived entries among the records to copy."""
         return sum(k.startswith(OWNED) for k in self.missing)
+
+    derived = property(lambda self: self.owned, doc="Deprecated: ``owned``.")
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,13 @@ class SyncReport:
     copied: int = 0
     copied_entries: int = 0
     copied_bytes: int = 0
-    copied_derived: int = 0
+    copied_owned: int = 0
     vanished: int = 0
     corrupt: tuple[tuple[str, str], ...] = field(default=())
     seconds: float = 0.0
     unknown: tuple[tuple[str, str], ...] = field(default=())
+
+    copied_derived = property(lambda self: self.copied_owned, doc="Deprecated: ``copied_owned``.")
 
     def as_dict(self) -> dict:
         return {
@@ -94,7 +98,7 @@ class SyncReport:
             "already_present": self.present,
             "copied": self.copied,
             "copied_entries": self.copied_entries,
-            "copied_derived": self.copied_derived,
+            "copied_derived": self.copied_owned,
             "copied_bytes": self.copied_bytes,
             "vanished": self.vanished,
             "corrupt": len(self.corrupt),
@@ -270,7 +274,7 @@ def execute_sync(
         present=plan.present + counts["present"],
         copied=counts["copied"],
         copied_entries=totals["entries"],
-        copied_derived=totals["derived"],
+        copied_owned=totals["derived"],
         copied_bytes=totals["bytes"],
         vanished=counts["vanished"],
         corrupt=tuple(corrupt),

@@ -19,11 +19,15 @@ import torch
 from helpers.entries import assemble, bits, golden_facts, make_entry, split
 from helpers.paths import GOLDEN
 from kvstore.errors import CodecError, CorruptEntryError, CorruptEntryWarning, FormatVersionError, ReadOnlyStoreError
-from kvstore.store import derived as derived_mod
 from kvstore.store import frame as header_mod
+from kvstore.store import owned as derived_mod
 from kvstore.store.codecs import get_codec
 from kvstore.store.codecs.prerope import Rotary, rotate
-from kvstore.store.derived import (
+from kvstore.store.entry import decode_entry
+from kvstore.store.header import read_header
+from kvstore.store.keyspace import access_key, derived_entry_key
+from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import (
     PRESSED,
     SCORES,
     DerivedFacts,
@@ -33,10 +37,6 @@ from kvstore.store.derived import (
     encode_scores,
     read_derived_header,
 )
-from kvstore.store.entry import decode_entry
-from kvstore.store.header import read_header
-from kvstore.store.keyspace import access_key, derived_entry_key
-from kvstore.store.kvstore import KVStore
 
 REGEN = os.environ.get("KVSTORE_REGEN_GOLDEN") == "1"
 CONTEXT = hashlib.sha256(b"kvstore golden context").hexdigest()

@@ -17,13 +17,13 @@ from helpers.entries import FP_TINY, make_chain, store_chain
 from kvstore.cli.main import app
 from kvstore.errors import CorruptEntryError
 from kvstore.store.codecs import get_codec
-from kvstore.store.derived import DerivedFacts, OwnedKindBase, encode_owned, owned_header
-from kvstore.store.derived_header import DerivedLayer
 from kvstore.store.frame import field_int
 from kvstore.store.gc import GcOptions, plan_gc
 from kvstore.store.keyspace import owned_key
 from kvstore.store.kinds import find_kind, register_kind, unregister_kind
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import DerivedFacts, OwnedKindBase, encode_owned, owned_header
+from kvstore.store.owned_header import DerivedLayer
 from kvstore.store.removal import execute_plan
 
 LATER = 7200.0  # a plan made two hours later: past the default grace

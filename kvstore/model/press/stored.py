@@ -33,7 +33,8 @@ from kvstore.errors import CorruptEntryWarning
 from kvstore.model.plan.chains import Chain
 from kvstore.model.press.spec import Press
 from kvstore.store.codecs import Codec
-from kvstore.store.derived import (
+from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import (
     PRESSED,
     SCORES,
     DerivedFacts,
@@ -43,7 +44,6 @@ from kvstore.store.derived import (
     encode_pressed,
     encode_scores,
 )
-from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.handle import ModelHandle
