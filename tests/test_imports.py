@@ -553,14 +553,14 @@ def test_the_store_says_owned_for_what_a_context_owns() -> None:
 
 def test_the_deprecated_names_are_the_new_ones() -> None:
     """The old names (one release) read the same objects as the new."""
-    from kvstore.store import derived, derived_header, owned, owned_header
+    from kvstore.store import derived, derived_header, kind_pressed, owned, owned_header
     from kvstore.store.infos import DerivedInfo, OwnedInfo
     from kvstore.store.kvstore import KVStore
     from kvstore.store.removal import GcPlan, Planned
 
     assert derived.DerivedView is owned.OwnedView and derived.decode_derived is owned.decode_owned
     assert derived.DerivedFacts is owned_header.OwnedFacts is derived_header.DerivedFacts
-    assert derived.encode_pressed is owned.encode_pressed and DerivedInfo is OwnedInfo
+    assert derived.encode_pressed is kind_pressed.encode_pressed and DerivedInfo is OwnedInfo
     assert KVStore.derived_keys is KVStore.owned_keys
     plan = GcPlan((Planned("b", "corrupt: x", 3, "c", ""), Planned("k", "asked for", 2)), 0,
                   tier_copies=(Planned("t", "bad", 1),))  # fmt: skip

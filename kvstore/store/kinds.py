@@ -7,9 +7,10 @@ gc, removal, sync, export, verify and stats ask the kind, never compare its name
 context owns is stored under ``x/<context>/<key>`` in the format-5 frame
 (:mod:`kvstore.store.owned`); its header's ``kind`` names its row here.
 
-Adding a kind is one module defining it (an :class:`OwnedKind`, see
-:mod:`kvstore.store.kind_scores`) and one row in :data:`BUILTIN_KINDS`; :func:`register_kind`
-adds one at run time (a plug-in, a test).
+Adding a kind is one module defining it (an :class:`OwnedKind`: its layer records, its own header
+fields, its view, its encoder; see :mod:`kvstore.store.kind_scores`) and one row in
+:data:`BUILTIN_KINDS`; :func:`register_kind` adds one at run time (a plug-in; a test's:
+``tests/helpers/kind_summary.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import importlib
 import re
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store.keyspace import ENTRY, OWNED, entry_name
@@ -28,9 +29,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from kvstore.store.codecs import Codec, TensorRecord
 
-# an owned entry's header and layer record (kvstore.store.owned_header, which reads this table)
+# an owned entry's header (kvstore.store.owned_header, which reads this table)
 OwnedHeader: TypeAlias = Any
-OwnedLayer: TypeAlias = Any
+L_co = TypeVar("L_co", covariant=True)  # a kind's layer record
+V = TypeVar("V")  # a kind's view of a verified entry
 
 
 class EntryKind(Protocol):
@@ -66,38 +68,50 @@ class EntryKind(Protocol):
         ...
 
 
-class OwnedKind(EntryKind, Protocol):
-    """A kind of entry a context owns (format 5): the shared header (:class:`OwnedHeader`) with
-    this kind's layer records and tensors."""
+class OwnedKind(EntryKind, Protocol[L_co, V]):
+    """A kind of entry a context owns (format 5): the shared header (:class:`OwnedHeader`: its
+    ``layers`` this kind's records ``L_co``, its ``fields`` this kind's own header fields) and this
+    kind's tensors, read into its own view ``V``. :class:`kvstore.store.owned.OwnedKindBase` is the
+    half every such kind shares (and the defaults of a kind that keeps no part of its context)."""
 
     # keeps a part of the context's (token, head) pairs: listings show the kept fraction
     keeps_part: bool
     lossless_only: bool  # never quantized, whatever the codec (its key has no codec identity)
 
-    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> OwnedLayer:
+    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> L_co:
         """Layer ``i``'s record from the header, checked; CorruptEntryError."""
         ...
 
-    def check_header(self, h: Mapping[str, Any]) -> str:
-        """Check the kind's own header fields; returns ``scores_dtype`` (``""`` where none)."""
+    def check_header(self, h: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The kind's own header fields, checked (CorruptEntryError), as the header keeps them."""
         ...
 
     def value_bytes(self, header: OwnedHeader) -> int:
         """Bytes of the stored values alone, uncompressed."""
         ...
 
+    def data_bytes(self, header: OwnedHeader) -> int:
+        """Bytes of every stored tensor, uncompressed (the values, and what else the kind stores)."""
+        ...
+
+    def kept_pairs(self, header: OwnedHeader) -> int:
+        """(token, head) pairs kept over every layer (0 for a kind that keeps no part)."""
+        ...
+
+    def kept_fraction(self, header: OwnedHeader) -> float:
+        """``kept_pairs`` over every (token, head) pair of the context (1.0: all of them)."""
+        ...
+
     def tensor_names(self, header: OwnedHeader, codec: Codec) -> list[str]:
         """The payload's tensor names, as the header and codec say they are."""
         ...
 
-    def read_tensors(
-        self, header: OwnedHeader, records: Mapping[str, TensorRecord], codec: Codec
-    ) -> tuple[dict[tuple[int, int], tuple[Any, Any]], tuple[torch.Tensor, ...]]:
-        """``(keys and values by (layer, head), positions by layer)``, each checked against the
-        header (empty where the kind holds none); CorruptEntryError."""
+    def view(self, header: OwnedHeader, records: Mapping[str, TensorRecord], codec: Codec) -> V:
+        """The kind's view of a verified entry (its ``header`` and tensors), each tensor checked
+        against the header; CorruptEntryError."""
         ...
 
-    def export_tensors(self, view: Any) -> dict[str, torch.Tensor]:
+    def export_tensors(self, view: V) -> dict[str, torch.Tensor]:
         """The tensors an export writes (``kvstore export``), by name."""
         ...
 

@@ -1,70 +1,54 @@
-"""Derived entries, the entries a context owns: what is computed from one stored context and
-stored beside it (format 5).
+"""Owned entries, the entries a context owns: what is computed from one stored context and stored
+beside it (format 5; the whole format: docs/format.md).
 
-A derived entry belongs to one context, named by the context's key (its chain's last chunk key),
-and is of one kind in the table of kinds (:mod:`kvstore.store.kinds`); the built-in ones:
-
-* ``scores``: a query-agnostic press's per-token scores, per layer ``[kv_heads, n_tokens]``
-  (float32 or float64, stored exactly: never quantized, whatever the codec);
-* ``pressed``: a pressed cache: per layer and KV head, the kept tokens' keys and values and their
-  context positions (the heads of one layer may keep different counts, even none).
+An owned entry belongs to one context, named by the context's key (its chain's last chunk key),
+and is of one kind in the table of kinds (:mod:`kvstore.store.kinds`). Each kind's module holds
+its layer records, its own header fields, its tensors, its view and its encoder (the built-in
+ones: :mod:`kvstore.store.kind_scores`, a press's per-token scores; :mod:`kvstore.store.kind_pressed`,
+a pressed cache); this module holds what they share: the header every kind writes
+(:func:`owned_header`), the encoding (:func:`encode_owned`), the decoding (:func:`decode_owned`:
+the kind's view), the built-in kinds' view (:class:`OwnedView`) and the half of a kind every owned
+kind shares (:class:`OwnedKindBase`).
 
 **Key.** :func:`owned_key_of`: sha256 of ``b"kvstore-derived\\0" ‖ u32le(1) ‖ context\\0 ‖ kind\\0 ‖
-spec\\0 ‖ identity\\0`` (``spec``: the canonical scorer or press spec, e.g. ``kvzip:chunk=2048`` or
-``kvzip:0.75``; ``identity``: the lossy codec's :attr:`~kvstore.store.codecs.Codec.identity`, ``""``
-for a lossless codec and always for scores). The backend keeps it under ``x/<context>/<key>``
+spec\\0 ‖ identity\\0`` (``identity``: the lossy codec's :attr:`~kvstore.store.codecs.Codec.identity`,
+``""`` for a lossless codec). The backend keeps it under ``x/<context>/<key>``
 (:mod:`kvstore.store.keyspace`); its last use under ``a/<key>``, as for chunks.
 
-**Bytes.** The framing every entry shares (:mod:`kvstore.store.frame`: magic, u32 header length,
-canonical JSON header, the codec's payload, xxh3-64 of everything before it) with ``"format": 5``.
-Header: ``format``, ``key`` (the derived key), ``context``, ``kind``, ``spec``, ``model``
-(fingerprint), ``model_name``, ``dtype`` (the model's), ``numerics``, ``n_tokens`` (the context's
-tokens ``c``), ``layers`` (one record per layer: ``{"kv_heads": H}`` for scores,
-``{"kv_heads": H, "head_dim": d, "counts": [n_0, ..., n_{H-1}]}`` for a pressed cache),
-``scores_dtype`` (scores only: ``float32`` or ``float64``), ``codec`` (as chunk entries: a pressed
-cache's keys and values go through its quantizer; scores only through its packing), ``raw_bytes``,
-``created`` and ``press`` (a JSON object saying what made it, shown by ``ls``).
-
-Payload tensors (each kind's module says its own: :mod:`kvstore.store.kind_scores`,
-:mod:`kvstore.store.kind_pressed`):
-
-* ``scores``: ``layers.{i}.scores`` ``[H, c]``;
-* ``pressed``: ``layers.{i}.heads.{h}.keys`` / ``.values`` ``[1, n_h, d]`` (or the quantizer's parts
-  of them; a head with ``n_h == 0`` stores none), and ``layers.{i}.positions`` int32
-  ``[sum_h n_h]``: each head's kept positions, ascending, in ``[0, c)``, heads in order. Lossy
-  quantizers see each head's true positions (:meth:`kvstore.store.codecs.Quantizer.encode`): a
-  context's first tokens stay unquantized where kept, and the pre-rotation codecs (``int4r``,
-  ``int8r``, ``ecq``) un-rotate each key at its own position.
+**Bytes.** The framing every entry shares (:mod:`kvstore.store.frame`) with ``"format": 5``. Header:
+``format``, ``key``, ``context``, ``kind``, ``spec``, ``model`` (fingerprint), ``model_name``,
+``dtype`` (the model's), ``numerics``, ``n_tokens`` (the context's), ``layers`` (one record per
+layer, the kind's), ``codec``, ``raw_bytes``, ``created``, ``press`` (a JSON object saying what made
+it, shown by ``ls``), and the kind's own fields (a scores entry's ``scores_dtype``).
 
 Decoding verifies the checksum first, then checks every declared size against the header before
 anything is allocated, the header's key against its own context, kind, spec and codec, and every
-tensor against the header: anything inconsistent is a CorruptEntryError (a miss, recomputed by the
-caller); a newer format is a FormatVersionError.
+tensor against the header (the kind's): anything inconsistent is a CorruptEntryError (a miss,
+recomputed by the caller); a newer format is a FormatVersionError.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from kvstore import dtypes
 from kvstore.errors import CorruptEntryError
-from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params, get_codec
+from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, codec_from_params
 from kvstore.store.codecs.base import encode_named
-from kvstore.store.codecs.prerope import Rotary, with_rotary
 from kvstore.store.frame import DERIVED_FORMAT, check_metadata, open_frame, seal
 from kvstore.store.header import MAX_POSITION
 from kvstore.store.keyspace import is_key, owned_key
 from kvstore.store.kinds import kind_of
 
-# the header and key live in derived_header (read by listings without this module's decoding);
-# they are importable from here too, with the rest of the API
-from kvstore.store.owned_header import (  # noqa: F401  # noqa: F401  (deprecated: the names they had)
+# the header and key live in owned_header (read by listings without this module's decoding);
+# they are importable from here too, with the rest of the API (and their deprecated names)
+from kvstore.store.owned_header import (  # noqa: F401
     MAX_SPEC,
     SCORE_DTYPES,
     DerivedFacts,
@@ -86,6 +70,8 @@ from kvstore.store.owned_header import (  # noqa: F401  # noqa: F401  (deprecate
 
 # the built-in kinds' names (their objects: kvstore.store.kinds)
 SCORES, PRESSED = "scores", "pressed"
+L = TypeVar("L")  # a kind's layer record
+V = TypeVar("V")  # a kind's view of a verified entry
 # the header fields the payload's metadata repeats
 _METADATA = ("key", "context", "kind", "spec", "model", "dtype", "n_tokens", "n_layers")
 
@@ -143,90 +129,6 @@ def encode_owned(
     return key, _seal(header, codec, tensors, positions or {})
 
 
-def encode_scores(
-    facts: OwnedFacts, spec: str, press: Mapping, scores: Sequence[torch.Tensor], codec: Codec | str | None = None
-) -> tuple[str, bytes]:
-    """A context's per-token scores as a derived entry: ``(derived key, bytes to store)``.
-
-    ``scores[i]``: layer ``i``'s scores ``[kv_heads, n_tokens]`` (``facts.n_tokens``), float32 or
-    float64 (every layer the same), stored exactly: only ``codec``'s packing applies. ``spec``: the
-    canonical scorer spec; ``press``: what made them (a JSON object). Raises ValueError for
-    scores of the wrong shape or dtype, or a ``press`` that is not such an object."""
-    packing = get_codec(codec).packing
-    lossless = Codec(get_codec("raw").quantizer, packing)
-    header = owned_header(facts, SCORES, spec, press)
-    if not scores:
-        raise ValueError("scores need at least one layer")
-    kind = {t.dtype for t in scores}
-    if len(kind) != 1 or dtypes.name(next(iter(kind))) not in SCORE_DTYPES:
-        raise ValueError(f"scores must be float32 or float64, every layer the same, not {sorted(map(str, kind))}")
-    tensors, layers = [], []
-    for i, t in enumerate(scores):
-        if t.dim() != 2 or t.shape[0] < 1 or t.shape[1] != facts.n_tokens:
-            raise ValueError(f"layer {i}: scores must be [kv_heads, {facts.n_tokens}], not {tuple(t.shape)}")
-        tensors.append((scores_name(i), t.detach().to("cpu").contiguous(), None))
-        layers.append(OwnedLayer(int(t.shape[0])).record())
-    return encode_owned(header, layers, tensors, lossless, fields={"scores_dtype": dtypes.name(scores[0].dtype)})
-
-
-def encode_pressed(
-    facts: OwnedFacts, spec: str, press: Mapping,
-    layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], codec: Codec | str | None = None,
-    *, rotary: Rotary | None = None,
-) -> tuple[str, bytes]:  # fmt: skip
-    """A context's pressed cache as a derived entry: ``(derived key, bytes to store)``.
-
-    ``layers[i][h] = (keys [n_h, d], values [n_h, d], positions [n_h])``: head ``h`` of layer ``i``
-    keeps ``n_h`` tokens (0 to ``facts.n_tokens``; heads of a layer may keep different counts),
-    their keys and values in the model's dtype (``facts.dtype``) and their context positions
-    (int64, strictly ascending, in ``[0, n_tokens)``). ``codec``'s quantizer applies to keys and
-    values (int8, int4, fp8; the pre-rotation ``int4r``/``int8r``/``ecq`` need the model's
-    ``rotary``, or a codec with it bound: :func:`kvstore.store.codecs.prerope.with_rotary`), its
-    packing to the whole payload; a lossy quantizer is part of the key. Raises ValueError for
-    tensors of the wrong shape, dtype or positions, CodecError for what the codec cannot store."""
-    codec = with_rotary(get_codec(codec), rotary)
-    header = owned_header(facts, PRESSED, spec, press)
-    dtype = dtypes.to_torch(header["dtype"])
-    n = facts.n_tokens
-    if not layers:
-        raise ValueError("a pressed cache needs at least one layer")
-    tensors: list[tuple[str, torch.Tensor, str | None]] = []
-    positions: dict[str, torch.Tensor] = {}
-    records = []
-    for i, heads in enumerate(layers):
-        if not heads:
-            raise ValueError(f"layer {i}: a pressed cache needs at least one KV head")
-        dims = {int(k.shape[-1]) for k, _, _ in heads}
-        if len(dims) != 1 or min(dims) < 1:
-            raise ValueError(f"layer {i}: every head's keys and values need one head_dim, not {sorted(dims)}")
-        counts, kept = [], []
-        for h, (k, v, pos) in enumerate(heads):
-            pos = torch.as_tensor(pos).detach().to("cpu")
-            m = int(pos.numel())
-            for t in (k, v):
-                if t.dim() != 2 or tuple(t.shape) != (m, *dims) or t.dtype != dtype:
-                    raise ValueError(
-                        f"layer {i} head {h}: keys and values must be [{m}, {min(dims)}] {header['dtype']}, "
-                        f"got {tuple(t.shape)} {t.dtype}"
-                    )
-            if pos.dim() != 1 or pos.dtype not in (torch.int64, torch.int32):
-                raise ValueError(
-                    f"layer {i} head {h}: positions must be int64 [n_h], got {pos.dtype} {tuple(pos.shape)}"
-                )
-            if m and (int(pos[0]) < 0 or int(pos[-1]) >= n or bool((pos[1:] <= pos[:-1]).any())):
-                raise ValueError(f"layer {i} head {h}: positions must be strictly ascending within [0, {n})")
-            counts.append(m)
-            kept.append(pos.to(torch.int64))
-            if m:
-                for role, t in (("keys", k), ("values", v)):
-                    name = head_name(i, h, role)
-                    tensors.append((name, t.detach().to("cpu").unsqueeze(0).contiguous(), role))
-                    positions[name] = kept[-1]
-        tensors.append((positions_name(i), torch.cat(kept).to(torch.int32), None))
-        records.append(OwnedLayer(len(heads), min(dims), tuple(counts)).record())
-    return encode_owned(header, records, tensors, codec, positions)
-
-
 # -- decoding ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class OwnedView:
@@ -267,8 +169,9 @@ class OwnedView:
 
 
 def decode_owned(buf: bytes | memoryview, *, key: str | None = None, threads: int = 1, lazy: bool = False,
-                   checked: bool = False) -> OwnedView:  # fmt: skip
-    """Verify and decode a derived entry of any kind; its records may view ``buf``. ``key``, if
+                   checked: bool = False) -> Any:  # fmt: skip
+    """Verify and decode an owned entry of any kind: its kind's view (the built-in kinds':
+    :class:`OwnedView`), whose records may view ``buf``. ``key``, if
     given, must be the entry's own key; ``lazy``: compressed tensors are decompressed when copied
     (and raise CorruptEntryError then); ``checked``: the caller verified the checksum already.
 
@@ -283,19 +186,22 @@ def decode_owned(buf: bytes | memoryview, *, key: str | None = None, threads: in
     kind = kind_of(header.kind)
     if sorted(records.tensors) != sorted(kind.tensor_names(header, codec)):
         raise CorruptEntryError("derived entry holds other tensors than its header describes")
-    kv, positions = kind.read_tensors(header, records.tensors, codec)
+    view = kind.view(header, records.tensors, codec)
     check_metadata(records.metadata, header, _METADATA, "derived entry")
-    return OwnedView(header, records.tensors, kv, positions)
+    return view
 
 
 def _same_facts(h: OwnedHeader) -> tuple:
-    return (h.context, h.kind, h.spec, h.model, h.dtype, h.n_tokens, h.layers, h.identity, h.scores_dtype)
+    return (h.context, h.kind, h.spec, h.model, h.dtype, h.n_tokens, h.layers, h.identity, dict(h.fields))
 
 
-class OwnedKindBase:
+class OwnedKindBase(Generic[L, V]):
     """What every kind of owned entry shares (the :class:`~kvstore.store.kinds.EntryKind` half of
-    an :class:`~kvstore.store.kinds.OwnedKind`): the format-5 header, its sizes, decoding, and
-    which copies hold the same thing (all but ``created``, ``press`` and a lossless codec)."""
+    an :class:`~kvstore.store.kinds.OwnedKind`, generic in its layer record ``L`` and view ``V``):
+    the format-5 header, its sizes, decoding, which copies hold the same thing (all but
+    ``created``, ``press`` and a lossless codec), and the defaults of a kind that keeps no header
+    field of its own and no part of its context. A kind adds its layer records, value bytes,
+    tensor names, view and export (:class:`~kvstore.store.kinds.OwnedKind`)."""
 
     name = ""
     owned = True
@@ -314,18 +220,30 @@ class OwnedKindBase:
         check_key_and_sizes(header, codec_from_params(header.codec), payload_bytes)
 
     def decode(self, buf: bytes | memoryview, *, key: str | None = None, threads: int = 1, lazy: bool = False,
-               checked: bool = False) -> OwnedView:  # fmt: skip
+               checked: bool = False) -> V:  # fmt: skip
         return decode_owned(buf, key=key, threads=threads, lazy=lazy, checked=checked)
 
-    def same_facts(self, old: OwnedView, blob: bytes) -> bool:
+    def same_facts(self, old: Any, blob: bytes) -> bool:
         return _same_facts(old.header) == _same_facts(read_owned_header(blob)[0])
+
+    def check_header(self, h: Mapping[str, Any]) -> Mapping[str, Any]:
+        return {}
+
+    def data_bytes(self, header: OwnedHeader) -> int:
+        return kind_of(header.kind).value_bytes(header)
+
+    def kept_pairs(self, header: OwnedHeader) -> int:
+        return 0
+
+    def kept_fraction(self, header: OwnedHeader) -> float:
+        return 1.0
 
     def __repr__(self) -> str:
         return f"<entry kind {self.name}>"
 
 
 # decodes an owned entry of any kind (its header says which) where the kind is not known beforehand
-ANY_OWNED = OwnedKindBase()
+ANY_OWNED: OwnedKindBase[Any, Any] = OwnedKindBase()
 DerivedView = OwnedView  # deprecated: the names they had
 decode_derived = decode_owned
 
@@ -336,6 +254,6 @@ __all__ = [
     "OwnedView",
     "OwnedKindBase",
     "decode_owned",
-    "encode_pressed",
-    "encode_scores",
+    "encode_owned",
+    "owned_header",
 ]

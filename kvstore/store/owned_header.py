@@ -52,8 +52,9 @@ class OwnedFacts:
 
 @dataclass(frozen=True)
 class OwnedLayer:
-    """One layer of a derived entry: its KV heads, head size (0 for scores) and, for a pressed
-    cache, each head's count of kept tokens."""
+    """One layer of a built-in kind's entry (scores, a pressed cache): its KV heads, head size (0
+    for scores) and, for a pressed cache, each head's count of kept tokens. Another kind reads
+    its layer records into a type of its own (its ``layer``)."""
 
     kv_heads: int
     head_dim: int = 0
@@ -72,36 +73,40 @@ class OwnedLayer:
 
 @dataclass(frozen=True, kw_only=True)
 class OwnedHeader(HeaderFacts):
-    """What a derived entry says about itself (parsed from its header; see the module docstring).
-    ``scores_dtype``: the scores' dtype (``""`` for a pressed cache)."""
+    """What an owned entry says about itself (parsed from its header; see the module docstring):
+    the fields every kind shares, ``layers`` (its kind's layer records, as the kind's ``layer``
+    reads them) and ``fields`` (the kind's own header fields, as its ``check_header`` reads them
+    back: a scores entry's ``scores_dtype``)."""
 
     context: str
     kind: str
     spec: str
-    layers: tuple[OwnedLayer, ...]
+    layers: tuple[Any, ...]
     raw_bytes: int = 0
     created: float = 0.0
     format: int = DERIVED_FORMAT
     press: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
-    scores_dtype: str = ""
+    fields: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def n_layers(self) -> int:
         return len(self.layers)
 
     @property
+    def scores_dtype(self) -> str:
+        """A scores entry's ``fields["scores_dtype"]`` (``""`` for other kinds)."""
+        return self.fields.get("scores_dtype", "")
+
+    @property
     def kept_pairs(self) -> int:
-        """(token, head) pairs kept over every layer (a pressed cache; 0 for scores)."""
-        return sum(layer.kept for layer in self.layers)
+        """(token, head) pairs kept over every layer (a kind's that keeps a part; else 0)."""
+        return kind_of(self.kind).kept_pairs(self)
 
     @property
     def kept_fraction(self) -> float:
         """``kept_pairs`` over layers x heads x tokens (1.0 for a kind that keeps its whole context,
         as scores do)."""
-        if not kind_of(self.kind).keeps_part:
-            return 1.0
-        total = sum(layer.kv_heads for layer in self.layers) * self.n_tokens
-        return self.kept_pairs / total if total else 0.0
+        return kind_of(self.kind).kept_fraction(self)
 
     @property
     def kv_bytes(self) -> int:
@@ -111,8 +116,9 @@ class OwnedHeader(HeaderFacts):
 
     @property
     def data_bytes(self) -> int:
-        """:attr:`kv_bytes` plus a pressed cache's positions (int32 each)."""
-        return self.kv_bytes + 4 * self.kept_pairs
+        """Bytes of every stored tensor, uncompressed: :attr:`kv_bytes` and what else the kind
+        stores (a pressed cache's positions, int32 each)."""
+        return kind_of(self.kind).data_bytes(self)
 
 
 # -- the header ----------------------------------------------------------------------------------------
@@ -131,7 +137,7 @@ def check_press(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _layers(raw: Any, kind: Any, n_tokens: int) -> tuple[OwnedLayer, ...]:
+def _layers(raw: Any, kind: Any, n_tokens: int) -> tuple[Any, ...]:
     if not isinstance(raw, list) or not raw:
         raise CorruptEntryError("derived entry header lists no layers")
     out = []
@@ -162,12 +168,12 @@ def read_owned_header(buf: bytes | memoryview) -> tuple[OwnedHeader, int]:
         raise CorruptEntryError("derived entry header field 'numerics' is missing or invalid")
     if not isinstance(press, dict) or not check_press(press):
         raise CorruptEntryError("derived entry header field 'press' is not an object of JSON values")
-    scores_dtype = kind.check_header(h)
+    fields = kind.check_header(h)
     header = OwnedHeader(
         key=h["key"], context=h["context"], kind=kind.name, spec=spec, model=h["model"], model_name=h["model_name"],
         dtype=h["dtype"], n_tokens=n_tokens, layers=_layers(h.get("layers"), kind, n_tokens), codec=h["codec"],
         raw_bytes=field_int(h, "raw_bytes"), created=created, format=fmt, numerics=numerics, press=press,
-        scores_dtype=scores_dtype,
+        fields=fields,
     )  # fmt: skip
     return header, offset
 

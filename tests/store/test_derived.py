@@ -26,17 +26,10 @@ from kvstore.store.codecs.prerope import Rotary, rotate
 from kvstore.store.entry import decode_entry
 from kvstore.store.header import read_header
 from kvstore.store.keyspace import access_key, derived_entry_key
+from kvstore.store.kind_pressed import encode_pressed
+from kvstore.store.kind_scores import encode_scores
 from kvstore.store.kvstore import KVStore
-from kvstore.store.owned import (
-    PRESSED,
-    SCORES,
-    DerivedFacts,
-    decode_derived,
-    derived_key_of,
-    encode_pressed,
-    encode_scores,
-    read_derived_header,
-)
+from kvstore.store.owned import PRESSED, SCORES, DerivedFacts, decode_derived, derived_key_of, read_derived_header
 
 REGEN = os.environ.get("KVSTORE_REGEN_GOLDEN") == "1"
 CONTEXT = hashlib.sha256(b"kvstore golden context").hexdigest()
