@@ -228,6 +228,12 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="With --no-dense, keep only what --press and --score store: the dense caches are computed in memory "
     "and dropped (a variant that needs one computes it, as for any miss) [default: --dense].",
 )
+@click.option(
+    "--compose", "compose", is_flag=True,
+    help="For rows whose context is a list of passages: store each distinct passage once and the prompt's head "
+    "(what sample --compose POLICY reads: it then computes no passage) instead of each row's exact prefix chain "
+    "(what sample without --compose reads). Build both ways into one store for both (docs/composing.md).",
+)  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Print what the build would do per context (its plan); change nothing.")
 @flags.receives(
     data=Data,
@@ -249,6 +255,7 @@ def build(
     jobs (e.g. a SLURM array writing into one s3:// store); each is idempotent like a build.
     --press and --score also store pressed caches and scores beside each context; --dry-run
     prints the plan (per context: skip, record, migrate, compute; what it lacks) and stops.
+    --compose stores passage rows' passages once each, for sample --compose.
     """
     store.check_codec()
     rows = data.load(require_question=False)
@@ -263,7 +270,7 @@ def build(
         with _plan_store(store) as (kv, exists):
             plan = adapter.plan_build(contexts, kv, options, prompt=prompt, labels=labels)
             settings = {"store": store.store, "store_exists": exists, "codec": kv.codec.spec,
-                        "chunk_tokens": kv.chunk_tokens, "rows": len(rows.examples),
+                        "chunk_tokens": kv.chunk_tokens, "rows": len(rows.examples), "compose": options.compose,
                         "bad_rows_skipped": rows.skipped}  # fmt: skip
         for problem in list(rows.problems) + list(plan.errors):
             click.echo(f"kvstore: would skip: {problem}", err=True)
@@ -299,6 +306,7 @@ def build(
         "store_seconds": round(built.store_seconds, 3),
         "tokens_per_second": round(built.tokens_per_second, 1),
         "dense": options.dense,
+        "compose": options.compose or None,
         "pressed_written": built.pressed_written if options.presses else None,
         "scores_written": built.scores_written if options.presses or options.scores else None,
         "derived_bytes": built.derived_bytes if options.presses or options.scores else None,

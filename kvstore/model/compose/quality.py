@@ -47,6 +47,7 @@ class ComposeQuality:
     kl: float
     top1: float
     recomputed: float  # share of passage tokens computed again
+    answers: tuple[tuple[int, ...], ...] = ()  # each row's greedy answer (ids; not in the record)
 
     def record(self) -> dict:
         """A JSON-serialisable dict of every field."""
@@ -76,7 +77,7 @@ def compose_quality(
     chosen = [p for p in (parse_compose(s) for s in policies) if p is not None]
     handle = adapter.handle
     parts = _Parts()
-    per: dict[str, dict[str, list]] = {p.name: {"same": [], "prefix": [], "kl": [], "top1": [], "redo": []}
+    per: dict[str, dict[str, list]] = {p.name: {"same": [], "prefix": [], "kl": [], "top1": [], "redo": [], "answers": []}
                                        for p in chosen}  # fmt: skip
     passage_tokens = 0
     with torch.inference_mode():
@@ -95,7 +96,7 @@ def compose_quality(
                 answer, _ = _greedy(adapter, layers, follow, new_tokens)
                 same = next((j for j, (a, b) in enumerate(zip(ref_answer, answer)) if a != b), new_tokens)
                 for name, value in (("same", same == new_tokens), ("prefix", same / new_tokens), ("kl", kl),
-                                    ("top1", top1), ("redo", redone)):  # fmt: skip
+                                    ("top1", top1), ("redo", redone), ("answers", tuple(answer))):  # fmt: skip
                     acc[name].append(value)
                 if progress is not None:
                     progress(1)
@@ -105,7 +106,7 @@ def compose_quality(
             compose=name, rows=len(acc["kl"]), new_tokens=new_tokens, identical=sum(acc["same"]),
             common_prefix=mean(acc["prefix"]) if acc["prefix"] else 0.0, kl=mean(acc["kl"]) if acc["kl"] else 0.0,
             top1=mean(acc["top1"]) if acc["top1"] else 0.0,
-            recomputed=sum(acc["redo"]) / passage_tokens if passage_tokens else 0.0,
+            recomputed=sum(acc["redo"]) / passage_tokens if passage_tokens else 0.0, answers=tuple(acc["answers"]),
         )  # fmt: skip
         for name, acc in per.items()
     ]
