@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import click
 
-from kvstore.cli.compose_quality import Composing, compose_option
 from kvstore.cli.common import CLIError, emit, format_option, progress_bar, quiet_option
+from kvstore.cli.compose_quality import Composing, compose_option
 from kvstore.cli.flags import ModelChoice, dataset_flags, model_flags, receives
 
 
@@ -77,7 +77,7 @@ def quality(source: GateSource, model: ModelChoice, gate: Gate, composing: Compo
     from kvstore.store.codecs import get_codec
 
     if bool(gate.codec) == bool(composing.compose):
-        raise CLIError("give --codec (lossy codecs) or --compose (composition policies on passage rows): one of the two")
+        raise CLIError("give --codec (lossy codecs) or --compose (policies on passage rows): one of the two")
     if composing.compose:
         return composing.run(source, model, gate.new_tokens, gate.fmt, gate.quiet)
     for spec in gate.codec:

@@ -148,7 +148,8 @@ class BuildOptions:
     )
     dense: bool = option(True, "store the dense chains too (False keeps only what presses and scores make)")
     compose: bool = option(
-        False, "for contexts given as passages: store each distinct passage once and the head (what sample with "
+        False,
+        "for contexts given as passages: store each distinct passage once and the head (what sample with "
         "compose reads) instead of each row's exact prefix chain (what sample without compose reads)",
     )
 

@@ -330,7 +330,8 @@ class ContextTable(_Values[ContextInfo]):
         self.passages: set[str] = set()  # keys of the contexts recorded as passages (kvstore.model.compose)
 
     def add(
-        self, key: str, chunks: Sequence[str], n_tokens: int, created: float, kind: int = RECORDED, *, passage: bool = False
+        self, key: str, chunks: Sequence[str], n_tokens: int, created: float, kind: int = RECORDED, *,
+        passage: bool = False,
     ) -> None:  # fmt: skip
         if passage:
             self.passages.add(key)

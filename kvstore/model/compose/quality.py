@@ -77,8 +77,8 @@ def compose_quality(
     chosen = [p for p in (parse_compose(s) for s in policies) if p is not None]
     handle = adapter.handle
     parts = _Parts()
-    per: dict[str, dict[str, list]] = {p.name: {"same": [], "prefix": [], "kl": [], "top1": [], "redo": [], "answers": []}
-                                       for p in chosen}  # fmt: skip
+    fields = ("same", "prefix", "kl", "top1", "redo", "answers")
+    per: dict[str, dict[str, list]] = {p.name: {f: [] for f in fields} for p in chosen}
     passage_tokens = 0
     with torch.inference_mode():
         for row, follow in zip(rows, questions):
@@ -103,10 +103,15 @@ def compose_quality(
     mean = statistics.mean
     return [
         ComposeQuality(
-            compose=name, rows=len(acc["kl"]), new_tokens=new_tokens, identical=sum(acc["same"]),
-            common_prefix=mean(acc["prefix"]) if acc["prefix"] else 0.0, kl=mean(acc["kl"]) if acc["kl"] else 0.0,
+            compose=name,
+            rows=len(acc["kl"]),
+            new_tokens=new_tokens,
+            identical=sum(acc["same"]),
+            common_prefix=mean(acc["prefix"]) if acc["prefix"] else 0.0,
+            kl=mean(acc["kl"]) if acc["kl"] else 0.0,
             top1=mean(acc["top1"]) if acc["top1"] else 0.0,
-            recomputed=sum(acc["redo"]) / passage_tokens if passage_tokens else 0.0, answers=tuple(acc["answers"]),
+            recomputed=sum(acc["redo"]) / passage_tokens if passage_tokens else 0.0,
+            answers=tuple(acc["answers"]),
         )  # fmt: skip
         for name, acc in per.items()
     ]
