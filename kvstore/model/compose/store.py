@@ -93,7 +93,9 @@ def build_passages(
             progress(1, chain.n_tokens)
     return BuildReport(
         contexts=sum(len(r.passages) + bool(r.head) for r in composed.rows), distinct=len(plan.steps),
-        other_shards=plan.other_shards, seconds=time.perf_counter() - t0, store_seconds=store_seconds, **n,
+        other_shards=plan.other_shards, built=n["built"], skipped=n["skipped"], tokens=n["tokens"],
+        tokens_reused=n["tokens_reused"], chunks_written=n["chunks_written"], raw_bytes=n["raw_bytes"],
+        stored_bytes=n["stored_bytes"], seconds=time.perf_counter() - t0, store_seconds=store_seconds,
     )  # fmt: skip
 
 
