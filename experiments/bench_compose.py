@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-import time
 
 import benchlib as bl
 
@@ -111,9 +110,9 @@ def main() -> None:
         opts = {} if name == "prefix" else {"compose": name}
         adapter.sample(contexts[:1], questions[:1], store=store, **opts, **kw)  # warm-up
         for c, q in zip(contexts, questions):
-            t0 = time.perf_counter()
-            got = adapter.sample([c], [q], store=store, **opts, **kw)
-            ttft[name].append(time.perf_counter() - t0)
+            with bl.timed() as t:
+                got = adapter.sample([c], [q], store=store, **opts, **kw)
+            ttft[name].append(t.seconds)
             assert name in ("full", "prefix") or all(got.cache_hit)
         print(f"  ttft {name:<11} median {statistics.median(ttft[name]):.3f} s", flush=True)
     notes["ttft_per_row"] = ttft
