@@ -133,7 +133,7 @@ def main() -> None:
                 "predictions": preds}  # fmt: skip
         rows.append(rec)
         print(f"  {q.compose:<11} KL {q.kl:.4f} top1 {q.top1:.3f} identical {q.identical}/{q.rows} "
-              f"acc {rec['accuracy']:.3f} ttft x{rec['ttft_vs_full']:.2f}", flush=True)  # fmt: skip
+              f"acc {rec['accuracy']:.3f} contains {rec['contains']:.3f} ttft x{rec['ttft_vs_full']:.2f}", flush=True)  # fmt: skip
     rows.append({"compose": "prefix", "ttft_s": spread(ttft["prefix"]),
                  "ttft_vs_full": statistics.median(ttft["prefix"]) / full_ttft})  # fmt: skip
     passages.close()
