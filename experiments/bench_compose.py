@@ -132,8 +132,9 @@ def main() -> None:
                 "ttft_s": spread(ttft[q.compose]), "ttft_vs_full": statistics.median(ttft[q.compose]) / full_ttft,
                 "predictions": preds}  # fmt: skip
         rows.append(rec)
-        print(f"  {q.compose:<11} KL {q.kl:.4f} top1 {q.top1:.3f} identical {q.identical}/{q.rows} "
-              f"acc {rec['accuracy']:.3f} contains {rec['contains']:.3f} ttft x{rec['ttft_vs_full']:.2f}", flush=True)  # fmt: skip
+        print(f"  {q.compose:<11} KL {q.kl:.4f} top1 {q.top1:.3f} identical {q.identical}/{q.rows} acc "
+              f"{rec['accuracy']:.3f} contains {rec['contains']:.3f} ttft x{rec['ttft_vs_full']:.2f}",
+              flush=True)  # fmt: skip
     rows.append({"compose": "prefix", "ttft_s": spread(ttft["prefix"]),
                  "ttft_vs_full": statistics.median(ttft["prefix"]) / full_ttft})  # fmt: skip
     passages.close()
