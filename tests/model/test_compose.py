@@ -204,3 +204,20 @@ def test_blend_selects_the_passage_tokens_that_deviate_most_at_its_layer():
     ratio = (len(want) - 0.5) / (total - head)  # ceil(ratio x passage tokens) = 4
     assert selected(adapter.handle, row, tuple(layers), ratio).tolist() == want
     assert selected(adapter.handle, row, tuple(layers), 0.0).tolist() == []
+
+
+def test_build_compose_stores_what_a_composed_sample_reads(tmp_path):
+    model, tok = make_tiny_model("llama", seed=2)
+    adapter = Adapter(model, tok)
+    contexts, questions = _rows(seed=7, n_rows=6)
+    distinct = {t for c in contexts for t in c.texts}
+    with KVStore(tmp_path / "s", chunk_tokens=16) as store:
+        plan = adapter.plan_build(contexts, store, compose=True)
+        assert len(plan.steps) == len(distinct) + 1 and plan.count("compute") == len(plan.steps)
+        report = adapter.build(contexts, store, compose=True)
+        assert report.built == len(distinct) + 1 and report.tokens == plan.tokens_to_compute
+        assert adapter.build(contexts, store, compose=True).skipped == len(distinct) + 1
+        got = adapter.sample(contexts, questions, store=store, compose="none", num_new_tokens=4)
+        assert all(got.cache_hit) and got.prefill_tokens_computed == 0
+    with KVStore(tmp_path / "t") as other, pytest.raises(ComposeError, match="is for contexts given as passages"):
+        adapter.build(["plain text"], other, compose=True)
