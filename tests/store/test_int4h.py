@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_prerope import _context, entry, keys_like, llama64, records  # noqa: F401 (fixture)
 
-from helpers.entries import check_lossy_golden, lossy_facts
+from helpers.entries import check_lossy_golden, golden_rotary_entry, lossy_facts
 from helpers.paths import GOLDEN
 from kvstore.errors import CodecError, CorruptEntryError, FormatVersionError
 from kvstore.store.codecs import get_codec
@@ -195,10 +195,7 @@ def test_a_lossless_request_never_reads_int4h_entries(llama64, tmp_path):  # noq
 
 
 # -- golden ----------------------------------------------------------------------------------------
-def golden_entry(spec: str) -> bytes:
-    from test_prerope import golden_entry as prerope_golden
-
-    return prerope_golden(spec)
+golden_entry = golden_rotary_entry
 
 
 def test_golden_int4h_entry():
