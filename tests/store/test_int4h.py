@@ -45,6 +45,21 @@ def test_the_transform_is_orthogonal_symmetric_and_blockwise(dim, block):
     assert int((h != 0).sum()) == dim * block  # block-diagonal: each channel mixes with its block only
 
 
+@pytest.mark.parametrize("dim", [2, 8, 16, 64, 80, 96, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_butterfly_is_the_matrix_product(dim, dtype):
+    """hadamard_rotate (the fixed-order butterfly every encode and decode uses) is ``x @ H`` to within
+    the rounding of log2(block) sums, and its own inverse."""
+    from kvstore.store.codecs.hadamard import hadamard_rotate
+
+    x = torch.randn(3, 40, dim, dtype=dtype, generator=torch.Generator().manual_seed(dim))
+    eps = torch.finfo(dtype).eps * 8 * float(x.abs().max())
+    assert torch.allclose(hadamard_rotate(x), x @ hadamard(dim, dtype), rtol=0, atol=eps)
+    assert torch.allclose(hadamard_rotate(hadamard_rotate(x)), x, rtol=0, atol=eps)
+    out = torch.empty_like(x)
+    assert hadamard_rotate(x, out=out) is out and torch.equal(out, hadamard_rotate(x))
+
+
 def test_an_odd_head_dim_is_refused_in_one_line():
     with pytest.raises(CodecError, match="even head_dim") as exc:
         quantizer().encode("keys", torch.randn(2, 10, 7))

@@ -102,7 +102,7 @@ def hadamard(head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _hadamard_cpu(head_dim, dtype)
 
 
-def rotate(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def hadamard_rotate(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ hadamard(D)`` for ``x`` ``[..., D]`` (float32 or float64, any device) as a fast
     Walsh-Hadamard butterfly (see :func:`butterfly`), into ``out`` (same shape and dtype; may be
     ``x``) or a new tensor. ``x`` is left as it was."""
@@ -179,7 +179,7 @@ class HadamardQuantizer(IntQuantizer):
         x = tensor.detach().to("cpu")
         heads, n, dim = x.shape
         k = sink_count(n, start, positions)
-        body = rotate(x[:, k:].double()).float()  # float64 butterfly, rounded once to float32
+        body = hadamard_rotate(x[:, k:].double()).float()  # float64 butterfly, rounded once to float32
         # int4's (int8's) codes of the rotated tokens (start > 0: no sink of their own), the sink as it is
         parts = dict(IntQuantizer.encode(q, role, body, start=1))
         parts[".sink"] = x[:, :k].contiguous()
@@ -263,4 +263,4 @@ def _factory(args: str) -> HadamardQuantizer:
 
 register_quantizer("int4h", _factory, since=6)
 
-__all__ = ["HadamardQuantizer", "butterfly", "hadamard", "hadamard_block", "rotate"]
+__all__ = ["HadamardQuantizer", "butterfly", "hadamard", "hadamard_block", "hadamard_rotate"]
