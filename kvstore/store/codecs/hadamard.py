@@ -60,7 +60,7 @@ from functools import lru_cache
 import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
-from kvstore.store.codecs.base import register_quantizer
+from kvstore.store.codecs.base import Codec, register_quantizer
 from kvstore.store.codecs.quant import (
     PARTS,
     IntQuantizer,
@@ -228,6 +228,19 @@ class _HadamardReader(_IntReader):
             d.copy_(rotated.mul_(_norm(dim, wdt)))
 
 
+def layer_refusal(codec: Codec, n_layers: int) -> str | None:
+    """Why ``codec`` does not fit a model of ``n_layers`` layers: its 8-bit layers (``int4h:k8=L``,
+    ``v8=L``) name one the model lacks (the spec would then mean plain ``int4h`` under another
+    identity, and a typo look like a mixed-precision result); None when they fit or it names none."""
+    q = codec.quantizer
+    for tag, chosen in (("k8", getattr(q, "keys8", ())), ("v8", getattr(q, "values8", ()))):
+        missing = [i for i in chosen if i >= n_layers]
+        if missing:
+            return (f"{codec.spec}: {tag}= names layer {missing[0]}, but the model has {n_layers} layers "
+                    f"(0 to {n_layers - 1})")  # fmt: skip
+    return None
+
+
 def _no_sink(name: str, heads: int, dim: int, dtype: torch.dtype) -> TensorRecord:
     return TensorRecord(name + ".sink", dtype, (heads, 0, dim), torch.empty(0, dtype=torch.uint8))
 
@@ -263,4 +276,4 @@ def _factory(args: str) -> HadamardQuantizer:
 
 register_quantizer("int4h", _factory, since=6)
 
-__all__ = ["HadamardQuantizer", "butterfly", "hadamard", "hadamard_block", "hadamard_rotate"]
+__all__ = ["HadamardQuantizer", "butterfly", "hadamard", "hadamard_block", "hadamard_rotate", "layer_refusal"]
