@@ -323,3 +323,34 @@ def test_a_pressed_cache_gives_the_listed_layers_8_bits():
         for s, v in views.items()
     }
     assert err["int4h:k8=1"][0] == err["int4h"][0] and err["int4h:k8=1"][1] * 8 < err["int4h"][1], err
+
+
+def test_build_and_sync_refuse_a_layer_the_model_lacks(tiny_llama_dir, tmp_path, capsys):
+    """``int4h:k8=L`` with ``L`` past the model's layers (2 here) is refused in one line naming the
+    layer and the count, by ``build --codec`` (the model loaded) and ``sync --codec`` (the store's
+    layer count), before anything is written; a layer it has is taken."""
+    import json
+
+    from helpers.cli import run_main, write_dataset
+    from kvstore.store.codecs.hadamard import layer_refusal
+
+    assert layer_refusal(get_codec("int4h:k8=1:v8=3.0"), 2) == (
+        "int4h:32/64:k8=1:v8=0.3+zstd:1: v8= names layer 3, but the model has 2 layers (0 to 1)"
+    )
+    assert layer_refusal(get_codec("int4h:k8=1"), 2) is None and layer_refusal(get_codec("int8"), 1) is None
+    data = write_dataset(tmp_path / "qa.jsonl", range(2), questions=1)
+    common = ["--model", tiny_llama_dir, "--quiet", "--format", "json", "--no-chat"]
+    store, plain, converted = tmp_path / "mixed", tmp_path / "plain", tmp_path / "converted"
+    code, _, err = run_main(capsys, "build", data, *common, "--store", store, "--codec", "int4h:k8=2")
+    assert code == 1 and err.count("\n") == 1 and "names layer 2, but the model has 2 layers (0 to 1)" in err
+    code, out, err = run_main(capsys, "build", data, *common, "--store", store, "--codec", "int4h:k8=1")
+    assert code == 0, err
+    code, out, err = run_main(capsys, "build", data, *common, "--store", plain)
+    assert code == 0, err
+    for dry in ([], ["--dry-run"]):
+        code, _, err = run_main(capsys, "sync", plain, converted, "--codec", "int4h:v8=0.7", "--quiet", *dry)
+        assert code == 1 and err.count("\n") == 1 and "names layer 7, but the model has 2 layers (0 to 1)" in err
+    with KVStore(str(converted)) as s:
+        assert s.context_keys() == []  # nothing written
+    code, out, err = run_main(capsys, "sync", plain, converted, "--codec", "int4h:v8=1", "--quiet", "--format", "json")
+    assert code == 0 and json.loads(out)["converted"] == 2, err
