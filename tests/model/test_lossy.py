@@ -215,3 +215,44 @@ def test_cli_sync_codec_converts_without_recompute(tiny_llama_dir, tmp_path, cap
         assert code == 0 and json.loads(out)["cache_hit_rate"] == 1, err
     code, out, err = run_main(capsys, "sync", store, other, "--codec", "zstd:3")
     assert code == 1 and "is lossless" in err and err.count("\n") == 1
+
+
+def test_a_lossy_build_computes_what_follows_a_stored_prefix_on_its_decoded_values(llama, tmp_path):
+    """Why ``build --codec int4h`` and ``sync --codec int4h`` may store different bytes under one
+    key (issue 45, finding 8; docs/lossy-codecs.md): a build computes the chunks after a stored
+    prefix (here a shared head, stored first) on the prefix's decoded values, as a sample
+    completing a context does; a conversion quantizes what a lossless build computed on the exact
+    prefix. The head itself, computed alone by both, is the same."""
+    from kvstore.model.compute.forward import extend
+    from kvstore.store.convert import convert_contexts
+
+    contexts, _ = random_rows(llama.tokenizer, 2, 2, context_tokens=(30, 40), question_tokens=(2, 3), per_context=1)
+    head = list(contexts[0][:12])
+    contexts = [head + list(c[12:]) for c in contexts]
+    kw = dict(prefix=head, batch_size=1)
+    with (
+        KVStore(str(tmp_path / "a"), chunk_tokens=64) as src,
+        KVStore(str(tmp_path / "b"), codec="int4h", chunk_tokens=64) as built,
+    ):
+        llama.build(contexts, src, **kw)
+        report = convert_contexts(src, src, "int4h")
+        llama.build(contexts, built, **kw)
+        assert sorted(report.keys.values()) == sorted(built.context_keys())
+        for lossless_key, key in report.keys.items():
+            chain = built.context(key).chunks
+            assert len(chain) == 2  # the head, then the rest
+            with src.open_chain(chain) as converted, built.open_chain(chain) as direct:
+                (c_head, c_rest), (d_head, d_rest) = [[v.materialize() for v in vs] for vs in (converted, direct)]
+            with src.open_chain(src.context(lossless_key).chunks) as exact:
+                exact_head = exact[0].materialize()
+            assert all(torch.equal(a, b) for x, y in zip(c_head.layers, d_head.layers) for a, b in zip(x, y))
+            assert not all(torch.equal(a, b) for x, y in zip(c_rest.layers, d_rest.layers) for a, b in zip(x, y))
+            rest_ids = d_rest.token_ids.tolist()
+            for prefix, want in ((d_head, d_rest), (exact_head, c_rest)):
+                with torch.inference_mode():
+                    layers = [(k.clone(), v.clone()) for k, v in extend(llama.handle, [prefix.layers], [rest_ids])[0]]
+                with KVStore("memory://", codec="int4h") as m:
+                    m.put(llama.handle.entry(d_rest.key, rest_ids, layers, start=d_rest.start))
+                    with m.open_entry(d_rest.key) as view:
+                        got = view.materialize()
+                assert all(torch.equal(a, b) for x, y in zip(got.layers, want.layers) for a, b in zip(x, y))
