@@ -68,6 +68,9 @@ class SampleResult:
     ``scoring_tokens_computed``: context tokens the presses' scoring forwards ran (observation
     windows, context re-runs, replays; shared by every variant of a sweep; not prefill), of which
     ``window_tokens_computed`` observation windows and ``replay_tokens_computed`` replays.
+    ``lossy_copies``: in a lossless run, per lossy codec identity, how many of the contexts the store
+    did not hold whole it held more of under that codec when the run began (what ``--codec`` would
+    read; :func:`kvstore.model.plan.chains.lossy_copies`); empty otherwise.
     """
 
     tokens: torch.Tensor
@@ -86,6 +89,7 @@ class SampleResult:
     scoring_tokens_computed: int = 0
     replay_tokens_computed: int = 0
     load_wait_seconds: float = 0.0
+    lossy_copies: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,9 @@ def sample_variants(
     loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if ahead else None
     done: list[tuple[BatchPlan, BatchAnswers]] = []
     requests = rows.requests(decoding.new_tokens)
+    # what a lossy codec holds of the contexts this lossless run misses, looked up before it stores them
+    lossless = use_store is not None and use_store.codec.lossless
+    held = chains.lossy_copies(handle, rows.chains, use_store) if lossless and use_store is not None else {}
     waited = 0.0
     try:
         nxt_item: tuple[BatchPlan, Future[Loaded]] | None = None
@@ -193,7 +200,10 @@ def sample_variants(
             loader.shutdown(wait=True, cancel_futures=True)
         if writer is not None:
             writer.close()
-    return _collect(handle, rows, done, variants, decoding, options.use_cache, waited)
+    results = _collect(handle, rows, done, variants, decoding, options.use_cache, waited)
+    for result in results:
+        result.lossy_copies = dict(held)
+    return results
 
 
 @dataclass(frozen=True)
