@@ -23,7 +23,14 @@ import click
 from kvstore.cli import flags
 from kvstore.cli.common import CLIError, progress_bar
 from kvstore.cli.flags import ModelChoice, Report, StoreChoice
-from kvstore.cli.summary import METRIC_KEYS, corrupt_entries_as_warnings, emit_summary, metrics, variant_table
+from kvstore.cli.summary import (
+    METRIC_KEYS,
+    corrupt_entries_as_warnings,
+    emit_summary,
+    lossy_copies_hint,
+    metrics,
+    variant_table,
+)
 from kvstore.data.prompts import DEFAULT_TEMPLATE
 from kvstore.model.keywords import field_default
 from kvstore.model.options import BuildOptions, SampleOptions
@@ -442,25 +449,9 @@ def sample(
         context_tokens = result.prefill_tokens_saved + result.prefill_tokens_computed  # every row's context
         summary["variants"] = variant_table(results, out_rows, n, context_tokens * adapter.kv_bytes_per_token())
     _echo_answers(out_rows, summary, report)
-    _lossy_copies_hint(result.lossy_copies, store.readonly_store)
+    lossy_copies_hint(result.lossy_copies, store.readonly_store)
     emit_summary("sample", summary, report.fmt)
     sys.stdout.flush()
-
-
-def _lossy_copies_hint(held: dict[str, int], readonly: bool) -> None:
-    """One line on stderr when the store held contexts this lossless run missed under a lossy codec
-    (a plain sample never reads those): which codec, and that ``--codec`` reads them."""
-    if not held:
-        return
-    codec, n = max(held.items(), key=lambda item: (item[1], item[0]))
-    others = ", ".join(k for k in sorted(held) if k != codec)
-    done = "computed them" if readonly else "computed them and stored lossless copies"
-    click.echo(
-        f"kvstore: hint: the store holds {n} of the contexts this run missed under the lossy codec {codec}"
-        + (f" (some also under {others})" if others else "")
-        + f", which a sample without --codec does not read (it {done}); --codec {codec} reads them (lossy)",
-        err=True,
-    )
 
 
 def _answer_rows(adapter: Any, examples: list, results: list, use_cache: bool, named: bool) -> list[dict]:
