@@ -23,7 +23,14 @@ import click
 from kvstore.cli import flags
 from kvstore.cli.common import CLIError, progress_bar
 from kvstore.cli.flags import ModelChoice, Report, StoreChoice
-from kvstore.cli.summary import METRIC_KEYS, corrupt_entries_as_warnings, emit_summary, metrics, variant_table
+from kvstore.cli.summary import (
+    METRIC_KEYS,
+    corrupt_entries_as_warnings,
+    emit_summary,
+    lossy_copies_hint,
+    metrics,
+    variant_table,
+)
 from kvstore.data.prompts import DEFAULT_TEMPLATE
 from kvstore.model.keywords import field_default
 from kvstore.model.options import BuildOptions, SampleOptions
@@ -228,12 +235,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="With --no-dense, keep only what --press and --score store: the dense caches are computed in memory "
     "and dropped (a variant that needs one computes it, as for any miss) [default: --dense].",
 )
-@click.option(
-    "--compose", "compose", is_flag=True,
-    help="For rows whose context is a list of passages: store each distinct passage once and the prompt's head "
-    "(what sample --compose POLICY reads: it then computes no passage) instead of each row's exact prefix chain "
-    "(what sample without --compose reads). Build both ways into one store for both (docs/composing.md).",
-)  # fmt: skip
+@flags.build_compose_flag
 @click.option("--dry-run", is_flag=True, help="Print what the build would do per context (its plan); change nothing.")
 @flags.receives(
     data=Data,
@@ -255,7 +257,6 @@ def build(
     jobs (e.g. a SLURM array writing into one s3:// store); each is idempotent like a build.
     --press and --score also store pressed caches and scores beside each context; --dry-run
     prints the plan (per context: skip, record, migrate, compute; what it lacks) and stops.
-    --compose stores passage rows' passages once each, for sample --compose.
     """
     store.check_codec()
     rows = data.load(require_question=False)
@@ -450,6 +451,7 @@ def sample(
         context_tokens = result.prefill_tokens_saved + result.prefill_tokens_computed  # every row's context
         summary["variants"] = variant_table(results, out_rows, n, context_tokens * adapter.kv_bytes_per_token())
     _echo_answers(out_rows, summary, report)
+    lossy_copies_hint(result.lossy_copies, store.readonly_store)
     emit_summary("sample", summary, report.fmt)
     sys.stdout.flush()
 

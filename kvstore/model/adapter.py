@@ -69,7 +69,7 @@ class Adapter(ModelView):
     stored contexts. The constructor's arguments are :class:`ModelHandle`'s: ``name`` (display),
     ``weight_files`` (memoize the fingerprint), ``fingerprint``, ``reserve_tokens`` (positions kept
     for question and answer), ``prefill_chunk_tokens`` (prefill piece; None: automatic),
-    ``force_staging`` (tests: stage loads on CPU as on an accelerator)."""
+    ``force_staging`` (tests: stage loads on CPU as on an accelerator; None: ``KVSTORE_FORCE_STAGING``)."""
 
     def __init__(
         self,
@@ -81,7 +81,7 @@ class Adapter(ModelView):
         fingerprint: str | None = None,
         reserve_tokens: int = DEFAULT_RESERVE_TOKENS,
         prefill_chunk_tokens: int | None = None,
-        force_staging: bool = False,
+        force_staging: bool | None = None,
     ):
         self.handle = ModelHandle(
             model, tokenizer, name=name, weight_files=weight_files, fingerprint=fingerprint,

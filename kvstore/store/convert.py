@@ -23,6 +23,7 @@ from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.facts import ATTN
 from kvstore.progress import Progress
 from kvstore.store.codecs import Codec, get_codec, identity_of
+from kvstore.store.codecs.hadamard import layer_refusal
 from kvstore.store.codecs.prerope import Rotary, needs_rotary
 from kvstore.store.entry import Entry
 from kvstore.store.keys import chain_keys, chain_seed, passage_seed
@@ -48,9 +49,10 @@ class ConvertReport:
         return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
 
-def _chain(src: KVStore, dst: KVStore, key: str, lossy: str, load: bool) -> tuple[list[str], list[Entry]] | str:
+def _chain(src: KVStore, dst: KVStore, key: str, codec: Codec, load: bool) -> tuple[list[str], list[Entry]] | str:
     """The converted keys of context ``key`` and (when ``load`` and ``dst`` lacks them) its
-    materialized chunks, or why it cannot be converted."""
+    materialized chunks, or why it cannot be converted. Raises CodecError when ``codec`` names layers
+    the context's model lacks (``int4h:k8=L``): a wrong spec, not a context to skip."""
     record = src.context(key)
     if record is None:
         return "no context record"
@@ -69,8 +71,13 @@ def _chain(src: KVStore, dst: KVStore, key: str, lossy: str, load: bool) -> tupl
                 return "its entry names an unknown codec"
             if any(spec.kind != ATTN for spec in h.layers):
                 return "its model has windowed or recurrent layers (lossy codecs are for full-attention models)"
+            why = layer_refusal(codec, len(h.layers))
+            if why is not None:
+                raise CodecError(why)
         h0 = views[0].header
-        seed = chain_seed(h0.model, h0.dtype, device=h0.numerics["device"], attn=h0.numerics["attn"], lossy=lossy)
+        seed = chain_seed(
+            h0.model, h0.dtype, device=h0.numerics["device"], attn=h0.numerics["attn"], lossy=codec.identity
+        )
         if record.passage:  # a passage keeps its own seed: composed samples in the codec look it up there
             seed = passage_seed(seed)
         ids = [t for view in views for t in view.token_ids()]
@@ -94,7 +101,9 @@ def convert_contexts(
     of ``codec``, a lossy codec (``dry_run``: count what would be converted, write nothing).
     Raises CodecError for a lossless one (copying is ``kvstore sync``'s job: lossless codecs are
     interchangeable). ``rotary``: the model's rotary embedding (``Adapter.rotary``), which a codec
-    quantizing keys before it (``int4r``, ``int8r``) needs; such a codec without it raises CodecError."""
+    quantizing keys before it (``int4r``, ``int8r``) needs; such a codec without it raises CodecError.
+    A codec naming a layer a context's model lacks (``int4h:k8=L``) raises CodecError at that context,
+    before anything of it is written (contexts converted before it stay: they are valid)."""
     codec = get_codec(codec)
     if needs_rotary(codec) and rotary is None:
         raise CodecError(
@@ -108,7 +117,7 @@ def convert_contexts(
     report = ConvertReport()
     for key in src.context_keys() if keys is None else keys:
         report.contexts += 1
-        got = _chain(src, dst, key, codec.identity, load=not dry_run)
+        got = _chain(src, dst, key, codec, load=not dry_run)
         if isinstance(got, str):
             report.problems.append(f"context {key[:12]}: {got}")
         else:
