@@ -312,6 +312,14 @@ def compose_of(ctx: click.Context, param: click.Parameter, value: str | None) ->
         raise click.BadParameter(str(exc)) from None
 
 
+build_compose_flag = click.option(
+    "--compose", "compose", is_flag=True,
+    help="For rows whose context is a list of passages: store each distinct passage once and the prompt's head "
+    "(what sample --compose POLICY reads: it then computes no passage) instead of each row's exact prefix chain "
+    "(what sample without --compose reads). Build both ways into one store for both (docs/composing.md).",
+)  # fmt: skip
+
+
 def variant_flags(verb: str, done: str) -> Callable[[Callable], Callable]:
     """``--press`` and ``--decode-attention`` (the options' ``press`` and ``decode_attention``: one
     variant, as the keywords compose them) and ``--variant`` (repeated: a sweep, :func:`sweep_of`);
@@ -357,6 +365,7 @@ __all__ = [
     "Report",
     "StoreChoice",
     "Values",
+    "build_compose_flag",
     "compose_of",
     "cache_flags",
     "dataset_flags",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import click
 
 from kvstore.cli.common import CLIError, emit, format_option, progress_bar, quiet_option, warn
+from kvstore.cli.compose_quality import Composing, compose_option
 from kvstore.cli.flags import ModelChoice, dataset_flags, model_flags, receives
 
 
@@ -62,19 +63,25 @@ COLUMNS = {
 @click.command("quality")
 @dataset_flags
 @model_flags
-@click.option("--codec", "-c", multiple=True, required=True, help="A lossy codec to measure (repeat for several).")
+@click.option("--codec", "-c", multiple=True, help="A lossy codec to measure (repeat for several).")
+@compose_option
 @click.option("--new-tokens", "-n", type=click.IntRange(min=1), default=16, show_default=True,
               help="Greedy tokens per row compared with the lossless answer.")  # fmt: skip
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens per stored chunk the codecs encode (a store's default).")  # fmt: skip
 @format_option
 @quiet_option
-@receives(source=GateSource, model=ModelChoice, gate=Gate)
-def quality(source: GateSource, model: ModelChoice, gate: Gate) -> None:
+@receives(source=GateSource, model=ModelChoice, gate=Gate, composing=Composing)
+def quality(source: GateSource, model: ModelChoice, gate: Gate, composing: Composing) -> None:
     """Measure lossy codecs against the lossless cache on DATASET's rows: next-token KL and top-1,
-    key and value damage apart, identical answers and their common prefix, bytes vs float32."""
+    key and value damage apart, identical answers and their common prefix, bytes vs float32. With
+    --compose POLICY instead: composition policies on passage rows against their full prefill."""
     from kvstore.quality import quality_gate, rows_of, unique_codecs
 
+    if bool(gate.codec) == bool(composing.compose):
+        raise CLIError("give --codec (lossy codecs) or --compose (policies on passage rows): one of the two")
+    if composing.compose:
+        return composing.run(source, model, gate.new_tokens, gate.fmt, gate.quiet)
     codecs, repeats = unique_codecs(gate.codec)
     for given, canonical in repeats:  # measured once: twice would double its rows and bytes
         warn(f"--codec {given} is {canonical}, given already: measured once")

@@ -235,6 +235,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="With --no-dense, keep only what --press and --score store: the dense caches are computed in memory "
     "and dropped (a variant that needs one computes it, as for any miss) [default: --dense].",
 )
+@flags.build_compose_flag
 @click.option("--dry-run", is_flag=True, help="Print what the build would do per context (its plan); change nothing.")
 @flags.receives(
     data=Data,
@@ -270,7 +271,7 @@ def build(
         with _plan_store(store) as (kv, exists):
             plan = adapter.plan_build(contexts, kv, options, prompt=prompt, labels=labels)
             settings = {"store": store.store, "store_exists": exists, "codec": kv.codec.spec,
-                        "chunk_tokens": kv.chunk_tokens, "rows": len(rows.examples),
+                        "chunk_tokens": kv.chunk_tokens, "rows": len(rows.examples), "compose": options.compose,
                         "bad_rows_skipped": rows.skipped}  # fmt: skip
         for problem in list(rows.problems) + list(plan.errors):
             click.echo(f"kvstore: would skip: {problem}", err=True)
@@ -306,6 +307,7 @@ def build(
         "store_seconds": round(built.store_seconds, 3),
         "tokens_per_second": round(built.tokens_per_second, 1),
         "dense": options.dense,
+        "compose": options.compose or None,
         "pressed_written": built.pressed_written if options.presses else None,
         "scores_written": built.scores_written if options.presses or options.scores else None,
         "derived_bytes": built.derived_bytes if options.presses or options.scores else None,

@@ -4,7 +4,9 @@ A lossy codec is part of a chain's identity (:func:`kvstore.store.keys.chain_see
 converted context gets new chunk keys: the same spans and token ids, chained from the lossy seed of
 the same model, dtype, device type and attention implementation (all recorded in every format-2
 entry). Each chunk is decoded, quantized from its exact values, and written under its new key, then
-the context's record; the lossless chain stays where it is (in the same store, or the source).
+the context's record; the lossless chain stays where it is (in the same store, or the source). A
+passage (:mod:`kvstore.model.compose`) stays one: chained from the passage seed of the lossy seed, its
+record flagged ``passage``, as a composed sample in that codec stores and looks it up.
 
 Refused (counted, with the reason): contexts whose chain is incomplete or corrupt, format-1 entries
 (no numerics to seed a chain from: ``kvstore build`` migrates them first), chains already lossy,
@@ -24,7 +26,7 @@ from kvstore.store.codecs import Codec, get_codec, identity_of
 from kvstore.store.codecs.hadamard import layer_refusal
 from kvstore.store.codecs.prerope import Rotary, needs_rotary
 from kvstore.store.entry import Entry
-from kvstore.store.keys import chain_keys, chain_seed
+from kvstore.store.keys import chain_keys, chain_seed, passage_seed
 from kvstore.store.kvstore import KVStore
 
 
@@ -76,6 +78,8 @@ def _chain(src: KVStore, dst: KVStore, key: str, codec: Codec, load: bool) -> tu
         seed = chain_seed(
             h0.model, h0.dtype, device=h0.numerics["device"], attn=h0.numerics["attn"], lossy=codec.identity
         )
+        if record.passage:  # a passage keeps its own seed: composed samples in the codec look it up there
+            seed = passage_seed(seed)
         ids = [t for view in views for t in view.token_ids()]
         keys = chain_keys(seed, ids, [(view.header.start, view.header.end) for view in views])
         if load and not (dst.context(keys[-1]) is not None and dst.stored_prefix(keys) == len(keys)):
@@ -133,7 +137,8 @@ def convert_contexts(
                     report.chunks_written += 1
                     report.stored_bytes += len(blob)
                     report.raw_bytes += moved.kv_bytes + moved.state_bytes + 8 * moved.n_tokens
-                dst.put_context(new_keys[-1], new_keys, sum(e.n_tokens for e in entries))
+                passage = (record := src.context(key)) is not None and record.passage
+                dst.put_context(new_keys[-1], new_keys, sum(e.n_tokens for e in entries), passage=passage)
                 report.converted += 1
         if progress:
             progress(1, 0)

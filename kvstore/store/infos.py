@@ -262,7 +262,8 @@ class ContextInfo:
     and its derived entries. ``missing`` counts chunks absent or corrupt; ``stored_bytes``,
     ``raw_bytes`` and ``kv_bytes`` are its chunks' (a shared chunk counted for every context that
     uses it), ``derived_bytes`` its derived entries'; ``last_access`` is the latest use of any of
-    them."""
+    them. ``passage``: its record says it is a passage, stored alone to be placed in composed
+    contexts."""
 
     key: str
     n_tokens: int
@@ -275,6 +276,7 @@ class ContextInfo:
     created: float
     last_access: float | None
     derived: tuple[DerivedInfo, ...] = ()
+    passage: bool = False  # recorded as a passage, placed in composed contexts (kvstore.model.compose)
 
     @property
     def complete(self) -> bool:
@@ -332,6 +334,7 @@ class ContextInfo:
             "dtype": self.dtype,
             "n_tokens": self.n_tokens,
             "chunks": len(self.chunks),
+            "passage": self.passage,
             "complete": self.complete,
             "codec": self.codec,
             "format": self.format,

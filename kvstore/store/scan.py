@@ -254,7 +254,7 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
     derived, malformed = _scan_owned(store, entries, verify, (corrupt, unknown), local_bad, progress)
     contexts = ContextTable(entries)
     for record in _records(store.backend, malformed):
-        contexts.add(record.key, record.chunks, record.n_tokens, record.created, RECORDED)
+        contexts.add(record.key, record.chunks, record.n_tokens, record.created, RECORDED, passage=record.passage)
     for row in range(len(entries)):
         if entries.profile(row).format == 1:  # a whole-context entry is its own context
             contexts.add(entries.keys[row], (entries.keys[row],), entries.n_tokens(row), entries.created(row),

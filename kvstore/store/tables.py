@@ -327,8 +327,14 @@ class ContextTable(_Values[ContextInfo]):
         self._missing: dict[str, int] = {}
         self._tokens, self._created, self.kind = array("q"), array("d"), bytearray()
         self.derived: dict[str, tuple[DerivedInfo, ...]] = {}  # context key -> its derived entries
+        self.passages: set[str] = set()  # keys of the contexts recorded as passages (kvstore.model.compose)
 
-    def add(self, key: str, chunks: Sequence[str], n_tokens: int, created: float, kind: int = RECORDED) -> None:
+    def add(
+        self, key: str, chunks: Sequence[str], n_tokens: int, created: float, kind: int = RECORDED, *,
+        passage: bool = False,
+    ) -> None:  # fmt: skip
+        if passage:
+            self.passages.add(key)
         for k in chunks:
             row = self.entries.row(k)
             if row < 0:
@@ -435,6 +441,7 @@ class ContextTable(_Values[ContextInfo]):
             raw_bytes=sum(e.raw(r) for r in present), kv_bytes=sum(e.profile(r).kv_bytes for r in present),
             missing=len(rows) - len(present), first=e.info(rows[0]) if rows and rows[0] >= 0 else None,
             created=self.created(i), last_access=self.last_access(i), derived=self.owned_of(i),
+            passage=self.keys[i] in self.passages,
         )  # fmt: skip
 
 
@@ -462,7 +469,7 @@ def context_table_of(entries: EntryTable, contexts: Iterable[ContextInfo], deriv
     for c in contexts:
         whole = len(c.chunks) == 1 and c.first is not None and c.first.header.format == 1
         kind = OWNED_ONLY if not c.chunks else WHOLE_ENTRY if whole else RECORDED
-        table.add(c.key, c.chunks, c.n_tokens, c.created, kind)
+        table.add(c.key, c.chunks, c.n_tokens, c.created, kind, passage=c.passage)
         extra += c.derived
     table.attach({(d.context, d.key): d for d in extra}.values())
     table.finish()
