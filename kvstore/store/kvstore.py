@@ -28,6 +28,7 @@ entries; a corrupt one is replaced. Listings read each entry's header only (``Ba
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import struct
 import time
@@ -267,12 +268,19 @@ class KVStore(DerivedEntries):
         return depth
 
     @contextlib.contextmanager
-    def open_chain(self, keys: Sequence[str], *, parent: str = "", lazy: bool = False) -> Iterator[list[EntryView]]:
+    def open_chain(
+        self, keys: Sequence[str], *, parent: str = "", lazy: bool = False, defer: bool = False
+    ) -> Iterator[list[EntryView]]:
         """Verified zero-copy views of the longest prefix of the chain ``keys`` that is stored
         intact and links up (each chunk's parent is the previous key, the first one's is
         ``parent``, and each starts where the previous ended). A missing or corrupt chunk ends the
         prefix (a corrupt one warns): the rest of the chain is a miss from there on. ``lazy``: see
-        :func:`kvstore.store.entry.decode_entry` (checksums are still verified here)."""
+        :func:`kvstore.store.entry.decode_entry` (checksums are still verified here). ``defer``
+        (with ``lazy``): the checksums are left to the reader, who verifies each view's
+        ``unverified`` frame while copying from it (:mod:`kvstore.store.fused`); the headers and
+        the chain's links are still checked here. Ignored on a tiered store (a corrupt local copy
+        is dropped there, and the remote's read, when it is opened)."""
+        defer = defer and lazy and self._single_copy()
         with contextlib.ExitStack() as stack:
             bufs = []
             for key in keys:
@@ -282,8 +290,8 @@ class KVStore(DerivedEntries):
                 bufs.append(buf)
             # every chunk's checksum at once, on the load threads (xxh3 releases the GIL): one
             # thread verifying a long context's chunks in turn cost as much as copying them
-            checks: list[BaseException | bool] = [False] * len(bufs)
-            if len(bufs) > 1:
+            checks: list[BaseException | bool] = [defer] * len(bufs)
+            if len(bufs) > 1 and not defer:
                 errors = run_all([functools.partial(verify_checksum, b) for b in bufs], self.codec.decode_threads())
                 checks = [True if err is None else err for err in errors]
             views: list[EntryView] = []
@@ -294,6 +302,8 @@ class KVStore(DerivedEntries):
                 view = self._open_verified(CHUNK, entry_key(key), key, buf, stack, lazy=lazy, checked=check)
                 if view is None:
                     break
+                if defer:
+                    view = dataclasses.replace(view, unverified=buf)
                 h = view.header
                 if h.format < 2 or h.parent != expected_parent or h.start != expected_start:
                     warnings.warn(
@@ -305,6 +315,13 @@ class KVStore(DerivedEntries):
                 views.append(view)
                 expected_parent, expected_start = key, h.end
             yield views
+
+    def _single_copy(self) -> bool:
+        """Whether the backend holds one copy of each entry (no local tier before a remote)."""
+        try:
+            return self.backend.origin() is self.backend
+        except KVStoreError:  # a tier whose remote is unreachable
+            return False
 
     # -- contexts -------------------------------------------------------------------------------
     def put_context(self, key: str, chunks: Sequence[str], n_tokens: int) -> tuple[str, ...]:

@@ -35,6 +35,7 @@ destination.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import threading
@@ -44,6 +45,8 @@ from typing import Any
 import torch
 
 from kvstore.parallel import run_all
+from kvstore.store import fused
+from kvstore.store.frame import TRAILER_BYTES, verify_checksum
 
 ALIGN = 64  # bytes: every record's place in a slot starts here (any dtype's view, vectorized copies)
 RING_SLOTS = 3  # one decoding, one crossing PCIe, one spare (a chunk that decodes faster than it copies)
@@ -274,39 +277,76 @@ class Staging:
         self._send(host, dest)
 
     def load_chunks(
-        self, chunks: Sequence[Sequence[tuple[Any, torch.Tensor]]], threads: int
+        self, chunks: Sequence[Sequence[tuple[Any, torch.Tensor]]], threads: int, frames: Sequence[Any] | None = None
     ) -> tuple[int, BaseException | None]:
         """Decode each chunk's ``(record, dest)`` pairs and send them, chunk after chunk, through
         the ring (see the module docstring); records that decode on the device go that way instead.
-        A chunk is sent only once every record of it decoded: at the first chunk with a record
-        that fails, nothing of that chunk or the later ones is sent (its device-decoded records
-        may have written their slots: the caller recomputes those). Returns ``(chunks sent, the
-        first error or None)``; the ring is released however this ends."""
+        ``frames``: each chunk's frame whose checksum is still to be verified, or None: verified
+        while its records are copied into the slot (:mod:`kvstore.store.fused`; a chunk with
+        device-decoded records: before). A chunk is sent only once every record of it decoded and
+        its checksum matched: at the first chunk that fails, nothing of that chunk or the later
+        ones is sent (its device-decoded records may have written their slots: the caller
+        recomputes those). Chunks decode a few at a time (one per thread where the ring has slots
+        for them). Returns ``(chunks sent, the first error or None)``; the ring is released
+        however this ends."""
+        frames = list(frames) if frames is not None else [None] * len(chunks)
+        wave = max(1, min(threads, len(self.ring.slots) - 1))
         with self.ring.lock:
-            for j, pairs in enumerate(chunks):
-                staged = [(rec, dest) for rec, dest in pairs if not getattr(rec, "device_decode", False)]
-                on_device = [(rec, dest) for rec, dest in pairs if getattr(rec, "device_decode", False)]
-                offsets, used = _layout([dest for _, dest in staged])
-                # a device-decoded record uploads fewer bytes than its decoded values take (codes
-                # of 1 byte or less per value, a few scales): its values' size bounds its share
-                _, reserve = _layout([dest for _, dest in on_device])
-                slot = self.ring.acquire(used + reserve) if pairs else None
-                tasks: list[Any] = []
-                if slot is not None and on_device:
-                    uploads = SlotUploads(self, slot, used, used + reserve)
-                    tasks += [functools.partial(self._decode_on_device, rec, dest, uploads) for rec, dest in on_device]
-                if slot is not None:
-                    tasks += _decode_tasks(staged, offsets, slot.host, threads)
-                errors = run_all(tasks, threads)
-                failed = next((e for e in errors if e is not None), None)
-                if failed is not None:
-                    if slot is not None:
-                        self.ring.release(slot)  # copies its device-decoded records queued may still read it
-                    return j, failed
-                if slot is not None:
-                    self.ring.send(slot, used, [(off, dest) for (_, dest), off in zip(staged, offsets)])
-                    self._count("chunks" if staged else "device_chunks")
+            for first in range(0, len(chunks), wave):
+                js = range(first, min(first + wave, len(chunks)))
+                preps = [self._prepare(chunks[j], frames[j], threads) for j in js]
+                try:
+                    failed = self._decode_wave(preps, threads)
+                    for j, prep, err in zip(js, preps, failed):
+                        if err is not None:
+                            return j, err
+                        if prep.slot is not None:
+                            self.ring.send(prep.slot, prep.used, prep.places)
+                            self._count("chunks" if prep.places else "device_chunks")
+                            prep.slot = None
+                finally:
+                    for prep in preps:
+                        if prep.slot is not None:  # not sent: copies its device-decoded records queued may read it
+                            self.ring.release(prep.slot)
         return len(chunks), None
+
+    def _prepare(self, pairs: Sequence[tuple[Any, torch.Tensor]], frame: Any, threads: int) -> _Chunk:
+        staged = [(rec, dest) for rec, dest in pairs if not getattr(rec, "device_decode", False)]
+        on_device = [(rec, dest) for rec, dest in pairs if getattr(rec, "device_decode", False)]
+        offsets, used = _layout([dest for _, dest in staged])
+        # a device-decoded record uploads fewer bytes than its decoded values take (codes of 1 byte
+        # or less per value, a few scales): its values' size bounds its share
+        _, reserve = _layout([dest for _, dest in on_device])
+        slot = self.ring.acquire(used + reserve) if pairs else None
+        prep = _Chunk(slot, used, [(off, dest) for (_, dest), off in zip(staged, offsets)], frame)
+        if slot is None:
+            return prep
+        if on_device:
+            uploads = SlotUploads(self, slot, used, used + reserve)
+            prep.device = [functools.partial(self._decode_on_device, rec, dest, uploads) for rec, dest in on_device]
+        prep.digest, prep.tasks = _decode_tasks(staged, offsets, slot.host, threads, None if on_device else frame)
+        return prep
+
+    def _decode_wave(self, preps: Sequence[_Chunk], threads: int) -> list[BaseException | None]:
+        """Decode the chunks ``preps`` into their slots; per chunk its first error, or None. A
+        chunk not verified while it is copied is verified before anything of it is decoded."""
+        first = [i for i, p in enumerate(preps) if p.frame is not None and p.digest is None]
+        failed: list[BaseException | None] = [None] * len(preps)
+        for i, err in zip(first, run_all([functools.partial(verify_checksum, preps[i].frame) for i in first], threads)):
+            failed[i] = err
+        todo = [i for i, p in enumerate(preps) if failed[i] is None and p.slot is not None]
+        fed = [i for i in todo if preps[i].digest is not None]
+        tasks = [(i, fn) for i in todo for fn in preps[i].device]
+        tasks += [(i, fn) for i in todo if preps[i].digest is None for fn in preps[i].tasks]
+        tasks += [(fed[k], fn) for k, fn in fused.tasks([preps[i].tasks for i in fed], threads)]
+        for (i, _), err in zip(tasks, run_all([fn for _, fn in tasks], threads)):
+            if err is not None and failed[i] is None:
+                failed[i] = err
+        for i in fed:
+            digest = preps[i].digest
+            if failed[i] is None and digest is not None:
+                failed[i] = run_all([digest.check], 1)[0]
+        return failed
 
     def _decode_on_device(self, record, dest: torch.Tensor, uploads: SlotUploads) -> None:
         self._count("device_decoded")
@@ -341,12 +381,33 @@ def _plain(record, dest: torch.Tensor) -> torch.Tensor | None:
     return source if source.numel() == dest.numel() * dest.element_size() else None
 
 
+@dataclasses.dataclass
+class _Chunk:
+    """One chunk on its way through the ring: its slot (None once sent), the bytes it uses, where
+    each staged record's bytes go (``(offset in the slot, dest)``), its unverified frame, the tasks
+    that decode it into the slot (feeding ``digest`` when the checksum is computed as they copy)
+    and those of its device-decoded records."""
+
+    slot: Slot | None
+    used: int
+    places: list[tuple[int, torch.Tensor]]
+    frame: Any
+    digest: fused.FrameDigest | None = None
+    tasks: list[Any] = dataclasses.field(default_factory=list)
+    device: list[Any] = dataclasses.field(default_factory=list)
+
+
 def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[int], host: torch.Tensor,
-                  threads: int) -> list[Any]:  # fmt: skip
+                  threads: int, frame: Any = None) -> tuple[fused.FrameDigest | None, list[Any]]:  # fmt: skip
     """The tasks that decode ``staged`` into ``host`` at ``offsets``: records whose bytes lie end to
     end in the store and in the slot (a ``raw`` chunk: all of its keys and values) make one run,
-    copied as one memcpy cut into a piece per thread; every other record decodes on its own."""
+    copied as one memcpy cut into a piece per thread; every other record decodes on its own. With
+    ``frame`` (the chunk's, unverified): ``(its digest, the tasks cut into blocks that feed it in
+    order)``, the run copied block by block (:func:`kvstore.store.fused.copy_units`); without one,
+    or when a record's bytes are not all the frame's: ``(None, the tasks)``."""
     tasks: list[Any] = []
+    units: list[fused.Unit] | None = [] if frame is not None else None
+    base, end = (fused.address(frame), len(frame) - TRAILER_BYTES) if frame is not None else (0, 0)
     run: list[tuple[torch.Tensor, int]] = []  # (stored bytes, offset in the slot)
 
     def flush() -> None:
@@ -361,6 +422,12 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
             functools.partial(torch.Tensor.copy_, host[start + a : start + min(a + step, nbytes)], span[a : a + step])
             for a in range(0, nbytes, step)
         )
+        if units is not None:
+            at = span.data_ptr() - base
+            if 0 <= at and at + nbytes <= end:
+                units.extend(fused.copy_units(frame, host, at, nbytes, start))
+            else:
+                units.append(fused.Unit(tasks[-1], ((0, end + 1),)))  # outside the frame: plan() refuses it
         run.clear()
 
     for (rec, dest), off in zip(staged, offsets):
@@ -368,6 +435,9 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
         if source is None:
             flush()
             tasks.append(functools.partial(_decode, rec, host, off, dest))
+            if units is not None:
+                spans = fused.record_spans(rec, base, end)
+                units.append(fused.Unit(tasks[-1], spans if spans is not None else ((0, end + 1),)))
             continue
         if run:
             prev, prev_off = run[-1]
@@ -380,7 +450,8 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
                 flush()
         run.append((source, off))
     flush()
-    return tasks
+    planned = fused.plan(frame, units) if units is not None else None
+    return planned if planned is not None else (None, tasks)
 
 
 __all__ = ["ALIGN", "RING_SLOTS", "Ring", "Slot", "SlotUploads", "Staging"]

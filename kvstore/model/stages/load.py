@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,8 +27,10 @@ from kvstore.model.compute.staging import Ring, Staging
 from kvstore.model.plan.batch import BatchPlan
 from kvstore.model.plan.chains import Chain, fits
 from kvstore.parallel import run_all
+from kvstore.store import fused
 from kvstore.store.codecs import StoredTensor, spec_of
 from kvstore.store.entry import EntryView
+from kvstore.store.frame import verify_checksum
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -93,11 +95,14 @@ def load_prefix(
     buffers), records go through its pinned host tensors and asynchronous copies: call its
     ``finish()`` before using ``bufs``."""
     loaded = 0
-    with store.open_chain(chain.keys, lazy=True) as views:
+    # checksums verified while the chunks are copied (kvstore.store.fused): one pass over memory
+    with store.open_chain(chain.keys, lazy=True, defer=True) as views:
         fitting = []
         for j, view in enumerate(views):
             try:
                 if not fits(handle, view, chain, j):
+                    if view.unverified is not None:  # a flipped byte may be why: a corrupt chunk warns
+                        verify_checksum(view.unverified)
                     break
             except CorruptEntryError as exc:  # a lazily decoded record that does not decode
                 _warn_corrupt(chain.keys[j], exc)
@@ -134,6 +139,7 @@ def _copy_chunks(
     and one device copy per chunk). Returns ``(chunks copied whole, the error of the first chunk
     that failed, or None)``: that chunk and the later ones do not count as loaded."""
     per_chunk: list[list[tuple[StoredTensor, torch.Tensor]]] = []
+    frames = [view.unverified for view in fitting]
     for view in fitting:
         h = view.header
         pairs: list[tuple[StoredTensor, torch.Tensor]] = []
@@ -143,10 +149,8 @@ def _copy_chunks(
                 pairs += [(kv[0], kb[row, :, lo:hi]), (kv[1], vb[row, :, lo:hi])]
         per_chunk.append(pairs)
     if staging is not None and staging.active:
-        return staging.load_chunks(per_chunk, threads)
-    tasks = [(j, functools.partial(_copy_into, rec, dest)) for j, pairs in enumerate(per_chunk) for rec, dest in pairs]
-    errors = run_all([fn for _, fn in tasks], threads)
-    failed = [(j, err) for (j, _), err in zip(tasks, errors) if err is not None]
+        return staging.load_chunks(per_chunk, threads, frames)
+    failed = _copy_direct(per_chunk, frames, threads)
     if not failed:
         return len(fitting), None
     for _, err in failed:  # anything but a corrupt record is the caller's error
@@ -155,8 +159,42 @@ def _copy_chunks(
     return min(failed, key=lambda f: f[0])
 
 
+def _copy_direct(
+    per_chunk: Sequence[Sequence[tuple[StoredTensor, torch.Tensor]]], frames: Sequence[Any], threads: int
+) -> list[tuple[int, BaseException]]:
+    """Copy each chunk's ``(record, dest)`` pairs straight into place, its checksum (``frames``:
+    each chunk's unverified frame, or None) computed while its records are copied, or, for a chunk
+    whose bytes the copies do not all read from the frame, verified before any is copied. Returns
+    ``(chunk, error)`` of every failure (a chunk that failed may have written some of its places)."""
+    works: list[list[Callable[[], None]]] = []
+    digests: list[fused.FrameDigest | None] = []
+    first: list[tuple[int, Any]] = []  # chunks verified before their records are copied
+    for j, (pairs, frame) in enumerate(zip(per_chunk, frames)):
+        digest, fns = fused.prepare(frame, pairs, [functools.partial(_copy_into, rec, dest) for rec, dest in pairs])
+        if digest is None and frame is not None:
+            first.append((j, frame))
+        works.append(fns)
+        digests.append(digest)
+    verified = run_all([functools.partial(verify_checksum, f) for _, f in first], threads)
+    failed = [(j, e) for (j, _), e in zip(first, verified) if e is not None]
+    bad = {j for j, _ in failed}
+    tasks = fused.tasks([[] if j in bad else fns for j, fns in enumerate(works)], threads)
+    errors = run_all([fn for _, fn in tasks], threads)
+    failed += [(j, err) for (j, _), err in zip(tasks, errors) if err is not None]
+    bad |= {j for j, _ in failed}
+    return failed + [(j, e) for j, d in enumerate(digests) if d is not None and j not in bad and (e := _check(d))]
+
+
 def _copy_into(record, dest) -> None:
     record.copy_into(dest)
+
+
+def _check(digest: fused.FrameDigest) -> CorruptEntryError | None:
+    try:
+        digest.check()
+    except CorruptEntryError as exc:
+        return exc
+    return None
 
 
 def _warn_corrupt(key: str, exc: Exception) -> None:
