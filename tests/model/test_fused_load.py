@@ -58,7 +58,7 @@ def counted(monkeypatch):
     """How many times a whole chunk was verified apart from its copy, and how many digests fed by
     copies were checked."""
     counts = {"verify": 0, "fused": 0}
-    real_verify, real_check = kvstore_module.verify_checksum, fused.FrameDigest.check
+    real_verify, real_check = kvstore_module.verify_checksum, fused.ChunkWork.check
 
     def verify(buf):
         counts["verify"] += 1
@@ -70,7 +70,7 @@ def counted(monkeypatch):
 
     for module in (kvstore_module, load_stage, staging):
         monkeypatch.setattr(module, "verify_checksum", verify)
-    monkeypatch.setattr(fused.FrameDigest, "check", check)
+    monkeypatch.setattr(fused.ChunkWork, "check", check)
     return counts
 
 
@@ -120,28 +120,45 @@ def test_verified_while_copied_answers_as_verified_first(tiny, monkeypatch, coun
         assert torch.equal(x, y)
 
 
-def test_a_digest_fed_out_of_order_or_short_fails():
-    """The digest hashes spans in the frame's order whichever thread feeds them, and refuses a
-    frame not read whole."""
+def _work(frame: bytes, spans) -> fused.ChunkWork:
+    work = fused.ChunkWork(frame)
+    for lo, hi in spans:
+        work.jobs.append((lambda: None, lo, hi, 0, 0, 0))
+    assert work.seal()
+    return work
+
+
+def test_a_chunk_hashed_out_of_order_or_short_fails():
+    """A chunk's jobs are hashed in the frame's order whichever thread runs them, the bytes between
+    them included, and a frame not read whole is refused."""
     import xxhash
 
     body = bytes(range(256)) * 40
     frame = body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
     spans = [(10, 500), (600, 4000), (4000, 9000)]
-    digest = fused.FrameDigest(frame, spans)
-    digest.feed([spans[2]])
-    digest.feed([spans[1]])
-    assert digest.pos == 0, "a span was hashed before its turn"
-    digest.feed([spans[0]])
-    digest.check()
-    short = fused.FrameDigest(frame, spans)
-    short.feed(spans[:2])
+    work = _work(frame, spans)
+    work.run_job(2)
+    work.run_job(1)
+    assert work.pos == 0, "a job was hashed before its turn"
+    work.run_job(0)
+    work.check()
+    in_turn = _work(frame, spans)
+    in_turn.run_in_turn()
+    in_turn.check()
+    short = _work(frame, spans)
+    short.run_job(0)
+    short.run_job(1)
     with pytest.raises(Exception, match="not read whole"):
         short.check()
     flipped = bytearray(frame)
-    flipped[550] ^= 1  # a byte between spans (a header) counts too
-    wrong = fused.FrameDigest(bytes(flipped), spans)
-    wrong.feed(spans)
+    flipped[550] ^= 1  # a byte between jobs (a header) counts too
+    wrong = _work(bytes(flipped), spans)
+    wrong.run_in_turn()
     with pytest.raises(Exception, match="checksum mismatch"):
         wrong.check()
-    assert fused.plan(frame, [fused.Unit(lambda: None, ((0, 20),)), fused.Unit(lambda: None, ((10, 30),))]) is None
+    overlapping = fused.ChunkWork(frame)
+    overlapping.jobs += [(lambda: None, 0, 20, 0, 0, 0), (lambda: None, 10, 30, 0, 0, 0)]
+    assert not overlapping.seal()
+    outside = fused.ChunkWork(frame)
+    outside.copy(0, len(body) - 4, 8)  # past the checksummed bytes
+    assert not outside.seal()

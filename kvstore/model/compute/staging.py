@@ -46,7 +46,7 @@ import torch
 
 from kvstore.parallel import run_all
 from kvstore.store import fused
-from kvstore.store.frame import TRAILER_BYTES, verify_checksum
+from kvstore.store.frame import verify_checksum
 
 ALIGN = 64  # bytes: every record's place in a slot starts here (any dtype's view, vectorized copies)
 RING_SLOTS = 3  # one decoding, one crossing PCIe, one spare (a chunk that decodes faster than it copies)
@@ -324,28 +324,24 @@ class Staging:
         if on_device:
             uploads = SlotUploads(self, slot, used, used + reserve)
             prep.device = [functools.partial(self._decode_on_device, rec, dest, uploads) for rec, dest in on_device]
-        prep.digest, prep.tasks = _decode_tasks(staged, offsets, slot.host, threads, None if on_device else frame)
+        prep.work, prep.tasks = _decode_tasks(staged, offsets, slot.host, threads, None if on_device else frame)
         return prep
 
     def _decode_wave(self, preps: Sequence[_Chunk], threads: int) -> list[BaseException | None]:
         """Decode the chunks ``preps`` into their slots; per chunk its first error, or None. A
         chunk not verified while it is copied is verified before anything of it is decoded."""
-        first = [i for i, p in enumerate(preps) if p.frame is not None and p.digest is None]
+        first = [i for i, p in enumerate(preps) if p.frame is not None and p.work is None]
         failed: list[BaseException | None] = [None] * len(preps)
         for i, err in zip(first, run_all([functools.partial(verify_checksum, preps[i].frame) for i in first], threads)):
             failed[i] = err
         todo = [i for i, p in enumerate(preps) if failed[i] is None and p.slot is not None]
-        fed = [i for i in todo if preps[i].digest is not None]
-        tasks = [(i, fn) for i in todo for fn in preps[i].device]
-        tasks += [(i, fn) for i in todo if preps[i].digest is None for fn in preps[i].tasks]
-        tasks += [(fed[k], fn) for k, fn in fused.tasks([preps[i].tasks for i in fed], threads)]
+        tasks = [(i, fn) for i in todo for fn in preps[i].device + preps[i].tasks]
         for (i, _), err in zip(tasks, run_all([fn for _, fn in tasks], threads)):
             if err is not None and failed[i] is None:
                 failed[i] = err
-        for i in fed:
-            digest = preps[i].digest
-            if failed[i] is None and digest is not None:
-                failed[i] = run_all([digest.check], 1)[0]
+        works = [(i, w) for i in todo if (w := preps[i].work) is not None]
+        for (i, work), err in zip(works, fused.run([w for _, w in works], threads)):
+            failed[i] = err if err is not None else run_all([work.check], 1)[0]
         return failed
 
     def _decode_on_device(self, record, dest: torch.Tensor, uploads: SlotUploads) -> None:
@@ -384,30 +380,29 @@ def _plain(record, dest: torch.Tensor) -> torch.Tensor | None:
 @dataclasses.dataclass
 class _Chunk:
     """One chunk on its way through the ring: its slot (None once sent), the bytes it uses, where
-    each staged record's bytes go (``(offset in the slot, dest)``), its unverified frame, the tasks
-    that decode it into the slot (feeding ``digest`` when the checksum is computed as they copy)
-    and those of its device-decoded records."""
+    each staged record's bytes go (``(offset in the slot, dest)``), its unverified frame, what
+    decodes it into the slot (``work``, hashing as it copies; else ``tasks``) and the tasks of its
+    device-decoded records."""
 
     slot: Slot | None
     used: int
     places: list[tuple[int, torch.Tensor]]
     frame: Any
-    digest: fused.FrameDigest | None = None
+    work: fused.ChunkWork | None = None
     tasks: list[Any] = dataclasses.field(default_factory=list)
     device: list[Any] = dataclasses.field(default_factory=list)
 
 
 def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[int], host: torch.Tensor,
-                  threads: int, frame: Any = None) -> tuple[fused.FrameDigest | None, list[Any]]:  # fmt: skip
-    """The tasks that decode ``staged`` into ``host`` at ``offsets``: records whose bytes lie end to
-    end in the store and in the slot (a ``raw`` chunk: all of its keys and values) make one run,
-    copied as one memcpy cut into a piece per thread; every other record decodes on its own. With
-    ``frame`` (the chunk's, unverified): ``(its digest, the tasks cut into blocks that feed it in
-    order)``, the run copied block by block (:func:`kvstore.store.fused.copy_units`); without one,
-    or when a record's bytes are not all the frame's: ``(None, the tasks)``."""
+                  threads: int, frame: Any = None) -> tuple[fused.ChunkWork | None, list[Any]]:  # fmt: skip
+    """What decodes ``staged`` into ``host`` at ``offsets``: records whose bytes lie end to end in
+    the store and in the slot (a ``raw`` chunk: all of its keys and values) make one run, copied as
+    one memcpy cut into a piece per thread; every other record decodes on its own. With ``frame``
+    (the chunk's, unverified): ``(its work, [])``, the run copied block by block and hashed as it
+    goes (:class:`kvstore.store.fused.ChunkWork`); without one, or when a record's bytes are not all the
+    frame's: ``(None, the tasks)``."""
     tasks: list[Any] = []
-    units: list[fused.Unit] | None = [] if frame is not None else None
-    base, end = (fused.address(frame), len(frame) - TRAILER_BYTES) if frame is not None else (0, 0)
+    work = fused.ChunkWork(frame) if frame is not None else None
     run: list[tuple[torch.Tensor, int]] = []  # (stored bytes, offset in the slot)
 
     def flush() -> None:
@@ -422,12 +417,8 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
             functools.partial(torch.Tensor.copy_, host[start + a : start + min(a + step, nbytes)], span[a : a + step])
             for a in range(0, nbytes, step)
         )
-        if units is not None:
-            at = span.data_ptr() - base
-            if 0 <= at and at + nbytes <= end:
-                units.extend(fused.copy_units(frame, host, at, nbytes, start))
-            else:
-                units.append(fused.Unit(tasks[-1], ((0, end + 1),)))  # outside the frame: plan() refuses it
+        if work is not None:
+            work.copy(host.data_ptr() + start, span.data_ptr() - work.base, nbytes)
         run.clear()
 
     for (rec, dest), off in zip(staged, offsets):
@@ -435,9 +426,8 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
         if source is None:
             flush()
             tasks.append(functools.partial(_decode, rec, host, off, dest))
-            if units is not None:
-                spans = fused.record_spans(rec, base, end)
-                units.append(fused.Unit(tasks[-1], spans if spans is not None else ((0, end + 1),)))
+            if work is not None:
+                work.record(rec, tasks[-1])
             continue
         if run:
             prev, prev_off = run[-1]
@@ -450,8 +440,7 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
                 flush()
         run.append((source, off))
     flush()
-    planned = fused.plan(frame, units) if units is not None else None
-    return planned if planned is not None else (None, tasks)
+    return (work, []) if work is not None and work.seal() else (None, tasks)
 
 
 __all__ = ["ALIGN", "RING_SLOTS", "Ring", "Slot", "SlotUploads", "Staging"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -166,32 +166,34 @@ def _copy_direct(
     each chunk's unverified frame, or None) computed while its records are copied, or, for a chunk
     whose bytes the copies do not all read from the frame, verified before any is copied. Returns
     ``(chunk, error)`` of every failure (a chunk that failed may have written some of its places)."""
-    works: list[list[Callable[[], None]]] = []
-    digests: list[fused.FrameDigest | None] = []
+    works: list[fused.ChunkWork | None] = []
     first: list[tuple[int, Any]] = []  # chunks verified before their records are copied
     for j, (pairs, frame) in enumerate(zip(per_chunk, frames)):
-        digest, fns = fused.prepare(frame, pairs, [functools.partial(_copy_into, rec, dest) for rec, dest in pairs])
-        if digest is None and frame is not None:
+        fns = [functools.partial(_copy_into, rec, dest) for rec, dest in pairs]
+        work = fused.records_work(frame, pairs, fns)
+        if work is None and frame is not None:
             first.append((j, frame))
-        works.append(fns)
-        digests.append(digest)
+        works.append(work)
     verified = run_all([functools.partial(verify_checksum, f) for _, f in first], threads)
     failed = [(j, e) for (j, _), e in zip(first, verified) if e is not None]
     bad = {j for j, _ in failed}
-    tasks = fused.tasks([[] if j in bad else fns for j, fns in enumerate(works)], threads)
-    errors = run_all([fn for _, fn in tasks], threads)
-    failed += [(j, err) for (j, _), err in zip(tasks, errors) if err is not None]
-    bad |= {j for j, _ in failed}
-    return failed + [(j, e) for j, d in enumerate(digests) if d is not None and j not in bad and (e := _check(d))]
+    plain = [(j, fn) for j, (pairs, w) in enumerate(zip(per_chunk, works)) if w is None and j not in bad
+             for fn in (functools.partial(_copy_into, rec, dest) for rec, dest in pairs)]  # fmt: skip
+    failed += [(j, e) for (j, _), e in zip(plain, run_all([fn for _, fn in plain], threads)) if e is not None]
+    fed = [(j, w) for j, w in enumerate(works) if w is not None]
+    for (j, work), err in zip(fed, fused.run([w for _, w in fed], threads)):
+        if (err := err or _check(work)) is not None:
+            failed.append((j, err))
+    return failed
 
 
 def _copy_into(record, dest) -> None:
     record.copy_into(dest)
 
 
-def _check(digest: fused.FrameDigest) -> CorruptEntryError | None:
+def _check(work: fused.ChunkWork) -> CorruptEntryError | None:
     try:
-        digest.check()
+        work.check()
     except CorruptEntryError as exc:
         return exc
     return None
