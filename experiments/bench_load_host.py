@@ -77,7 +77,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     args = bl.start(p, {"lengths": "512,1024", "repeats": 2})
     from kvstore.model.compute.cache import new_buffers
-    from kvstore.model.compute.staging import Ring, Staging
+    from kvstore.model.compute.ring import Ring
+    from kvstore.model.compute.staging import Staging
     from kvstore.parallel import run_all
     from kvstore.store.frame import verify_checksum
     from kvstore.store.kvstore import KVStore

@@ -13,8 +13,13 @@ and a pinned allocation per load costs more than the copy. :class:`Staging` inst
   buffer, and an event marks the slot's copies done. The next chunk decodes into the next slot
   while that copy runs; a slot is written again only after its event (so two or three slots
   overlap the host's decoding with the copy engine). The ring belongs to the model handle
-  (:meth:`Ring.of`): its buffers are allocated once, grown only when a larger chunk comes, and
-  reused by every load;
+  (:meth:`Ring.of`, :mod:`kvstore.model.compute.ring`): its buffers are allocated once, grown
+  only when a larger chunk comes, and reused by every load. A chunk's checksum is computed while
+  its bytes are copied into the slot (:mod:`kvstore.store.fused`), and the slot is sent only once
+  it matched; a few chunks decode at once, one per thread;
+* **zstd frames decoded on the device** (a ``decoder``, :mod:`kvstore.model.compute.device_zstd`:
+  nvCOMP with the ``gpu`` extra): a lossless chunk's stored bytes cross as they are and its frames
+  decode on the device in one batched call, its byte planes joined there;
 * **device decoding** (:meth:`Staging.copy_into` of a record with ``device_decode``, the
   int8/int4/ecq readers): the record's codes go to the device as they are stored (uint8) with their
   scales and zeros, each through a pinned tensor and an asynchronous copy (:meth:`Staging.upload`),
@@ -34,115 +39,22 @@ destination.
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from kvstore.errors import CorruptEntryError
+from kvstore.model.compute import device_zstd
+from kvstore.model.compute.ring import ALIGN, RING_SLOTS, Ring, Slot, _view  # noqa: F401 - RING_SLOTS: tests
 from kvstore.parallel import run_all
 from kvstore.store import fused
 from kvstore.store.frame import verify_checksum
-
-ALIGN = 64  # bytes: every record's place in a slot starts here (any dtype's view, vectorized copies)
-RING_SLOTS = 3  # one decoding, one crossing PCIe, one spare (a chunk that decodes faster than it copies)
-_RING_ATTR = "_kvstore_staging_ring"
-
-
-class Slot:
-    """One buffer of a :class:`Ring`: ``host`` (uint8, pinned on CUDA), its ``device`` twin of the
-    same size, and ``done``: the event recorded after the last copies that read them (None before
-    the first use; on CPU copies are synchronous and there is no event)."""
-
-    def __init__(self, host: torch.Tensor, device: torch.Tensor):
-        self.host, self.device = host, device
-        self.done: Any = None
-        self.uses = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.host.numel()
-
-
-class Ring:
-    """``slots`` staging buffers for loads into ``device``, allocated on first use and reused:
-    a slot grows (is allocated again) only for a chunk larger than every slot so far. ``stream``:
-    the side stream the copies run on (CUDA). Loads take the ring one at a time (``lock``): a load
-    running ahead on a worker and a batch's own retry may overlap."""
-
-    def __init__(self, device: torch.device, *, force: bool = False, slots: int = RING_SLOTS):
-        self.device = device
-        self.cuda = device.type == "cuda" and torch.cuda.is_available()
-        self.active = self.cuda or force
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.slots: list[Slot | None] = [None] * max(1, slots)
-        self.next = 0
-        self.lock = threading.Lock()
-        self.allocations = 0  # buffers allocated so far, host and device twins counted once (tests)
-
-    @classmethod
-    def of(cls, owner: Any, device: torch.device, *, force: bool = False) -> Ring:
-        """The ring ``owner`` (a model handle) keeps for ``device``, made on first use."""
-        ring = getattr(owner, _RING_ATTR, None)
-        if ring is None or ring.device != device or ring.active != (ring.cuda or force):
-            ring = cls(device, force=force)
-            setattr(owner, _RING_ATTR, ring)
-        return ring
-
-    def acquire(self, nbytes: int) -> Slot:
-        """The next slot, once the copies of its previous use are done, holding at least ``nbytes``
-        (call with ``lock`` held)."""
-        i = self.next
-        self.next = (i + 1) % len(self.slots)
-        slot = self.slots[i]
-        if slot is not None and slot.done is not None:
-            slot.done.synchronize()  # its bytes crossed; the host may write them again
-        if slot is None or slot.capacity < nbytes:
-            size = max([nbytes] + [s.capacity for s in self.slots if s is not None])
-            slot = self.slots[i] = self._allocate(-(-size // ALIGN) * ALIGN)
-        slot.uses += 1
-        return slot
-
-    def _allocate(self, nbytes: int) -> Slot:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-        with self.on_stream():
-            device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self.allocations += 1
-        return Slot(host, device)
-
-    @contextlib.contextmanager
-    def on_stream(self) -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        with torch.cuda.stream(self.stream):
-            yield
-
-    def send(self, slot: Slot, used: int, places: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Queue the copy of ``slot``'s first ``used`` bytes to the device and, for each ``(offset,
-        dest)`` of ``places``, the copy of the bytes at ``offset`` (``dest``'s shape and dtype) into
-        ``dest``; the slot's event is recorded after them even when queuing fails part-way (an
-        out-of-memory error), so the slot is never written while a copy may still read it."""
-        try:
-            with self.on_stream():
-                slot.device[:used].copy_(slot.host[:used], non_blocking=self.cuda)
-                for offset, dest in places:
-                    dest.copy_(_view(slot.device, offset, dest.shape, dest.dtype), non_blocking=self.cuda)
-        finally:
-            if self.stream is not None:
-                slot.done = torch.cuda.Event()
-                slot.done.record(self.stream)
-
-    def release(self, slot: Slot) -> None:
-        """Mark ``slot`` free once what was queued so far on the side stream is done (a chunk not
-        sent whose device-decoded records may have queued copies out of it)."""
-        if self.stream is not None:
-            slot.done = torch.cuda.Event()
-            slot.done.record(self.stream)
 
 
 class SlotUploads:
@@ -190,12 +102,6 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     )
 
 
-def _view(buf: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """The bytes of ``buf`` (uint8) at ``offset`` seen as a contiguous ``shape``/``dtype`` tensor."""
-    n = math.prod(shape) * dtype.itemsize
-    return buf[offset : offset + n].view(dtype).view(tuple(shape))
-
-
 def _layout(dests: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     """Each destination's offset in a slot (end to end, aligned) and the bytes they take."""
     offsets, pos = [], 0
@@ -211,8 +117,12 @@ class Staging:
     synchronous copies). ``ring``: the handle's :class:`Ring` (default: one of its own). Its
     methods may be called from several threads at once, except :meth:`load_chunks`."""
 
-    def __init__(self, device: torch.device, *, force: bool = False, ring: Ring | None = None):
+    def __init__(
+        self, device: torch.device, *, force: bool = False, ring: Ring | None = None,
+        decoder: device_zstd.DeviceDecoder | None = None,
+    ):  # fmt: skip
         self.device = device
+        self.decoder = decoder  # zstd frames decoded on the device (kvstore.model.compute.device_zstd)
         self.ring = ring if ring is not None else Ring(device, force=force)
         self.cuda, self.active, self.stream = self.ring.cuda, self.ring.cuda or force, self.ring.stream
         if self.stream is not None:  # buffers allocated or zeroed on the compute stream come first
@@ -221,8 +131,10 @@ class Staging:
         self._lock = threading.Lock()
         # what went through this staging (tests and benchmarks read it): chunks sent through ring
         # slots (of decoded values; of device-decoded records only), records decoded on the device,
-        # tensors uploaded for them, records staged one by one
-        self.counts = {"chunks": 0, "device_chunks": 0, "device_decoded": 0, "uploads": 0, "records": 0}
+        # tensors uploaded for them, records staged one by one, chunks sent compressed (their zstd
+        # frames decoded by ``decoder``)
+        self.counts = {"chunks": 0, "device_chunks": 0, "device_decoded": 0, "uploads": 0, "records": 0,
+                       "compressed_chunks": 0}  # fmt: skip
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -301,18 +213,39 @@ class Staging:
                         if err is not None:
                             return j, err
                         if prep.slot is not None:
-                            self.ring.send(prep.slot, prep.used, prep.places)
-                            self._count("chunks" if prep.places else "device_chunks")
+                            err = self._send_chunk(prep)
                             prep.slot = None
+                            if err is not None:
+                                return j, err
                 finally:
                     for prep in preps:
                         if prep.slot is not None:  # not sent: copies its device-decoded records queued may read it
                             self.ring.release(prep.slot)
         return len(chunks), None
 
+    def _send_chunk(self, prep: _Chunk) -> BaseException | None:
+        """Send ``prep``'s slot; a chunk crossing compressed is then decoded on the device (its
+        error, a frame that does not decode, is returned: nothing of it reached its places)."""
+        assert prep.slot is not None
+        self.ring.send(prep.slot, prep.used, prep.places)
+        if prep.compressed is None:
+            self._count("chunks" if prep.places else "device_chunks")
+            return None
+        assert self.decoder is not None
+        try:
+            with self.ring.on_stream():
+                device_zstd.decode_into(prep.compressed, prep.slot.device, self.decoder)
+        except CorruptEntryError as exc:
+            return exc
+        self._count("compressed_chunks")
+        return None
+
     def _prepare(self, pairs: Sequence[tuple[Any, torch.Tensor]], frame: Any, threads: int) -> _Chunk:
         staged = [(rec, dest) for rec, dest in pairs if not getattr(rec, "device_decode", False)]
         on_device = [(rec, dest) for rec, dest in pairs if getattr(rec, "device_decode", False)]
+        compressed = device_zstd.plan(staged) if self.decoder is not None and staged and not on_device else None
+        if compressed is not None:
+            return self._prepare_compressed(compressed, frame)
         offsets, used = _layout([dest for _, dest in staged])
         # a device-decoded record uploads fewer bytes than its decoded values take (codes of 1 byte
         # or less per value, a few scales): its values' size bounds its share
@@ -325,6 +258,21 @@ class Staging:
             uploads = SlotUploads(self, slot, used, used + reserve)
             prep.device = [functools.partial(self._decode_on_device, rec, dest, uploads) for rec, dest in on_device]
         prep.work, prep.tasks = _decode_tasks(staged, offsets, slot.host, threads, None if on_device else frame)
+        return prep
+
+    def _prepare_compressed(self, compressed: device_zstd.Compressed, frame: Any) -> _Chunk:
+        """A chunk whose stored bytes cross as they are: copied into its slot (hashed as they are
+        copied, when ``frame`` is still to be verified), decoded on the device once sent."""
+        slot = self.ring.acquire(compressed.used)
+        prep = _Chunk(slot, compressed.used, [], frame, compressed=compressed)
+        dst = slot.host.data_ptr() + compressed.at
+        if frame is not None:
+            work = fused.ChunkWork(frame)
+            work.copy(dst, compressed.start - work.base, compressed.nbytes)
+            if work.seal():
+                prep.work = work
+                return prep
+        prep.tasks = [functools.partial(ctypes.memmove, dst, compressed.start, compressed.nbytes)]
         return prep
 
     def _decode_wave(self, preps: Sequence[_Chunk], threads: int) -> list[BaseException | None]:
@@ -391,6 +339,7 @@ class _Chunk:
     work: fused.ChunkWork | None = None
     tasks: list[Any] = dataclasses.field(default_factory=list)
     device: list[Any] = dataclasses.field(default_factory=list)
+    compressed: device_zstd.Compressed | None = None
 
 
 def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[int], host: torch.Tensor,
@@ -443,4 +392,4 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
     return (work, []) if work is not None and work.seal() else (None, tasks)
 
 
-__all__ = ["ALIGN", "RING_SLOTS", "Ring", "Slot", "SlotUploads", "Staging"]
+__all__ = ["SlotUploads", "Staging"]

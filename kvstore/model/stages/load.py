@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning
+from kvstore.model.compute import device_zstd
 from kvstore.model.compute.cache import Buffers, LayerKV, new_buffers
-from kvstore.model.compute.staging import Ring, Staging
+from kvstore.model.compute.ring import Ring
+from kvstore.model.compute.staging import Staging
 from kvstore.model.plan.batch import BatchPlan
 from kvstore.model.plan.chains import Chain, fits
 from kvstore.parallel import run_all
@@ -65,7 +67,9 @@ def load(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, writer: Wr
     P = plan.context_slots
     # accelerator buffers: the handle's ring of pinned slots, one copy per chunk on a side stream
     force = handle.force_staging
-    staging = Staging(dev, force=force, ring=Ring.of(handle, dev, force=force) if dev.type == "cuda" or force else None)
+    ring = Ring.of(handle, dev, force=force) if dev.type == "cuda" or force else None
+    decoder = device_zstd.decoder_for(dev, ring.stream) if ring is not None else None  # zstd frames decoded there
+    staging = Staging(dev, force=force, ring=ring, decoder=decoder)
     try:
         for key, rows in plan.distinct.items():
             if key not in plan.dense:
