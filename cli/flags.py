@@ -153,13 +153,21 @@ class StoreChoice:
 
         get_codec(self.codec)
 
-    def open(self) -> Any:
-        """The :class:`kvstore.store.kvstore.KVStore` (imports torch)."""
+    def open(self, device_type: str | None = None) -> Any:
+        """The :class:`kvstore.store.kvstore.KVStore` (imports torch). ``device_type``: where the
+        caches are computed (``build``): a store created without ``--codec`` gets the codec chosen
+        for it (:func:`kvstore.store.codecs.choice.choose_codec`)."""
         from kvstore.cli.common import store_options
         from kvstore.store.kvstore import KVStore
 
+        default = None
+        if device_type is not None and self.codec is None:
+            from kvstore.model.compute.device_zstd import nvcomp_importable
+            from kvstore.store.codecs.choice import choose_codec
+
+            default = choose_codec(device_type, device_decoder=device_type == "cuda" and nvcomp_importable())
         return KVStore(self.store, readonly=self.readonly_store, codec=self.codec, chunk_tokens=self.chunk_tokens,
-                       **store_options())  # fmt: skip
+                       default_codec=default, **store_options())  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -269,7 +269,9 @@ def build(
             click.echo(f"kvstore: would skip: {problem}", err=True)
         _print_plan(plan, adapter, report.fmt, settings)
         return
-    with store.open() as kv:
+    with store.open(_build_device(adapter)) as kv:
+        if kv.meta.new and kv.meta.codec_reason:  # once: when this build created the store
+            click.echo(f"kvstore: new store {kv.url}: codec {kv.codec.spec} ({kv.meta.codec_reason})", err=True)
         with progress_bar(len(contexts), "build", report.quiet, unit="ctx", rate="tok") as bar:
             built = adapter.build(contexts, kv, options, prompt=prompt, labels=labels, progress=bar)
     shard = options.shard
@@ -307,6 +309,12 @@ def build(
     for problem in list(rows.problems) + built.errors:
         click.echo(f"kvstore: skipped: {problem}", err=True)
     emit_summary("build", summary, report.fmt)
+
+
+def _build_device(adapter: Any) -> str:
+    """The type of the device ``build`` computes on (``cuda``, ``cpu``...): what a new store's codec
+    is chosen for."""
+    return adapter.handle.device.type
 
 
 def _stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:

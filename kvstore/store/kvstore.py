@@ -47,6 +47,7 @@ from kvstore.parallel import run_all
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import Codec, get_codec
+from kvstore.store.codecs.choice import CodecChoice
 from kvstore.store.derived_store import DerivedEntries
 from kvstore.store.entry import CHUNK, Entry, EntryView, encode_entry
 from kvstore.store.frame import TRAILER_BYTES, peek_frame, verify_checksum
@@ -76,7 +77,9 @@ class KVStore(DerivedEntries):
     created). A store's recorded default is always lossless: a lossy codec applies only to the
     handle that names it, and is part of the keys it computes (see :attr:`codec`).
     ``chunk_tokens`` sets the chunk size of a new store (default 512); an existing store keeps its
-    own. ``backend_options`` go to
+    own. ``default_codec``: the codec a store this handle creates records when ``codec`` names none,
+    with its reason (:func:`kvstore.store.codecs.choice.choose_codec`: ``raw`` for a store built on
+    CUDA); ignored for an existing store. ``backend_options`` go to
     :func:`kvstore.store.backends.open_backend`, e.g. ``cache_dir`` and ``cache_size`` for a local
     tier in front of a remote store.
     """
@@ -88,6 +91,7 @@ class KVStore(DerivedEntries):
         readonly: bool = False,
         codec: str | Codec | None = None,
         chunk_tokens: int | None = None,
+        default_codec: CodecChoice | None = None,
         **backend_options,
     ):
         from kvstore.paths import default_store
@@ -101,7 +105,9 @@ class KVStore(DerivedEntries):
         self._written: set[str] = set()  # entries this handle wrote and no record of its named yet
         try:
             chosen = get_codec(codec) if codec is not None else None
-            self.meta = load_meta(self.backend, self.url, chosen, chunk_tokens, readonly=readonly)
+            self.meta = load_meta(
+                self.backend, self.url, chosen, chunk_tokens, readonly=readonly, default=default_codec
+            )
             self.codec: Codec = chosen or get_codec(self.meta.codec)
         except BaseException:
             self.backend.close()

@@ -88,6 +88,16 @@ class NvcompDecoder:
 _DECODERS: dict[tuple[str, int], DeviceDecoder | None] = {}
 
 
+def nvcomp_importable() -> bool:
+    """Whether nVIDIA nvCOMP's Python package (the ``gpu`` extra) is installed (not imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("nvidia.nvcomp") is not None
+    except (ImportError, ValueError):  # no "nvidia" namespace package at all
+        return False
+
+
 def decoder_for(device: torch.device, stream: Any) -> DeviceDecoder | None:
     """The decoder for loads into ``device`` on ``stream`` (made once per stream): nvCOMP on CUDA
     where it imports, else None (the CPU decodes). Tests replace this to run
@@ -222,5 +232,6 @@ __all__ = [
     "Piece",
     "decode_into",
     "decoder_for",
+    "nvcomp_importable",
     "plan",
 ]
