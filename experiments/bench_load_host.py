@@ -13,6 +13,10 @@ Methods, each run on every thread count of ``--thread-sweep``:
 * ``staged:CODEC``: the load as it runs (hash while copying);
 * ``verify-first:CODEC``: the same load in the order before hash-while-copy: every chunk's
   checksum verified (in parallel over chunks), then the chunks copied;
+* ``write:file``, ``write:lmdb``, ``write:lmdb-writemap`` (``--write-lengths``, one thread): the
+  write path: the ``raw`` store's entries written durably to an LMDB environment opened as kvstore
+  opens its stores (one transaction per entry, synced), with LMDB's ``writemap`` and without,
+  against a plain sequential write of the same bytes to the same disk (``x_file``);
 * ``checksum:raw``: the checksum pass alone, over the stored bytes of the ``raw`` store;
   ``copy-only:raw``: the staged load with no checksum at all (not a load kvstore does: what the
   checksum costs); ``open:raw``: the chain opened and its records paired with their places,
@@ -75,6 +79,7 @@ def main() -> None:
     p.add_argument("--codecs", default=",".join(CODECS))
     p.add_argument("--thread-sweep", default="1,2", help="decode threads, comma-separated")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--write-lengths", default="2048", help="context lengths whose write path is measured too")
     args = bl.start(p, {"lengths": "512,1024", "repeats": 2})
     from kvstore.model.compute.cache import new_buffers
     from kvstore.model.compute.ring import Ring
@@ -152,6 +157,10 @@ def main() -> None:
                     methods["copy-only:raw"] = functools.partial(load, stores["raw"], threads, None)
                     methods["open:raw"] = functools.partial(load, stores["raw"], threads, None, False)
                 rows += _measure(methods, args.repeats, n, threads, kv_bytes, blobs, ring)
+            if str(n) in args.write_lengths.split(",") and "raw" in blobs:
+                writes = _writes(blobs["raw"], scratch / "writes")
+                rows += _measure(writes, args.repeats, n, 1, sum(len(b) for b in blobs["raw"]), blobs, ring,
+                                 baseline="write:file")  # fmt: skip
         finally:
             for store in stores.values():
                 store.close()
@@ -160,8 +169,47 @@ def main() -> None:
                     rows=rows)  # fmt: skip
 
 
-def _measure(methods, repeats: int, n: int, threads: int, kv_bytes: int, blobs, ring) -> list[dict]:
-    """Time ``methods`` (alternating, ``repeats`` times after a warm-up): one row per method."""
+def _writes(blobs: list[bytes], where) -> dict:
+    """The write path against a plain sequential write of the same bytes (``blobs``: the stored
+    chunk entries) to the same disk, each made durable (fsync) before the clock stops:
+    ``write:file`` one file; ``write:lmdb`` an LMDB environment opened as kvstore opens its stores,
+    one write transaction per entry (as the writer commits), synced; ``write:lmdb-writemap`` the
+    same with LMDB's ``writemap`` (pages written in place through the map)."""
+    import os
+
+    import lmdb
+
+    def file() -> None:
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / "plain"
+        with open(path, "wb") as f:
+            for b in blobs:
+                f.write(b)
+            f.flush()
+            os.fsync(f.fileno())
+        path.unlink()
+
+    def store(writemap: bool) -> None:
+        path = where / "lmdb"
+        shutil.rmtree(path, ignore_errors=True)
+        env = lmdb.open(str(path), map_size=4 * sum(len(b) for b in blobs), subdir=True, sync=True, metasync=True,
+                        readahead=False, meminit=False, writemap=writemap, max_spare_txns=0)  # fmt: skip
+        try:
+            for i, b in enumerate(blobs):
+                with env.begin(write=True) as txn:
+                    txn.put(b"e/%d" % i, b)
+        finally:
+            env.close()
+            shutil.rmtree(path, ignore_errors=True)
+
+    return {"write:file": file, "write:lmdb": functools.partial(store, False),
+            "write:lmdb-writemap": functools.partial(store, True)}  # fmt: skip
+
+
+def _measure(methods, repeats: int, n: int, threads: int, kv_bytes: int, blobs, ring, *,
+             baseline: str = "memcpy") -> list[dict]:  # fmt: skip
+    """Time ``methods`` (alternating, ``repeats`` times after a warm-up): one row per method, its
+    ratio to ``baseline`` (``x_memcpy``; ``x_file`` for the write path)."""
     for fn in methods.values():  # warm-up: page cache, the ring's slots, the thread pool
         fn()
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -170,20 +218,21 @@ def _measure(methods, repeats: int, n: int, threads: int, kv_bytes: int, blobs, 
             with bl.timed() as t:
                 fn()
             times[m].append(t.seconds)
-    memcpy_med = bl.summarize(times["memcpy"])["median"]
+    base_med = bl.summarize(times[baseline])["median"]
+    ratio = "x_memcpy" if baseline == "memcpy" else "x_file"
     rows = []
     for m in methods:
         s = bl.summarize(times[m])
         codec = m.partition(":")[2] or None
-        stored = None if codec is None else sum(len(b) for b in blobs[codec])
+        stored = sum(len(b) for b in blobs[codec]) if codec in blobs else None
         row = {"context_tokens": n, "threads": threads, "method": m, "kv_bytes": kv_bytes, "stored_bytes": stored,
                "n": s["n"], "min_ms": s["min"] * 1e3, "median_ms": s["median"] * 1e3, "max_ms": s["max"] * 1e3,
                "gbps_median": kv_bytes / s["median"] / 1e9, "gbps_max": kv_bytes / s["min"] / 1e9,
-               "x_memcpy": memcpy_med / s["median"], "slot_allocations": ring.allocations,
+               ratio: base_med / s["median"], "slot_allocations": ring.allocations,
                "loadavg": bl.loadavg()}  # fmt: skip
         rows.append(row)
         print(f"{n:>6} t={threads} {m:<24} median {row['median_ms']:8.1f} ms (min {row['min_ms']:.1f}, max "
-              f"{row['max_ms']:.1f})  {row['gbps_median']:5.2f} GB/s  x memcpy {row['x_memcpy']:.2f}  "
+              f"{row['max_ms']:.1f})  {row['gbps_median']:5.2f} GB/s  {ratio} {row[ratio]:.2f}  "
               f"(load avg {row['loadavg']})", flush=True)  # fmt: skip
     return rows
 
