@@ -35,8 +35,9 @@ from kvstore.store.codecs.records import buffer_view
 from kvstore.store.frame import TRAILER_BYTES
 
 BLOCK = 256 << 10  # bytes of a run of raw bytes copied, then hashed, in one go (in L2 once copied)
-# measured (load_host's machine, 64 MiB): 256 KiB blocks copied then hashed ran at 0.85-0.9x a
-# memcpy of the chunk, 1 MiB at 0.75x, 64 KiB at 0.8x (per-call overhead)
+# a one-off probe while writing this (issue 46; 2-core AMD EPYC, 64 MiB copied and hashed block by
+# block on one thread against a 2-thread memcpy; not a committed result): 256 KiB blocks 0.85-0.9x,
+# 1 MiB 0.75x (no longer in L2 when hashed), 64 KiB 0.8x (per-call overhead)
 
 Job = tuple[Any, int, int, int, int, int]  # (callable or None: a memmove, lo, hi, dst, src, nbytes)
 
@@ -219,9 +220,10 @@ def run(works: Sequence[ChunkWork], threads: int) -> list[BaseException | None]:
     on chunk ``w`` and takes its jobs in order; a thread whose chunk has no job left takes the next
     jobs of the next chunk that has some, so that no thread idles while another has work (a chunk
     of heavy jobs, a thread the system preempted); while one thread hashes a chunk (in order), the
-    others run the jobs after it. Measured (``load_host``'s shape, 2,048 tokens, 2 threads, A/B
-    alternating on a loaded 2-core VM): raw 38.9 ms one task per chunk against 67.3 taking jobs;
-    zstd-split:1:16 407.7 against 192.5 (medians of 9)."""
+    others run the jobs after it. A one-off A/B while writing this (issue 46; ``load_host``'s
+    shape, 2,048 tokens, 2 threads, alternating on a loaded 2-core VM, medians of 9; not a
+    committed result): raw 38.9 ms one task per chunk against 67.3 taking jobs; zstd-split:1:16
+    407.7 against 192.5."""
     from kvstore.parallel import run_all
 
     copies_only = all(job[0] is None for w in works for job in w.jobs)
