@@ -277,7 +277,7 @@ def build(
             click.echo(f"kvstore: would skip: {problem}", err=True)
         _print_plan(plan, adapter, report.fmt, settings)
         return
-    with store.open() as kv:
+    with store.open_for_build(adapter) as kv:
         with progress_bar(len(contexts), "build", report.quiet, unit="ctx", rate="tok") as bar:
             built = adapter.build(contexts, kv, options, prompt=prompt, labels=labels, progress=bar)
     shard = options.shard

@@ -69,7 +69,8 @@ _BATCH = 256  # records read per backend call
 class StoreAbout:
     """What a scan says of the store itself: its ``url``, on-disk ``format``, default ``codec``
     spec, ``created`` time, ``disk_bytes`` (None where the backend cannot say), whether the scan
-    ``verified`` every checksum, and its ``chunk_tokens``."""
+    ``verified`` every checksum, its ``chunk_tokens``, and why its codec was chosen
+    (``codec_reason``: empty unless kvstore chose it by the device it was built on)."""
 
     url: str
     format: int
@@ -78,12 +79,13 @@ class StoreAbout:
     disk_bytes: int | None = None
     verified: bool = False
     chunk_tokens: int = 0
+    codec_reason: str = ""
 
 
 class StoreInfo:
     """A store's description and contents (see :meth:`KVStore.scan`): ``about`` (a
     :class:`StoreAbout`; its fields read as this object's own: ``url``, ``format``, ``codec``,
-    ``created``, ``disk_bytes``, ``verified``, ``chunk_tokens``), ``entries`` (its intact chunks, an
+    ``created``, ``disk_bytes``, ``verified``, ``chunk_tokens``, ``codec_reason``), ``entries`` (its intact chunks, an
     :class:`~kvstore.store.tables.EntryTable`: a sequence of ``EntryInfo``), ``contexts`` (a
     :class:`~kvstore.store.tables.ContextTable`: a sequence of ``ContextInfo``), ``derived`` (its
     intact derived entries), what does not read (``corrupt``: chunk and derived entries;
@@ -104,6 +106,7 @@ class StoreInfo:
         self.about = about
         self.url, self.format, self.codec, self.created = about.url, about.format, about.codec, about.created
         self.disk_bytes, self.verified, self.chunk_tokens = about.disk_bytes, about.verified, about.chunk_tokens
+        self.codec_reason = about.codec_reason
         self.corrupt, self.local_corrupt, self.malformed = tuple(corrupt), tuple(local_corrupt), tuple(malformed)
         self.unknown = tuple(unknown)
         if not isinstance(entries, EntryTable):
@@ -267,7 +270,7 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
     contexts.attach(derived)
     contexts.finish()
     about = StoreAbout(store.url, store.format, store.codec.spec, float(store.meta.created),
-                       store.backend.disk_bytes(), verify, store.chunk_tokens)  # fmt: skip
+                       store.backend.disk_bytes(), verify, store.chunk_tokens, store.meta.codec_reason)  # fmt: skip
     return StoreInfo(about, entries, corrupt, contexts, local_corrupt=local_corrupt, malformed=malformed,
                      unknown=unknown)  # fmt: skip
 
