@@ -25,9 +25,10 @@ parsers, into the values the library takes: ``--press`` and ``--decode-attention
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,13 +154,36 @@ class StoreChoice:
 
         get_codec(self.codec)
 
-    def open(self) -> Any:
-        """The :class:`kvstore.store.kvstore.KVStore` (imports torch)."""
+    def open(self, device_type: str | None = None) -> Any:
+        """The :class:`kvstore.store.kvstore.KVStore` (imports torch). ``device_type``: where the
+        caches are computed (``build``): a store created without ``--codec`` gets the codec chosen
+        for it (:func:`kvstore.store.codecs.choice.choose_codec`)."""
         from kvstore.cli.common import store_options
         from kvstore.store.kvstore import KVStore
 
+        default = None
+        if device_type is not None and self.codec is None:
+            from kvstore.model.compute.device_zstd import nvcomp_importable
+            from kvstore.store.codecs.choice import choose_codec
+
+            default = choose_codec(device_type, device_decoder=device_type == "cuda" and nvcomp_importable())
         return KVStore(self.store, readonly=self.readonly_store, codec=self.codec, chunk_tokens=self.chunk_tokens,
-                       **store_options())  # fmt: skip
+                       default_codec=default, **store_options())  # fmt: skip
+
+    @contextlib.contextmanager
+    def open_for_build(self, adapter: Any) -> Iterator[Any]:
+        """The store ``build`` writes, opened for the device its caches are computed on
+        (:func:`build_device`); when this build creates it, its chosen codec and the reason printed once."""
+        with self.open(build_device(adapter)) as kv:
+            if kv.meta.new and kv.meta.codec_reason:
+                click.echo(f"kvstore: new store {kv.url}: codec {kv.codec.spec} ({kv.meta.codec_reason})", err=True)
+            yield kv
+
+
+def build_device(adapter: Any) -> str:
+    """The type of the device ``build`` computes on (``cuda``, ``cpu``...): what a new store's codec
+    is chosen for (the seam the codec-choice tests replace)."""
+    return adapter.handle.device.type
 
 
 @dataclass(frozen=True)
@@ -312,6 +336,14 @@ def compose_of(ctx: click.Context, param: click.Parameter, value: str | None) ->
         raise click.BadParameter(str(exc)) from None
 
 
+build_compose_flag = click.option(
+    "--compose", "compose", is_flag=True,
+    help="For rows whose context is a list of passages: store each distinct passage once and the prompt's head "
+    "(what sample --compose POLICY reads: it then computes no passage) instead of each row's exact prefix chain "
+    "(what sample without --compose reads). Build both ways into one store for both (docs/composing.md).",
+)  # fmt: skip
+
+
 def variant_flags(verb: str, done: str) -> Callable[[Callable], Callable]:
     """``--press`` and ``--decode-attention`` (the options' ``press`` and ``decode_attention``: one
     variant, as the keywords compose them) and ``--variant`` (repeated: a sweep, :func:`sweep_of`);
@@ -357,6 +389,8 @@ __all__ = [
     "Report",
     "StoreChoice",
     "Values",
+    "build_compose_flag",
+    "build_device",
     "compose_of",
     "cache_flags",
     "dataset_flags",

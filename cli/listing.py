@@ -91,6 +91,9 @@ def show(records: list[dict[str, Any]], what: str, full_keys: bool) -> None:
         if what == "context" and any(r["derived"] for r in records):
             columns |= {"derived_str": "DERIVED"}
             align += "l"
+        if what == "context" and any(r.get("passage") for r in records):  # stored alone, for composed contexts
+            columns |= {"passage": "PASSAGE"}
+            align += "l"
     emit(
         records,
         "table",
@@ -102,6 +105,7 @@ def show(records: list[dict[str, Any]], what: str, full_keys: bool) -> None:
             "stored_bytes": lambda b: human_bytes(b or 0),
             "kept_fraction": lambda f: "-" if f is None else f"{f:.0%}",
             "kv_ratio": lambda r: "-" if r is None else f"{r:.3f}",
+            "passage": lambda p: "passage" if p else "-",
             "created": _time,
             "last_access": _time,
         },  # fmt: skip

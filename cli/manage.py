@@ -146,7 +146,8 @@ def stats(store: str, fmt: str) -> None:
     rows = [g.as_record() for g in summarize(info)]
     kinds = [d.as_record() for d in owned_totals(info)]
     totals = _stats_totals(info)
-    description = {"store": info.url, "format": info.format, "codec": info.codec, "chunk_tokens": info.chunk_tokens}
+    description = {"store": info.url, "format": info.format, "codec": info.codec, "codec_reason": info.codec_reason,
+                   "chunk_tokens": info.chunk_tokens}  # fmt: skip
     if fmt == "json":
         echo_json(description | {"groups": rows, "totals": totals, "derived": kinds})
         return
@@ -156,6 +157,8 @@ def stats(store: str, fmt: str) -> None:
     click.echo(
         f"Store {info.url} (format {info.format}, codec for new entries {info.codec}, {info.chunk_tokens}-token chunks)"
     )
+    if info.codec_reason:
+        click.echo(f"Codec {info.codec}: {info.codec_reason}")
     if rows:
         click.echo()
         _stats_table(rows)

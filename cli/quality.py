@@ -4,7 +4,10 @@ Every row's context is prefilled once (the lossless cache) and the model answers
 each ``--codec`` then round-trips that cache through its stored bytes and is compared with it
 (:func:`kvstore.quality.quality_gate`): next-token KL and top-1 agreement on the lossless answer
 (keys and values quantized, only keys, only values) and its own greedy answer against the lossless
-one (identical rows, mean common prefix), with its bytes against float32. Nothing is stored. A row
+one (identical rows, mean common prefix), with its bytes against float32; and the KL floor, the
+lossless cache measured the way the codecs are (its own rounding: read a codec's KL against it). A
+codec given twice (``-c int4h -c int4h:32/64``: one canonical spec) is measured once, with a note.
+Nothing is stored. A row
 is its context's text (the model's own BOS where it uses one) and the question's text after it, as
 they are (no prompt template); a row without a question feeds its context's last token.
 """
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 
 import click
 
-from kvstore.cli.common import CLIError, emit, format_option, progress_bar, quiet_option
+from kvstore.cli.common import CLIError, emit, format_option, progress_bar, quiet_option, warn
+from kvstore.cli.compose_quality import Composing, compose_option
 from kvstore.cli.flags import ModelChoice, dataset_flags, model_flags, receives
 
 
@@ -59,31 +63,39 @@ COLUMNS = {
 @click.command("quality")
 @dataset_flags
 @model_flags
-@click.option("--codec", "-c", multiple=True, required=True, help="A lossy codec to measure (repeat for several).")
+@click.option("--codec", "-c", multiple=True, help="A lossy codec to measure (repeat for several).")
+@compose_option
 @click.option("--new-tokens", "-n", type=click.IntRange(min=1), default=16, show_default=True,
               help="Greedy tokens per row compared with the lossless answer.")  # fmt: skip
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens per stored chunk the codecs encode (a store's default).")  # fmt: skip
 @format_option
 @quiet_option
-@receives(source=GateSource, model=ModelChoice, gate=Gate)
-def quality(source: GateSource, model: ModelChoice, gate: Gate) -> None:
+@receives(source=GateSource, model=ModelChoice, gate=Gate, composing=Composing)
+def quality(source: GateSource, model: ModelChoice, gate: Gate, composing: Composing) -> None:
     """Measure lossy codecs against the lossless cache on DATASET's rows: next-token KL and top-1,
-    key and value damage apart, identical answers and their common prefix, bytes vs float32."""
-    from kvstore.quality import quality_gate, rows_of
-    from kvstore.store.codecs import get_codec
+    key and value damage apart, identical answers and their common prefix, bytes vs float32. With
+    --compose POLICY instead: composition policies on passage rows against their full prefill."""
+    from kvstore.quality import quality_gate, rows_of, unique_codecs
 
-    for spec in gate.codec:
-        if get_codec(spec).lossless:
-            raise CLIError(f"--codec {spec} is lossless: give lossy codecs (int8, int4h, ecq, ...)")
+    if bool(gate.codec) == bool(composing.compose):
+        raise CLIError("give --codec (lossy codecs) or --compose (policies on passage rows): one of the two")
+    if composing.compose:
+        return composing.run(source, model, gate.new_tokens, gate.fmt, gate.quiet)
+    codecs, repeats = unique_codecs(gate.codec)
+    for given, canonical in repeats:  # measured once: twice would double its rows and bytes
+        warn(f"--codec {given} is {canonical}, given already: measured once")
+    for codec in codecs:
+        if codec.lossless:
+            raise CLIError(f"--codec {codec.spec} is lossless: give lossy codecs (int8, int4h, ecq, ...)")
     contexts, questions = source.load()
     adapter = model.load(gate.quiet)
     try:
         rows = rows_of(adapter, contexts, questions)
     except ValueError as exc:
         raise CLIError(f"{source.dataset}: {exc}") from None
-    bar = progress_bar(len(rows) * len(gate.codec), "quality", gate.quiet)
-    results = quality_gate(adapter, rows, gate.codec, new_tokens=gate.new_tokens, chunk_tokens=gate.chunk_tokens,
+    bar = progress_bar(len(rows) * len(codecs), "quality", gate.quiet)
+    results = quality_gate(adapter, rows, codecs, new_tokens=gate.new_tokens, chunk_tokens=gate.chunk_tokens,
                            progress=bar.update)  # fmt: skip
     bar.close()
     out = []
@@ -94,6 +106,8 @@ def quality(source: GateSource, model: ModelChoice, gate: Gate) -> None:
         out.append(flat)
     if gate.fmt == "table":
         click.echo(f"{len(rows)} rows, {gate.new_tokens} new tokens each; against the lossless cache")
+        floor = results[0].kl_floor if results else 0.0
+        click.echo(f"KL floor {floor:.5f}: the lossless cache itself through the gate's path (its own rounding noise)")
     emit(out, gate.fmt, columns=COLUMNS, formatters={
         "size_vs_f32": "{:.3f}".format, "common_prefix": "{:.1%}".format,
         "identical": lambda v: f"{v}/{len(rows)}", **{k: "{:.5f}".format for k in ("kl_kv", "kl_keys", "kl_values")},

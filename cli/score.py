@@ -142,6 +142,9 @@ def score(
         if kv is not None:
             kv.close()
     seconds = time.perf_counter() - t0
+    # as sample's: the time batches waited for the next batch's load (run ahead on a worker), and its share
+    wait = summary.get("load_wait_seconds")
+    summary["idle_share"] = round(wait / seconds, 4) if wait is not None and seconds else None
     if report.output:
         with Path(report.output).open("w", encoding="utf-8") as f:
             for r in out_rows:
@@ -194,7 +197,8 @@ def _scored(adapter, rows, options, sweep: tuple, run: _Run) -> tuple[list[dict]
     first = next(iter(results.values()))
     computed = first.prefill_tokens_computed + built
     no_cache_tokens = first.prefill_tokens_computed + first.prefill_tokens_saved
-    counts = {"prefill_tokens_computed": computed, "prefill_tokens_saved": no_cache_tokens - computed}
+    counts = {"prefill_tokens_computed": computed, "prefill_tokens_saved": no_cache_tokens - computed,
+              "load_wait_seconds": round(first.load_wait_seconds, 3) if store is not None else None}  # fmt: skip
     if sweep or not options.variant().dense:
         counts["window_tokens_computed"] = first.window_tokens_computed
         counts["replay_tokens_computed"] = first.replay_tokens_computed
@@ -352,4 +356,5 @@ def _rolling(adapter, rows, options, run: _Run) -> tuple[list[dict], dict]:
         "bits_per_byte": round(nll / (nbytes * LN2), 6) if nbytes else None,
         "prefill_tokens_computed": docs.prefill_tokens_computed,
         "prefill_tokens_saved": docs.prefill_tokens_saved,
+        "load_wait_seconds": round(docs.load_wait_seconds, 3) if options.use_cache else None,
     }

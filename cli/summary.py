@@ -123,10 +123,27 @@ def variant_table(results, rows: list[dict], n: int, dense_bytes: int = 0) -> li
     return table
 
 
+def lossy_copies_hint(held: dict[str, int], readonly: bool) -> None:
+    """One line on stderr when the store held contexts this lossless run missed under a lossy codec
+    (a plain sample never reads those): which codec, and that ``--codec`` reads them."""
+    if not held:
+        return
+    codec, n = max(held.items(), key=lambda item: (item[1], item[0]))
+    others = ", ".join(k for k in sorted(held) if k != codec)
+    done = "computed them" if readonly else "computed them and stored lossless copies"
+    click.echo(
+        f"kvstore: hint: the store holds {n} of the contexts this run missed under the lossy codec {codec}"
+        + (f" (some also under {others})" if others else "")
+        + f", which a sample without --codec does not read (it {done}); --codec {codec} reads them (lossy)",
+        err=True,
+    )
+
+
 __all__ = [
     "METRIC_KEYS",
     "corrupt_entries_as_warnings",
     "emit_summary",
+    "lossy_copies_hint",
     "metrics",
     "variant_table",
 ]

@@ -23,7 +23,14 @@ import click
 from kvstore.cli import flags
 from kvstore.cli.common import CLIError, progress_bar
 from kvstore.cli.flags import ModelChoice, Report, StoreChoice
-from kvstore.cli.summary import METRIC_KEYS, corrupt_entries_as_warnings, emit_summary, metrics, variant_table
+from kvstore.cli.summary import (
+    METRIC_KEYS,
+    corrupt_entries_as_warnings,
+    emit_summary,
+    lossy_copies_hint,
+    metrics,
+    variant_table,
+)
 from kvstore.data.prompts import DEFAULT_TEMPLATE
 from kvstore.model.keywords import field_default
 from kvstore.model.options import BuildOptions, SampleOptions
@@ -228,6 +235,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="With --no-dense, keep only what --press and --score store: the dense caches are computed in memory "
     "and dropped (a variant that needs one computes it, as for any miss) [default: --dense].",
 )
+@flags.build_compose_flag
 @click.option("--dry-run", is_flag=True, help="Print what the build would do per context (its plan); change nothing.")
 @flags.receives(
     data=Data,
@@ -263,13 +271,13 @@ def build(
         with _plan_store(store) as (kv, exists):
             plan = adapter.plan_build(contexts, kv, options, prompt=prompt, labels=labels)
             settings = {"store": store.store, "store_exists": exists, "codec": kv.codec.spec,
-                        "chunk_tokens": kv.chunk_tokens, "rows": len(rows.examples),
+                        "chunk_tokens": kv.chunk_tokens, "rows": len(rows.examples), "compose": options.compose,
                         "bad_rows_skipped": rows.skipped}  # fmt: skip
         for problem in list(rows.problems) + list(plan.errors):
             click.echo(f"kvstore: would skip: {problem}", err=True)
         _print_plan(plan, adapter, report.fmt, settings)
         return
-    with store.open() as kv:
+    with store.open_for_build(adapter) as kv:
         with progress_bar(len(contexts), "build", report.quiet, unit="ctx", rate="tok") as bar:
             built = adapter.build(contexts, kv, options, prompt=prompt, labels=labels, progress=bar)
     shard = options.shard
@@ -299,6 +307,7 @@ def build(
         "store_seconds": round(built.store_seconds, 3),
         "tokens_per_second": round(built.tokens_per_second, 1),
         "dense": options.dense,
+        "compose": options.compose or None,
         "pressed_written": built.pressed_written if options.presses else None,
         "scores_written": built.scores_written if options.presses or options.scores else None,
         "derived_bytes": built.derived_bytes if options.presses or options.scores else None,
@@ -442,6 +451,7 @@ def sample(
         context_tokens = result.prefill_tokens_saved + result.prefill_tokens_computed  # every row's context
         summary["variants"] = variant_table(results, out_rows, n, context_tokens * adapter.kv_bytes_per_token())
     _echo_answers(out_rows, summary, report)
+    lossy_copies_hint(result.lossy_copies, store.readonly_store)
     emit_summary("sample", summary, report.fmt)
     sys.stdout.flush()
 

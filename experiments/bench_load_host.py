@@ -1,28 +1,43 @@
 """The host side of a load into accelerator memory, against a plain memcpy of the same bytes.
 
 What runs on the CPU before the copy engine takes over (``kvstore.model.compute.staging``): open a
-stored chain in a warm LMDB store, verify every chunk's checksum, and decode every key and value
-record of every chunk into the staging ring's host slots (one slot per chunk, reused in turn; the
-host-to-device copy and the device-side scatter are left out: no GPU here, and on one they run
-on the copy engine and the device while the next chunk decodes). ``memcpy``: the same number of
-bytes, held in ordinary memory one contiguous tensor per chunk, copied into the same
-preallocated slots on the same threads (one piece per thread). ``checksum``: the checksum pass
-alone (part of ``staged``); ``staged-per-record:raw``: ``staged`` with every raw record copied on
-its own (what staging did before it copied a chunk's records lying end to end as one run). GB/s
-are KV bytes (decoded) per second for every method, so the ratio ``staged / memcpy`` is what the
-store's host side costs against the copy it cannot avoid.
+stored chain in a warm LMDB store and decode every key and value record of every chunk into the
+staging ring's host slots, each chunk's checksum computed while its bytes are copied
+(``kvstore.store.fused``; the host-to-device copy and the device-side scatter are left out: no GPU
+here, and on one they run on the copy engine and the device while the next chunk decodes).
+Methods, each run on every thread count of ``--thread-sweep``:
+
+* ``memcpy``: the same number of bytes, held in ordinary memory one contiguous tensor per chunk,
+  copied into the same preallocated slots on the same threads (one piece per thread): the fair
+  baseline, the copy a load cannot avoid;
+* ``staged:CODEC``: the load as it runs (hash while copying);
+* ``verify-first:CODEC``: the same load in the order before hash-while-copy: every chunk's
+  checksum verified (in parallel over chunks), then the chunks copied;
+* ``write:file``, ``write:lmdb``, ``write:lmdb-writemap`` (``--write-lengths``, one thread): the
+  write path: the ``raw`` store's entries written durably to an LMDB environment opened as kvstore
+  opens its stores (one transaction per entry, synced), with LMDB's ``writemap`` and without,
+  against a plain sequential write of the same bytes to the same disk (``x_file``);
+* ``checksum:raw``: the checksum pass alone, over the stored bytes of the ``raw`` store;
+  ``copy-only:raw``: the staged load with no checksum at all (not a load kvstore does: what the
+  checksum costs); ``open:raw``: the chain opened and its records paired with their places,
+  nothing copied (what a load costs besides copying and hashing).
+
+GB/s are KV bytes (decoded) per second for every method, so the ratio ``staged / memcpy`` (the
+same thread count, the same run) is what the store's host side costs against the copy it cannot
+avoid.
 
 The KV is shaped like Llama-3.1-8B's (32 layers, 8 KV heads, head_dim 128, bfloat16: 128 KiB per
 token, 64 MiB per 512-token chunk), random normal values (scale 2; the high byte of bf16 compresses
 as a real cache's does, the low byte not at all), stored as the store stores them (512-token
-chunks, ``raw`` and the default ``zstd-split:1:16``). ``--threads`` decode threads (the machine's
-cores). Every timing: min / median / max over ``--repeats`` runs after one warm-up, the methods
-alternating within each repeat, the load average recorded.
+chunks, ``raw`` and the default ``zstd-split:1:16``). Every timing: min / median / max over
+``--repeats`` runs after one warm-up, the methods alternating within each repeat, the load average
+recorded per row and the machine in the result.
 
 Command (from the repository root; the suite ``load_host``: ``python -m experiments run load_host
 [ARGS]`` writes experiments/results/; run by hand it writes to cache/bench/raw/)::
 
-    .venv/bin/python experiments/bench_load_host.py                    # 512, 2048, 8192 tokens
+    .venv/bin/python experiments/bench_load_host.py                    # 512, 2048, 8192 tokens; 1, 2 threads
+    .venv/bin/python experiments/bench_load_host.py --thread-sweep 4,8,16   # a GPU host
     .venv/bin/python experiments/bench_load_host.py --quick            # smoke run
 """
 
@@ -62,13 +77,15 @@ def main() -> None:
     p = bl.parser(__doc__)
     p.add_argument("--lengths", default="512,2048,8192")
     p.add_argument("--codecs", default=",".join(CODECS))
+    p.add_argument("--thread-sweep", default="1,2", help="decode threads, comma-separated")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--write-lengths", default="2048", help="context lengths whose write path is measured too")
     args = bl.start(p, {"lengths": "512,1024", "repeats": 2})
-    from kvstore.model.compute import staging
     from kvstore.model.compute.cache import new_buffers
-    from kvstore.model.compute.staging import Ring, Staging
+    from kvstore.model.compute.ring import Ring
+    from kvstore.model.compute.staging import Staging
     from kvstore.parallel import run_all
-    from kvstore.store.header import verify_checksum
+    from kvstore.store.frame import verify_checksum
     from kvstore.store.kvstore import KVStore
 
     class HostRing(Ring):
@@ -78,9 +95,9 @@ def main() -> None:
             return None
 
     codecs = args.codecs.split(",")
+    sweep = [int(t) for t in args.thread_sweep.split(",")]
     scratch = bl.SCRATCH / "load_host"
     rows = []
-    threads = args.threads
     for n in [int(x) for x in args.lengths.split(",")]:
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
@@ -96,19 +113,28 @@ def main() -> None:
             bufs = new_buffers([(KV_HEADS, HEAD_DIM, HEAD_DIM)] * LAYERS, 1, n, torch.bfloat16, torch.device("cpu"))
             ring = HostRing(torch.device("cpu"), force=True)
 
-            def staged(store: KVStore) -> None:
+            def load(store: KVStore, threads: int, first: bool | None, copy: bool = True) -> None:
+                """The staged load (``first``: every checksum verified before any chunk is copied;
+                None: none verified; ``copy`` False: the chain opened, nothing copied)."""
                 st = Staging(torch.device("cpu"), force=True, ring=ring)
-                with store.open_chain(keys, lazy=True) as views:
-                    assert len(views) == len(keys)
+                with store.open_chain(keys, lazy=True, defer=True) as views:
+                    assert len(views) == len(keys) and all(v.unverified is not None for v in views)
                     chunks = []
                     for view in views:
                         h = view.header
                         chunks.append([(kv[r], bufs[i][r][0, :, h.start : h.end])
                                        for i, kv in enumerate(view.layers) for r in (0, 1)])  # fmt: skip
-                    sent, err = st.load_chunks(chunks, store.codec.decode_threads())
+                    frames = [v.unverified for v in views]
+                    if not copy:
+                        return
+                    if first:
+                        errors = run_all([functools.partial(verify_checksum, f) for f in frames], threads)
+                        assert not any(errors), errors
+                    sent, err = st.load_chunks(chunks, threads, None if first in (True, None) else frames)
                     assert err is None and sent == len(keys), err
+                    assert st.counts["chunks"] == len(keys)
 
-            def memcpy() -> None:
+            def memcpy(threads: int) -> None:
                 with ring.lock:
                     for src in sources:
                         slot = ring.acquire(src.numel())
@@ -116,53 +142,99 @@ def main() -> None:
                         pieces = [(slot.host[i : i + step], src[i : i + step]) for i in range(0, src.numel(), step)]
                         run_all([functools.partial(torch.Tensor.copy_, d, s) for d, s in pieces], threads)
 
-            def checksum(store: KVStore):
-                blobs = [store.backend.get(f"e/{k}".encode()) for k in keys]  # copied out before the timing
-                return lambda: run_all([functools.partial(verify_checksum, b) for b in blobs], threads)
+            blobs = {c: [s.backend.get(f"e/{k}".encode()) for k in keys] for c, s in stores.items()}
 
-            def per_record(store: KVStore) -> None:  # every raw record copied on its own, as before runs
-                real = staging._plain
-                staging._plain = lambda record, dest: None
-                try:
-                    staged(store)
-                finally:
-                    staging._plain = real
+            def checksum(codec: str, threads: int) -> None:  # the stored bytes, copied out before the timing
+                run_all([functools.partial(verify_checksum, b) for b in blobs[codec]], threads)
 
-            methods = {"memcpy": memcpy} | {f"staged:{c}": functools.partial(staged, s) for c, s in stores.items()}
-            if "raw" in stores:
-                methods["staged-per-record:raw"] = functools.partial(per_record, stores["raw"])
-            check = {f"checksum:{c}": checksum(s) for c, s in stores.items() if c == "raw"}
-            methods |= check
-            for fn in methods.values():  # warm-up: page cache, the ring's slots, the thread pool
-                fn()
-            times: dict[str, list[float]] = {m: [] for m in methods}
-            for _ in range(args.repeats):
-                for m, fn in methods.items():
-                    with bl.timed() as t:
-                        fn()
-                    times[m].append(t.seconds)
-            memcpy_med = bl.summarize(times["memcpy"])["median"]
-            for m in methods:
-                s = bl.summarize(times[m])
-                codec = m.partition(":")[2] or None
-                stored = None
-                if codec is not None:
-                    stored = sum(len(b) for b in stores[codec].backend.get_many([f"e/{k}".encode() for k in keys]))
-                row = {"context_tokens": n, "method": m, "kv_bytes": kv_bytes, "stored_bytes": stored, "n": s["n"],
-                       "min_ms": s["min"] * 1e3, "median_ms": s["median"] * 1e3, "max_ms": s["max"] * 1e3,
-                       "gbps_median": kv_bytes / s["median"] / 1e9, "gbps_max": kv_bytes / s["min"] / 1e9,
-                       "x_memcpy": memcpy_med / s["median"], "slot_allocations": ring.allocations,
-                       "loadavg": bl.loadavg()}  # fmt: skip
-                rows.append(row)
-                print(f"{n:>6} {m:<22} median {row['median_ms']:8.1f} ms  {row['gbps_median']:5.2f} GB/s "
-                      f"(best {row['gbps_max']:5.2f})  x memcpy {row['x_memcpy']:.2f}  (load avg {row['loadavg']})",
-                      flush=True)  # fmt: skip
+            for threads in sweep:
+                methods = {"memcpy": functools.partial(memcpy, threads)}
+                for c, s in stores.items():
+                    methods[f"staged:{c}"] = functools.partial(load, s, threads, False)
+                    methods[f"verify-first:{c}"] = functools.partial(load, s, threads, True)
+                if "raw" in stores:  # where the time goes: the checksum alone, the copy alone, the opening alone
+                    methods["checksum:raw"] = functools.partial(checksum, "raw", threads)
+                    methods["copy-only:raw"] = functools.partial(load, stores["raw"], threads, None)
+                    methods["open:raw"] = functools.partial(load, stores["raw"], threads, None, False)
+                rows += _measure(methods, args.repeats, n, threads, kv_bytes, blobs, ring)
+            if str(n) in args.write_lengths.split(",") and "raw" in blobs:
+                writes = _writes(blobs["raw"], scratch / "writes")
+                rows += _measure(writes, args.repeats, n, 1, sum(len(b) for b in blobs["raw"]), blobs, ring,
+                                 baseline="write:file")  # fmt: skip
         finally:
             for store in stores.values():
                 store.close()
             shutil.rmtree(scratch, ignore_errors=True)
-        bl.write_result("load_host", params=vars(args) | {"shape": [LAYERS, KV_HEADS, HEAD_DIM], "chunk": CHUNK},
-                        rows=rows)  # fmt: skip
+    bl.write_result("load_host", params=vars(args) | {"shape": [LAYERS, KV_HEADS, HEAD_DIM], "chunk": CHUNK},
+                    rows=rows)  # fmt: skip
+
+
+def _writes(blobs: list[bytes], where) -> dict:
+    """The write path against a plain sequential write of the same bytes (``blobs``: the stored
+    chunk entries) to the same disk, each made durable (fsync) before the clock stops:
+    ``write:file`` one file; ``write:lmdb`` an LMDB environment opened as kvstore opens its stores,
+    one write transaction per entry (as the writer commits), synced; ``write:lmdb-writemap`` the
+    same with LMDB's ``writemap`` (pages written in place through the map)."""
+    import os
+
+    import lmdb
+
+    def file() -> None:
+        where.mkdir(parents=True, exist_ok=True)
+        path = where / "plain"
+        with open(path, "wb") as f:
+            for b in blobs:
+                f.write(b)
+            f.flush()
+            os.fsync(f.fileno())
+        path.unlink()
+
+    def store(writemap: bool) -> None:
+        path = where / "lmdb"
+        shutil.rmtree(path, ignore_errors=True)
+        env = lmdb.open(str(path), map_size=4 * sum(len(b) for b in blobs), subdir=True, sync=True, metasync=True,
+                        readahead=False, meminit=False, writemap=writemap, max_spare_txns=0)  # fmt: skip
+        try:
+            for i, b in enumerate(blobs):
+                with env.begin(write=True) as txn:
+                    txn.put(b"e/%d" % i, b)
+        finally:
+            env.close()
+            shutil.rmtree(path, ignore_errors=True)
+
+    return {"write:file": file, "write:lmdb": functools.partial(store, False),
+            "write:lmdb-writemap": functools.partial(store, True)}  # fmt: skip
+
+
+def _measure(methods, repeats: int, n: int, threads: int, kv_bytes: int, blobs, ring, *,
+             baseline: str = "memcpy") -> list[dict]:  # fmt: skip
+    """Time ``methods`` (alternating, ``repeats`` times after a warm-up): one row per method, its
+    ratio to ``baseline`` (``x_memcpy``; ``x_file`` for the write path)."""
+    for fn in methods.values():  # warm-up: page cache, the ring's slots, the thread pool
+        fn()
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(repeats):
+        for m, fn in methods.items():
+            with bl.timed() as t:
+                fn()
+            times[m].append(t.seconds)
+    base_med = bl.summarize(times[baseline])["median"]
+    ratio = "x_memcpy" if baseline == "memcpy" else "x_file"
+    rows = []
+    for m in methods:
+        s = bl.summarize(times[m])
+        codec = m.partition(":")[2] or None
+        stored = sum(len(b) for b in blobs[codec]) if codec in blobs else None
+        row = {"context_tokens": n, "threads": threads, "method": m, "kv_bytes": kv_bytes, "stored_bytes": stored,
+               "n": s["n"], "min_ms": s["min"] * 1e3, "median_ms": s["median"] * 1e3, "max_ms": s["max"] * 1e3,
+               "gbps_median": kv_bytes / s["median"] / 1e9, "gbps_max": kv_bytes / s["min"] / 1e9,
+               ratio: base_med / s["median"], "slot_allocations": ring.allocations,
+               "loadavg": bl.loadavg()}  # fmt: skip
+        rows.append(row)
+        print(f"{n:>6} t={threads} {m:<24} median {row['median_ms']:8.1f} ms (min {row['min_ms']:.1f}, max "
+              f"{row['max_ms']:.1f})  {row['gbps_median']:5.2f} GB/s  {ratio} {row[ratio]:.2f}  "
+              f"(load avg {row['loadavg']})", flush=True)  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

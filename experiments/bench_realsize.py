@@ -209,7 +209,8 @@ def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scrat
     for codec, (store, plan) in stores.items():
 
         def load_fn(store=store, plan=plan):
-            from kvstore.model.compute.staging import Ring, Staging
+            from kvstore.model.compute.ring import Ring
+            from kvstore.model.compute.staging import Staging
 
             staging = Staging(dev, ring=Ring.of(adapter.handle, dev))  # the slots every load of the model reuses
             got = load_prefix(adapter.handle, store, plan, bufs, 0, 0, staging=staging)

@@ -19,12 +19,18 @@ and its handle, a :class:`~kvstore.store.kvstore.KVStore`, options, plans). Thes
   path per process, so every store opened on a path shares one (``LMDB``), counted and closed with
   its last user; a forked child may not use its parent's.
 
+One switch comes from the environment, read in one place (:func:`forced_staging`): ``KVSTORE_FORCE_STAGING``
+(set and not ``0``) makes every :class:`~kvstore.model.handle.ModelHandle` made without an explicit
+``force_staging`` stage its loads and writes as on an accelerator, on CPU too: the accelerator path
+tested from the command line (docs/gpu.md). It is read when a handle is made, not cached.
+
 No module of ``kvstore`` or ``cli`` uses a ``global`` statement: the mutable process-wide values
 are the fields of the objects below (a test checks both).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,8 +62,26 @@ class LmdbEnvironments:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+FORCE_STAGING_ENV = "KVSTORE_FORCE_STAGING"
+
+
+def forced_staging() -> bool:
+    """Whether ``KVSTORE_FORCE_STAGING`` is set to anything but empty or ``0`` (see the module
+    docstring): the default of a model handle's ``force_staging``."""
+    return os.environ.get(FORCE_STAGING_ENV, "") not in ("", "0")
+
+
 ATTENTION = AttentionSwitch()
 POOL = ThreadPool()
 LMDB = LmdbEnvironments()
 
-__all__ = ["ATTENTION", "LMDB", "POOL", "AttentionSwitch", "LmdbEnvironments", "ThreadPool"]
+__all__ = [
+    "ATTENTION",
+    "FORCE_STAGING_ENV",
+    "LMDB",
+    "POOL",
+    "AttentionSwitch",
+    "LmdbEnvironments",
+    "ThreadPool",
+    "forced_staging",
+]

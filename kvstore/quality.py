@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 from kvstore.errors import CodecError
+from kvstore.model.family.families import describe
 from kvstore.store.codecs import Codec, get_codec
+from kvstore.store.codecs.hadamard import layer_refusal
 from kvstore.store.codecs.prerope import needs_rotary, with_rotary
 from kvstore.store.entry import kv_tensor_name
 
@@ -62,13 +64,14 @@ class CodecQuality:
     top1: dict[str, float] = field(default_factory=dict)
     size_vs_f32: float = 0.0
     size_vs_dtype: float = 0.0
+    kl_floor: float = 0.0  # the mean KL of the lossless cache through the same path: the gate's own noise
 
     def record(self) -> dict:
         """A JSON-serialisable dict of every field."""
         return {
             "codec": self.codec, "rows": self.rows, "new_tokens": self.new_tokens, "identical": self.identical,
             "common_prefix": self.common_prefix, "kl": dict(self.kl), "top1": dict(self.top1),
-            "size_vs_f32": self.size_vs_f32, "size_vs_dtype": self.size_vs_dtype,
+            "size_vs_f32": self.size_vs_f32, "size_vs_dtype": self.size_vs_dtype, "kl_floor": self.kl_floor,
         }  # fmt: skip
 
 
@@ -157,21 +160,55 @@ def _greedy(adapter: Any, layers: Layers, follow: Sequence[int], new_tokens: int
     return answer, torch.cat(dists)
 
 
+# KL of two proper distributions is >= 0 (Gibbs); in float64 what cancels leaves at most ~1e-15 per
+# step. A step below -KL_ROUNDING is not rounding: raised, never clamped away.
+KL_ROUNDING = 1e-10
+
+
 def _kl_top1(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    kl = (ref.exp() * (ref - got)).sum(-1)
-    return float(kl.mean()), float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+    """Mean ``KL(ref || got)`` over the steps (rows of log-probabilities ``[steps, vocab]``) and the
+    share of steps whose top tokens agree. Computed in float64 on both renormalized (float32
+    log-softmax sums to 1 only to within its rounding, which made near-equal distributions' KL come
+    out negative); a step's KL within ``KL_ROUNDING`` below 0 counts as 0. Raises ArithmeticError
+    for one further below (a bug, not rounding)."""
+    p, q = ref.double().log_softmax(-1), got.double().log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    if kl.numel() and float(kl.min()) < -KL_ROUNDING:
+        raise ArithmeticError(f"KL of {float(kl.min()):.3g} < 0: the gate's arithmetic is wrong")
+    return float(kl.clamp(min=0).mean()), float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+
+
+def unique_codecs(codecs: Sequence[str | Codec]) -> tuple[list[Codec], list[tuple[str, str]]]:
+    """The codecs of ``codecs`` in order, each canonical codec (its ``spec``: ``int4h`` and
+    ``int4h:32/64`` are one) once, and ``(as given, canonical spec)`` of each one dropped as a
+    repeat. Raises CodecError for an unknown spec."""
+    seen: set[str] = set()
+    out, repeats = [], []
+    for given in codecs:
+        codec = get_codec(given)
+        if codec.spec in seen:
+            repeats.append((given if isinstance(given, str) else codec.spec, codec.spec))
+            continue
+        seen.add(codec.spec)
+        out.append(codec)
+    return out, repeats
 
 
 def quality_gate(
     adapter: Any, rows: Sequence[QualityRow], codecs: Sequence[str | Codec], *, new_tokens: int = 16,
     chunk_tokens: int = 512, progress: Callable[[int], None] | None = None,
 ) -> list[CodecQuality]:  # fmt: skip
-    """Measure each codec of ``codecs`` against the lossless cache on ``rows`` (module docstring).
-    ``progress`` is called with 1 per row and codec done. Raises CodecError for a lossless or
-    unknown codec or one the model cannot use, ModelError for a model kvstore cannot prefill."""
+    """Measure each codec of ``codecs`` against the lossless cache on ``rows`` (module docstring);
+    a codec given twice (the same canonical spec, :func:`unique_codecs`) is measured once. Every
+    result carries ``kl_floor``, the reference path against itself. ``progress`` is called with 1 per
+    row and codec done. Raises CodecError for a lossless or unknown codec or one the model cannot use
+    (a layer it lacks: ``int4h:k8=L``), ModelError for a model kvstore cannot prefill."""
     chosen = []
-    for spec in codecs:
-        codec = get_codec(spec)
+    n_layers = len(describe(adapter.handle.model.config).kinds)
+    for codec in unique_codecs(codecs)[0]:
+        why = layer_refusal(codec, n_layers)
+        if why is not None:
+            raise CodecError(why)
         if codec.lossless:
             raise CodecError(f"{codec.spec} is lossless: the gate measures lossy codecs against it")
         if needs_rotary(codec) and adapter.rotary is None:
@@ -182,6 +219,7 @@ def quality_gate(
         for c in chosen
     }
     raw_f32 = raw_dtype = 0
+    floor: list[float] = []
     with torch.inference_mode():
         for row in rows:
             (layers,) = adapter.prefill([list(row.context)])
@@ -192,6 +230,9 @@ def quality_gate(
             ref_answer, ref_dist = _greedy(adapter, layers, row.follow, new_tokens)
             forced = list(row.follow) + ref_answer[:-1]
             start = len(row.follow) - 1
+            # the floor: the lossless cache through the codecs' path (teacher-forced at once) against the
+            # reference (step by step): not 0 where the two differ in rounding (bfloat16: 1e-4 and more)
+            floor.append(_kl_top1(ref_dist, _forced(adapter, layers, forced)[start:])[0])
             for codec in chosen:
                 acc = per[codec.spec]
                 lossy, nbytes = stored_round_trip(codec, layers, chunk_tokens)
@@ -221,9 +262,10 @@ def quality_gate(
             top1={m: statistics.mean(v) for m, v in acc["top1"].items()} if rows else {},
             size_vs_f32=acc["bytes"] / raw_f32 if raw_f32 else 0.0,
             size_vs_dtype=acc["bytes"] / raw_dtype if raw_dtype else 0.0,
+            kl_floor=statistics.mean(floor) if rows else 0.0,
         )  # fmt: skip
         for spec, acc in per.items()
     ]
 
 
-__all__ = ["CodecQuality", "QualityRow", "quality_gate", "stored_round_trip", "rows_of"]
+__all__ = ["CodecQuality", "QualityRow", "quality_gate", "rows_of", "stored_round_trip", "unique_codecs"]

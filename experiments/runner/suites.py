@@ -289,6 +289,8 @@ SUITES: tuple[Suite, ...] = (
           ("experiments/bench_frontier.py", "--stem", "frontier_int4h", "--presses", "kvzip", "--ratios", "0.5,0.75",
            "--stacks", "zstd-split:1:16,int8,int4,int4h", "--dense-codecs", "zstd-split:1:16,int4,ecq,int4h",
            "--repeats", "3"), ("frontier_int4h",), images=("frontier_int4h.png",)),
+    Suite("compose", "Composed contexts of stored passages: quality, accuracy, TTFT per policy; bytes vs prefix chains",
+          ("experiments/bench_compose.py", "--threads", "1"), ("compose",)),
     Suite("score", "Multiple-choice scoring: no cache, a cold store, a warm store", ("experiments/bench_score.py",),
           ("score",), quick=("--documents", "1", "--repeats", "1")),
     Suite("lm_eval", "lm-evaluation-harness: --model kvstore against --model hf", ("experiments/bench_lm_eval.py",),

@@ -24,6 +24,7 @@ import torch
 from kvstore.errors import ModelError
 from kvstore.model.compose.rows import Composed, compose_inputs
 from kvstore.model.compose.run import sample_composed
+from kvstore.model.compose.store import build_of, build_passages, plan_passages
 from kvstore.model.compute.cache import LayerKV
 from kvstore.model.compute.forward import prefill
 from kvstore.model.handle import DEFAULT_RESERVE_TOKENS, ModelHandle, TextOrIds
@@ -68,7 +69,7 @@ class Adapter(ModelView):
     stored contexts. The constructor's arguments are :class:`ModelHandle`'s: ``name`` (display),
     ``weight_files`` (memoize the fingerprint), ``fingerprint``, ``reserve_tokens`` (positions kept
     for question and answer), ``prefill_chunk_tokens`` (prefill piece; None: automatic),
-    ``force_staging`` (tests: stage loads on CPU as on an accelerator)."""
+    ``force_staging`` (tests: stage loads on CPU as on an accelerator; None: ``KVSTORE_FORCE_STAGING``)."""
 
     def __init__(
         self,
@@ -80,7 +81,7 @@ class Adapter(ModelView):
         fingerprint: str | None = None,
         reserve_tokens: int = DEFAULT_RESERVE_TOKENS,
         prefill_chunk_tokens: int | None = None,
-        force_staging: bool = False,
+        force_staging: bool | None = None,
     ):
         self.handle = ModelHandle(
             model, tokenizer, name=name, weight_files=weight_files, fingerprint=fingerprint,
@@ -180,8 +181,15 @@ class Adapter(ModelView):
         corrupt: made again); ``dense=False`` keeps only those (the dense caches are computed in
         memory and dropped) and needs ``presses`` (ValueError otherwise: scores alone would belong
         to no stored context). PressError (one line) for a question-aware press or a scorer whose
-        scores cannot be stored; ReadOnlyStoreError for a read-only store."""
+        scores cannot be stored; ReadOnlyStoreError for a read-only store.
+
+        ``compose=True`` (contexts given as passages) stores each distinct passage once and the
+        rows' head, what :meth:`sample` with ``compose`` reads, instead of each row's composed ids
+        as an exact prefix chain (what it reads without): :mod:`kvstore.model.compose.store`."""
         assert options is not None  # completed by takes_options (from the field keywords)
+        if options.compose:
+            composed = self._passages(prompt, contexts, special_tokens, prefix, labels)
+            return build_passages(self.handle, composed, store, options, progress)
         texts, keying = self._built(prompt, contexts, special_tokens, prefix)
         return build.build_caches(self.handle, texts, store, options, keying, labels, progress)
 
@@ -204,8 +212,19 @@ class Adapter(ModelView):
         :class:`kvstore.model.plan.build.BuildPlan` per distinct context (skip, record, migrate or
         compute; pressed caches and scores to make). Arguments as for :meth:`build`."""
         assert options is not None  # completed by takes_options (from the field keywords)
+        if options.compose:
+            return plan_passages(self.handle, self._passages(prompt, contexts, special_tokens, prefix, labels), store,
+                                 options)  # fmt: skip
         texts, keying = self._built(prompt, contexts, special_tokens, prefix)
         return plan_build(self.handle, texts, store, options, keying, labels)
+
+    def _passages(
+        self, prompt: PromptFormat | None, contexts: Sequence[Any], special_tokens: bool, prefix: TextOrIds | None,
+        labels: Sequence[str] | None,
+    ) -> Composed:  # fmt: skip
+        """A ``compose=True`` build's rows (ComposeError unless their contexts are passages)."""
+        got = compose_inputs(self.handle, prompt, contexts, None, Keying(special_tokens, prefix), labels)
+        return build_of(got, "compose")
 
     def _built(
         self, prompt: PromptFormat | None, contexts: Sequence[Any], special_tokens: bool, prefix: TextOrIds | None

@@ -24,6 +24,7 @@ from kvstore.model.compute.cache import KVShape, LayerKV
 from kvstore.model.family.layout import CacheLayout, cache_layout
 from kvstore.model.family.rope import rotary_of
 from kvstore.model.load.identity import model_fingerprint
+from kvstore.process import forced_staging
 from kvstore.store.codecs.prerope import Rotary
 from kvstore.store.entry import Entry
 from kvstore.store.keys import chain_seed
@@ -60,7 +61,8 @@ class ModelHandle:
     ``prefill_chunk_tokens``: longer prefills run in pieces of this many positions (chunked
     prefill: activation memory bounded by the piece; 0: one forward; None: automatic, see
     :attr:`prefill_piece`); ``force_staging``: loads go through the accelerator staging
-    (:class:`kvstore.model.compute.staging.Staging`) on CPU too (tests).
+    (:class:`kvstore.model.compute.staging.Staging`) on CPU too (tests; None: whether
+    ``KVSTORE_FORCE_STAGING`` is set, :func:`kvstore.process.forced_staging`).
     """
 
     def __init__(
@@ -73,7 +75,7 @@ class ModelHandle:
         fingerprint: str | None = None,
         reserve_tokens: int = DEFAULT_RESERVE_TOKENS,
         prefill_chunk_tokens: int | None = None,
-        force_staging: bool = False,
+        force_staging: bool | None = None,
     ):
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -81,7 +83,7 @@ class ModelHandle:
         self._weight_files = tuple(weight_files)
         self.reserve_tokens = reserve_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.force_staging = force_staging
+        self.force_staging = forced_staging() if force_staging is None else force_staging
         self._fingerprint = fingerprint
         self._shapes: list[KVShape] | None = None
         self._layout: CacheLayout | None = None

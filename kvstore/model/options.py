@@ -147,6 +147,11 @@ class BuildOptions:
         (), "scorers whose scores are stored once per context (kvzip, expected_attention: a press without its ratio)"
     )
     dense: bool = option(True, "store the dense chains too (False keeps only what presses and scores make)")
+    compose: bool = option(
+        False,
+        "for contexts given as passages: store each distinct passage once and the head (what sample with "
+        "compose reads) instead of each row's exact prefix chain (what sample without compose reads)",
+    )
 
     def __post_init__(self) -> None:
         presses = tuple(parse_press(p) if isinstance(p, str) else p for p in self.presses)
@@ -189,6 +194,7 @@ class BuildKeywords(TypedDict, total=False):
     presses: Sequence[Press | str]
     scores: Sequence[Press | str]
     dense: bool
+    compose: bool
 
 
 @documented

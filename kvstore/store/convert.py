@@ -4,7 +4,9 @@ A lossy codec is part of a chain's identity (:func:`kvstore.store.keys.chain_see
 converted context gets new chunk keys: the same spans and token ids, chained from the lossy seed of
 the same model, dtype, device type and attention implementation (all recorded in every format-2
 entry). Each chunk is decoded, quantized from its exact values, and written under its new key, then
-the context's record; the lossless chain stays where it is (in the same store, or the source).
+the context's record; the lossless chain stays where it is (in the same store, or the source). A
+passage (:mod:`kvstore.model.compose`) stays one: chained from the passage seed of the lossy seed, its
+record flagged ``passage``, as a composed sample in that codec stores and looks it up.
 
 Refused (counted, with the reason): contexts whose chain is incomplete or corrupt, format-1 entries
 (no numerics to seed a chain from: ``kvstore build`` migrates them first), chains already lossy,
@@ -21,9 +23,10 @@ from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.facts import ATTN
 from kvstore.progress import Progress
 from kvstore.store.codecs import Codec, get_codec, identity_of
+from kvstore.store.codecs.hadamard import layer_refusal
 from kvstore.store.codecs.prerope import Rotary, needs_rotary
 from kvstore.store.entry import Entry
-from kvstore.store.keys import chain_keys, chain_seed
+from kvstore.store.keys import chain_keys, chain_seed, passage_seed
 from kvstore.store.kvstore import KVStore
 
 
@@ -46,9 +49,10 @@ class ConvertReport:
         return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
 
-def _chain(src: KVStore, dst: KVStore, key: str, lossy: str, load: bool) -> tuple[list[str], list[Entry]] | str:
+def _chain(src: KVStore, dst: KVStore, key: str, codec: Codec, load: bool) -> tuple[list[str], list[Entry]] | str:
     """The converted keys of context ``key`` and (when ``load`` and ``dst`` lacks them) its
-    materialized chunks, or why it cannot be converted."""
+    materialized chunks, or why it cannot be converted. Raises CodecError when ``codec`` names layers
+    the context's model lacks (``int4h:k8=L``): a wrong spec, not a context to skip."""
     record = src.context(key)
     if record is None:
         return "no context record"
@@ -67,8 +71,15 @@ def _chain(src: KVStore, dst: KVStore, key: str, lossy: str, load: bool) -> tupl
                 return "its entry names an unknown codec"
             if any(spec.kind != ATTN for spec in h.layers):
                 return "its model has windowed or recurrent layers (lossy codecs are for full-attention models)"
+            why = layer_refusal(codec, len(h.layers))
+            if why is not None:
+                raise CodecError(why)
         h0 = views[0].header
-        seed = chain_seed(h0.model, h0.dtype, device=h0.numerics["device"], attn=h0.numerics["attn"], lossy=lossy)
+        seed = chain_seed(
+            h0.model, h0.dtype, device=h0.numerics["device"], attn=h0.numerics["attn"], lossy=codec.identity
+        )
+        if record.passage:  # a passage keeps its own seed: composed samples in the codec look it up there
+            seed = passage_seed(seed)
         ids = [t for view in views for t in view.token_ids()]
         keys = chain_keys(seed, ids, [(view.header.start, view.header.end) for view in views])
         if load and not (dst.context(keys[-1]) is not None and dst.stored_prefix(keys) == len(keys)):
@@ -90,7 +101,9 @@ def convert_contexts(
     of ``codec``, a lossy codec (``dry_run``: count what would be converted, write nothing).
     Raises CodecError for a lossless one (copying is ``kvstore sync``'s job: lossless codecs are
     interchangeable). ``rotary``: the model's rotary embedding (``Adapter.rotary``), which a codec
-    quantizing keys before it (``int4r``, ``int8r``) needs; such a codec without it raises CodecError."""
+    quantizing keys before it (``int4r``, ``int8r``) needs; such a codec without it raises CodecError.
+    A codec naming a layer a context's model lacks (``int4h:k8=L``) raises CodecError at that context,
+    before anything of it is written (contexts converted before it stay: they are valid)."""
     codec = get_codec(codec)
     if needs_rotary(codec) and rotary is None:
         raise CodecError(
@@ -104,7 +117,7 @@ def convert_contexts(
     report = ConvertReport()
     for key in src.context_keys() if keys is None else keys:
         report.contexts += 1
-        got = _chain(src, dst, key, codec.identity, load=not dry_run)
+        got = _chain(src, dst, key, codec, load=not dry_run)
         if isinstance(got, str):
             report.problems.append(f"context {key[:12]}: {got}")
         else:
@@ -124,7 +137,8 @@ def convert_contexts(
                     report.chunks_written += 1
                     report.stored_bytes += len(blob)
                     report.raw_bytes += moved.kv_bytes + moved.state_bytes + 8 * moved.n_tokens
-                dst.put_context(new_keys[-1], new_keys, sum(e.n_tokens for e in entries))
+                passage = (record := src.context(key)) is not None and record.passage
+                dst.put_context(new_keys[-1], new_keys, sum(e.n_tokens for e in entries), passage=passage)
                 report.converted += 1
         if progress:
             progress(1, 0)

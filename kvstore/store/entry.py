@@ -133,12 +133,15 @@ class EntryView:
     """A verified entry seen without copying. ``records``: every stored tensor (views into the
     stored or decompressed bytes); ``layers[i]``: layer ``i``'s keys and values read through the
     entry's codec, or None; ``states[i]``: its state tensors by name, or None. Valid only while the
-    buffer it was decoded from is (``KVStore.open_entry``)."""
+    buffer it was decoded from is (``KVStore.open_entry``). ``unverified``: None, or (a view opened
+    with its checksum left to the reader: ``KVStore.open_chain(defer=True)``) the frame whose
+    checksum must match before any value read from it is used (:mod:`kvstore.store.fused`)."""
 
     header: EntryHeader
     records: Mapping[str, TensorRecord]
     layers: tuple[tuple[StoredTensor, StoredTensor] | None, ...]
     states: tuple[Mapping[str, TensorRecord] | None, ...]
+    unverified: Any = None
 
     def layer(self, i: int) -> tuple[StoredTensor, StoredTensor]:
         kv = self.layers[i]

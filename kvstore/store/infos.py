@@ -275,7 +275,8 @@ class ContextInfo:
     and its derived entries. ``missing`` counts chunks absent or corrupt; ``stored_bytes``,
     ``raw_bytes`` and ``kv_bytes`` are its chunks' (a shared chunk counted for every context that
     uses it), ``derived_bytes`` its derived entries'; ``last_access`` is the latest use of any of
-    them."""
+    them. ``passage``: its record says it is a passage, stored alone to be placed in composed
+    contexts."""
 
     key: str
     n_tokens: int
@@ -288,6 +289,7 @@ class ContextInfo:
     created: float
     last_access: float | None
     owned: tuple[OwnedInfo, ...] = ()
+    passage: bool = False  # recorded as a passage, placed in composed contexts (kvstore.model.compose)
     derived = property(lambda self: self.owned, doc="Deprecated: ``owned``.")
 
     @property
@@ -346,6 +348,7 @@ class ContextInfo:
             "dtype": self.dtype,
             "n_tokens": self.n_tokens,
             "chunks": len(self.chunks),
+            "passage": self.passage,
             "complete": self.complete,
             "codec": self.codec,
             "format": self.format,

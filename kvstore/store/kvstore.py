@@ -29,6 +29,7 @@ entries; a corrupt one is replaced. Listings read each entry's header only (``Ba
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import struct
 import time
@@ -48,6 +49,7 @@ from kvstore.progress import Progress
 from kvstore.store.access import EntryAccess
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import Codec, get_codec
+from kvstore.store.codecs.choice import CodecChoice
 from kvstore.store.entry import CHUNK, Entry, EntryView, encode_entry
 from kvstore.store.frame import TRAILER_BYTES, peek_frame, verify_checksum
 from kvstore.store.header import EntryHeader, check_sizes, read_header
@@ -76,7 +78,9 @@ class KVStore(EntryAccess):
     created). A store's recorded default is always lossless: a lossy codec applies only to the
     handle that names it, and is part of the keys it computes (see :attr:`codec`).
     ``chunk_tokens`` sets the chunk size of a new store (default 512); an existing store keeps its
-    own. ``backend_options`` go to
+    own. ``default_codec``: the codec a store this handle creates records when ``codec`` names none,
+    with its reason (:func:`kvstore.store.codecs.choice.choose_codec`: ``raw`` for a store built on
+    CUDA); ignored for an existing store. ``backend_options`` go to
     :func:`kvstore.store.backends.open_backend`, e.g. ``cache_dir`` and ``cache_size`` for a local
     tier in front of a remote store.
     """
@@ -88,6 +92,7 @@ class KVStore(EntryAccess):
         readonly: bool = False,
         codec: str | Codec | None = None,
         chunk_tokens: int | None = None,
+        default_codec: CodecChoice | None = None,
         **backend_options,
     ):
         from kvstore.paths import default_store
@@ -101,7 +106,9 @@ class KVStore(EntryAccess):
         self._written: set[str] = set()  # entries this handle wrote and no record of its named yet
         try:
             chosen = get_codec(codec) if codec is not None else None
-            self.meta = load_meta(self.backend, self.url, chosen, chunk_tokens, readonly=readonly)
+            self.meta = load_meta(
+                self.backend, self.url, chosen, chunk_tokens, readonly=readonly, default=default_codec
+            )
             self.codec: Codec = chosen or get_codec(self.meta.codec)
         except BaseException:
             self.backend.close()
@@ -269,12 +276,19 @@ class KVStore(EntryAccess):
         return depth
 
     @contextlib.contextmanager
-    def open_chain(self, keys: Sequence[str], *, parent: str = "", lazy: bool = False) -> Iterator[list[EntryView]]:
+    def open_chain(
+        self, keys: Sequence[str], *, parent: str = "", lazy: bool = False, defer: bool = False
+    ) -> Iterator[list[EntryView]]:
         """Verified zero-copy views of the longest prefix of the chain ``keys`` that is stored
         intact and links up (each chunk's parent is the previous key, the first one's is
         ``parent``, and each starts where the previous ended). A missing or corrupt chunk ends the
         prefix (a corrupt one warns): the rest of the chain is a miss from there on. ``lazy``: see
-        :func:`kvstore.store.entry.decode_entry` (checksums are still verified here)."""
+        :func:`kvstore.store.entry.decode_entry` (checksums are still verified here). ``defer``
+        (with ``lazy``): the checksums are left to the reader, who verifies each view's
+        ``unverified`` frame while copying from it (:mod:`kvstore.store.fused`); the headers and
+        the chain's links are still checked here. Ignored on a tiered store (a corrupt local copy
+        is dropped there, and the remote's read, when it is opened)."""
+        defer = defer and lazy and self._single_copy()
         with contextlib.ExitStack() as stack:
             bufs = []
             for key in keys:
@@ -284,8 +298,8 @@ class KVStore(EntryAccess):
                 bufs.append(buf)
             # every chunk's checksum at once, on the load threads (xxh3 releases the GIL): one
             # thread verifying a long context's chunks in turn cost as much as copying them
-            checks: list[BaseException | bool] = [False] * len(bufs)
-            if len(bufs) > 1:
+            checks: list[BaseException | bool] = [defer] * len(bufs)
+            if len(bufs) > 1 and not defer:
                 errors = run_all([functools.partial(verify_checksum, b) for b in bufs], self.codec.decode_threads())
                 checks = [True if err is None else err for err in errors]
             views: list[EntryView] = []
@@ -296,6 +310,8 @@ class KVStore(EntryAccess):
                 view = self._verified(CHUNK, entry_key(key), key, buf, stack, lazy=lazy, checked=check)
                 if view is None:
                     break
+                if defer:
+                    view = dataclasses.replace(view, unverified=buf)
                 h = view.header
                 if h.format < 2 or h.parent != expected_parent or h.start != expected_start:
                     warnings.warn(
@@ -307,6 +323,13 @@ class KVStore(EntryAccess):
                 views.append(view)
                 expected_parent, expected_start = key, h.end
             yield views
+
+    def _single_copy(self) -> bool:
+        """Whether the backend holds one copy of each entry (no local tier before a remote)."""
+        try:
+            return self.backend.origin() is self.backend
+        except KVStoreError:  # a tier whose remote is unreachable
+            return False
 
     # -- contexts -------------------------------------------------------------------------------
     def put_context(self, key: str, chunks: Sequence[str], n_tokens: int, *, passage: bool = False) -> tuple[str, ...]:

@@ -134,7 +134,7 @@ def encode_owned(
 class OwnedView:
     """A verified stored derived entry seen without copying: its ``header``, and its tensors
     through :meth:`scores`, :meth:`kv` and :meth:`positions` (those its kind holds). Valid only
-    while the buffer it was decoded from is (:meth:`kvstore.store.kvstore.KVStore.open_derived`)."""
+    while the buffer it was decoded from is (:meth:`kvstore.store.kvstore.KVStore.open`)."""
 
     header: OwnedHeader
     records: Mapping[str, TensorRecord]

@@ -50,8 +50,6 @@ from kvstore.store.tables import (
     EntryTable,
     Recorded,
     Refs,
-    context_table_of,
-    entry_table_of,
 )
 from kvstore.units import human_bytes
 
@@ -69,7 +67,8 @@ _BATCH = 256  # records read per backend call
 class StoreAbout:
     """What a scan says of the store itself: its ``url``, on-disk ``format``, default ``codec``
     spec, ``created`` time, ``disk_bytes`` (None where the backend cannot say), whether the scan
-    ``verified`` every checksum, and its ``chunk_tokens``."""
+    ``verified`` every checksum, its ``chunk_tokens``, and why its codec was chosen
+    (``codec_reason``: empty unless kvstore chose it by the device it was built on)."""
 
     url: str
     format: int
@@ -78,12 +77,13 @@ class StoreAbout:
     disk_bytes: int | None = None
     verified: bool = False
     chunk_tokens: int = 0
+    codec_reason: str = ""
 
 
 class StoreInfo:
     """A store's description and contents (see :meth:`KVStore.scan`): ``about`` (a
     :class:`StoreAbout`; its fields read as this object's own: ``url``, ``format``, ``codec``,
-    ``created``, ``disk_bytes``, ``verified``, ``chunk_tokens``), ``entries`` (its intact chunks, an
+    ``created``, ``disk_bytes``, ``verified``, ``chunk_tokens``, ``codec_reason``), ``entries`` (its intact chunks, an
     :class:`~kvstore.store.tables.EntryTable`: a sequence of ``EntryInfo``), ``contexts`` (a
     :class:`~kvstore.store.tables.ContextTable`: a sequence of ``ContextInfo``), ``derived`` (its
     intact derived entries), what does not read (``corrupt``: chunk and derived entries;
@@ -104,6 +104,7 @@ class StoreInfo:
         self.about = about
         self.url, self.format, self.codec, self.created = about.url, about.format, about.codec, about.created
         self.disk_bytes, self.verified, self.chunk_tokens = about.disk_bytes, about.verified, about.chunk_tokens
+        self.codec_reason = about.codec_reason
         self.corrupt, self.local_corrupt, self.malformed = tuple(corrupt), tuple(local_corrupt), tuple(malformed)
         self.unknown = tuple(unknown)
         if not isinstance(entries, EntryTable):
@@ -205,6 +206,37 @@ class StoreInfo:
         return human_bytes(self.stored_bytes)
 
 
+def entry_table_of(entries: Iterable[EntryInfo], recorded: Mapping[str, float] | None = None) -> EntryTable:
+    """A table of ``entries`` made by hand (a scan makes its own): each entry's ``last_access`` is
+    kept as this handle's use unless ``recorded`` (the store's records) says the same."""
+    recorded = dict(recorded or {})
+    table = EntryTable()
+    for e in entries:
+        table.add(e.header, e.stored_bytes, recorded.get(e.key))
+        if e.last_access is not None and recorded.get(e.key) != e.last_access:
+            table.touched[e.key] = e.last_access
+    table.finish()
+    for key, when in recorded.items():
+        if table.row(key) < 0:
+            table.other_access[key] = when
+    return table
+
+
+def context_table_of(entries: EntryTable, contexts: Iterable[ContextInfo], owned: Iterable[OwnedInfo] = ()
+                     ) -> ContextTable:  # fmt: skip
+    """A table of ``contexts`` made by hand over ``entries``."""
+    table = ContextTable(entries)
+    extra: list[OwnedInfo] = list(owned)
+    for c in contexts:
+        whole = len(c.chunks) == 1 and c.first is not None and c.first.header.format == 1
+        kind = OWNED_ONLY if not c.chunks else WHOLE_ENTRY if whole else RECORDED
+        table.add(c.key, c.chunks, c.n_tokens, c.created, kind, passage=c.passage)
+        extra += c.owned
+    table.attach({(d.context, d.key): d for d in extra}.values())
+    table.finish()
+    return table
+
+
 class ScannedStore(Protocol):
     """What :func:`scan_store` reads of a store (a :class:`kvstore.store.kvstore.KVStore`; the
     interface keeps this module below the store, which calls it)."""
@@ -258,7 +290,7 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
     _read_access(store.backend, entries)
     contexts = ContextTable(entries)
     for record in _records(store.backend, malformed):
-        contexts.add(record.key, record.chunks, record.n_tokens, record.created, RECORDED)
+        contexts.add(record.key, record.chunks, record.n_tokens, record.created, RECORDED, passage=record.passage)
     for row in range(len(entries)):
         if entries.profile(row).format == 1:  # a whole-context entry is its own context
             contexts.add(entries.keys[row], (entries.keys[row],), entries.n_tokens(row), entries.created(row),
@@ -272,7 +304,7 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
     contexts.attach(owned)
     contexts.finish()
     about = StoreAbout(store.url, store.format, store.codec.spec, float(store.meta.created),
-                       store.backend.disk_bytes(), verify, store.chunk_tokens)  # fmt: skip
+                       store.backend.disk_bytes(), verify, store.chunk_tokens, store.meta.codec_reason)  # fmt: skip
     return StoreInfo(about, entries, corrupt, contexts, local_corrupt=local_corrupt, malformed=malformed,
                      unknown=unknown)  # fmt: skip
 

@@ -339,9 +339,15 @@ class ContextTable(_Values[ContextInfo]):
         self.missing_keys: list[str] = []
         self._missing: dict[str, int] = {}
         self._tokens, self._created, self.kind = array("q"), array("d"), bytearray()
-        self.owned: dict[str, tuple[OwnedInfo, ...]] = {}  # context key -> its derived entries
+        self.owned: dict[str, tuple[OwnedInfo, ...]] = {}  # context key -> the entries it owns
+        self.passages: set[str] = set()  # keys of the contexts recorded as passages (kvstore.model.compose)
 
-    def add(self, key: str, chunks: Sequence[str], n_tokens: int, created: float, kind: int = RECORDED) -> None:
+    def add(
+        self, key: str, chunks: Sequence[str], n_tokens: int, created: float, kind: int = RECORDED, *,
+        passage: bool = False,
+    ) -> None:  # fmt: skip
+        if passage:
+            self.passages.add(key)
         for k in chunks:
             row = self.entries.row(k)
             if row < 0:
@@ -448,38 +454,8 @@ class ContextTable(_Values[ContextInfo]):
             raw_bytes=sum(e.raw(r) for r in present), kv_bytes=sum(e.profile(r).kv_bytes for r in present),
             missing=len(rows) - len(present), first=e.info(rows[0]) if rows and rows[0] >= 0 else None,
             created=self.created(i), last_access=self.last_access(i), owned=self.owned_of(i),
+            passage=self.keys[i] in self.passages,
         )  # fmt: skip
-
-
-def entry_table_of(entries: Iterable[EntryInfo], recorded: Mapping[str, float] | None = None) -> EntryTable:
-    """A table of ``entries`` made by hand (a scan makes its own): each entry's ``last_access`` is
-    kept as this handle's use unless ``recorded`` (the store's records) says the same."""
-    recorded = dict(recorded or {})
-    table = EntryTable()
-    for e in entries:
-        table.add(e.header, e.stored_bytes, recorded.get(e.key))
-        if e.last_access is not None and recorded.get(e.key) != e.last_access:
-            table.touched[e.key] = e.last_access
-    table.finish()
-    for key, when in recorded.items():
-        if table.row(key) < 0:
-            table.other_access[key] = when
-    return table
-
-
-def context_table_of(entries: EntryTable, contexts: Iterable[ContextInfo], owned: Iterable[OwnedInfo] = ()
-                     ) -> ContextTable:  # fmt: skip
-    """A table of ``contexts`` made by hand over ``entries``."""
-    table = ContextTable(entries)
-    extra: list[OwnedInfo] = list(owned)
-    for c in contexts:
-        whole = len(c.chunks) == 1 and c.first is not None and c.first.header.format == 1
-        kind = OWNED_ONLY if not c.chunks else WHOLE_ENTRY if whole else RECORDED
-        table.add(c.key, c.chunks, c.n_tokens, c.created, kind)
-        extra += c.owned
-    table.attach({(d.context, d.key): d for d in extra}.values())
-    table.finish()
-    return table
 
 
 __all__ = [
@@ -493,6 +469,4 @@ __all__ = [
     "Profile",
     "Recorded",
     "Refs",
-    "context_table_of",
-    "entry_table_of",
 ]

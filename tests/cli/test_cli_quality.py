@@ -78,3 +78,75 @@ def test_keys_only_and_values_only_damage_are_measured_apart(tiny_llama):
     assert k.kl["values"] == pytest.approx(a.kl["values"], rel=1e-9, abs=1e-12)
     assert k.kl["keys"] != pytest.approx(a.kl["keys"], rel=1e-3)
     assert torch.isfinite(torch.tensor(list(q.kl.values()))).all()
+
+
+# -- a codec given twice, the reference path's floor, KL never negative (issue 45, finding 5) --------
+def test_a_codec_given_twice_is_measured_once(tiny_llama_dir, tmp_path, capsys):
+    """``-c int4h -c int4h:32/64`` (one canonical spec) and ``-c int8 -c int8`` are measured once each,
+    with a one-line note per repeat: not "4/2 identical" and double the bytes."""
+    base = ["quality", _data(tmp_path), "--model", str(tiny_llama_dir), "-n", "2", "-q", "--format", "json",
+            "--chunk-tokens", "16"]  # fmt: skip
+    code, out, err = run_main(capsys, *base, "-c", "int4h", "-c", "int8", "-c", "int4h:32/64", "-c", "int8")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["codec"] for r in rows] == ["int4h:32/64+zstd:1", "int8:128/64"]
+    assert all(r["identical"] <= r["rows"] == 2 for r in rows)
+    assert err.count("\n") == 2
+    assert "--codec int4h:32/64 is int4h:32/64+zstd:1, given already: measured once" in err
+    assert "--codec int8 is int8:128/64, given already: measured once" in err
+    code, once, _ = run_main(capsys, *base, "-c", "int4h", "-c", "int8")
+    assert code == 0 and json.loads(once) == rows  # the same figures as each codec given once
+
+
+def test_kl_is_never_negative_and_never_hides_a_real_difference():
+    """float32 log-probabilities sum to 1 only to within their rounding: the old ``sum(p (a - b))``
+    gave a negative mean KL for two copies of one distribution. Now float64 on both renormalized,
+    0 for the same distribution, positive for another."""
+    import torch
+
+    from kvstore.quality import _kl_top1
+
+    ref = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    same = ref + 1e-6  # the same distribution, not normalized in float32
+    assert float((ref.exp() * (ref - same)).sum(-1).mean()) < 0  # what the gate printed before
+    kl, top1 = _kl_top1(ref, same)
+    assert 0 <= kl < 1e-12 and top1 == 1
+    other = ref + 1e-2 * torch.randn(6, 1000, generator=torch.Generator().manual_seed(1))
+    assert _kl_top1(ref, other)[0] > 1e-6
+
+
+def test_the_floor_is_the_reference_path_against_itself(tiny_llama_dir, tmp_path, capsys):
+    """Every result carries ``kl_floor``, the lossless cache through the path the codecs take; the
+    table prints it. In float64 it is float64 rounding (< 1e-12)."""
+    base = ["quality", _data(tmp_path), "--model", str(tiny_llama_dir), "--dtype", "float64", "-n", "3", "-q",
+            "-c", "int8", "-c", "int4"]  # fmt: skip
+    code, out, err = run_main(capsys, *base, "--format", "json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert len({r["kl_floor"] for r in rows}) == 1 and 0 <= rows[0]["kl_floor"] < 1e-12
+    assert all(r["kl_kv"] > 1e3 * rows[0]["kl_floor"] for r in rows)
+    code, out, _ = run_main(capsys, *base)
+    assert code == 0 and "KL floor 0.00000: the lossless cache itself through the gate's path" in out
+
+
+def test_in_bfloat16_the_floor_is_reported(real_model, tmp_path, capsys):
+    """SmolLM2 in bfloat16: teacher-forcing the lossless cache (the codecs' path) moves the
+    next-token distributions against the step-by-step reference by a KL far above float32's (7.4e-4
+    on two rows here, with int8 at 1.3e-3): the floor a codec's KL is read against."""
+    base = ["quality", _data(tmp_path), "--model", "default", "--dtype", "bfloat16", "-n", "4", "-q", "--limit", "1",
+            "-c", "int8", "--format", "json"]  # fmt: skip
+    code, out, err = run_main(capsys, *base)
+    assert code == 0, err
+    (row,) = json.loads(out)
+    assert row["kl_floor"] > 1e-6 and row["kl_kv"] >= 0
+
+
+# -- int4h:k8=L / v8=L naming a layer the model lacks (issue 45, finding 6) --------------------------------
+def test_a_layer_the_model_lacks_is_refused_in_one_line(tiny_llama_dir, tmp_path, capsys):
+    base = ["quality", _data(tmp_path), "--model", str(tiny_llama_dir), "-n", "2", "-q", "--limit", "1"]
+    for spec, layer in (("int4h:k8=99", 99), ("int4h:k8=1:v8=0.2", 2)):
+        code, _, err = run_main(capsys, *base, "-c", "int8", "-c", spec)
+        assert code == 1 and err.count("\n") == 1, err
+        assert f"names layer {layer}, but the model has 2 layers (0 to 1)" in err
+    code, _, err = run_main(capsys, *base, "-c", "int4h:k8=1:v8=0")
+    assert code == 0, err

@@ -148,6 +148,29 @@ def test_rolling_mode_scores_whole_documents(tiny_llama_dir, tmp_path):
     assert first["prefill_tokens_computed"] == 1 and second["prefill_tokens_computed"] == 0  # the BOS, shared
 
 
+def test_score_prints_the_load_wait_as_sample_does(tiny_llama_dir, tmp_path):
+    """Issue 45, finding 8: the time scoring waited for the loads done ahead, in the text and JSON
+    summaries (None without the cache), multiple choice and rolling; the API's fields."""
+    data = _write(tmp_path / "mc.jsonl", ROWS)
+    docs = _write(tmp_path / "docs.jsonl", [{"id": f"d{i}", "context": d} for i, d in enumerate(DOCS)])
+    base = ["-m", tiny_llama_dir, "--store", tmp_path / "s", "-b", "1"]
+    _json(_run("score", data, *base, "--format", "json", "-q"))  # stored: the next runs load every batch
+    text = _run("score", data, *base, "-q")
+    assert text.exit_code == 0, text.output
+    lines = [x.split() for x in text.stdout.splitlines()]
+    assert [float(x[3]) >= 0 for x in lines if x[:3] == ["load", "wait", "seconds"]] == [True]
+    assert [0 <= float(x[2]) <= 1 for x in lines if x[:2] == ["idle", "share"]] == [True]
+    for args in ((data,), (docs, "--rolling")):
+        cached = _json(_run("score", *args, *base, "--format", "json", "-q"))
+        ref = _json(_run("score", *args, *base, "--format", "json", "-q", "--no-cache"))
+        assert cached["load_wait_seconds"] >= 0 and 0 <= cached["idle_share"] <= 1, args
+        assert ref["load_wait_seconds"] is None and ref["idle_share"] is None, args
+    adapter = Adapter.from_pretrained(str(tiny_llama_dir))
+    with KVStore(str(tmp_path / "s")) as store:
+        assert adapter.score(DOCS, [" x"] * 3, store=store, batch_size=1).load_wait_seconds >= 0
+        assert adapter.score_rolling(DOCS, store=store, batch_size=1).load_wait_seconds >= 0
+
+
 @pytest.mark.parametrize(
     "row,message",
     [

@@ -100,6 +100,29 @@ def lossy_facts(blob: bytes) -> dict:
     }
 
 
+def golden_quant_entry(spec: str) -> bytes:
+    """The lossy golden entry of formats 2 (``int8``, ``int4``, ``fp8``): one layer, 2 KV heads, 70
+    tokens, head_dim 8, from position 0 (test_quant.py's golden tests, test_portable_decodes.py)."""
+    g = torch.arange(2 * 70 * 8, dtype=torch.float32).reshape(2, 70, 8)
+    layers = ((torch.sin(g / 7) * 3, torch.cos(g / 5) - 1),)
+    return encode_entry(Entry("9" * 64, "f" * 64, "golden", torch.arange(70), layers, 1700000000.75), spec)
+
+
+def golden_rotary_entry(spec: str) -> bytes:
+    """The golden entry of the codecs that may need rotary parameters (``int4r``, ``ecq``, ``int4h``):
+    the tensors of :func:`golden_quant_entry` as a chunk at position 600 of a model rotating 6 of 8
+    channels (test_prerope.py, test_ecq.py, test_int4h.py, test_portable_decodes.py)."""
+    from kvstore.store.codecs.prerope import Rotary
+
+    g = torch.arange(2 * 70 * 8, dtype=torch.float32).reshape(2, 70, 8)
+    layers = ((torch.sin(g / 7) * 3, torch.cos(g / 5) - 1),)
+    rotary = Rotary((1.0, 0.1, 0.01))  # 6 of 8 channels rotated
+    return encode_entry(
+        Entry("9" * 64, "f" * 64, "golden", torch.arange(70), layers, 1700000000.75, parent="8" * 64, start=600,
+              rotary=rotary), spec,
+    )  # fmt: skip
+
+
 def check_lossy_golden(facts_file: Path, kvs_file: Path, spec: str, make: Callable[[str], bytes], regen: bool,
                        what: str) -> EntryView:  # fmt: skip
     """Compare ``make(spec)`` with the facts pinned under ``spec`` in ``facts_file`` (rewriting

@@ -20,7 +20,7 @@ from kvstore.model.adapter import Adapter
 from kvstore.model.compose.recompute import selected
 from kvstore.model.compose.rows import compose_inputs
 from kvstore.model.compose.run import _Parts, assemble
-from kvstore.model.compose.spec import SEPARATOR, Passages
+from kvstore.model.compose.spec import BLEND_LAYER, SEPARATOR, Passages
 from kvstore.model.plan.chains import Keying
 from kvstore.store.kvstore import KVStore
 
@@ -171,3 +171,53 @@ def test_blend_recomputes_its_share_and_spans_none_to_full(kind):
         passage_tokens = len(row.ids) - len(row.head)
         assert len(pick) == math.ceil(0.15 * passage_tokens) and pick == sorted(set(pick))
         assert min(pick) >= len(row.head) and max(pick) < len(row.ids)
+
+
+def test_blend_selects_the_passage_tokens_that_deviate_most_at_its_layer():
+    """``selected`` on crafted caches: the model's own keys and values with known positions moved
+    by known amounts at :data:`BLEND_LAYER` (keys at some, values at one, the head by far the most).
+    The largest passage deviations must be picked, never the head; picking the smallest (or the
+    head, or another layer's) would return other positions."""
+    model, tok = make_tiny_model("llama", seed=2)
+    adapter = Adapter(model, tok)
+    contexts, questions = _rows(seed=6, n_rows=1)
+    composed = compose_inputs(adapter.handle, None, contexts, questions, Keying())
+    assert composed is not None
+    row = composed.rows[0]
+    head, total = len(row.head), len(row.ids)
+    assert head >= 1 and total - head >= 12
+    (exact,) = adapter.prefill([list(row.ids)])
+    gen = torch.Generator().manual_seed(0)
+    layers = [(k.clone(), v.clone()) for k, v in exact]
+    for k, v in layers:  # a small deviation everywhere (no ties), on every layer
+        k.add_(1e-3 * torch.randn(k.shape, generator=gen))
+        v.add_(1e-3 * torch.randn(v.shape, generator=gen))
+    k, v = layers[BLEND_LAYER]
+    moved = {head + 1: 3.0, total - 1: 2.0, head + 5: 1.5}  # keys moved at these positions
+    for pos, amount in moved.items():
+        k[:, pos] += amount
+    v[:, head + 8] += 2.5  # values only
+    k[:, :head] += 50.0  # the head deviates most of all: it is never recomputed
+    other = layers[BLEND_LAYER - 1][0]
+    other[:, head + 3] += 100.0  # another layer's deviation does not count
+    want = sorted([*moved, head + 8])
+    ratio = (len(want) - 0.5) / (total - head)  # ceil(ratio x passage tokens) = 4
+    assert selected(adapter.handle, row, tuple(layers), ratio).tolist() == want
+    assert selected(adapter.handle, row, tuple(layers), 0.0).tolist() == []
+
+
+def test_build_compose_stores_what_a_composed_sample_reads(tmp_path):
+    model, tok = make_tiny_model("llama", seed=2)
+    adapter = Adapter(model, tok)
+    contexts, questions = _rows(seed=7, n_rows=6)
+    distinct = {t for c in contexts for t in c.texts}
+    with KVStore(tmp_path / "s", chunk_tokens=16) as store:
+        plan = adapter.plan_build(contexts, store, compose=True)
+        assert len(plan.steps) == len(distinct) + 1 and plan.count("compute") == len(plan.steps)
+        report = adapter.build(contexts, store, compose=True)
+        assert report.built == len(distinct) + 1 and report.tokens == plan.tokens_to_compute
+        assert adapter.build(contexts, store, compose=True).skipped == len(distinct) + 1
+        got = adapter.sample(contexts, questions, store=store, compose="none", num_new_tokens=4)
+        assert all(got.cache_hit) and got.prefill_tokens_computed == 0
+    with KVStore(tmp_path / "t") as other, pytest.raises(ComposeError, match="is for contexts given as passages"):
+        adapter.build(["plain text"], other, compose=True)

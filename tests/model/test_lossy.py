@@ -215,3 +215,94 @@ def test_cli_sync_codec_converts_without_recompute(tiny_llama_dir, tmp_path, cap
         assert code == 0 and json.loads(out)["cache_hit_rate"] == 1, err
     code, out, err = run_main(capsys, "sync", store, other, "--codec", "zstd:3")
     assert code == 1 and "is lossless" in err and err.count("\n") == 1
+
+
+def test_a_lossy_build_computes_what_follows_a_stored_prefix_on_its_decoded_values(llama, tmp_path):
+    """Why ``build --codec int4h`` and ``sync --codec int4h`` may store different bytes under one
+    key (issue 45, finding 8; docs/lossy-codecs.md): a build computes the chunks after a stored
+    prefix (here a shared head, stored first) on the prefix's decoded values, as a sample
+    completing a context does; a conversion quantizes what a lossless build computed on the exact
+    prefix. The head itself, computed alone by both, is the same."""
+    from kvstore.model.compute.forward import extend
+    from kvstore.store.convert import convert_contexts
+
+    contexts, _ = random_rows(llama.tokenizer, 2, 2, context_tokens=(30, 40), question_tokens=(2, 3), per_context=1)
+    head = list(contexts[0][:12])
+    contexts = [head + list(c[12:]) for c in contexts]
+    kw = dict(prefix=head, batch_size=1)
+    with (
+        KVStore(str(tmp_path / "a"), chunk_tokens=64) as src,
+        KVStore(str(tmp_path / "b"), codec="int4h", chunk_tokens=64) as built,
+    ):
+        llama.build(contexts, src, **kw)
+        report = convert_contexts(src, src, "int4h")
+        llama.build(contexts, built, **kw)
+        assert sorted(report.keys.values()) == sorted(built.context_keys())
+        for lossless_key, key in report.keys.items():
+            chain = built.context(key).chunks
+            assert len(chain) == 2  # the head, then the rest
+            with src.open_chain(chain) as converted, built.open_chain(chain) as direct:
+                (c_head, c_rest), (d_head, d_rest) = [[v.materialize() for v in vs] for vs in (converted, direct)]
+            with src.open_chain(src.context(lossless_key).chunks) as exact:
+                exact_head = exact[0].materialize()
+            assert all(torch.equal(a, b) for x, y in zip(c_head.layers, d_head.layers) for a, b in zip(x, y))
+            assert not all(torch.equal(a, b) for x, y in zip(c_rest.layers, d_rest.layers) for a, b in zip(x, y))
+            rest_ids = d_rest.token_ids.tolist()
+            for prefix, want in ((d_head, d_rest), (exact_head, c_rest)):
+                with torch.inference_mode():
+                    layers = [(k.clone(), v.clone()) for k, v in extend(llama.handle, [prefix.layers], [rest_ids])[0]]
+                with KVStore("memory://", codec="int4h") as m:
+                    m.put(llama.handle.entry(d_rest.key, rest_ids, layers, start=d_rest.start))
+                    with m.open_entry(d_rest.key) as view:
+                        got = view.materialize()
+                assert all(torch.equal(a, b) for x, y in zip(got.layers, want.layers) for a, b in zip(x, y))
+
+
+def test_a_plain_sample_hints_once_that_codec_reads_the_lossy_copies(tiny_llama_dir, tmp_path, capsys):
+    """Issue 45, finding 8: a sample without --codec on a store holding its contexts only under a
+    lossy codec computes them again; one line on stderr says so and names ``--codec``. Not when
+    it hit, nor with --codec, nor on a store without lossy copies."""
+    data = write_dataset(tmp_path / "d.jsonl", range(4))
+    base = ["--model", tiny_llama_dir, "--quiet", "--format", "json"]
+    assert run_main(capsys, "build", data, *base, "--store", tmp_path / "s", "--codec", "int8")[0] == 0
+
+    def hints(*args):
+        code, out, err = run_main(capsys, "sample", data, *base, "-n", "3", *args)
+        assert code == 0, err
+        return [line for line in err.splitlines() if line.startswith("kvstore: hint:")]
+
+    want = ("kvstore: hint: the store holds 4 of the contexts this run missed under the lossy codec int8:128/64, "
+            "which a sample without --codec does not read (it computed them{}); --codec int8:128/64 reads them "
+            "(lossy)")  # fmt: skip
+    assert hints("--store", tmp_path / "s", "--readonly-store") == [want.format("")]
+    assert hints("--store", tmp_path / "s") == [want.format(" and stored lossless copies")]
+    assert hints("--store", tmp_path / "s") == []  # the lossless copies hit now
+    assert hints("--store", tmp_path / "s", "--codec", "int8") == []
+    assert hints("--store", tmp_path / "fresh") == []
+
+
+def test_lossy_copies_counts_contexts_a_lossless_run_misses(llama, tmp_path):
+    """``SampleResult.lossy_copies``: per lossy codec, the missed contexts the store holds more of
+    under it; every built-in lossy codec is looked for."""
+    from kvstore.model.plan.chains import LOSSY_PROBES
+    from kvstore.store.codecs import base
+
+    quantizers = [r for r in base._REGISTRY.values() if r.kind == base.QUANTIZER and r.name != "none"]
+    built_in = {r.name for r in quantizers if r.factory.__module__.startswith("kvstore.")}
+    assert set(LOSSY_PROBES) == built_in
+    contexts, questions = random_rows(llama.tokenizer, 3, 6, **ROWS)
+    distinct = sorted({tuple(c) for c in contexts})
+    path = str(tmp_path / "s")
+    with KVStore(path, codec="int4h", chunk_tokens=8) as store:
+        llama.generate_kv_cache(distinct[:2], store)
+    with KVStore(path, codec="int8", chunk_tokens=8) as store:
+        llama.generate_kv_cache(distinct[1:], store)
+    with KVStore(path, readonly=True) as store:
+        first = _sample(llama, store, contexts, questions)
+        assert first.lossy_copies == {"int4h:32/64": 2, "int8:128/64": 2}
+        assert first.cached_tokens == [0] * len(contexts)
+    with KVStore(path) as store:
+        assert _sample(llama, store, contexts, questions).lossy_copies == {"int4h:32/64": 2, "int8:128/64": 2}
+        assert _sample(llama, store, contexts, questions).lossy_copies == {}  # stored whole, lossless: no miss
+    with KVStore(path, codec="int8", readonly=True) as store:
+        assert _sample(llama, store, contexts, questions).lossy_copies == {}  # a lossy run: not looked up

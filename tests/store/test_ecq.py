@@ -13,7 +13,7 @@ import torch
 from test_prerope import ROTARIES, _context, entry, keys_like, llama64, records  # noqa: F401 (fixture)
 from test_prerope import ecq_bound as bound
 
-from helpers.entries import assemble, check_lossy_golden, lossy_facts, split
+from helpers.entries import assemble, check_lossy_golden, golden_rotary_entry, lossy_facts, split
 from helpers.paths import GOLDEN
 from kvstore.errors import CodecError, CorruptEntryError, FormatVersionError
 from kvstore.store.codecs import get_codec
@@ -225,10 +225,7 @@ def test_a_lossless_request_never_reads_ecq_entries(llama64, tmp_path):  # noqa:
 
 
 # -- golden ----------------------------------------------------------------------------------------
-def golden_entry(spec: str) -> bytes:
-    from test_prerope import golden_entry as prerope_golden
-
-    return prerope_golden(spec)
+golden_entry = golden_rotary_entry
 
 
 def test_golden_ecq_entry():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_prerope import _context, entry, keys_like, llama64, records  # noqa: F401 (fixture)
 
-from helpers.entries import check_lossy_golden, lossy_facts
+from helpers.entries import check_lossy_golden, golden_rotary_entry, lossy_facts
 from helpers.paths import GOLDEN
 from kvstore.errors import CodecError, CorruptEntryError, FormatVersionError
 from kvstore.store.codecs import get_codec
@@ -43,6 +43,21 @@ def test_the_transform_is_orthogonal_symmetric_and_blockwise(dim, block):
     assert torch.allclose(h @ h, torch.eye(dim, dtype=torch.float64), atol=1e-12) and torch.equal(h, h.T)
     assert torch.allclose(h.abs()[h != 0], torch.full((1,), 1 / math.sqrt(block), dtype=torch.float64))
     assert int((h != 0).sum()) == dim * block  # block-diagonal: each channel mixes with its block only
+
+
+@pytest.mark.parametrize("dim", [2, 8, 16, 64, 80, 96, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_butterfly_is_the_matrix_product(dim, dtype):
+    """hadamard_rotate (the fixed-order butterfly every encode and decode uses) is ``x @ H`` to within
+    the rounding of log2(block) sums, and its own inverse."""
+    from kvstore.store.codecs.hadamard import hadamard_rotate
+
+    x = torch.randn(3, 40, dim, dtype=dtype, generator=torch.Generator().manual_seed(dim))
+    eps = torch.finfo(dtype).eps * 8 * float(x.abs().max())
+    assert torch.allclose(hadamard_rotate(x), x @ hadamard(dim, dtype), rtol=0, atol=eps)
+    assert torch.allclose(hadamard_rotate(hadamard_rotate(x)), x, rtol=0, atol=eps)
+    out = torch.empty_like(x)
+    assert hadamard_rotate(x, out=out) is out and torch.equal(out, hadamard_rotate(x))
 
 
 def test_an_odd_head_dim_is_refused_in_one_line():
@@ -195,10 +210,7 @@ def test_a_lossless_request_never_reads_int4h_entries(llama64, tmp_path):  # noq
 
 
 # -- golden ----------------------------------------------------------------------------------------
-def golden_entry(spec: str) -> bytes:
-    from test_prerope import golden_entry as prerope_golden
-
-    return prerope_golden(spec)
+golden_entry = golden_rotary_entry
 
 
 def test_golden_int4h_entry():
@@ -312,3 +324,34 @@ def test_a_pressed_cache_gives_the_listed_layers_8_bits():
         for s, v in views.items()
     }
     assert err["int4h:k8=1"][0] == err["int4h"][0] and err["int4h:k8=1"][1] * 8 < err["int4h"][1], err
+
+
+def test_build_and_sync_refuse_a_layer_the_model_lacks(tiny_llama_dir, tmp_path, capsys):
+    """``int4h:k8=L`` with ``L`` past the model's layers (2 here) is refused in one line naming the
+    layer and the count, by ``build --codec`` (the model loaded) and ``sync --codec`` (the store's
+    layer count), before anything is written; a layer it has is taken."""
+    import json
+
+    from helpers.cli import run_main, write_dataset
+    from kvstore.store.codecs.hadamard import layer_refusal
+
+    assert layer_refusal(get_codec("int4h:k8=1:v8=3.0"), 2) == (
+        "int4h:32/64:k8=1:v8=0.3+zstd:1: v8= names layer 3, but the model has 2 layers (0 to 1)"
+    )
+    assert layer_refusal(get_codec("int4h:k8=1"), 2) is None and layer_refusal(get_codec("int8"), 1) is None
+    data = write_dataset(tmp_path / "qa.jsonl", range(2), questions=1)
+    common = ["--model", tiny_llama_dir, "--quiet", "--format", "json", "--no-chat"]
+    store, plain, converted = tmp_path / "mixed", tmp_path / "plain", tmp_path / "converted"
+    code, _, err = run_main(capsys, "build", data, *common, "--store", store, "--codec", "int4h:k8=2")
+    assert code == 1 and err.count("\n") == 1 and "names layer 2, but the model has 2 layers (0 to 1)" in err
+    code, out, err = run_main(capsys, "build", data, *common, "--store", store, "--codec", "int4h:k8=1")
+    assert code == 0, err
+    code, out, err = run_main(capsys, "build", data, *common, "--store", plain)
+    assert code == 0, err
+    for dry in ([], ["--dry-run"]):
+        code, _, err = run_main(capsys, "sync", plain, converted, "--codec", "int4h:v8=0.7", "--quiet", *dry)
+        assert code == 1 and err.count("\n") == 1 and "names layer 7, but the model has 2 layers (0 to 1)" in err
+    with KVStore(str(converted)) as s:
+        assert s.context_keys() == []  # nothing written
+    code, out, err = run_main(capsys, "sync", plain, converted, "--codec", "int4h:v8=1", "--quiet", "--format", "json")
+    assert code == 0 and json.loads(out)["converted"] == 2, err

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from helpers.entries import assemble, check_lossy_golden, lossy_facts, split
+from helpers.entries import assemble, check_lossy_golden, golden_rotary_entry, lossy_facts, split
 from helpers.paths import GOLDEN
 from helpers.tiny import make_tiny_model
 from kvstore.errors import CodecError, CorruptEntryError, ModelError
@@ -385,14 +385,7 @@ def _gpt2():
 GOLDEN_SPECS = ("int4r",)
 
 
-def golden_entry(spec: str) -> bytes:
-    g = torch.arange(2 * 70 * 8, dtype=torch.float32).reshape(2, 70, 8)
-    layers = ((torch.sin(g / 7) * 3, torch.cos(g / 5) - 1),)
-    rotary = Rotary((1.0, 0.1, 0.01))  # 6 of 8 channels rotated
-    return encode_entry(
-        Entry("9" * 64, "f" * 64, "golden", torch.arange(70), layers, 1700000000.75, parent="8" * 64, start=600,
-              rotary=rotary), spec,
-    )  # fmt: skip
+golden_entry = golden_rotary_entry
 
 
 @pytest.mark.parametrize("spec", GOLDEN_SPECS)

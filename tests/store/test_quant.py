@@ -10,7 +10,7 @@ import pytest
 import torch
 import zstandard
 
-from helpers.entries import bits, check_lossy_golden, split, with_frame
+from helpers.entries import bits, check_lossy_golden, golden_quant_entry, split, with_frame
 from helpers.paths import GOLDEN
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs import Codec, get_codec
@@ -271,10 +271,7 @@ def test_quantized_entry_header_never_passes_for_lossless():
 GOLDEN_LOSSY = ("int8:64", "int4:32/64", "fp8")
 
 
-def golden_lossy(spec: str) -> bytes:
-    g = torch.arange(2 * 70 * 8, dtype=torch.float32).reshape(2, 70, 8)
-    layers = ((torch.sin(g / 7) * 3, torch.cos(g / 5) - 1),)
-    return encode_entry(Entry("9" * 64, "f" * 64, "golden", torch.arange(70), layers, 1700000000.75), spec)
+golden_lossy = golden_quant_entry
 
 
 @pytest.mark.parametrize("spec", GOLDEN_LOSSY)

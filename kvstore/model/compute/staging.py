@@ -13,8 +13,13 @@ and a pinned allocation per load costs more than the copy. :class:`Staging` inst
   buffer, and an event marks the slot's copies done. The next chunk decodes into the next slot
   while that copy runs; a slot is written again only after its event (so two or three slots
   overlap the host's decoding with the copy engine). The ring belongs to the model handle
-  (:meth:`Ring.of`): its buffers are allocated once, grown only when a larger chunk comes, and
-  reused by every load;
+  (:meth:`Ring.of`, :mod:`kvstore.model.compute.ring`): its buffers are allocated once, grown
+  only when a larger chunk comes, and reused by every load. A chunk's checksum is computed while
+  its bytes are copied into the slot (:mod:`kvstore.store.fused`), and the slot is sent only once
+  it matched; a few chunks decode at once, one per thread;
+* **zstd frames decoded on the device** (a ``decoder``, :mod:`kvstore.model.compute.device_zstd`:
+  nvCOMP with the ``gpu`` extra): a lossless chunk's stored bytes cross as they are and its frames
+  decode on the device in one batched call, its byte planes joined there;
 * **device decoding** (:meth:`Staging.copy_into` of a record with ``device_decode``, the
   int8/int4/ecq readers): the record's codes go to the device as they are stored (uint8) with their
   scales and zeros, each through a pinned tensor and an asynchronous copy (:meth:`Staging.upload`),
@@ -34,112 +39,22 @@ destination.
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
+import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from kvstore.errors import CorruptEntryError
+from kvstore.model.compute import device_zstd
+from kvstore.model.compute.ring import ALIGN, RING_SLOTS, Ring, Slot, _view  # noqa: F401 - RING_SLOTS: tests
 from kvstore.parallel import run_all
-
-ALIGN = 64  # bytes: every record's place in a slot starts here (any dtype's view, vectorized copies)
-RING_SLOTS = 3  # one decoding, one crossing PCIe, one spare (a chunk that decodes faster than it copies)
-_RING_ATTR = "_kvstore_staging_ring"
-
-
-class Slot:
-    """One buffer of a :class:`Ring`: ``host`` (uint8, pinned on CUDA), its ``device`` twin of the
-    same size, and ``done``: the event recorded after the last copies that read them (None before
-    the first use; on CPU copies are synchronous and there is no event)."""
-
-    def __init__(self, host: torch.Tensor, device: torch.Tensor):
-        self.host, self.device = host, device
-        self.done: Any = None
-        self.uses = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.host.numel()
-
-
-class Ring:
-    """``slots`` staging buffers for loads into ``device``, allocated on first use and reused:
-    a slot grows (is allocated again) only for a chunk larger than every slot so far. ``stream``:
-    the side stream the copies run on (CUDA). Loads take the ring one at a time (``lock``): a load
-    running ahead on a worker and a batch's own retry may overlap."""
-
-    def __init__(self, device: torch.device, *, force: bool = False, slots: int = RING_SLOTS):
-        self.device = device
-        self.cuda = device.type == "cuda" and torch.cuda.is_available()
-        self.active = self.cuda or force
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.slots: list[Slot | None] = [None] * max(1, slots)
-        self.next = 0
-        self.lock = threading.Lock()
-        self.allocations = 0  # buffers allocated so far, host and device twins counted once (tests)
-
-    @classmethod
-    def of(cls, owner: Any, device: torch.device, *, force: bool = False) -> Ring:
-        """The ring ``owner`` (a model handle) keeps for ``device``, made on first use."""
-        ring = getattr(owner, _RING_ATTR, None)
-        if ring is None or ring.device != device or ring.active != (ring.cuda or force):
-            ring = cls(device, force=force)
-            setattr(owner, _RING_ATTR, ring)
-        return ring
-
-    def acquire(self, nbytes: int) -> Slot:
-        """The next slot, once the copies of its previous use are done, holding at least ``nbytes``
-        (call with ``lock`` held)."""
-        i = self.next
-        self.next = (i + 1) % len(self.slots)
-        slot = self.slots[i]
-        if slot is not None and slot.done is not None:
-            slot.done.synchronize()  # its bytes crossed; the host may write them again
-        if slot is None or slot.capacity < nbytes:
-            size = max([nbytes] + [s.capacity for s in self.slots if s is not None])
-            slot = self.slots[i] = self._allocate(-(-size // ALIGN) * ALIGN)
-        slot.uses += 1
-        return slot
-
-    def _allocate(self, nbytes: int) -> Slot:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-        with self.on_stream():
-            device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self.allocations += 1
-        return Slot(host, device)
-
-    @contextlib.contextmanager
-    def on_stream(self) -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        with torch.cuda.stream(self.stream):
-            yield
-
-    def send(self, slot: Slot, used: int, places: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Queue the copy of ``slot``'s first ``used`` bytes to the device and, for each ``(offset,
-        dest)`` of ``places``, the copy of the bytes at ``offset`` (``dest``'s shape and dtype) into
-        ``dest``; the slot's event is recorded after them even when queuing fails part-way (an
-        out-of-memory error), so the slot is never written while a copy may still read it."""
-        try:
-            with self.on_stream():
-                slot.device[:used].copy_(slot.host[:used], non_blocking=self.cuda)
-                for offset, dest in places:
-                    dest.copy_(_view(slot.device, offset, dest.shape, dest.dtype), non_blocking=self.cuda)
-        finally:
-            if self.stream is not None:
-                slot.done = torch.cuda.Event()
-                slot.done.record(self.stream)
-
-    def release(self, slot: Slot) -> None:
-        """Mark ``slot`` free once what was queued so far on the side stream is done (a chunk not
-        sent whose device-decoded records may have queued copies out of it)."""
-        if self.stream is not None:
-            slot.done = torch.cuda.Event()
-            slot.done.record(self.stream)
+from kvstore.store import fused
+from kvstore.store.frame import verify_checksum
 
 
 class SlotUploads:
@@ -187,12 +102,6 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     )
 
 
-def _view(buf: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """The bytes of ``buf`` (uint8) at ``offset`` seen as a contiguous ``shape``/``dtype`` tensor."""
-    n = math.prod(shape) * dtype.itemsize
-    return buf[offset : offset + n].view(dtype).view(tuple(shape))
-
-
 def _layout(dests: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     """Each destination's offset in a slot (end to end, aligned) and the bytes they take."""
     offsets, pos = [], 0
@@ -208,8 +117,12 @@ class Staging:
     synchronous copies). ``ring``: the handle's :class:`Ring` (default: one of its own). Its
     methods may be called from several threads at once, except :meth:`load_chunks`."""
 
-    def __init__(self, device: torch.device, *, force: bool = False, ring: Ring | None = None):
+    def __init__(
+        self, device: torch.device, *, force: bool = False, ring: Ring | None = None,
+        decoder: device_zstd.DeviceDecoder | None = None,
+    ):  # fmt: skip
         self.device = device
+        self.decoder = decoder  # zstd frames decoded on the device (kvstore.model.compute.device_zstd)
         self.ring = ring if ring is not None else Ring(device, force=force)
         self.cuda, self.active, self.stream = self.ring.cuda, self.ring.cuda or force, self.ring.stream
         if self.stream is not None:  # buffers allocated or zeroed on the compute stream come first
@@ -218,8 +131,10 @@ class Staging:
         self._lock = threading.Lock()
         # what went through this staging (tests and benchmarks read it): chunks sent through ring
         # slots (of decoded values; of device-decoded records only), records decoded on the device,
-        # tensors uploaded for them, records staged one by one
-        self.counts = {"chunks": 0, "device_chunks": 0, "device_decoded": 0, "uploads": 0, "records": 0}
+        # tensors uploaded for them, records staged one by one, chunks sent compressed (their zstd
+        # frames decoded by ``decoder``)
+        self.counts = {"chunks": 0, "device_chunks": 0, "device_decoded": 0, "uploads": 0, "records": 0,
+                       "compressed_chunks": 0}  # fmt: skip
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
@@ -274,39 +189,108 @@ class Staging:
         self._send(host, dest)
 
     def load_chunks(
-        self, chunks: Sequence[Sequence[tuple[Any, torch.Tensor]]], threads: int
+        self, chunks: Sequence[Sequence[tuple[Any, torch.Tensor]]], threads: int, frames: Sequence[Any] | None = None
     ) -> tuple[int, BaseException | None]:
         """Decode each chunk's ``(record, dest)`` pairs and send them, chunk after chunk, through
         the ring (see the module docstring); records that decode on the device go that way instead.
-        A chunk is sent only once every record of it decoded: at the first chunk with a record
-        that fails, nothing of that chunk or the later ones is sent (its device-decoded records
-        may have written their slots: the caller recomputes those). Returns ``(chunks sent, the
-        first error or None)``; the ring is released however this ends."""
+        ``frames``: each chunk's frame whose checksum is still to be verified, or None: verified
+        while its records are copied into the slot (:mod:`kvstore.store.fused`; a chunk with
+        device-decoded records: before). A chunk is sent only once every record of it decoded and
+        its checksum matched: at the first chunk that fails, nothing of that chunk or the later
+        ones is sent (its device-decoded records may have written their slots: the caller
+        recomputes those). Chunks decode a few at a time (one per thread where the ring has slots
+        for them). Returns ``(chunks sent, the first error or None)``; the ring is released
+        however this ends."""
+        frames = list(frames) if frames is not None else [None] * len(chunks)
+        wave = max(1, min(threads, len(self.ring.slots) - 1))
         with self.ring.lock:
-            for j, pairs in enumerate(chunks):
-                staged = [(rec, dest) for rec, dest in pairs if not getattr(rec, "device_decode", False)]
-                on_device = [(rec, dest) for rec, dest in pairs if getattr(rec, "device_decode", False)]
-                offsets, used = _layout([dest for _, dest in staged])
-                # a device-decoded record uploads fewer bytes than its decoded values take (codes
-                # of 1 byte or less per value, a few scales): its values' size bounds its share
-                _, reserve = _layout([dest for _, dest in on_device])
-                slot = self.ring.acquire(used + reserve) if pairs else None
-                tasks: list[Any] = []
-                if slot is not None and on_device:
-                    uploads = SlotUploads(self, slot, used, used + reserve)
-                    tasks += [functools.partial(self._decode_on_device, rec, dest, uploads) for rec, dest in on_device]
-                if slot is not None:
-                    tasks += _decode_tasks(staged, offsets, slot.host, threads)
-                errors = run_all(tasks, threads)
-                failed = next((e for e in errors if e is not None), None)
-                if failed is not None:
-                    if slot is not None:
-                        self.ring.release(slot)  # copies its device-decoded records queued may still read it
-                    return j, failed
-                if slot is not None:
-                    self.ring.send(slot, used, [(off, dest) for (_, dest), off in zip(staged, offsets)])
-                    self._count("chunks" if staged else "device_chunks")
+            for first in range(0, len(chunks), wave):
+                js = range(first, min(first + wave, len(chunks)))
+                preps = [self._prepare(chunks[j], frames[j], threads) for j in js]
+                try:
+                    failed = self._decode_wave(preps, threads)
+                    for j, prep, err in zip(js, preps, failed):
+                        if err is not None:
+                            return j, err
+                        if prep.slot is not None:
+                            err = self._send_chunk(prep)
+                            prep.slot = None
+                            if err is not None:
+                                return j, err
+                finally:
+                    for prep in preps:
+                        if prep.slot is not None:  # not sent: copies its device-decoded records queued may read it
+                            self.ring.release(prep.slot)
         return len(chunks), None
+
+    def _send_chunk(self, prep: _Chunk) -> BaseException | None:
+        """Send ``prep``'s slot; a chunk crossing compressed is then decoded on the device (its
+        error, a frame that does not decode, is returned: nothing of it reached its places)."""
+        assert prep.slot is not None
+        self.ring.send(prep.slot, prep.used, prep.places)
+        if prep.compressed is None:
+            self._count("chunks" if prep.places else "device_chunks")
+            return None
+        assert self.decoder is not None
+        try:
+            with self.ring.on_stream():
+                device_zstd.decode_into(prep.compressed, prep.slot.device, self.decoder)
+        except CorruptEntryError as exc:
+            return exc
+        self._count("compressed_chunks")
+        return None
+
+    def _prepare(self, pairs: Sequence[tuple[Any, torch.Tensor]], frame: Any, threads: int) -> _Chunk:
+        staged = [(rec, dest) for rec, dest in pairs if not getattr(rec, "device_decode", False)]
+        on_device = [(rec, dest) for rec, dest in pairs if getattr(rec, "device_decode", False)]
+        compressed = device_zstd.plan(staged) if self.decoder is not None and staged and not on_device else None
+        if compressed is not None:
+            return self._prepare_compressed(compressed, frame)
+        offsets, used = _layout([dest for _, dest in staged])
+        # a device-decoded record uploads fewer bytes than its decoded values take (codes of 1 byte
+        # or less per value, a few scales): its values' size bounds its share
+        _, reserve = _layout([dest for _, dest in on_device])
+        slot = self.ring.acquire(used + reserve) if pairs else None
+        prep = _Chunk(slot, used, [(off, dest) for (_, dest), off in zip(staged, offsets)], frame)
+        if slot is None:
+            return prep
+        if on_device:
+            uploads = SlotUploads(self, slot, used, used + reserve)
+            prep.device = [functools.partial(self._decode_on_device, rec, dest, uploads) for rec, dest in on_device]
+        prep.work, prep.tasks = _decode_tasks(staged, offsets, slot.host, threads, None if on_device else frame)
+        return prep
+
+    def _prepare_compressed(self, compressed: device_zstd.Compressed, frame: Any) -> _Chunk:
+        """A chunk whose stored bytes cross as they are: copied into its slot (hashed as they are
+        copied, when ``frame`` is still to be verified), decoded on the device once sent."""
+        slot = self.ring.acquire(compressed.used)
+        prep = _Chunk(slot, compressed.used, [], frame, compressed=compressed)
+        dst = slot.host.data_ptr() + compressed.at
+        if frame is not None:
+            work = fused.ChunkWork(frame)
+            work.copy(dst, compressed.start - work.base, compressed.nbytes)
+            if work.seal():
+                prep.work = work
+                return prep
+        prep.tasks = [functools.partial(ctypes.memmove, dst, compressed.start, compressed.nbytes)]
+        return prep
+
+    def _decode_wave(self, preps: Sequence[_Chunk], threads: int) -> list[BaseException | None]:
+        """Decode the chunks ``preps`` into their slots; per chunk its first error, or None. A
+        chunk not verified while it is copied is verified before anything of it is decoded."""
+        first = [i for i, p in enumerate(preps) if p.frame is not None and p.work is None]
+        failed: list[BaseException | None] = [None] * len(preps)
+        for i, err in zip(first, run_all([functools.partial(verify_checksum, preps[i].frame) for i in first], threads)):
+            failed[i] = err
+        todo = [i for i, p in enumerate(preps) if failed[i] is None and p.slot is not None]
+        tasks = [(i, fn) for i in todo for fn in preps[i].device + preps[i].tasks]
+        for (i, _), err in zip(tasks, run_all([fn for _, fn in tasks], threads)):
+            if err is not None and failed[i] is None:
+                failed[i] = err
+        works = [(i, w) for i in todo if (w := preps[i].work) is not None]
+        for (i, work), err in zip(works, fused.run([w for _, w in works], threads)):
+            failed[i] = err if err is not None else run_all([work.check], 1)[0]
+        return failed
 
     def _decode_on_device(self, record, dest: torch.Tensor, uploads: SlotUploads) -> None:
         self._count("device_decoded")
@@ -341,12 +325,33 @@ def _plain(record, dest: torch.Tensor) -> torch.Tensor | None:
     return source if source.numel() == dest.numel() * dest.element_size() else None
 
 
+@dataclasses.dataclass
+class _Chunk:
+    """One chunk on its way through the ring: its slot (None once sent), the bytes it uses, where
+    each staged record's bytes go (``(offset in the slot, dest)``), its unverified frame, what
+    decodes it into the slot (``work``, hashing as it copies; else ``tasks``) and the tasks of its
+    device-decoded records."""
+
+    slot: Slot | None
+    used: int
+    places: list[tuple[int, torch.Tensor]]
+    frame: Any
+    work: fused.ChunkWork | None = None
+    tasks: list[Any] = dataclasses.field(default_factory=list)
+    device: list[Any] = dataclasses.field(default_factory=list)
+    compressed: device_zstd.Compressed | None = None
+
+
 def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[int], host: torch.Tensor,
-                  threads: int) -> list[Any]:  # fmt: skip
-    """The tasks that decode ``staged`` into ``host`` at ``offsets``: records whose bytes lie end to
-    end in the store and in the slot (a ``raw`` chunk: all of its keys and values) make one run,
-    copied as one memcpy cut into a piece per thread; every other record decodes on its own."""
+                  threads: int, frame: Any = None) -> tuple[fused.ChunkWork | None, list[Any]]:  # fmt: skip
+    """What decodes ``staged`` into ``host`` at ``offsets``: records whose bytes lie end to end in
+    the store and in the slot (a ``raw`` chunk: all of its keys and values) make one run, copied as
+    one memcpy cut into a piece per thread; every other record decodes on its own. With ``frame``
+    (the chunk's, unverified): ``(its work, [])``, the run copied block by block and hashed as it
+    goes (:class:`kvstore.store.fused.ChunkWork`); without one, or when a record's bytes are not all the
+    frame's: ``(None, the tasks)``."""
     tasks: list[Any] = []
+    work = fused.ChunkWork(frame) if frame is not None else None
     run: list[tuple[torch.Tensor, int]] = []  # (stored bytes, offset in the slot)
 
     def flush() -> None:
@@ -361,6 +366,8 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
             functools.partial(torch.Tensor.copy_, host[start + a : start + min(a + step, nbytes)], span[a : a + step])
             for a in range(0, nbytes, step)
         )
+        if work is not None:
+            work.copy(host.data_ptr() + start, span.data_ptr() - work.base, nbytes)
         run.clear()
 
     for (rec, dest), off in zip(staged, offsets):
@@ -368,6 +375,8 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
         if source is None:
             flush()
             tasks.append(functools.partial(_decode, rec, host, off, dest))
+            if work is not None:
+                work.record(rec, tasks[-1])
             continue
         if run:
             prev, prev_off = run[-1]
@@ -380,7 +389,7 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
                 flush()
         run.append((source, off))
     flush()
-    return tasks
+    return (work, []) if work is not None and work.seal() else (None, tasks)
 
 
-__all__ = ["ALIGN", "RING_SLOTS", "Ring", "Slot", "SlotUploads", "Staging"]
+__all__ = ["SlotUploads", "Staging"]

@@ -18,6 +18,7 @@ from kvstore.model.paths.base import CachePath
 from kvstore.model.paths.dense import DENSE_PATH
 from kvstore.model.paths.families import FAMILIES_PATH
 from kvstore.model.variants.variant import Variant
+from kvstore.store.codecs.hadamard import layer_refusal
 from kvstore.store.codecs.prerope import needs_rotary
 from kvstore.store.kvstore import KVStore
 
@@ -34,7 +35,7 @@ def check_supported(handle: ModelHandle, store: KVStore | None = None) -> CacheP
     """The model's cache path; ModelError (one line naming the family and why) unless kvstore can
     store and reuse this model's caches exactly (:mod:`kvstore.model.family.families`) and, with
     ``store``, in that store's codec: lossy codecs are measured on models whose every layer is full
-    attention, and refused for the others."""
+    attention, and refused for the others; a codec naming layers the model lacks (``int4h:k8=L``) too."""
     reason = families.refusal(handle.model.config)
     if reason is not None:
         raise ModelError(reason)
@@ -44,6 +45,8 @@ def check_supported(handle: ModelHandle, store: KVStore | None = None) -> CacheP
             f"lossy codec {store.codec.spec} is only for models whose every layer is full attention "
             f"(this {handle.model.config.model_type} model has windowed or recurrent layers); use a lossless codec"
         )
+    if store is not None and (why := layer_refusal(store.codec, len(families.describe(handle.model.config).kinds))):
+        raise ModelError(why)
     if store is not None and needs_rotary(store.codec) and handle.rotary is None:
         raise ModelError(
             f"lossy codec {store.codec.spec} quantizes keys before their rotary embedding, and this model cannot "

@@ -70,6 +70,9 @@ class SampleResult:
     ``window_tokens_computed`` observation windows and ``replay_tokens_computed`` replays.
     ``compose``: the composition policy that answered (``none``, ``last:64``, ``full``...; None
     for a context that was not composed of passages); only ``full`` is exact.
+    ``lossy_copies``: in a lossless run, per lossy codec identity, how many of the contexts the store
+    did not hold whole it held more of under that codec when the run began (what ``--codec`` would
+    read; :func:`kvstore.model.plan.chains.lossy_copies`); empty otherwise.
     """
 
     tokens: torch.Tensor
@@ -89,6 +92,7 @@ class SampleResult:
     replay_tokens_computed: int = 0
     load_wait_seconds: float = 0.0
     compose: str | None = None
+    lossy_copies: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,9 @@ def sample_variants(
     loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if ahead else None
     done: list[tuple[BatchPlan, BatchAnswers]] = []
     requests = rows.requests(decoding.new_tokens)
+    # what a lossy codec holds of the contexts this lossless run misses, looked up before it stores them
+    lossless = use_store is not None and use_store.codec.lossless
+    held = chains.lossy_copies(handle, rows.chains, use_store) if lossless and use_store is not None else {}
     waited = 0.0
     try:
         nxt_item: tuple[BatchPlan, Future[Loaded]] | None = None
@@ -196,7 +203,10 @@ def sample_variants(
             loader.shutdown(wait=True, cancel_futures=True)
         if writer is not None:
             writer.close()
-    return _collect(handle, rows, done, variants, decoding, options.use_cache, waited)
+    results = _collect(handle, rows, done, variants, decoding, options.use_cache, waited)
+    for result in results:
+        result.lossy_copies = dict(held)
+    return results
 
 
 @dataclass(frozen=True)

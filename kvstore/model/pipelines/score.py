@@ -280,6 +280,7 @@ def score_rolling(
                         progress=progress)[0]  # fmt: skip
     out = RollingResults()
     out.prefill_tokens_computed, out.prefill_tokens_saved = scored.prefill_tokens_computed, scored.prefill_tokens_saved
+    out.load_wait_seconds = scored.load_wait_seconds
     windows_of: list[list[int]] = [[] for _ in texts]
     for j, d in enumerate(owner):
         windows_of[d].append(j)

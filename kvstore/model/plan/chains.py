@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from kvstore.errors import CorruptEntryError
 from kvstore.facts import ATTN
 from kvstore.model.compute.cache import LayerKV
-from kvstore.store.codecs import identity_of
+from kvstore.store.codecs import get_codec, identity_of
 from kvstore.store.entry import Entry, EntryView
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, cache_key, chain_keys, chunk_key, chunk_spans
 from kvstore.store.kvstore import KVStore
@@ -140,6 +140,37 @@ def stored_tails(seed: str, ids: Sequence[int], chunk_tokens: int, cuts: list[in
         cuts.append(s + m)
 
 
+# The built-in lossy codecs at their default parameters: the codecs a plain (lossless) sample looks
+# for a missed context under, to say that ``--codec`` would read it (:func:`lossy_copies`).
+LOSSY_PROBES = ("int8", "int4", "fp8", "int8r", "int4r", "ecq", "int4h")
+PROBED_CONTEXTS = 16
+
+
+def lossy_copies(handle: ModelHandle, chain_list: Sequence[Chain], store: KVStore) -> dict[str, int]:
+    """For a lossless run over ``chain_list``: per lossy codec identity of :data:`LOSSY_PROBES` (e.g.
+    ``int8:128/64``), how many of the distinct contexts ``store`` does not hold whole losslessly it
+    holds more leading chunks of under that codec (the same spans, keyed for it), the first
+    :data:`PROBED_CONTEXTS` such contexts looked at. Lookups only (nothing read, nothing verified);
+    other parameters of a codec (``int8:64``) are not looked for."""
+    identities = [get_codec(spec).identity for spec in LOSSY_PROBES]
+    seeds = {lossy: handle.chain_seed(lossy) for lossy in identities}
+    out: dict[str, int] = {}
+    seen: set[str] = set()
+    probed = 0
+    for chain in chain_list:
+        if chain.lossy or chain.key in seen or probed >= PROBED_CONTEXTS:
+            continue
+        seen.add(chain.key)
+        depth = store.stored_prefix(chain.keys)
+        if depth == len(chain.keys):
+            continue
+        probed += 1
+        for lossy, seed in seeds.items():
+            if store.stored_prefix(chain_keys(seed, chain.ids, chain.spans)) > depth:
+                out[lossy] = out.get(lossy, 0) + 1
+    return out
+
+
 def chunk_entries(handle: ModelHandle, chain: Chain, layers: LayerKV, first: int = 0, offset: int = 0) -> list[Entry]:
     """Entries for chunks ``first..`` of ``chain`` cut from ``layers`` (per layer ``(keys, values)``
     ``[kv_heads, n, head_dim]`` holding positions ``offset..offset+n-1``)."""
@@ -185,10 +216,13 @@ def fits(handle: ModelHandle, view: EntryView, chain: Chain, j: int) -> bool:
 __all__ = [
     "DEFAULT_KEYING",
     "HEAD_MERGE_TOKENS",
+    "LOSSY_PROBES",
+    "PROBED_CONTEXTS",
     "Chain",
     "Keying",
     "chunk_entries",
     "fits",
     "chain_of",
+    "lossy_copies",
     "stored_tails",
 ]

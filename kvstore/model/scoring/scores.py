@@ -99,10 +99,11 @@ class RollingResult:
 class RollingResults(list[RollingResult]):
     """What :meth:`Adapter.score_rolling` returns: one :class:`RollingResult` per document (a
     list), and the run's ``prefill_tokens_computed`` / ``prefill_tokens_saved`` (window context
-    tokens, counted as :class:`ScoreResult` counts them)."""
+    tokens, counted as :class:`ScoreResult` counts them) and ``load_wait_seconds`` (as there)."""
 
     prefill_tokens_computed: int = 0
     prefill_tokens_saved: int = 0
+    load_wait_seconds: float = 0.0
 
 
 def prefix_token_id(handle: ModelHandle) -> int:

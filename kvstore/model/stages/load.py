@@ -17,18 +17,22 @@ import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning
+from kvstore.model.compute import device_zstd
 from kvstore.model.compute.cache import Buffers, LayerKV, new_buffers
-from kvstore.model.compute.staging import Ring, Staging
+from kvstore.model.compute.ring import Ring
+from kvstore.model.compute.staging import Staging
 from kvstore.model.plan.batch import BatchPlan
 from kvstore.model.plan.chains import Chain, fits
 from kvstore.parallel import run_all
+from kvstore.store import fused
 from kvstore.store.codecs import StoredTensor, spec_of
 from kvstore.store.entry import EntryView
+from kvstore.store.frame import verify_checksum
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,7 +67,9 @@ def load(handle: ModelHandle, plan: BatchPlan, store: KVStore | None, writer: Wr
     P = plan.context_slots
     # accelerator buffers: the handle's ring of pinned slots, one copy per chunk on a side stream
     force = handle.force_staging
-    staging = Staging(dev, force=force, ring=Ring.of(handle, dev, force=force) if dev.type == "cuda" or force else None)
+    ring = Ring.of(handle, dev, force=force) if dev.type == "cuda" or force else None
+    decoder = device_zstd.decoder_for(dev, ring.stream) if ring is not None else None  # zstd frames decoded there
+    staging = Staging(dev, force=force, ring=ring, decoder=decoder)
     try:
         for key, rows in plan.distinct.items():
             if key not in plan.dense:
@@ -93,11 +99,14 @@ def load_prefix(
     buffers), records go through its pinned host tensors and asynchronous copies: call its
     ``finish()`` before using ``bufs``."""
     loaded = 0
-    with store.open_chain(chain.keys, lazy=True) as views:
+    # checksums verified while the chunks are copied (kvstore.store.fused): one pass over memory
+    with store.open_chain(chain.keys, lazy=True, defer=True) as views:
         fitting = []
         for j, view in enumerate(views):
             try:
                 if not fits(handle, view, chain, j):
+                    if view.unverified is not None:  # a flipped byte may be why: a corrupt chunk warns
+                        verify_checksum(view.unverified)
                     break
             except CorruptEntryError as exc:  # a lazily decoded record that does not decode
                 _warn_corrupt(chain.keys[j], exc)
@@ -134,6 +143,7 @@ def _copy_chunks(
     and one device copy per chunk). Returns ``(chunks copied whole, the error of the first chunk
     that failed, or None)``: that chunk and the later ones do not count as loaded."""
     per_chunk: list[list[tuple[StoredTensor, torch.Tensor]]] = []
+    frames = [view.unverified for view in fitting]
     for view in fitting:
         h = view.header
         pairs: list[tuple[StoredTensor, torch.Tensor]] = []
@@ -143,10 +153,8 @@ def _copy_chunks(
                 pairs += [(kv[0], kb[row, :, lo:hi]), (kv[1], vb[row, :, lo:hi])]
         per_chunk.append(pairs)
     if staging is not None and staging.active:
-        return staging.load_chunks(per_chunk, threads)
-    tasks = [(j, functools.partial(_copy_into, rec, dest)) for j, pairs in enumerate(per_chunk) for rec, dest in pairs]
-    errors = run_all([fn for _, fn in tasks], threads)
-    failed = [(j, err) for (j, _), err in zip(tasks, errors) if err is not None]
+        return staging.load_chunks(per_chunk, threads, frames)
+    failed = _copy_direct(per_chunk, frames, threads)
     if not failed:
         return len(fitting), None
     for _, err in failed:  # anything but a corrupt record is the caller's error
@@ -155,8 +163,44 @@ def _copy_chunks(
     return min(failed, key=lambda f: f[0])
 
 
+def _copy_direct(
+    per_chunk: Sequence[Sequence[tuple[StoredTensor, torch.Tensor]]], frames: Sequence[Any], threads: int
+) -> list[tuple[int, BaseException]]:
+    """Copy each chunk's ``(record, dest)`` pairs straight into place, its checksum (``frames``:
+    each chunk's unverified frame, or None) computed while its records are copied, or, for a chunk
+    whose bytes the copies do not all read from the frame, verified before any is copied. Returns
+    ``(chunk, error)`` of every failure (a chunk that failed may have written some of its places)."""
+    works: list[fused.ChunkWork | None] = []
+    first: list[tuple[int, Any]] = []  # chunks verified before their records are copied
+    for j, (pairs, frame) in enumerate(zip(per_chunk, frames)):
+        fns = [functools.partial(_copy_into, rec, dest) for rec, dest in pairs]
+        work = fused.records_work(frame, pairs, fns)
+        if work is None and frame is not None:
+            first.append((j, frame))
+        works.append(work)
+    verified = run_all([functools.partial(verify_checksum, f) for _, f in first], threads)
+    failed = [(j, e) for (j, _), e in zip(first, verified) if e is not None]
+    bad = {j for j, _ in failed}
+    plain = [(j, fn) for j, (pairs, w) in enumerate(zip(per_chunk, works)) if w is None and j not in bad
+             for fn in (functools.partial(_copy_into, rec, dest) for rec, dest in pairs)]  # fmt: skip
+    failed += [(j, e) for (j, _), e in zip(plain, run_all([fn for _, fn in plain], threads)) if e is not None]
+    fed = [(j, w) for j, w in enumerate(works) if w is not None]
+    for (j, work), err in zip(fed, fused.run([w for _, w in fed], threads)):
+        if (err := err or _check(work)) is not None:
+            failed.append((j, err))
+    return failed
+
+
 def _copy_into(record, dest) -> None:
     record.copy_into(dest)
+
+
+def _check(work: fused.ChunkWork) -> CorruptEntryError | None:
+    try:
+        work.check()
+    except CorruptEntryError as exc:
+        return exc
+    return None
 
 
 def _warn_corrupt(key: str, exc: Exception) -> None:

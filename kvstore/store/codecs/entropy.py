@@ -42,6 +42,7 @@ import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import register_quantizer
+from kvstore.store.codecs.portable import fixed_mean
 from kvstore.store.codecs.prerope import Rotary, need_rotary, rotate
 from kvstore.store.codecs.quant import (
     Stage,
@@ -117,14 +118,16 @@ class EntropyQuantizer:
             offsets = torch.zeros(heads, 1, dim, dtype=torch.float16)
             steps = torch.ones(heads, 1, 1, dtype=torch.float32)
             return self._parts(torch.zeros(heads, 0, dim, dtype=torch.int8), offsets, steps, sink)
-        centre = body.mean(dim=1, keepdim=True)
+        # fixed-order means (not torch.mean, whose order follows the vector width and the threads):
+        # the same codes on every CPU
+        centre = fixed_mean(body, (1,))
         offsets = centre.to(_param_dtype(centre))
         dev = body - offsets.to(wdt)
         widest = dev.abs().amax(dim=(1, 2), keepdim=True)
-        spread = dev.square().mean(dim=(1, 2), keepdim=True).sqrt()
+        spread = fixed_mean(dev.square(), (1, 2)).sqrt()
         if not bool(torch.isfinite(spread).all()):  # squares past the float range: scale by the widest first
             unit = widest.clamp(min=_TINY)
-            spread = (dev / unit).square().mean(dim=(1, 2), keepdim=True).sqrt() * unit
+            spread = fixed_mean((dev / unit).square(), (1, 2)).sqrt() * unit
         s = self.step_k if role == "keys" else self.step_v
         steps = torch.maximum(spread * s, widest / CODE_MAX).clamp(min=_TINY).float()  # stored as float32
         codes = dev.div_(steps.to(wdt)).round_().clamp_(-CODE_MAX, CODE_MAX).to(torch.int8)
@@ -200,8 +203,19 @@ class _EntropyReader:
                 work = d
             else:
                 work = _scratch("ecq_f64" if wdt == torch.float64 else "ecq_f32", d.numel(), wdt).view(d.shape)
-        work.copy_(codes)
-        torch.addcmul(offsets, work, steps, out=work)
+        if wdt == torch.float32:
+            # code * step (int8 by float32: up to 31 significant bits) is exact in float64, and so is
+            # the sum with the float16 offset but in contrived cases: then one rounding to float32,
+            # the value a fused multiply-add gives. A float32 addcmul would be fused by the AVX2 and
+            # AVX-512 kernels and not by the baseline one: different bits on different CPUs.
+            wide = torch.empty(d.shape, dtype=torch.float64, device=work.device) if stage is not None else None
+            wide = _scratch("ecq_wide", d.numel(), torch.float64).view(d.shape) if wide is None else wide
+            wide.copy_(codes)
+            torch.addcmul(offsets.double(), wide, steps.double(), out=wide)
+            work.copy_(wide)
+        else:  # float64: the product is exact, fused or not
+            work.copy_(codes)
+            torch.addcmul(offsets, work, steps, out=work)
         if self.rotary is not None:
             rest = None if self.positions is None else self.positions[k:]
             rotate(work, self.rotary, self.start + k, out=work, positions=rest)

@@ -20,6 +20,14 @@ symmetric. An odd ``head_dim`` is refused (as ``int4`` refuses it). No rotary pa
 without the model. The tuning runs that chose this (and measured pre-RoPE keys and kept outliers,
 not taken) are in docs/lossy-codecs.md.
 
+Portable decodes: ``H`` is applied as a fast Walsh-Hadamard butterfly (:func:`butterfly`:
+element-wise sums and differences in a fixed order, then one element-wise multiply by
+``1 / sqrt(block)``, exact for blocks of 16, 64, 256; the constant rounded once to the work dtype for
+blocks of 2, 8, 32, 128), never a matrix product, whose rounding follows the BLAS kernel the CPU
+picks: an entry decodes to the same bits on any CPU, BLAS, thread count, and on a device (the
+staging ring's dequantization runs the same steps there). Encoding runs the butterfly in float64.
+Entries written before (by a matrix product) keep their layout and decode to these portable values.
+
 Error bound: an element of the rotated tensor is within half its step of its code (as for
 ``int4``); ``H`` is orthogonal, so a decoded token row's error has the same Euclidean norm, at most
 ``sqrt(sum_j (step_j / 2) ** 2)`` over the row's channel steps, plus float32 arithmetic and one
@@ -52,7 +60,7 @@ from functools import lru_cache
 import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
-from kvstore.store.codecs.base import register_quantizer
+from kvstore.store.codecs.base import Codec, register_quantizer
 from kvstore.store.codecs.quant import (
     PARTS,
     IntQuantizer,
@@ -94,10 +102,37 @@ def hadamard(head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _hadamard_cpu(head_dim, dtype)
 
 
-@lru_cache(maxsize=16)
-def _hadamard_on(head_dim: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """:func:`hadamard` on ``device``, made there once per process (a load uploads no matrix)."""
-    return _hadamard_cpu(head_dim, dtype).to(device)
+def hadamard_rotate(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ hadamard(D)`` for ``x`` ``[..., D]`` (float32 or float64, any device) as a fast
+    Walsh-Hadamard butterfly (see :func:`butterfly`), into ``out`` (same shape and dtype; may be
+    ``x``) or a new tensor. ``x`` is left as it was."""
+    a = butterfly(x.clone(), torch.empty_like(x))
+    return a.mul_(_norm(x.shape[-1], x.dtype)) if out is None else torch.mul(a, _norm(x.shape[-1], x.dtype), out=out)
+
+
+def butterfly(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The unnormalized Walsh-Hadamard transform of ``a`` ``[..., D]`` over each block of
+    :func:`hadamard_block` channels: ``log2(block)`` stages of element-wise sums and differences of
+    channel pairs ``(j, j + h)``, ``h = 1, 2, 4...`` in that order, ping-ponging between ``a`` and
+    ``b`` (same shape and dtype, contiguous; both are overwritten). Returns the one holding the
+    result. Each step is one correctly rounded IEEE operation per element in a fixed order, so the
+    bits depend on no instruction set, BLAS or thread count (a matrix product's do). Multiplying by
+    ``_norm(D, dtype)`` then gives ``a @ hadamard(D)``."""
+    dim = a.shape[-1]
+    block, h = hadamard_block(dim), 1
+    while h < block:  # channels as (blocks of 2h, the pair's side, h): sums to side 0, differences to side 1
+        src, dst = a.unflatten(-1, (dim // (2 * h), 2, h)), b.unflatten(-1, (dim // (2 * h), 2, h))
+        torch.add(src[..., 0, :], src[..., 1, :], out=dst[..., 0, :])
+        torch.sub(src[..., 0, :], src[..., 1, :], out=dst[..., 1, :])
+        a, b, h = b, a, h * 2
+    return a
+
+
+def _norm(head_dim: int, dtype: torch.dtype) -> float:
+    """The butterfly's normalization ``1 / sqrt(block)`` rounded once to ``dtype``: a power of two,
+    hence exact, when ``block`` is a power of 4 (16, 64, 256); else (2, 8, 32, 128) the nearest
+    ``dtype`` value, applied in one element-wise multiply after the sums."""
+    return float(torch.tensor(1.0 / math.sqrt(hadamard_block(head_dim)), dtype=torch.float64).to(dtype))
 
 
 class HadamardQuantizer(IntQuantizer):
@@ -143,9 +178,8 @@ class HadamardQuantizer(IntQuantizer):
     ) -> list[tuple[str, torch.Tensor]]:
         x = tensor.detach().to("cpu")
         heads, n, dim = x.shape
-        h = hadamard(dim, torch.float64)
         k = sink_count(n, start, positions)
-        body = (x[:, k:].double() @ h).float()
+        body = hadamard_rotate(x[:, k:].double()).float()  # float64 butterfly, rounded once to float32
         # int4's (int8's) codes of the rotated tokens (start > 0: no sink of their own), the sink as it is
         parts = dict(IntQuantizer.encode(q, role, body, start=1))
         parts[".sink"] = x[:, :k].contiguous()
@@ -166,8 +200,9 @@ class HadamardQuantizer(IntQuantizer):
 
 class _HadamardReader(_IntReader):
     """Decodes one ``int4h`` tensor: ``int4``'s dequantization into a float32 (float64) work tensor,
-    then one matrix product by ``H`` into the destination. ``device_decode``: with a ``stage`` the
-    codes, scales and zeros go to the destination's device and both steps run there."""
+    then the butterfly (:func:`butterfly`) and its normalization into the destination: the same
+    bits on every CPU and thread count. ``device_decode``: with a ``stage`` the codes, scales and
+    zeros go to the destination's device and every step runs there, in the same order."""
 
     device_decode = True
 
@@ -177,20 +212,33 @@ class _HadamardReader(_IntReader):
         if m == 0:
             return
         wdt = torch.float64 if self.dtype == torch.float64 else torch.float32
-        h = hadamard(dim, wdt)
-        if stage is not None:  # on the device: the matrix is made there once, only codes and scales go up
-            work, h = torch.empty(d.shape, dtype=wdt, device=d.device), _hadamard_on(dim, wdt, str(d.device))
+        if stage is not None:  # on the device: only codes and scales go up, the butterfly runs there
+            work, other = (torch.empty(d.shape, dtype=wdt, device=d.device) for _ in range(2))
         else:
-            work = _scratch("h_f64" if wdt == torch.float64 else "h_f32", d.numel(), wdt).view(d.shape)
+            tag = "h_f64" if wdt == torch.float64 else "h_f32"
+            work, other = (_scratch(tag + side, d.numel(), wdt).view(d.shape) for side in ("a", "b"))
         # int4's dequantization of the codes alone (no sink: it went straight to dest above)
         body = _IntReader(self.q, self.role, self.name, (heads, m, dim), wdt, codes=self.codes, scales=self.scales,
                           zeros=self.zeros, sink=_no_sink(self.name, heads, dim, wdt), group=self.group)  # fmt: skip
         body.copy_into(work, stage)
-        if d.dtype == wdt and d.device == work.device and all(d[i].is_contiguous() for i in range(heads)):
-            for i in range(heads):  # each head's rows are contiguous in a batch buffer: no temporary, no copy
-                torch.mm(work[i], h, out=d[i])
-        else:
-            d.copy_(torch.matmul(work, h))
+        rotated = butterfly(work, other)
+        if d.dtype == wdt and d.device == rotated.device:
+            torch.mul(rotated, _norm(dim, wdt), out=d)
+        else:  # normalized in the work dtype, then rounded once to the destination's
+            d.copy_(rotated.mul_(_norm(dim, wdt)))
+
+
+def layer_refusal(codec: Codec, n_layers: int) -> str | None:
+    """Why ``codec`` does not fit a model of ``n_layers`` layers: its 8-bit layers (``int4h:k8=L``,
+    ``v8=L``) name one the model lacks (the spec would then mean plain ``int4h`` under another
+    identity, and a typo look like a mixed-precision result); None when they fit or it names none."""
+    q = codec.quantizer
+    for tag, chosen in (("k8", getattr(q, "keys8", ())), ("v8", getattr(q, "values8", ()))):
+        missing = [i for i in chosen if i >= n_layers]
+        if missing:
+            return (f"{codec.spec}: {tag}= names layer {missing[0]}, but the model has {n_layers} layers "
+                    f"(0 to {n_layers - 1})")  # fmt: skip
+    return None
 
 
 def _no_sink(name: str, heads: int, dim: int, dtype: torch.dtype) -> TensorRecord:
@@ -228,4 +276,4 @@ def _factory(args: str) -> HadamardQuantizer:
 
 register_quantizer("int4h", _factory, since=6)
 
-__all__ = ["HadamardQuantizer", "hadamard", "hadamard_block"]
+__all__ = ["HadamardQuantizer", "butterfly", "hadamard", "hadamard_block", "hadamard_rotate", "layer_refusal"]

@@ -46,6 +46,7 @@ import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import Codec, register_quantizer
+from kvstore.store.codecs.portable import cos_sin
 from kvstore.store.codecs.quant import PARTS, IntQuantizer, _scratch, _view, int_factory, sink_count, sink_then_rest
 from kvstore.store.codecs.records import TensorRecord
 
@@ -103,10 +104,11 @@ def _angles(inv_freq: tuple[float, ...], start: int, n: int) -> tuple[torch.Tens
     """``cos`` and ``sin`` ``[n, R/2]`` float64 of positions ``start..start+n-1``. The angles are
     float32 products, as transformers computes them (so the pre-rotation keys are the model's own
     to within its float32 ``cos``/``sin``); their cosines and sines are float64, so that rotating
-    back is exact to float64 rounding."""
+    back is exact to float64 rounding, and computed by :func:`~kvstore.store.codecs.portable.cos_sin`
+    (element-wise operations in a fixed order), so that they are the same on every CPU and device."""
     pos = torch.arange(start, start + n, dtype=torch.float64).float()
     ang = (pos[:, None] * torch.tensor(inv_freq, dtype=torch.float32)[None, :]).double()
-    return ang.cos(), ang.sin()
+    return cos_sin(ang)
 
 
 def _angles_at(inv_freq: tuple[float, ...], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +116,7 @@ def _angles_at(inv_freq: tuple[float, ...], positions: torch.Tensor) -> tuple[to
     gets the angles it would get in a contiguous chunk."""
     pos = positions.detach().to("cpu", torch.float64).float()
     ang = (pos[:, None] * torch.tensor(inv_freq, dtype=torch.float32)[None, :]).double()
-    return ang.cos(), ang.sin()
+    return cos_sin(ang)
 
 
 def rotate(
