@@ -512,7 +512,7 @@ def test_no_code_branches_on_a_kind_of_owned_entry() -> None:
 # deprecated aliases for one release (then deleted, and this list with them); DERIVED_FORMAT is
 # frame.py's constant. What users read (messages, the CLI's --derived, JSON keys) keeps its words.
 DEPRECATED_DERIVED_NAMES = {
-    "DERIVED", "DERIVED_FORMAT", "DerivedEntries", "DerivedFacts", "DerivedHeader", "DerivedInfo", "DerivedLayer",
+    "DERIVED", "DERIVED_FORMAT", "DerivedFacts", "DerivedHeader", "DerivedInfo", "DerivedLayer",
     "DerivedStats", "DerivedView", "all_derived", "copied_derived", "decode_derived", "derived", "derived_bad",
     "derived_bytes", "derived_corrupt", "derived_entry_key", "derived_key_of", "derived_keys", "derived_local",
     "derived_of", "derived_prefix", "derived_totals", "has_derived", "open_derived", "orphan_derived",

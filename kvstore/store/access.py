@@ -169,12 +169,8 @@ class EntryAccess:
 
     def owned_keys(self, context: str) -> list[str]:
         """Keys of the entries context ``context`` owns (any kind), in key order."""
-        out = []
-        for name in self.backend.keys(owned_prefix(context)):
-            got = owner_of(name)
-            if got is not None and got[0] == context:
-                out.append(got[1])
-        return out
+        named = filter(None, map(owner_of, self.backend.keys(owned_prefix(context))))
+        return [key for owner, key in named if owner == context]
 
     # -- deprecated names (one release): put(blob), has(kind, ...), open(kind, ...) ----------------
     def put_derived(self, blob: bytes) -> int:
@@ -192,7 +188,5 @@ class EntryAccess:
     all_derived = owned_entries
     derived_keys = owned_keys
 
-
-DerivedEntries = EntryAccess  # deprecated: the name it had as derived_store.DerivedEntries
 
 __all__ = ["EntryAccess", "kind_of_blob"]

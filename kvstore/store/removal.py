@@ -89,7 +89,9 @@ class GcPlan:
     entries of every kind to remove (:class:`Planned` rows: chunks no kept context uses, format-1
     entries, corrupt entries, the entries removed contexts own); ``contexts``: context records
     ``(key, reason, logical bytes)``; ``tier_copies``: bad copies in a local tier, to drop from the
-    tier only (the remote's copies are intact)."""
+    tier only (the remote's copies are intact). The per-kind fields a plan had (``remove``,
+    ``derived``, ``local``, ``derived_local``, ``corrupt``, ``derived_corrupt``, ``pressed_only``)
+    are read-only views of these, deprecated."""
 
     entries: tuple[Planned, ...]
     keep_bytes: int  # stored bytes of the intact entries left afterwards
@@ -113,41 +115,15 @@ class GcPlan:
     def freed_bytes(self) -> int:
         return sum(r.stored_bytes for r in self.entries)
 
-    # -- deprecated views (one release): the fields a plan had per kind ---------------------------
-    @property
-    def remove(self) -> tuple[tuple[str, str, int], ...]:
-        """Deprecated: the chunk rows of ``entries``, ``(key, reason, stored bytes)``."""
-        return tuple((r.key, r.reason, r.stored_bytes) for r in self.entries if not r.owner)
-
-    @property
-    def derived(self) -> tuple[tuple[str, str, str, int], ...]:
-        """Deprecated: the owned rows of ``entries``, ``(context, key, reason, stored bytes)``."""
-        return tuple((r.owner, r.key, r.reason, r.stored_bytes) for r in self.entries if r.owner)
-
-    @property
-    def local(self) -> tuple[tuple[str, str, int], ...]:
-        """Deprecated: the chunk rows of ``tier_copies``."""
-        return tuple((r.key, r.reason, r.stored_bytes) for r in self.tier_copies if not r.owner)
-
-    @property
-    def derived_local(self) -> tuple[tuple[str, str, str, int], ...]:
-        """Deprecated: the owned rows of ``tier_copies``."""
-        return tuple((r.owner, r.key, r.reason, r.stored_bytes) for r in self.tier_copies if r.owner)
-
-    @property
-    def corrupt(self) -> frozenset[str]:
-        """Deprecated: keys of the chunks planned as corrupt."""
-        return frozenset(r.key for r in self.entries if r.corrupt and not r.owner)
-
-    @property
-    def derived_corrupt(self) -> frozenset[str]:
-        """Deprecated: keys of the owned entries planned as corrupt."""
-        return frozenset(r.key for r in self.entries if r.corrupt and r.owner)
-
-    @property
-    def pressed_only(self) -> frozenset[str]:
-        """Deprecated: ``owned_only``."""
-        return self.owned_only
+    # deprecated views (one release): the fields a plan had per kind
+    remove = property(lambda self: tuple((r.key, r.reason, r.stored_bytes) for r in self.entries if not r.owner))
+    derived = property(lambda self: tuple((r.owner, r.key, r.reason, r.stored_bytes) for r in self.entries if r.owner))
+    local = property(lambda self: tuple((r.key, r.reason, r.stored_bytes) for r in self.tier_copies if not r.owner))
+    derived_local = property(lambda self: tuple((r.owner, r.key, r.reason, r.stored_bytes) for r in self.tier_copies
+                                                if r.owner))  # fmt: skip
+    corrupt = property(lambda self: frozenset(r.key for r in self.entries if r.corrupt and not r.owner))
+    derived_corrupt = property(lambda self: frozenset(r.key for r in self.entries if r.corrupt and r.owner))
+    pressed_only = property(lambda self: self.owned_only)
 
 
 @dataclass(frozen=True)
