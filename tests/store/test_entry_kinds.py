@@ -70,6 +70,9 @@ def test_a_kind_defined_in_a_test_is_managed_like_the_built_in_ones(tmp_path, su
     assert [d["key"] for c in contexts if c["key"] == context for d in c["derived"]] == [key]
     assert "7" * 64 not in {c["key"] for c in contexts}  # a summary does not stand for its context
 
+    with KVStore(path, readonly=True) as s:  # one scan, one table: its chunks and the entries contexts own
+        table = s.scan().entries
+        assert len(table) == 4 and sorted(d.key for d in table.owned) == sorted([key, orphan_key])  # 4 chunks
     stats = json.loads(invoke("stats", "--store", path, "--format", "json").stdout)
     assert [(k["kind"], k["entries"]) for k in stats["derived"]] == [("summary", 2)]
 
