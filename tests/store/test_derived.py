@@ -365,6 +365,22 @@ def test_one_put_and_one_open_for_every_kind(url):
         assert s.keys() == [entry.key]
 
 
+def test_the_one_put_takes_every_golden_format():
+    """Every format's golden entry (chunks of formats 1 to 4 and 6, owned entries of format 5) goes
+    through ``put(blob)`` and reads back through ``open(kind, key, owner)``."""
+    from kvstore.store.access import kind_of_blob
+
+    paths = sorted(GOLDEN.glob("*.kvs"))
+    assert len(paths) > 10
+    with KVStore("memory://golden-put") as s:
+        for path in paths:
+            blob = path.read_bytes()
+            kind, owner, key = kind_of_blob(blob)
+            assert s.put(blob) == len(blob) and s.has(kind, key, owner), path.name
+            with s.open(kind, key, owner) as view:
+                assert view is not None and view.header.key == key, path.name
+
+
 def test_written_once_and_a_corrupt_copy_replaced(url, monkeypatch):
     key, blob = _blobs()[1]
     with KVStore(url) as s:
