@@ -5,8 +5,8 @@ build records a context in three steps (:meth:`kvstore.store.kvstore.KVStore.put
 marks the chunks it reuses as used (their ``a/`` records), writes the record, then checks that
 every chunk is still there and computes again whatever is not. :func:`execute_plan` removes, in this order:
 
-1. the planned entries contexts own, those that stand for their context (pressed caches) last,
-   except those of a planned context used since the plan;
+1. the planned entries contexts own, those that stand for their context (pressed caches) last
+   (the kind says: :attr:`Planned.phase`), except those of a planned context used since the plan;
 2. the planned context records (records before the chunks they name: an interruption leaves
    unused chunks, which a later gc collects, never a record whose chunks are gone);
 3. the planned chunk entries, a batch at a time;

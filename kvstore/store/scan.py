@@ -1,15 +1,16 @@
-"""What a store holds: a scan of its entries, derived entries and contexts.
+"""What a store holds: a scan of its entries, of every kind, and its contexts.
 
-A scan reads every entry's header (``verify=True``: every byte), every derived entry's header, every
-last-use record and every context record, streaming: what it keeps is compact (:mod:`kvstore.store.tables`:
-a few hundred bytes per chunk, whatever the model), and the values callers read
+A scan reads every entry's header, chunks and the entries contexts own alike, in one loop, asking
+the kind that reads each (:func:`kvstore.store.kinds.stored_at`; ``verify=True``: every byte), then
+every last-use record and every context record, streaming: what it keeps is one compact table
+(:mod:`kvstore.store.tables`: a few hundred bytes per chunk, whatever the model), and the values callers read
 (:mod:`kvstore.store.infos`) are made when asked for. Intact entries are
 :class:`~kvstore.store.infos.EntryInfo`, unreadable ones :class:`~kvstore.store.infos.CorruptInfo`
 (never raised). Contexts are :class:`~kvstore.store.infos.ContextInfo`: a chain of chunks (format 2),
 one whole-context entry (format 1), or, in a store that keeps only pressed caches, a context known
 by its pressed entries alone. A chunk shared by several contexts is stored once, so a store has
 *physical* bytes (its entries) and *logical* bytes (each context's chunks, counted per context);
-their ratio is the dedupe ratio. A derived entry (:class:`~kvstore.store.infos.OwnedInfo`) lives
+their ratio is the dedupe ratio. An owned entry (:class:`~kvstore.store.infos.OwnedInfo`) lives
 with its context: one whose context is neither recorded nor pressed is an orphan.
 
 Per-group totals are :mod:`kvstore.store.summary`; removal plans, :mod:`kvstore.store.gc`.
