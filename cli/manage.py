@@ -334,21 +334,15 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
         for k, why, b in plan.contexts
     ]
     rows += [
-        {"what": "derived", "key": k, "model_name": name(k), "stored_bytes": b, "reason": why}
-        for _, k, why, b in plan.derived
-    ]
+        {"what": "derived" if r.owner else "entry", "key": r.key, "model_name": name(r.key),
+         "stored_bytes": r.stored_bytes, "reason": r.reason}
+        for r in plan.entries
+    ]  # fmt: skip
     rows += [
-        {"what": "entry", "key": k, "model_name": name(k), "stored_bytes": b, "reason": why}
-        for k, why, b in plan.remove
-    ]
-    rows += [
-        {"what": "tier copy", "key": k, "model_name": name(k), "stored_bytes": b, "reason": why}
-        for k, why, b in plan.local
-    ]
-    rows += [
-        {"what": "tier copy", "key": k, "model_name": name(k), "stored_bytes": b, "reason": why}
-        for _, k, why, b in plan.derived_local
-    ]
+        {"what": "tier copy", "key": r.key, "model_name": name(r.key), "stored_bytes": r.stored_bytes,
+         "reason": r.reason}
+        for r in plan.tier_copies
+    ]  # fmt: skip
     shown = rows if limit is None else rows[:limit]
     emit(
         shown,
@@ -359,7 +353,7 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
     )
     if len(shown) < len(rows):
         click.echo(f"... and {len(rows) - len(shown)} more (--dry-run lists them all)")
-    n_local = len(plan.local) + len(plan.derived_local)
+    n_local = len(plan.tier_copies)
     local = f" {_count(n_local, 'bad tier copy')} to drop from the local tier (the remote's stay)."
     click.echo(
         f"\n{_what(plan)} to remove, {human_bytes(plan.freed_bytes)} freed; {human_bytes(plan.keep_bytes)} of entries "
@@ -369,9 +363,10 @@ def _show_plan(plan: Any, info: Any, *, limit: int | None) -> None:
 
 def _what(plan: Any) -> str:
     """``N contexts and M entries`` (``, N contexts, M entries and D derived entries`` with derived ones)."""
-    contexts, entries = _count(len(plan.contexts), "context"), _count(len(plan.remove), "entry")
-    if plan.derived:
-        return f"{contexts}, {entries} and {_count(len(plan.derived), 'derived entry')}"
+    owned = sum(1 for r in plan.entries if r.owner)
+    contexts, entries = _count(len(plan.contexts), "context"), _count(len(plan.entries) - owned, "entry")
+    if owned:
+        return f"{contexts}, {entries} and {_count(owned, 'derived entry')}"
     return f"{contexts} and {entries}"
 
 
@@ -388,7 +383,7 @@ def _run_plan(store: str, options: GcOptions, *, verify_all: bool, dry_run: bool
         else:
             info = s.scan()
         plan = plan_gc(info, options, now=time.time())
-        if not plan.remove and not plan.contexts and not plan.local and not plan.derived and not plan.derived_local:
+        if not plan.entries and not plan.contexts and not plan.tier_copies:
             click.echo("Nothing to remove.")
             return
         _show_plan(plan, info, limit=None if dry_run else 20)

@@ -54,11 +54,13 @@ def make_store(path: Path, n_entries: int, seed: int = 0) -> dict:
     """A store of about ``n_entries`` entries (see the module docstring); returns its counts."""
     import torch
 
-    from kvstore.store.derived import DerivedFacts, encode_pressed, encode_scores
     from kvstore.store.entry import Entry
     from kvstore.store.keys import chain_keys, chain_seed
     from kvstore.store.keyspace import access_key, derived_entry_key, entry_key, record_key
+    from kvstore.store.kind_pressed import encode_pressed
+    from kvstore.store.kind_scores import encode_scores
     from kvstore.store.kvstore import KVStore
+    from kvstore.store.owned import DerivedFacts
     from kvstore.store.scan import ContextRecord
 
     fp = "b" * 64

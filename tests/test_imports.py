@@ -14,6 +14,7 @@ sibling, which is not the knot this check is for. The ``cli/`` folder installs a
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -481,10 +482,6 @@ def test_process_wide_state_lives_in_one_documented_place() -> None:
 # -- entry kinds are one table (issue 40) ------------------------------------------------------------
 OWNED_KIND_NAMES = {"scores", "pressed"}  # the built-in kinds of entry a context owns, by name
 OWNED_KIND_CONSTANTS = {"SCORES", "PRESSED"}
-# the store's public methods and functions named for derived entries (what callers and docs use);
-# every other function in kvstore/store/ is named for what it does to an entry of any kind
-KIND_NAMED_FUNCTIONS = {"put_derived", "has_derived", "open_derived", "decode_derived", "derived_key_of",
-                        "read_derived_header"}  # fmt: skip
 
 
 def _compared_words(node: ast.Compare) -> list[str]:
@@ -511,18 +508,80 @@ def test_no_code_branches_on_a_kind_of_owned_entry() -> None:
     assert not found, "kind branches (ask the kind object instead):\n" + "\n".join(found)
 
 
-def test_the_store_keeps_no_twin_functions_for_one_kind() -> None:
-    """No ``*_derived*`` / ``derived_*`` function in kvstore/store/ beyond the public API's
-    (KIND_NAMED_FUNCTIONS, each still defined: a stale entry fails)."""
-    found = set()
+# The names store/ had for the entries a context owns when they were "derived entries", kept as
+# deprecated aliases for one release (then deleted, and this list with them); DERIVED_FORMAT is
+# frame.py's constant. What users read (messages, the CLI's --derived, JSON keys) keeps its words.
+DEPRECATED_DERIVED_NAMES = {
+    "DERIVED", "DERIVED_FORMAT", "DerivedFacts", "DerivedHeader", "DerivedInfo", "DerivedLayer",
+    "DerivedStats", "DerivedView", "all_derived", "copied_derived", "decode_derived", "derived", "derived_bad",
+    "derived_bytes", "derived_corrupt", "derived_entry_key", "derived_key_of", "derived_keys", "derived_local",
+    "derived_of", "derived_prefix", "derived_totals", "has_derived", "open_derived", "orphan_derived",
+    "put_derived", "read_derived_header",
+}  # fmt: skip
+DEPRECATED_DERIVED_MODULES = {"derived.py", "derived_header.py"}  # kvstore.store.owned, owned_header
+
+
+def _identifiers(tree: ast.AST) -> Iterator[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name
+        elif isinstance(node, ast.Name):
+            yield node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.attr
+        elif isinstance(node, ast.arg):
+            yield node.arg
+        elif isinstance(node, ast.keyword) and node.arg:
+            yield node.arg
+        elif isinstance(node, ast.alias):
+            yield from (node.name.rpartition(".")[2], node.asname or "")
+
+
+def test_the_store_says_owned_for_what_a_context_owns() -> None:
+    """One word per concept: no name in kvstore/store/ says "derived" (modules, functions, classes,
+    attributes, variables) but the deprecated aliases (DEPRECATED_DERIVED_NAMES, each still
+    defined: a stale entry fails)."""
+    found, modules = set(), set()
     for path in (REPO / "kvstore" / "store").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
-                "_derived" in node.name or node.name.startswith("derived_")
-            ):
-                found.add(node.name)
-    assert found - KIND_NAMED_FUNCTIONS == set(), "functions named for one kind (make them kind-generic)"
-    assert KIND_NAMED_FUNCTIONS - found == set(), "stale KIND_NAMED_FUNCTIONS entries"
+        if "derived" in path.name:
+            modules.add(path.name)
+        found |= {n for n in _identifiers(ast.parse(path.read_text())) if "derived" in n.lower()}
+    assert found - DEPRECATED_DERIVED_NAMES == set(), "say owned (the word store/ uses for what a context owns)"
+    assert DEPRECATED_DERIVED_NAMES - found == set(), "stale DEPRECATED_DERIVED_NAMES entries"
+    assert modules == DEPRECATED_DERIVED_MODULES
+
+
+def test_the_deprecated_names_are_the_new_ones() -> None:
+    """The old names (one release) read the same objects as the new."""
+    from kvstore.store import derived, derived_header, kind_pressed, owned, owned_header
+    from kvstore.store.infos import DerivedInfo, OwnedInfo
+    from kvstore.store.kvstore import KVStore
+    from kvstore.store.removal import GcPlan, Planned
+
+    assert derived.DerivedView is owned.OwnedView and derived.decode_derived is owned.decode_owned
+    assert derived.DerivedFacts is owned_header.OwnedFacts is derived_header.DerivedFacts
+    assert derived.encode_pressed is kind_pressed.encode_pressed and DerivedInfo is OwnedInfo
+    assert KVStore.derived_keys is KVStore.owned_keys
+    plan = GcPlan((Planned("b", "corrupt: x", 3, "c", ""), Planned("k", "asked for", 2)), 0,
+                  tier_copies=(Planned("t", "bad", 1),))  # fmt: skip
+    assert plan.remove == (("k", "asked for", 2),) and plan.derived == (("c", "b", "corrupt: x", 3),)
+    assert plan.local == (("t", "bad", 1),) and not plan.derived_local
+    assert plan.derived_corrupt == {"b"} and not plan.corrupt and plan.freed_bytes == 5 and plan.n == 2
+
+
+KIND_WORDS = ("derived", "scores", "pressed", "chunk")  # words that name one kind of entry
+
+
+def test_a_removal_plan_has_no_field_named_for_one_kind() -> None:
+    """``GcPlan`` holds rows of every kind (``Planned``: the kind a field of the row), not one
+    field per kind (``derived``, ``derived_local``, ``pressed_only``... are read-only aliases)."""
+    import dataclasses
+
+    from kvstore.store.removal import GcPlan, Planned
+
+    for cls in (GcPlan, Planned):
+        named = [f.name for f in dataclasses.fields(cls) if any(w in f.name for w in KIND_WORDS)]
+        assert not named, f"{cls.__name__} fields named for one kind: {named}"
 
 
 def test_the_kind_table_rows_name_their_kinds() -> None:

@@ -13,7 +13,7 @@ One file per complete context, ``<DIR>/<context key>.safetensors``, uncompressed
 The safetensors metadata holds the context key, model fingerprint and name, dtype, tokens, the
 codec it was stored with, its chunk keys and the numerics it was computed with.
 
-Each derived entry (:mod:`kvstore.store.derived`), verified, becomes
+Each derived entry (:mod:`kvstore.store.owned`), verified, becomes
 ``<DIR>/<context key>.<kind>.<derived key>.safetensors``:
 
 * scores: ``layers.{i}.scores`` ``[kv_heads, tokens]`` as stored (float32 or float64);
@@ -43,6 +43,7 @@ from kvstore.errors import KVStoreError
 from kvstore.progress import Progress
 from kvstore.store.kinds import kind_of
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import ANY_OWNED
 
 
 @dataclass
@@ -51,9 +52,11 @@ class ExportReport:
     skipped: int = 0  # already exported
     incomplete: list[str] = field(default_factory=list)  # contexts with a missing or corrupt chunk
     bytes: int = 0
-    derived: int = 0  # derived entries written
-    derived_bad: list[str] = field(default_factory=list)  # derived entries that did not verify (not written)
+    owned: int = 0  # derived entries written
+    owned_bad: list[str] = field(default_factory=list)  # derived entries that did not verify (not written)
     unknown: list[str] = field(default_factory=list)  # a newer format or an unknown kind (not written)
+    derived = property(lambda self: self.owned, doc="Deprecated: ``owned``.")
+    derived_bad = property(lambda self: self.owned_bad, doc="Deprecated: ``owned_bad``.")
 
 
 def export_context(store: KVStore, chunks: tuple[str, ...], path: Path) -> int | None:
@@ -125,7 +128,7 @@ def export_owned(store: KVStore, context: str, key: str, path: Path) -> int | No
     """Write the entry ``key`` that ``context`` owns (a derived entry, any kind) to ``path`` (see
     the module docstring); returns its size, or None when it is missing or does not verify (a
     warning says why)."""
-    with store.open_derived(context, key) as view:
+    with store.open(ANY_OWNED, key, context) as view:
         if view is None:
             return None
         h = view.header
@@ -184,7 +187,7 @@ def export_store(
                 report.bytes += size
         if progress:
             progress(1, 0)
-    for d in info.derived:
+    for d in info.owned:
         if not d.matches_model(model):
             continue
         path = out / f"{d.context}.{d.kind}.{d.key}.safetensors"
@@ -193,9 +196,9 @@ def export_store(
             continue
         size = export_owned(store, d.context, d.key, path)
         if size is None:
-            report.derived_bad.append(d.key)
+            report.owned_bad.append(d.key)
         else:
-            report.derived += 1
+            report.owned += 1
             report.bytes += size
     return report
 

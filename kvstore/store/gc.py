@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.errors import EntryNotFoundError
 from kvstore.store.infos import matches_model
 from kvstore.store.keyspace import is_key
-from kvstore.store.kinds import stands_for_context
-from kvstore.store.removal import GcPlan
+from kvstore.store.removal import CORRUPT, GcPlan, Planned
 from kvstore.store.tables import OWNED_ONLY
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,7 +32,6 @@ DEFAULT_GRACE_SECONDS = 3600.0
 # Below this a chunk a running build has written and not recorded yet may be planned for removal;
 # the build then computes it again (its record checks its chunks), which costs time, not data.
 SAFE_GRACE_SECONDS = 600.0
-CORRUPT = "corrupt: "  # the reason of what is removed for failing its checks
 
 
 def _age_str(seconds: float) -> str:
@@ -75,7 +73,7 @@ def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | N
     context uses (found by their parent links: what an ``rm`` interrupted after removing its
     records left). ``corrupt`` removes the entries and derived entries that failed the scan
     (through a local tier: whose remote copy failed; a bad tier copy of an intact one is listed in
-    ``local``/``derived_local``, to drop from the tier only), the contexts that use a corrupt entry
+    ``tier_copies``, to drop from the tier only), the contexts that use a corrupt entry
     or miss a chunk, and malformed context records; ``orphans`` removes chunks no context uses and
     derived entries whose context is gone, once their last use is older than ``grace`` seconds.
     With nothing at all, nothing is removed. Entries this kvstore cannot read (``info.unknown``: a
@@ -105,8 +103,8 @@ def plan_gc(info: StoreInfo, options: GcOptions | None = None, *, now: float | N
     drop |= broken_drop
     if opts.orphans:  # what is already planned keeps its reason
         remove |= {k: row for k, row in _orphan_chunks(info, opts, in_keys, now).items() if k not in remove}
-    derived = _plan_owned(info, opts, {C.keys[i]: why for i, why in drop.items()}, now, in_keys)
-    return _assemble(info, opts, in_keys, drop, remove, broken, derived)
+    owned = _plan_owned(info, opts, {C.keys[i]: why for i, why in drop.items()}, now, in_keys)
+    return _assemble(info, opts, in_keys, drop, remove, broken, owned)
 
 
 class _KeyFilter:
@@ -248,40 +246,33 @@ def _orphan_chunks(info: StoreInfo, opts: GcOptions, in_keys: _KeyFilter, now: f
 
 def _assemble(
     info: StoreInfo, opts: GcOptions, in_keys: _KeyFilter, drop: Mapping[int, str],
-    remove: Mapping[str, tuple[str, str, int]], broken: set[str], derived: tuple[tuple[str, str, str, int], ...],
+    remove: Mapping[str, tuple[str, str, int]], broken: set[str], owned: tuple[Planned, ...],
 ) -> GcPlan:  # fmt: skip
     """The plan from what each criterion chose: what stays, the local tier's bad copies, what the
     plan saw of each named entry (execution removes only what is still so)."""
     E, C = info.entries, info.contexts
-    derived_ids = {(c, k) for c, k, _, _ in derived}
-    local = tuple(
-        (c.key, f"local tier copy corrupt: {c.reason}", c.stored_bytes)
+    chunks = tuple(Planned(k, why, size) for k, why, size in remove.values())
+    planned = {(r.owner, r.key) for r in (*chunks, *owned)}
+    tier_copies = tuple(
+        Planned(c.key, f"local tier copy corrupt: {c.reason}", c.stored_bytes, c.context, "" if c.context else "chunk")
         for c in info.local_corrupt
-        if opts.corrupt and not c.context and in_keys(c.key) and c.key not in remove
-    )
-    derived_local = tuple(
-        (c.context, c.key, f"local tier copy corrupt: {c.reason}", c.stored_bytes)
-        for c in info.local_corrupt
-        if opts.corrupt and c.context and in_keys(c.context, c.key) and (c.context, c.key) not in derived_ids
+        if opts.corrupt and in_keys(c.context or c.key, c.key) and (c.context, c.key) not in planned
     )
     keep_bytes = sum(E.stored(r) for r in range(len(E)) if E.keys[r] not in remove)
-    keep_bytes += sum(d.stored_bytes for d in info.derived if (d.context, d.key) not in derived_ids)
+    keep_bytes += sum(d.stored_bytes for d in info.owned if (d.context, d.key) not in planned)
     context_rows = tuple((C.keys[i], why, C.stored(i) + C.owned_bytes(i)) for i, why in drop.items())
     # context records that do not read (under a name a record can have): nothing can use them
     context_rows += tuple(
         (b.key, b.reason, 0) for b in info.malformed if opts.corrupt and is_key(b.key) and in_keys(b.key)
     )
     chains = {C.keys[i]: C.chunk_keys(i) for i in drop}
-    named = {*remove, *(k for chunks in chains.values() for k in chunks), *(k for _, k, _, _ in derived)}
+    named = {*remove, *(k for ks in chains.values() for k in ks), *(r.key for r in owned)}
     seen = {k: t for k in named if (t := E.recorded_of(k)) is not None}
     return GcPlan(
-        tuple(remove.values()), keep_bytes, context_rows, chains, seen=seen,
-        kept_contexts=frozenset(C.keys) - set(chains),
-        corrupt=frozenset(k for k, why, _ in remove.values() if why.startswith(CORRUPT)),
-        broken=frozenset(broken), local=local, derived=derived, derived_local=derived_local,
-        pressed_only=frozenset(C.keys[i] for i in drop if C.kind[i] == OWNED_ONLY),
-        derived_corrupt=frozenset(k for _, k, why, _ in derived if why.startswith(CORRUPT)),
-        gone=_gone(info, {c for c, _, _, _ in derived}),
+        (*owned, *chunks), keep_bytes, context_rows, tier_copies, chains, seen=seen,
+        kept_contexts=frozenset(C.keys) - set(chains), broken=frozenset(broken),
+        owned_only=frozenset(C.keys[i] for i in drop if C.kind[i] == OWNED_ONLY),
+        gone=_gone(info, {r.owner for r in owned}),
     )  # fmt: skip
 
 
@@ -290,7 +281,7 @@ def _gone(info: StoreInfo, contexts: set[str]) -> dict[str, frozenset[str]]:
     keys it saw of each: execution keeps their derived entries if one comes back meanwhile."""
     live = set(info.contexts.keys)
     seen: dict[str, set[str]] = {c: set() for c in contexts - live}
-    for d in info.derived:
+    for d in info.owned:
         if d.context in seen:
             seen[d.context].add(d.key)
     for bad in (*info.corrupt, *info.unknown):
@@ -300,40 +291,35 @@ def _gone(info: StoreInfo, contexts: set[str]) -> dict[str, frozenset[str]]:
 
 
 def _plan_owned(info: StoreInfo, opts: GcOptions, dropped: Mapping[str, str], now: float,
-                  in_keys: Callable[..., bool]) -> tuple[tuple[str, str, str, int], ...]:  # fmt: skip
-    """The derived entries to remove, those that stand for their context (pressed caches) last (so
-    that a context known by them alone stays one until its last goes): those of the ``dropped`` contexts, those
-    named by key (or by the key of a context that is gone), the orphans past the grace, the corrupt."""
+                in_keys: Callable[..., bool]) -> tuple[Planned, ...]:  # fmt: skip
+    """The entries contexts own to remove, those that stand for their context (pressed caches)
+    last (so that a context known by them alone stays one until its last goes): those of the
+    ``dropped`` contexts, those named by key (or by the key of a context that is gone), the orphans
+    past the grace, the corrupt."""
     live = set(info.contexts.keys) | info.unknown_contexts  # a newer writer's context is no orphan's
     keys, model, criterion = opts.keys, opts.model, opts.corrupt or opts.orphans
     criterion = criterion or opts.older_than is not None or opts.max_bytes is not None
-    out: dict[tuple[str, str], tuple[str, str, str, int]] = {}
-    kinds: dict[tuple[str, str], int] = {}
-    for d in info.derived:
-        ident = (d.context, d.key)
-        kinds[ident] = stands_for_context(d.kind)
+    out: dict[tuple[str, str], Planned] = {}
+    for d in info.owned:
+        why = ""
         if d.context in dropped:
-            out[ident] = (
-                d.context,
-                d.key,
-                f"derived entry of a removed context ({dropped[d.context]})",
-                d.stored_bytes,
-            )
+            why = f"derived entry of a removed context ({dropped[d.context]})"
         elif (
             keys
             and not criterion
             and d.matches_model(model)
             and (in_keys(d.key) or (d.context not in live and in_keys(d.context)))
         ):
-            out[ident] = (d.context, d.key, "asked for", d.stored_bytes)
+            why = "asked for"
         elif opts.orphans and d.context not in live and d.matches_model(model) and in_keys(d.context, d.key):
             if now - d.last_used > opts.grace:
                 why = f"no context uses it (unused for {_age_str(now - d.last_used)})"
-                out[ident] = (d.context, d.key, why, d.stored_bytes)
+        if why:
+            out[d.context, d.key] = Planned(d.key, why, d.stored_bytes, d.context, d.kind)
     for bad in info.corrupt:
         if bad.context and (opts.corrupt or (keys and not criterion)) and in_keys(bad.context, bad.key):
-            out[bad.context, bad.key] = (bad.context, bad.key, CORRUPT + bad.reason, bad.stored_bytes)
-    return tuple(sorted(out.values(), key=lambda row: kinds.get((row[0], row[1]), 0)))
+            out[bad.context, bad.key] = Planned(bad.key, CORRUPT + bad.reason, bad.stored_bytes, bad.context, "")
+    return tuple(sorted(out.values(), key=lambda row: row.phase))
 
 
 def _matches(info: StoreInfo, prefix: str) -> bool:
@@ -341,7 +327,7 @@ def _matches(info: StoreInfo, prefix: str) -> bool:
     return (
         bool(info.entries.rows_with_prefix(prefix))
         or any(k.startswith(prefix) for k in info.contexts.keys)
-        or any(d.key.startswith(prefix) or d.context.startswith(prefix) for d in info.derived)
+        or any(d.key.startswith(prefix) or d.context.startswith(prefix) for d in info.owned)
         or any(c.key.startswith(prefix) or c.context.startswith(prefix) for c in info.corrupt)
     )
 

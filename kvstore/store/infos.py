@@ -1,5 +1,5 @@
 """What a scan reports, one value per thing stored: a chunk entry (:class:`EntryInfo`), an unreadable
-value (:class:`CorruptInfo`), a derived entry (:class:`DerivedInfo`), a context (:class:`ContextInfo`),
+value (:class:`CorruptInfo`), a derived entry (:class:`OwnedInfo`), a context (:class:`ContextInfo`),
 and the context record a store keeps (:class:`ContextRecord`).
 
 A scan (:mod:`kvstore.store.scan`) keeps what it saw in compact tables (:mod:`kvstore.store.tables`)
@@ -10,7 +10,7 @@ strings in properties, and ``as_record()`` gives every field as JSON.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -189,7 +189,7 @@ class CorruptInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class DerivedInfo:
+class OwnedInfo:
     """One intact derived entry (a context's scores or pressed cache) as a scan saw it: its
     header's facts, its stored size and its last use. ``codec``: its codec spec; ``kept_pairs``
     and ``kept_fraction``: the (token, head) pairs a pressed cache keeps, and their share of the
@@ -213,6 +213,19 @@ class DerivedInfo:
     format: int
     press: Mapping[str, Any] = field(default_factory=dict)
     last_access: float | None = None
+
+    @classmethod
+    def of(cls, h: Any, stored: int, codec: str, share: Callable[[Any, Any], Any]) -> OwnedInfo:
+        """The value of an owned entry from its header ``h`` (its ``codec`` spec parsed), its
+        strings shared through ``share(value, value)`` with a scan's other values."""
+        press = json.dumps(h.press, sort_keys=True)
+        return cls(
+            context=share(h.context, h.context), key=h.key, kind=share(h.kind, h.kind), spec=share(h.spec, h.spec),
+            model=share(h.model, h.model), model_name=share(h.model_name, h.model_name),
+            dtype=share(h.dtype, h.dtype), n_tokens=h.n_tokens, codec=share(codec, codec),
+            kept_pairs=h.kept_pairs, kept_fraction=h.kept_fraction, raw_bytes=h.raw_bytes, kv_bytes=h.kv_bytes,
+            stored_bytes=stored, created=h.created, format=h.format, press=share(press, h.press),
+        )  # fmt: skip
 
     @property
     def last_used(self) -> float:
@@ -275,16 +288,17 @@ class ContextInfo:
     first: EntryInfo | None
     created: float
     last_access: float | None
-    derived: tuple[DerivedInfo, ...] = ()
+    owned: tuple[OwnedInfo, ...] = ()
     passage: bool = False  # recorded as a passage, placed in composed contexts (kvstore.model.compose)
+    derived = property(lambda self: self.owned, doc="Deprecated: ``owned``.")
 
     @property
     def complete(self) -> bool:
         return self.missing == 0
 
     @property
-    def _about(self) -> EntryInfo | DerivedInfo | None:
-        return self.first if self.first is not None else next(iter(self.derived), None)
+    def _about(self) -> EntryInfo | OwnedInfo | None:
+        return self.first if self.first is not None else next(iter(self.owned), None)
 
     @property
     def model(self) -> str:
@@ -306,7 +320,7 @@ class ContextInfo:
     def format(self) -> int:
         if self.first is not None:
             return self.first.header.format
-        return self.derived[0].format if self.derived else 2
+        return self.owned[0].format if self.owned else 2
 
     @property
     def numerics(self) -> dict[str, str]:
@@ -315,7 +329,7 @@ class ContextInfo:
     @property
     def owned_bytes(self) -> int:
         """Bytes of the entries this context owns (its derived entries)."""
-        return sum(d.stored_bytes for d in self.derived)
+        return sum(d.stored_bytes for d in self.owned)
 
     derived_bytes = owned_bytes  # the name it had before kinds were one table
 
@@ -349,7 +363,7 @@ class ContextInfo:
             "derived_bytes": self.derived_bytes,
             "derived": [
                 {k: d.as_record()[k] for k in ("key", "kind", "spec", "codec", "kept_fraction", "stored_bytes")}
-                for d in self.derived
+                for d in self.owned
             ],
         }
 
@@ -388,10 +402,12 @@ __all__ = [
     "ContextInfo",
     "ContextRecord",
     "CorruptInfo",
-    "DerivedInfo",
+    "OwnedInfo",
     "EntryInfo",
     "chain_problem",
     "context_of",
     "kv_ratio",
     "matches_model",
 ]
+
+DerivedInfo = OwnedInfo  # deprecated: the name it had

@@ -5,11 +5,11 @@
 * ``r/<key>``: a context record (its chain of chunk keys; the key is the chain's last chunk's);
 * ``a/<key>``: the last access time of an entry or a derived entry (float64 seconds, little-endian);
 * ``x/<context>/<key>``: a derived entry of the context ``<context>`` (its scores, or a pressed
-  cache: :mod:`kvstore.store.derived`), ``<key>`` the derived key. Listing ``x/<context>/`` finds
+  cache: :mod:`kvstore.store.owned`), ``<key>`` the owned key. Listing ``x/<context>/`` finds
   every derived entry of one context; a store written before derived entries has no ``x/`` keys.
 
 ``<key>`` and ``<context>`` are always 64 lowercase hex digits (sha256s: :mod:`kvstore.store.keys`,
-:func:`kvstore.store.derived.derived_key_of`).
+:func:`kvstore.store.owned.owned_key_of`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,17 @@ def owner_of(backend_key: bytes) -> tuple[str, str] | None:
     return (context, key) if sep and is_key(context) and is_key(key) else None
 
 
+def entry_name(backend_key: bytes) -> tuple[bytes, str, str] | None:
+    """``(prefix, owner, key)`` of a stored entry's backend key: ``(ENTRY, "", key)`` for a chunk
+    (its key as stored, damaged or not: reading it says), ``(OWNED, context, key)`` for an entry a
+    context owns; None for a name that is no entry (a record, a last use, ``meta``, a malformed
+    owned name)."""
+    if backend_key.startswith(ENTRY):
+        return ENTRY, "", key_of(backend_key, ENTRY, errors="replace")
+    got = owner_of(backend_key)
+    return None if got is None else (OWNED, *got)
+
+
 # the names these had before kinds were one table
 derived_prefix, derived_entry_key, derived_of = owned_prefix, owned_key, owner_of
 
@@ -87,6 +98,7 @@ __all__ = [
     "derived_of",
     "derived_prefix",
     "entry_key",
+    "entry_name",
     "is_key",
     "key_of",
     "owned_key",

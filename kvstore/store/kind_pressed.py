@@ -4,21 +4,22 @@ even none). Layer record ``{"kv_heads": H, "head_dim": d, "counts": [n_0, ..., n
 payload ``layers.{i}.heads.{h}.keys`` / ``.values`` ``[1, n_h, d]`` (or the quantizer's parts of
 them; a head with ``n_h == 0`` stores none) and ``layers.{i}.positions`` int32 ``[sum_h n_h]``.
 A pressed cache serves its context by itself: a store may hold a context as pressed caches alone.
-Written by :func:`kvstore.store.derived.encode_pressed`."""
+Written by :func:`encode_pressed`; read into a :class:`~kvstore.store.owned.OwnedView`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from kvstore import dtypes
 from kvstore.errors import CodecError, CorruptEntryError
-from kvstore.store.codecs import Codec, StoredTensor, TensorRecord
-from kvstore.store.derived import OwnedKindBase
-from kvstore.store.derived_header import DerivedHeader, DerivedLayer, head_name, positions_name
+from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, get_codec
+from kvstore.store.codecs.prerope import Rotary, with_rotary
 from kvstore.store.frame import field_int
+from kvstore.store.owned import PRESSED, OwnedKindBase, OwnedView, encode_owned, owned_header
+from kvstore.store.owned_header import OwnedFacts, OwnedHeader, OwnedLayer, head_name, positions_name
 
 ROLES = ("keys", "values")
 
@@ -37,7 +38,7 @@ class _NoTokens:
         return torch.empty(self.shape, dtype=self.dtype)
 
 
-def _layer_positions(rec: TensorRecord, layer: DerivedLayer, n_tokens: int, i: int) -> torch.Tensor:
+def _layer_positions(rec: TensorRecord, layer: OwnedLayer, n_tokens: int, i: int) -> torch.Tensor:
     if rec.shape != (layer.kept,) or rec.dtype != torch.int32:
         raise CorruptEntryError(f"tensor {rec.name} is {rec.shape} {rec.dtype}, expected ({layer.kept},) int32")
     pos = rec.materialize().to(torch.int64)
@@ -50,13 +51,13 @@ def _layer_positions(rec: TensorRecord, layer: DerivedLayer, n_tokens: int, i: i
     return pos
 
 
-class PressedKind(OwnedKindBase):
+class PressedKind(OwnedKindBase[OwnedLayer, OwnedView]):
     name = "pressed"
     stands_for_context = True
     keeps_part = True
     lossless_only = False
 
-    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> DerivedLayer:
+    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> OwnedLayer:
         heads = field_int(record, "kv_heads", 1)
         counts = record.get("counts")
         if (
@@ -66,18 +67,28 @@ class PressedKind(OwnedKindBase):
             or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= n_tokens for n in counts)
         ):
             raise CorruptEntryError(f"derived entry header layer {i}: its counts do not fit {heads} heads")
-        return DerivedLayer(heads, field_int(record, "head_dim", 1), tuple(counts))
+        return OwnedLayer(heads, field_int(record, "head_dim", 1), tuple(counts))
 
-    def check_header(self, h: Mapping[str, Any]) -> str:
+    def check_header(self, h: Mapping[str, Any]) -> Mapping[str, Any]:
         if "scores_dtype" in h:
             raise CorruptEntryError("derived entry header field 'scores_dtype' is missing or invalid")
-        return ""
+        return {}
 
-    def value_bytes(self, header: DerivedHeader) -> int:
+    def kept_pairs(self, header: OwnedHeader) -> int:
+        return sum(layer.kept for layer in header.layers)
+
+    def kept_fraction(self, header: OwnedHeader) -> float:
+        total = sum(layer.kv_heads for layer in header.layers) * header.n_tokens
+        return self.kept_pairs(header) / total if total else 0.0
+
+    def data_bytes(self, header: OwnedHeader) -> int:
+        return self.value_bytes(header) + 4 * self.kept_pairs(header)  # the positions, int32
+
+    def value_bytes(self, header: OwnedHeader) -> int:
         item = dtypes.bits(header.dtype) // 8
         return sum(2 * layer.kept * layer.head_dim for layer in header.layers) * item
 
-    def tensor_names(self, header: DerivedHeader, codec: Codec) -> list[str]:
+    def tensor_names(self, header: OwnedHeader, codec: Codec) -> list[str]:
         want = []
         for i, layer in enumerate(header.layers):
             want.append(positions_name(i))
@@ -87,7 +98,7 @@ class PressedKind(OwnedKindBase):
                         want += codec.quantizer.stored_names(head_name(i, h, role))
         return want
 
-    def read_tensors(self, header: DerivedHeader, records: Mapping[str, TensorRecord], codec: Codec) -> tuple:
+    def view(self, header: OwnedHeader, records: Mapping[str, TensorRecord], codec: Codec) -> OwnedView:
         dtype = dtypes.to_torch(header.dtype)
         kv: dict[tuple[int, int], tuple[StoredTensor, StoredTensor]] = {}
         positions: list[torch.Tensor] = []
@@ -109,9 +120,9 @@ class PressedKind(OwnedKindBase):
                 except CodecError as exc:
                     raise CorruptEntryError(str(exc)) from None
                 start += m
-        return kv, tuple(positions)
+        return OwnedView(header, records, kv, tuple(positions))
 
-    def export_tensors(self, view: Any) -> dict[str, torch.Tensor]:
+    def export_tensors(self, view: OwnedView) -> dict[str, torch.Tensor]:
         tensors: dict[str, torch.Tensor] = {}
         for i, layer in enumerate(view.header.layers):
             for j, pos in enumerate(view.positions(i).split(list(layer.counts or ()))):
@@ -125,4 +136,63 @@ class PressedKind(OwnedKindBase):
 
 KIND = PressedKind()  # its row in kvstore.store.kinds
 
-__all__ = ["PressedKind"]
+
+def encode_pressed(
+    facts: OwnedFacts, spec: str, press: Mapping,
+    layers: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], codec: Codec | str | None = None,
+    *, rotary: Rotary | None = None,
+) -> tuple[str, bytes]:  # fmt: skip
+    """A context's pressed cache as a derived entry: ``(derived key, bytes to store)``.
+
+    ``layers[i][h] = (keys [n_h, d], values [n_h, d], positions [n_h])``: head ``h`` of layer ``i``
+    keeps ``n_h`` tokens (0 to ``facts.n_tokens``; heads of a layer may keep different counts),
+    their keys and values in the model's dtype (``facts.dtype``) and their context positions
+    (int64, strictly ascending, in ``[0, n_tokens)``). ``codec``'s quantizer applies to keys and
+    values (int8, int4, fp8; the pre-rotation ``int4r``/``int8r``/``ecq`` need the model's
+    ``rotary``, or a codec with it bound: :func:`kvstore.store.codecs.prerope.with_rotary`), its
+    packing to the whole payload; a lossy quantizer is part of the key. Raises ValueError for
+    tensors of the wrong shape, dtype or positions, CodecError for what the codec cannot store."""
+    codec = with_rotary(get_codec(codec), rotary)
+    header = owned_header(facts, PRESSED, spec, press)
+    dtype = dtypes.to_torch(header["dtype"])
+    n = facts.n_tokens
+    if not layers:
+        raise ValueError("a pressed cache needs at least one layer")
+    tensors: list[tuple[str, torch.Tensor, str | None]] = []
+    positions: dict[str, torch.Tensor] = {}
+    records = []
+    for i, heads in enumerate(layers):
+        if not heads:
+            raise ValueError(f"layer {i}: a pressed cache needs at least one KV head")
+        dims = {int(k.shape[-1]) for k, _, _ in heads}
+        if len(dims) != 1 or min(dims) < 1:
+            raise ValueError(f"layer {i}: every head's keys and values need one head_dim, not {sorted(dims)}")
+        counts, kept = [], []
+        for h, (k, v, pos) in enumerate(heads):
+            pos = torch.as_tensor(pos).detach().to("cpu")
+            m = int(pos.numel())
+            for t in (k, v):
+                if t.dim() != 2 or tuple(t.shape) != (m, *dims) or t.dtype != dtype:
+                    raise ValueError(
+                        f"layer {i} head {h}: keys and values must be [{m}, {min(dims)}] {header['dtype']}, "
+                        f"got {tuple(t.shape)} {t.dtype}"
+                    )
+            if pos.dim() != 1 or pos.dtype not in (torch.int64, torch.int32):
+                raise ValueError(
+                    f"layer {i} head {h}: positions must be int64 [n_h], got {pos.dtype} {tuple(pos.shape)}"
+                )
+            if m and (int(pos[0]) < 0 or int(pos[-1]) >= n or bool((pos[1:] <= pos[:-1]).any())):
+                raise ValueError(f"layer {i} head {h}: positions must be strictly ascending within [0, {n})")
+            counts.append(m)
+            kept.append(pos.to(torch.int64))
+            if m:
+                for role, t in (("keys", k), ("values", v)):
+                    name = head_name(i, h, role)
+                    tensors.append((name, t.detach().to("cpu").unsqueeze(0).contiguous(), role))
+                    positions[name] = kept[-1]
+        tensors.append((positions_name(i), torch.cat(kept).to(torch.int32), None))
+        records.append(OwnedLayer(len(heads), min(dims), tuple(counts)).record())
+    return encode_owned(header, records, tensors, codec, positions)
+
+
+__all__ = ["PressedKind", "encode_pressed"]

@@ -5,11 +5,12 @@ An :class:`EntryKind` says how its entries read (header, sizes, tensors, decodin
 store's management makes of them; the store's ``has`` / ``open`` and its write-once put, its scan,
 gc, removal, sync, export, verify and stats ask the kind, never compare its name. An entry a
 context owns is stored under ``x/<context>/<key>`` in the format-5 frame
-(:mod:`kvstore.store.derived`); its header's ``kind`` names its row here.
+(:mod:`kvstore.store.owned`); its header's ``kind`` names its row here.
 
-Adding a kind is one module defining it (an :class:`OwnedKind`, see
-:mod:`kvstore.store.kind_scores`) and one row in :data:`BUILTIN_KINDS`; :func:`register_kind`
-adds one at run time (a plug-in, a test).
+Adding a kind is one module defining it (an :class:`OwnedKind`: its layer records, its own header
+fields, its view, its encoder; see :mod:`kvstore.store.kind_scores`) and one row in
+:data:`BUILTIN_KINDS`; :func:`register_kind` adds one at run time (a plug-in; a test's:
+``tests/helpers/kind_summary.py``).
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ import importlib
 import re
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 from kvstore.errors import CorruptEntryError, FormatVersionError
+from kvstore.store.keyspace import ENTRY, OWNED, entry_name
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from kvstore.store.codecs import Codec, TensorRecord
 
-# an owned entry's header and layer record (kvstore.store.derived_header, which reads this table)
-DerivedHeader: TypeAlias = Any
-DerivedLayer: TypeAlias = Any
+# an owned entry's header (kvstore.store.owned_header, which reads this table)
+OwnedHeader: TypeAlias = Any
+L_co = TypeVar("L_co", covariant=True)  # a kind's layer record
+V = TypeVar("V")  # a kind's view of a verified entry
 
 
 class EntryKind(Protocol):
@@ -65,38 +68,50 @@ class EntryKind(Protocol):
         ...
 
 
-class OwnedKind(EntryKind, Protocol):
-    """A kind of entry a context owns (format 5): the shared header (:class:`DerivedHeader`) with
-    this kind's layer records and tensors."""
+class OwnedKind(EntryKind, Protocol[L_co, V]):
+    """A kind of entry a context owns (format 5): the shared header (:class:`OwnedHeader`: its
+    ``layers`` this kind's records ``L_co``, its ``fields`` this kind's own header fields) and this
+    kind's tensors, read into its own view ``V``. :class:`kvstore.store.owned.OwnedKindBase` is the
+    half every such kind shares (and the defaults of a kind that keeps no part of its context)."""
 
     # keeps a part of the context's (token, head) pairs: listings show the kept fraction
     keeps_part: bool
     lossless_only: bool  # never quantized, whatever the codec (its key has no codec identity)
 
-    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> DerivedLayer:
+    def layer(self, record: Mapping[str, Any], n_tokens: int, i: int) -> L_co:
         """Layer ``i``'s record from the header, checked; CorruptEntryError."""
         ...
 
-    def check_header(self, h: Mapping[str, Any]) -> str:
-        """Check the kind's own header fields; returns ``scores_dtype`` (``""`` where none)."""
+    def check_header(self, h: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The kind's own header fields, checked (CorruptEntryError), as the header keeps them."""
         ...
 
-    def value_bytes(self, header: DerivedHeader) -> int:
+    def value_bytes(self, header: OwnedHeader) -> int:
         """Bytes of the stored values alone, uncompressed."""
         ...
 
-    def tensor_names(self, header: DerivedHeader, codec: Codec) -> list[str]:
+    def data_bytes(self, header: OwnedHeader) -> int:
+        """Bytes of every stored tensor, uncompressed (the values, and what else the kind stores)."""
+        ...
+
+    def kept_pairs(self, header: OwnedHeader) -> int:
+        """(token, head) pairs kept over every layer (0 for a kind that keeps no part)."""
+        ...
+
+    def kept_fraction(self, header: OwnedHeader) -> float:
+        """``kept_pairs`` over every (token, head) pair of the context (1.0: all of them)."""
+        ...
+
+    def tensor_names(self, header: OwnedHeader, codec: Codec) -> list[str]:
         """The payload's tensor names, as the header and codec say they are."""
         ...
 
-    def read_tensors(
-        self, header: DerivedHeader, records: Mapping[str, TensorRecord], codec: Codec
-    ) -> tuple[dict[tuple[int, int], tuple[Any, Any]], tuple[torch.Tensor, ...]]:
-        """``(keys and values by (layer, head), positions by layer)``, each checked against the
-        header (empty where the kind holds none); CorruptEntryError."""
+    def view(self, header: OwnedHeader, records: Mapping[str, TensorRecord], codec: Codec) -> V:
+        """The kind's view of a verified entry (its ``header`` and tensors), each tensor checked
+        against the header; CorruptEntryError."""
         ...
 
-    def export_tensors(self, view: Any) -> dict[str, torch.Tensor]:
+    def export_tensors(self, view: V) -> dict[str, torch.Tensor]:
         """The tensors an export writes (``kvstore export``), by name."""
         ...
 
@@ -131,12 +146,31 @@ def unregister_kind(name: str) -> None:
         _loaded.pop(name, None)
 
 
+# what reads the entries under each prefix: chunks; entries a context owns, of any kind (its header names it)
+_BY_PREFIX: dict[bytes, str] = {ENTRY: "kvstore.store.entry:CHUNK", OWNED: "kvstore.store.owned:ANY_OWNED"}
+
+
+def _load(where: str) -> Any:
+    module, _, attr = where.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def stored_at(backend_key: bytes) -> tuple[EntryKind, str, str] | None:
+    """``(kind, owner, key)`` of the entry stored under ``backend_key`` (the kind that reads it:
+    the chunk kind, or any owned kind, whose header says which; ``owner`` ``""`` for a chunk), or
+    None for a name that is no entry (:func:`kvstore.store.keyspace.entry_name`)."""
+    got = entry_name(backend_key)
+    if got is None:
+        return None
+    prefix, owner, key = got
+    return _load(_BY_PREFIX[prefix]), owner, key
+
+
 def find_kind(name: str) -> EntryKind | None:
     """The kind named ``name``, or None for a name the table does not hold."""
     got = _loaded.get(name)
     if got is None and name in BUILTIN_KINDS:
-        module, _, attr = BUILTIN_KINDS[name].partition(":")
-        got = getattr(importlib.import_module(module), attr)
+        got = _load(BUILTIN_KINDS[name])
         with _lock:
             _loaded[name] = got
     return got
@@ -179,5 +213,6 @@ __all__ = [
     "kind_of",
     "register_kind",
     "stands_for_context",
+    "stored_at",
     "unregister_kind",
 ]

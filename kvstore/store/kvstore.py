@@ -8,13 +8,14 @@
         with store.open_chain(chunk_keys) as views:   # the longest verified prefix, zero-copy
             views[0].layers[0][0].copy_into(dest)     # keys of layer 0, decoded into dest
         info = store.scan()                   # headers only; scan(verify=True) checks every byte
-        store.put_derived(blob)               # a context's scores or pressed cache (kvstore.store.derived)
+        store.put(blob)                       # any kind's encoded entry: a context's scores, a pressed cache
+        with store.open(kind, key, owner=context) as view: ...  # any kind, verified (kvstore.store.access)
 
 Backend keys: ``e/<key>`` entries (chunks, or format-1 whole contexts), ``r/<key>`` context records
 (JSON: the chain's chunk keys, its tokens, its creation time; the key is the last chunk's),
 ``a/<key>`` last access time (float64 seconds, written in one batch when the store closes, and at
 once for chunks a build reuses, so that a concurrent gc's grace period sees them), ``x/<context>/<key>``
-a context's derived entries (scores, pressed caches: :mod:`kvstore.store.derived_store`), ``meta`` the
+the entries a context owns (scores, pressed caches: :mod:`kvstore.store.access`), ``meta`` the
 store's own description (format version, default codec, chunk size, creation time). Reopening a
 store reads its description back; a store from a newer format is refused, never misread; a
 format-1 store opened for writing is upgraded in place (its entries stay readable).
@@ -45,10 +46,10 @@ from kvstore.errors import (
 from kvstore.facts import ATTN
 from kvstore.parallel import run_all
 from kvstore.progress import Progress
+from kvstore.store.access import EntryAccess
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import Codec, get_codec
 from kvstore.store.codecs.choice import CodecChoice
-from kvstore.store.derived_store import DerivedEntries
 from kvstore.store.entry import CHUNK, Entry, EntryView, encode_entry
 from kvstore.store.frame import TRAILER_BYTES, peek_frame, verify_checksum
 from kvstore.store.header import EntryHeader, check_sizes, read_header
@@ -67,7 +68,7 @@ from kvstore.store.meta import MAX_CHUNK_TOKENS, load_meta
 from kvstore.store.scan import ContextRecord, StoreInfo, scan_store
 
 
-class KVStore(DerivedEntries):
+class KVStore(EntryAccess):
     """A KV-cache store. ``path_or_url``: a directory (LMDB), ``lmdb://DIR``, ``s3://BUCKET[/PREFIX]``
     or ``memory://NAME``; default ``$KVSTORE_STORE`` or ``<home>/store``.
 
@@ -147,17 +148,26 @@ class KVStore(DerivedEntries):
         """The stored bytes for ``entry`` (what :meth:`put` writes)."""
         return encode_entry(entry, get_codec(codec) if codec is not None else self.codec)
 
-    def put(self, entry: Entry, *, codec: str | Codec | None = None) -> int:
-        """Store ``entry`` atomically under ``entry.key``; returns the stored size in bytes."""
-        self._writable()
-        blob = self.encode(entry, codec)
-        self.put_bytes(entry.key, blob)
-        return len(blob)
+    def put(self, item: Entry | bytes, *, codec: str | Codec | None = None) -> int:
+        """Store an entry of any kind once; returns its stored size in bytes. ``item``: an
+        :class:`Entry` (a chunk, encoded with ``codec``, default the store's), or the bytes of an
+        entry of any kind (:meth:`encode`, :func:`~kvstore.store.owned.encode_scores`,
+        :func:`~kvstore.store.owned.encode_pressed`, a kind's encoder): its kind, key and owner
+        are read from its frame. A key that holds an intact entry of the same facts keeps it
+        (another writer's copy); a corrupt or different one is replaced. Raises
+        ReadOnlyStoreError on a read-only store, CorruptEntryError for bytes that are no intact
+        entry, FormatVersionError for a kind this process does not know."""
+        if isinstance(item, Entry):
+            self._writable()
+            blob = self.encode(item, codec)
+            self.put_bytes(item.key, blob)
+            return len(blob)
+        return self._put_blob(item)
 
     def put_bytes(self, key: str, blob: bytes) -> None:
-        """Store already-encoded entry bytes (see :meth:`encode`) under ``key``, unless ``key``
-        already holds an intact entry of the same model, dtype, shape and tokens (another writer's
-        copy, kept); a corrupt or different one is replaced."""
+        """Deprecated: :meth:`put` (``store.put(blob)``). Store already-encoded chunk bytes (see
+        :meth:`encode`) under ``key``, not verified, unless ``key`` already holds an intact entry
+        of the same model, dtype, shape and tokens (another writer's copy, kept)."""
         if self._put_once(CHUNK, entry_key(key), key, blob):
             self._written.add(key)
 
@@ -186,13 +196,11 @@ class KVStore(DerivedEntries):
         self.backend.delete_many([access_key(k) for k in keys])
         return n
 
-    @contextlib.contextmanager
-    def open_entry(self, key: str) -> Iterator[EntryView | None]:
-        """Verified zero-copy access to one entry; yields None when it is missing or corrupt
-        (a corrupt entry also emits a :class:`CorruptEntryWarning`: treat it as a miss)."""
-        with contextlib.ExitStack() as stack:  # as open(), one frame less (the warnings name the caller)
-            buf = stack.enter_context(self.backend.view(entry_key(key)))
-            yield None if buf is None else self._open_verified(CHUNK, entry_key(key), key, buf, stack)
+    def open_entry(self, key: str) -> contextlib.AbstractContextManager[EntryView | None]:
+        """Verified zero-copy access to one chunk entry: ``open(CHUNK, key)``; yields None when it
+        is missing or corrupt (a corrupt entry also emits a :class:`CorruptEntryWarning`: treat it
+        as a miss)."""
+        return self.open(CHUNK, key)
 
     def is_intact(self, key: str) -> bool:
         """True when ``key`` holds an entry that verifies and decodes; False when it is missing or
@@ -206,20 +214,12 @@ class KVStore(DerivedEntries):
             return default if view is None else view.materialize()
 
     def __getitem__(self, key: str) -> Entry:
+        """The verified entry ``key``. Raises EntryNotFoundError when it is missing,
+        CorruptEntryError when it is corrupt (through a local tier: the remote's copy)."""
         with contextlib.ExitStack() as stack:
-            buf = stack.enter_context(self.backend.view(entry_key(key)))
-            if buf is None:
+            view = self._open_in(stack, CHUNK, key, strict=True)
+            if view is None:
                 raise EntryNotFoundError(f"no entry {key} in {self.url}")
-            try:
-                view = CHUNK.decode(buf, key=key)
-            except CorruptEntryError:
-                if not self.backend.drop_local([entry_key(key)]):
-                    raise
-                buf = stack.enter_context(self.backend.view(entry_key(key)))  # the remote's copy
-                if buf is None:
-                    raise EntryNotFoundError(f"no entry {key} in {self.url}") from None
-                view = CHUNK.decode(buf, key=key)
-            self._touched[key] = time.time()
             return view.materialize()
 
     def header(self, key: str) -> EntryHeader | None:
@@ -254,13 +254,15 @@ class KVStore(DerivedEntries):
         if items and not self.readonly:
             self.backend.put_many(items)
 
-    def prefetch(self, keys: Iterable[str], *, derived: Iterable[tuple[str, str]] = ()) -> None:
-        """Start fetching these entries, and the ``derived`` entries ``(context, derived key)``, in
-        the background where the backend can (a remote one: ``sample`` asks for the next batch's
-        chunks while the current batch decodes); later loads take them from there. Local backends
-        (LMDB, memory) need nothing: a no-op."""
+    def prefetch(
+        self, keys: Iterable[str], *, owned: Iterable[tuple[str, str]] = (), derived: Iterable[tuple[str, str]] = ()
+    ) -> None:
+        """Start fetching these entries, and the ``owned`` entries ``(context, key)`` (``derived``:
+        its deprecated name), in the background where the backend can (a remote one: ``sample``
+        asks for the next batch's chunks while the current batch decodes); later loads take them
+        from there. Local backends (LMDB, memory) need nothing: a no-op."""
         names = [entry_key(k) for k in dict.fromkeys(keys)]
-        names += [owned_key(c, k) for c, k in dict.fromkeys(derived)]
+        names += [owned_key(c, k) for c, k in dict.fromkeys([*owned, *derived])]  # derived: deprecated
         self.backend.prefetch(names)
 
     # -- chains ---------------------------------------------------------------------------------
@@ -305,7 +307,7 @@ class KVStore(DerivedEntries):
             for key, buf, check in zip(keys, bufs, checks):
                 if isinstance(check, BaseException) and not isinstance(check, CorruptEntryError):
                     raise check
-                view = self._open_verified(CHUNK, entry_key(key), key, buf, stack, lazy=lazy, checked=check)
+                view = self._verified(CHUNK, entry_key(key), key, buf, stack, lazy=lazy, checked=check)
                 if view is None:
                     break
                 if defer:

@@ -5,18 +5,18 @@ build records a context in three steps (:meth:`kvstore.store.kvstore.KVStore.put
 marks the chunks it reuses as used (their ``a/`` records), writes the record, then checks that
 every chunk is still there and computes again whatever is not. :func:`execute_plan` removes, in this order:
 
-1. the planned derived entries (a context's scores, then its pressed caches), except those of a
-   planned context used since the plan;
+1. the planned entries contexts own, those that stand for their context (pressed caches) last
+   (the kind says: :attr:`Planned.phase`), except those of a planned context used since the plan;
 2. the planned context records (records before the chunks they name: an interruption leaves
    unused chunks, which a later gc collects, never a record whose chunks are gone);
-3. the planned entries, a batch at a time;
-4. the last-use records of the entries and derived entries removed;
+3. the planned chunk entries, a batch at a time;
+4. the last-use records of the entries removed;
 5. through a local tier, the planned bad copies in the tier (the remote's stay).
 
 Each batch is read first (values are kept in memory until the batch is done); those that changed
-since the plan are kept: an entry or derived entry marked used, a chunk named by a record the plan
+since the plan are kept: an entry marked used, a chunk named by a record the plan
 did not see, a corrupt entry repaired, a broken context complete again, a context used (through any
-of its chunks' or derived entries' marks), a derived entry whose context was recorded since. The rest is deleted, then
+of its chunks' or owned entries' marks), an owned entry whose context was recorded since. The rest is deleted, then
 checked again, and what a writer marked or recorded in the meantime is put back
 (``put_if_absent``). Either that second check sees a build's record, or the build's own check,
 which follows its record, sees the deletion and computes the chunk again: a build running at the same time
@@ -29,64 +29,106 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import CorruptEntryError, FormatVersionError, ReadOnlyStoreError
-from kvstore.store.derived import ANY_OWNED
 from kvstore.store.entry import CHUNK
-from kvstore.store.keyspace import access_key, entry_key, owned_key, record_key
-from kvstore.store.kinds import EntryKind
+from kvstore.store.keyspace import access_key, record_key
+from kvstore.store.kinds import EntryKind, stands_for_context
+from kvstore.store.owned import ANY_OWNED
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.store.kvstore import KVStore
 
 BATCH_KEYS = 256  # entries checked, held and deleted together
 BATCH_BYTES = 256 << 20  # ... and at most this many bytes of them (one larger entry goes alone)
+CORRUPT = "corrupt: "  # the reason of what is removed for failing its checks
 
-# (keys, their values as read) -> {key that must stay: why}
-Busy = Callable[[Sequence[str], Mapping[str, bytes]], dict[str, str]]
+# (items: context keys or planned rows, their values as read) -> {item that must stay: why}
+Busy = Callable[[Sequence[Any], Mapping[Any, bytes]], dict[Any, str]]
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One stored entry of any kind a plan removes (or whose bad local-tier copy it drops): its
+    ``key``, why, its stored bytes, the context that ``owner``s it (``""``: a chunk, owned by no
+    context) and its ``kind``'s name (``""`` where its header does not read)."""
+
+    key: str
+    reason: str
+    stored_bytes: int
+    owner: str = ""
+    kind: str = "chunk"
+
+    @property
+    def corrupt(self) -> bool:
+        """Planned for failing its checks."""
+        return self.reason.startswith(CORRUPT)
+
+    @property
+    def entry_kind(self) -> EntryKind:
+        """The kind that reads it (any owned kind, its header says which, for an owned entry)."""
+        return ANY_OWNED if self.owner else CHUNK
+
+    @property
+    def name(self) -> bytes:
+        """Its backend key."""
+        return self.entry_kind.address(self.key, self.owner)
+
+    @property
+    def phase(self) -> tuple[int, bool]:
+        """When it goes: owned entries before the context records (those that stand for their
+        context last, so that a context known by them alone stays one until the last goes),
+        chunks after them."""
+        return (0, stands_for_context(self.kind)) if self.owner else (2, True)
 
 
 @dataclass(frozen=True)
 class GcPlan:
-    """What to remove and why; nothing is removed until :func:`execute_plan`. ``contexts``:
-    context records ``(key, reason, logical bytes)``; ``remove``: entries ``(key, reason, stored
-    bytes)`` (chunks no kept context uses, format-1 entries, corrupt entries); ``derived``: derived
-    entries ``(context, key, reason, stored bytes)``."""
+    """What to remove and why; nothing is removed until :func:`execute_plan`. ``entries``: the
+    entries of every kind to remove (:class:`Planned` rows: chunks no kept context uses, format-1
+    entries, corrupt entries, the entries removed contexts own); ``contexts``: context records
+    ``(key, reason, logical bytes)``; ``tier_copies``: bad copies in a local tier, to drop from the
+    tier only (the remote's copies are intact). The per-kind fields a plan had (``remove``,
+    ``derived``, ``local``, ``derived_local``, ``corrupt``, ``derived_corrupt``, ``pressed_only``)
+    are read-only views of these, deprecated."""
 
-    remove: tuple[tuple[str, str, int], ...]
-    keep_bytes: int  # stored bytes of the intact entries and derived entries left afterwards
+    entries: tuple[Planned, ...]
+    keep_bytes: int  # stored bytes of the intact entries left afterwards
     contexts: tuple[tuple[str, str, int], ...] = ()
+    tier_copies: tuple[Planned, ...] = ()
     # what the scan saw, checked again by execution before anything goes:
     chains: Mapping[str, tuple[str, ...]] = field(default_factory=dict, compare=False)  # planned context -> chunks
     seen: Mapping[str, float] = field(default_factory=dict, compare=False)  # entry -> recorded last use
     kept_contexts: frozenset[str] = field(default=frozenset(), compare=False)  # contexts the plan keeps
-    corrupt: frozenset[str] = field(default=frozenset(), compare=False)  # entries planned as corrupt
     broken: frozenset[str] = field(default=frozenset(), compare=False)  # contexts planned as broken
-    # bad copies in a local tier, to drop from the tier only (the remote's copies are intact)
-    local: tuple[tuple[str, str, int], ...] = ()
-    derived: tuple[tuple[str, str, str, int], ...] = ()
-    derived_local: tuple[tuple[str, str, str, int], ...] = ()
-    pressed_only: frozenset[str] = field(default=frozenset(), compare=False)  # planned contexts without a record
-    derived_corrupt: frozenset[str] = field(default=frozenset(), compare=False)  # derived keys planned as corrupt
-    # contexts the scan saw gone (no record, no pressed cache) -> the derived keys it saw of each
+    owned_only: frozenset[str] = field(default=frozenset(), compare=False)  # planned contexts known by owned entries
+    # contexts the scan saw gone (no record, no entry standing for them) -> the owned keys it saw of each
     gone: Mapping[str, frozenset[str]] = field(default_factory=dict, compare=False)
 
     @property
     def n(self) -> int:
-        return (
-            len(self.remove) + len([c for c in self.contexts if c[0] not in {r[0] for r in self.remove}])
-            + len(self.derived)
-        )  # fmt: skip
+        keys = {r.key for r in self.entries}
+        return len(self.entries) + len([c for c in self.contexts if c[0] not in keys])
 
     @property
     def freed_bytes(self) -> int:
-        return sum(r[2] for r in self.remove) + sum(d[3] for d in self.derived)
+        return sum(r.stored_bytes for r in self.entries)
+
+    # deprecated views (one release): the fields a plan had per kind
+    remove = property(lambda self: tuple((r.key, r.reason, r.stored_bytes) for r in self.entries if not r.owner))
+    derived = property(lambda self: tuple((r.owner, r.key, r.reason, r.stored_bytes) for r in self.entries if r.owner))
+    local = property(lambda self: tuple((r.key, r.reason, r.stored_bytes) for r in self.tier_copies if not r.owner))
+    derived_local = property(lambda self: tuple((r.owner, r.key, r.reason, r.stored_bytes) for r in self.tier_copies
+                                                if r.owner))  # fmt: skip
+    corrupt = property(lambda self: frozenset(r.key for r in self.entries if r.corrupt and not r.owner))
+    derived_corrupt = property(lambda self: frozenset(r.key for r in self.entries if r.corrupt and r.owner))
+    pressed_only = property(lambda self: self.owned_only)
 
 
 @dataclass(frozen=True)
 class GcReport:
-    """What :func:`execute_plan` did: the context records, entries and derived entries (their
+    """What :func:`execute_plan` did: the context records, chunk entries and owned entries (their
     keys) it removed, the stored bytes freed, and ``kept``: ``(key, why)`` of what the plan named
     but execution left in place because it was used, recorded or repaired since the plan."""
 
@@ -95,16 +137,8 @@ class GcReport:
     freed_bytes: int = 0
     kept: tuple[tuple[str, str], ...] = ()
     dropped_local: int = 0  # bad copies dropped from a local tier (the remote's untouched)
-    derived: tuple[str, ...] = ()
-
-
-def _owned_id(context: str, key: str) -> str:
-    return f"{context}/{key}"
-
-
-def _owned_name(ident: str) -> bytes:
-    context, _, key = ident.partition("/")
-    return owned_key(context, key)
+    owned: tuple[str, ...] = ()  # owned entries removed
+    derived = property(lambda self: self.owned, doc="Deprecated: ``owned``.")
 
 
 def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
@@ -116,44 +150,49 @@ def execute_plan(store: KVStore, plan: GcPlan) -> GcReport:
     kept: dict[str, str] = {}
     planned = [k for k, _, _ in plan.contexts]
     contexts_busy = _contexts_busy(store, plan)
-    used = contexts_busy(planned, {})  # a planned context used since the plan keeps its derived entries
-    sizes_d = {_owned_id(c, k): size for c, k, _, size in plan.derived}
-    derived, held = _remove(store, list(sizes_d), _owned_name, _owned_busy(store, plan, used, contexts_busy),
-                            lambda d: d.partition("/")[2] not in plan.derived_corrupt)  # fmt: skip
-    kept |= held
+    used = contexts_busy(planned, {})  # a planned context used since the plan keeps its owned entries
+    rows_busy = _rows_busy(store, plan, used, contexts_busy)
+    rows = sorted(plan.entries, key=lambda r: r.phase)  # stable: a plan's order within a phase stays
+    owned = [r for r in rows if r.phase[0] < 1]
+    gone = _remove_rows(store, owned, rows_busy, kept)
     contexts, held = _remove(store, planned, record_key, contexts_busy)
     kept |= held
     unrecorded = [k for k in planned if k not in held and k not in contexts]  # format 1: the entry is the context
-    sizes = {k: size for k, _, size in plan.remove}
-    entries: list[str] = []
-    for batch in _batches(list(sizes), sizes):
-        gone, held = _remove(store, batch, entry_key, _entries_busy(store, plan), lambda k: k not in plan.corrupt)
-        entries += gone
-        kept |= held
-    contexts += [k for k in unrecorded if k in set(entries)]
-    gone_derived = {d.partition("/")[0] for d in derived}
-    left = {c for c, k, _, _ in plan.derived if _owned_id(c, k) not in derived}
-    contexts += [k for k in unrecorded if k in plan.pressed_only and k in gone_derived and k not in left]
-    removed = entries + [d.partition("/")[2] for d in derived]
+    gone += _remove_rows(store, rows[len(owned) :], rows_busy, kept)
+    chunks = {r.key for r in gone if not r.owner}
+    contexts += [k for k in unrecorded if k in chunks]
+    owners, went = {r.owner for r in gone if r.owner}, set(gone)
+    left = {r.owner for r in owned if r not in went}
+    contexts += [k for k in unrecorded if k in plan.owned_only and k in owners and k not in left]
+    removed = [r.key for r in gone]
     now = store.recorded_access(removed)  # the last uses of what went, unless someone used it since
     store.backend.delete_many([access_key(k) for k in removed if k in now and now[k] == plan.seen.get(k)])
-    names = [entry_key(k) for k, _, _ in plan.local] + [owned_key(c, k) for c, k, _, _ in plan.derived_local]
+    names = [r.name for r in plan.tier_copies]
     dropped = store.backend.drop_local(names) if names else 0  # a tier's fault stays local
-    freed = sum(sizes[k] for k in entries) + sum(sizes_d[d] for d in derived)
-    return GcReport(tuple(contexts), tuple(entries), freed, tuple(kept.items()), dropped,
-                    tuple(d.partition("/")[2] for d in derived))  # fmt: skip
+    return GcReport(tuple(contexts), tuple(r.key for r in gone if not r.owner), sum(r.stored_bytes for r in gone),
+                    tuple(kept.items()), dropped, tuple(r.key for r in gone if r.owner))  # fmt: skip
+
+
+def _remove_rows(store: KVStore, rows: list[Planned], busy: Busy, kept: dict[str, str]) -> list[Planned]:
+    """Remove ``rows`` a batch at a time (see :func:`_remove`); what is held goes into ``kept``."""
+    gone: list[Planned] = []
+    for batch in _batches(rows):
+        removed, held = _remove(store, batch, lambda r: r.name, busy, lambda r: not r.corrupt)
+        gone += removed
+        kept |= {r.key: why for r, why in held.items()}
+    return gone
 
 
 def _remove(
-    store: KVStore, keys: Sequence[str], name: Callable[[str], bytes], busy: Busy,
-    restore: Callable[[str], bool] = lambda k: True,
-) -> tuple[list[str], dict[str, str]]:  # fmt: skip
-    """Delete those of ``keys`` (backend keys ``name(key)``) that ``busy`` does not hold, check
-    again, put back what became busy meanwhile (when ``restore(key)``). Returns (removed, held)."""
-    if not keys:
+    store: KVStore, items: Sequence[Any], name: Callable[[Any], bytes], busy: Busy,
+    restore: Callable[[Any], bool] = lambda item: True,
+) -> tuple[list[Any], dict[Any, str]]:  # fmt: skip
+    """Delete those of ``items`` (backend keys ``name(item)``) that ``busy`` does not hold, check
+    again, put back what became busy meanwhile (when ``restore(item)``). Returns (removed, held)."""
+    if not items:
         return [], {}
-    values = store.backend.origin().get_many([name(k) for k in keys])  # not a local tier's copies
-    saved = {k: bytes(v) for k, v in zip(keys, values) if v is not None}
+    values = store.backend.origin().get_many([name(k) for k in items])  # not a local tier's copies
+    saved = {k: bytes(v) for k, v in zip(items, values) if v is not None}
     held = busy(list(saved), saved)
     doomed = [k for k in saved if k not in held]
     if doomed:
@@ -167,13 +206,14 @@ def _remove(
 
 
 def _contexts_busy(store: KVStore, plan: GcPlan) -> Busy:
-    derived_of: dict[str, list[str]] = {}
-    for c, k, _, _ in plan.derived:
-        derived_of.setdefault(c, []).append(k)
+    owned_of: dict[str, list[str]] = {}
+    for r in plan.entries:
+        if r.owner:
+            owned_of.setdefault(r.owner, []).append(r.key)
 
     def busy(keys: Sequence[str], saved: Mapping[str, bytes]) -> dict[str, str]:
-        # a context's use marks its last chunk, whose key it has, or one of its derived entries
-        marks = {k: [k, *derived_of.get(k, ())] for k in keys}
+        # a context's use marks its last chunk, whose key it has, or one of its owned entries
+        marks = {k: [k, *owned_of.get(k, ())] for k in keys}
         now = store.recorded_access([m for ms in marks.values() for m in ms])
         out = {k: "used since the plan" for k, ms in marks.items() if any(now.get(m) != plan.seen.get(m) for m in ms)}
         for k in keys:
@@ -184,41 +224,30 @@ def _contexts_busy(store: KVStore, plan: GcPlan) -> Busy:
     return busy
 
 
-def _owned_busy(store: KVStore, plan: GcPlan, used: Mapping[str, str], contexts_busy: Busy) -> Busy:
+def _rows_busy(store: KVStore, plan: GcPlan, used: Mapping[str, str], contexts_busy: Busy) -> Busy:
     planned = {k for k, _, _ in plan.contexts}
 
-    def busy(ids: Sequence[str], saved: Mapping[str, bytes]) -> dict[str, str]:
-        """A derived entry used since the plan, of a planned context used since, of a context gone
-        at the plan and recorded (or pressed) since, or corrupt and intact again."""
-        pairs = {d: d.partition("/")[::2] for d in ids}
-        now = store.recorded_access([k for _, k in pairs.values()])
-        late = contexts_busy(sorted({c for c, _ in pairs.values() if c in planned}), {}) if not saved else used
-        out: dict[str, str] = {}
-        for d, (context, key) in pairs.items():
-            if now.get(key) != plan.seen.get(key):
-                out[d] = "used since the plan"
-            elif context in late:
-                out[d] = f"its context was {late[context].replace(' since the plan', '')} since the plan"
-            elif context in plan.gone and (
-                store.backend.contains(record_key(context)) or set(store.owned_keys(context)) - plan.gone[context]
+    def busy(rows: Sequence[Planned], saved: Mapping[Planned, bytes]) -> dict[Planned, str]:
+        """An entry used since the plan; owned by a planned context used since, or by a context gone
+        at the plan and recorded (or standing again) since; a chunk named by a context recorded
+        since; or corrupt and intact again."""
+        now = store.recorded_access([r.key for r in rows])
+        late = contexts_busy(sorted({r.owner for r in rows if r.owner in planned}), {}) if not saved else used
+        named = _recorded_chunks(store, plan) if any(not r.owner for r in rows) else set()
+        out: dict[Planned, str] = {}
+        for r in rows:
+            if now.get(r.key) != plan.seen.get(r.key):
+                out[r] = "used since the plan"
+            elif r.owner in late:
+                out[r] = f"its context was {late[r.owner].replace(' since the plan', '')} since the plan"
+            elif r.owner in plan.gone and (
+                store.backend.contains(record_key(r.owner)) or set(store.owned_keys(r.owner)) - plan.gone[r.owner]
             ):
-                out[d] = "its context was recorded since the plan"
-            elif key in plan.derived_corrupt and d in saved and _intact(saved[d], key, ANY_OWNED):
-                out[d] = "intact again since the plan"
-        return out
-
-    return busy
-
-
-def _entries_busy(store: KVStore, plan: GcPlan) -> Busy:
-    def busy(keys: Sequence[str], saved: Mapping[str, bytes]) -> dict[str, str]:
-        now = store.recorded_access(keys)
-        out = {k: "used since the plan" for k in keys if now.get(k) != plan.seen.get(k)}
-        named = _recorded_chunks(store, plan)
-        out |= {k: "named by a context recorded since the plan" for k in keys if k in named and k not in out}
-        for k in keys:
-            if k in plan.corrupt and k in saved and k not in out and _intact(saved[k], k):
-                out[k] = "intact again since the plan"
+                out[r] = "its context was recorded since the plan"
+            elif not r.owner and r.key in named:
+                out[r] = "named by a context recorded since the plan"
+            elif r.corrupt and r in saved and _intact(saved[r], r.key, r.entry_kind):
+                out[r] = "intact again since the plan"
         return out
 
     return busy
@@ -234,7 +263,7 @@ def _recorded_chunks(store: KVStore, plan: GcPlan) -> set[str]:
     return chunks
 
 
-def _intact(value: bytes, key: str, kind: EntryKind = CHUNK) -> bool:
+def _intact(value: bytes, key: str, kind: EntryKind) -> bool:
     """Whether ``value`` decodes as the entry ``key`` of ``kind`` (a chunk, or any owned kind), or
     is an intact entry of a newer format or unknown kind (decoding checks the checksum first):
     never removed as corrupt."""
@@ -247,17 +276,17 @@ def _intact(value: bytes, key: str, kind: EntryKind = CHUNK) -> bool:
     return True
 
 
-def _batches(keys: list[str], sizes: Mapping[str, int]) -> Iterator[list[str]]:
-    batch: list[str] = []
+def _batches(rows: list[Planned]) -> Iterator[list[Planned]]:
+    batch: list[Planned] = []
     total = 0
-    for k in keys:
-        if batch and (len(batch) >= BATCH_KEYS or total + sizes[k] > BATCH_BYTES):
+    for r in rows:
+        if batch and (len(batch) >= BATCH_KEYS or total + r.stored_bytes > BATCH_BYTES or r.phase != batch[0].phase):
             yield batch
             batch, total = [], 0
-        batch.append(k)
-        total += sizes[k]
+        batch.append(r)
+        total += r.stored_bytes
     if batch:
         yield batch
 
 
-__all__ = ["BATCH_BYTES", "BATCH_KEYS", "GcPlan", "GcReport", "execute_plan"]
+__all__ = ["BATCH_BYTES", "BATCH_KEYS", "CORRUPT", "GcPlan", "GcReport", "Planned", "execute_plan"]

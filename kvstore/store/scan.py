@@ -1,15 +1,16 @@
-"""What a store holds: a scan of its entries, derived entries and contexts.
+"""What a store holds: a scan of its entries, of every kind, and its contexts.
 
-A scan reads every entry's header (``verify=True``: every byte), every derived entry's header, every
-last-use record and every context record, streaming: what it keeps is compact (:mod:`kvstore.store.tables`:
-a few hundred bytes per chunk, whatever the model), and the values callers read
+A scan reads every entry's header, chunks and the entries contexts own alike, in one loop, asking
+the kind that reads each (:func:`kvstore.store.kinds.stored_at`; ``verify=True``: every byte), then
+every last-use record and every context record, streaming: what it keeps is one compact table
+(:mod:`kvstore.store.tables`: a few hundred bytes per chunk, whatever the model), and the values callers read
 (:mod:`kvstore.store.infos`) are made when asked for. Intact entries are
 :class:`~kvstore.store.infos.EntryInfo`, unreadable ones :class:`~kvstore.store.infos.CorruptInfo`
 (never raised). Contexts are :class:`~kvstore.store.infos.ContextInfo`: a chain of chunks (format 2),
 one whole-context entry (format 1), or, in a store that keeps only pressed caches, a context known
 by its pressed entries alone. A chunk shared by several contexts is stored once, so a store has
 *physical* bytes (its entries) and *logical* bytes (each context's chunks, counted per context);
-their ratio is the dedupe ratio. A derived entry (:class:`~kvstore.store.infos.DerivedInfo`) lives
+their ratio is the dedupe ratio. An owned entry (:class:`~kvstore.store.infos.OwnedInfo`) lives
 with its context: one whose context is neither recorded nor pressed is an orphan.
 
 Per-group totals are :mod:`kvstore.store.summary`; removal plans, :mod:`kvstore.store.gc`.
@@ -17,7 +18,7 @@ Per-group totals are :mod:`kvstore.store.summary`; removal plans, :mod:`kvstore.
 
 from __future__ import annotations
 
-import json
+import itertools
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,13 +34,13 @@ from kvstore.store.infos import (  # noqa: F401
     ContextInfo,
     ContextRecord,
     CorruptInfo,
-    DerivedInfo,
     EntryInfo,
+    OwnedInfo,
     chain_problem,
     matches_model,
 )
-from kvstore.store.keyspace import ACCESS, ENTRY, OWNED, RECORD, key_of, owner_of
-from kvstore.store.kinds import EntryKind, find_kind, stands_for_context
+from kvstore.store.keyspace import ACCESS, ENTRY, OWNED, RECORD, key_of
+from kvstore.store.kinds import EntryKind, stands_for_context, stored_at
 from kvstore.store.tables import (
     OWNED_ONLY,
     RECORDED,
@@ -50,8 +51,6 @@ from kvstore.store.tables import (
     EntryTable,
     Recorded,
     Refs,
-    context_table_of,
-    entry_table_of,
 )
 from kvstore.units import human_bytes
 
@@ -101,7 +100,7 @@ class StoreInfo:
         self, about: StoreAbout, entries: EntryTable | Sequence[EntryInfo], corrupt: Sequence[CorruptInfo] = (),
         contexts: ContextTable | Sequence[ContextInfo] = (), *, recorded_access: Mapping[str, float] | None = None,
         local_corrupt: Sequence[CorruptInfo] = (), malformed: Sequence[CorruptInfo] = (),
-        derived: Sequence[DerivedInfo] = (), unknown: Sequence[CorruptInfo] = (),
+        owned: Sequence[OwnedInfo] = (), unknown: Sequence[CorruptInfo] = (),
     ):  # fmt: skip
         self.about = about
         self.url, self.format, self.codec, self.created = about.url, about.format, about.codec, about.created
@@ -112,10 +111,10 @@ class StoreInfo:
         if not isinstance(entries, EntryTable):
             entries = entry_table_of(entries, recorded_access)
         if not isinstance(contexts, ContextTable):
-            contexts = context_table_of(entries, contexts, derived)
+            contexts = context_table_of(entries, contexts, owned)
         self.entries: EntryTable = entries
         self.contexts: ContextTable = contexts
-        self.derived: tuple[DerivedInfo, ...] = tuple(d for ds in contexts.derived.values() for d in ds)
+        self.owned: tuple[OwnedInfo, ...] = tuple(d for ds in contexts.owned.values() for d in ds)
 
     @property
     def n_entries(self) -> int:
@@ -146,9 +145,10 @@ class StoreInfo:
     @property
     def owned_bytes(self) -> int:
         """Bytes of the entries contexts own (derived entries)."""
-        return sum(d.stored_bytes for d in self.derived)
+        return sum(d.stored_bytes for d in self.owned)
 
-    derived_bytes = owned_bytes  # the name it had before kinds were one table
+    derived_bytes = owned_bytes  # deprecated: the name it had
+    derived = property(lambda self: self.owned, doc="Deprecated: ``owned``.")
 
     @property
     def logical_bytes(self) -> int:
@@ -182,12 +182,12 @@ class StoreInfo:
         return tuple(self.entries.info(r) for r in self.orphan_rows())
 
     @property
-    def orphan_owned(self) -> tuple[DerivedInfo, ...]:
+    def orphan_owned(self) -> tuple[OwnedInfo, ...]:
         """Derived entries whose context is neither recorded (a record, a format-1 entry) nor
         stored as a pressed cache: nothing uses them (a context removed by an older kvstore, or a
         removal interrupted after the context went)."""
         live = set(self.contexts.keys) | self.unknown_contexts
-        return tuple(d for d in self.derived if d.context not in live)
+        return tuple(d for d in self.owned if d.context not in live)
 
     @property
     def unknown_contexts(self) -> frozenset[str]:
@@ -205,6 +205,37 @@ class StoreInfo:
     @property
     def size_str(self) -> str:
         return human_bytes(self.stored_bytes)
+
+
+def entry_table_of(entries: Iterable[EntryInfo], recorded: Mapping[str, float] | None = None) -> EntryTable:
+    """A table of ``entries`` made by hand (a scan makes its own): each entry's ``last_access`` is
+    kept as this handle's use unless ``recorded`` (the store's records) says the same."""
+    recorded = dict(recorded or {})
+    table = EntryTable()
+    for e in entries:
+        table.add(e.header, e.stored_bytes, recorded.get(e.key))
+        if e.last_access is not None and recorded.get(e.key) != e.last_access:
+            table.touched[e.key] = e.last_access
+    table.finish()
+    for key, when in recorded.items():
+        if table.row(key) < 0:
+            table.other_access[key] = when
+    return table
+
+
+def context_table_of(entries: EntryTable, contexts: Iterable[ContextInfo], owned: Iterable[OwnedInfo] = ()
+                     ) -> ContextTable:  # fmt: skip
+    """A table of ``contexts`` made by hand over ``entries``."""
+    table = ContextTable(entries)
+    extra: list[OwnedInfo] = list(owned)
+    for c in contexts:
+        whole = len(c.chunks) == 1 and c.first is not None and c.first.header.format == 1
+        kind = OWNED_ONLY if not c.chunks else WHOLE_ENTRY if whole else RECORDED
+        table.add(c.key, c.chunks, c.n_tokens, c.created, kind, passage=c.passage)
+        extra += c.owned
+    table.attach({(d.context, d.key): d for d in extra}.values())
+    table.finish()
+    return table
 
 
 class ScannedStore(Protocol):
@@ -228,33 +259,36 @@ class ScannedStore(Protocol):
 def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress | None = None) -> StoreInfo:
     """See :meth:`KVStore.scan`. Through a local tier the remote's copy of an entry is what counts:
     a bad copy in the tier is listed in ``local_corrupt``, not in ``corrupt``. ``progress(1, stored
-    bytes)`` after each entry and derived entry."""
+    bytes)`` after each entry, of any kind."""
     tiered = store.backend.origin() is not store.backend
-    codecs = Codecs()
-    entries = EntryTable(touched=store.last_access({}), codecs=codecs)  # this handle's unsaved uses
+    entries = EntryTable(touched=store.last_access({}), codecs=Codecs())  # this handle's unsaved uses
     corrupt: list[CorruptInfo] = []
     unknown: list[CorruptInfo] = []
     local_corrupt: list[CorruptInfo] = []
+    malformed: list[CorruptInfo] = []
     local_bad = local_corrupt if tiered else None
-    chunk = _chunk()
-    for name in store.backend.keys(ENTRY):  # streamed: nothing but the table grows with the store
-        key = key_of(name, ENTRY, errors="replace")
+    # streamed, every kind in one loop: nothing but the table grows with the store
+    for name in itertools.chain(store.backend.keys(ENTRY), store.backend.keys(OWNED)):
+        got = stored_at(name)
+        if got is None:  # under x/, a name that names no context and key
+            malformed.append(CorruptInfo(key_of(name, OWNED, errors="replace"), "malformed derived entry name",
+                                         _size(store, name)))  # fmt: skip
+            continue
+        kind, owner, key = got
         size = 0
         try:
-            got = _read(store, _Wanted(chunk, name, key, "", codecs), verify, local_bad)
+            read = _read(store, _Wanted(kind, name, key, owner, entries.codecs), verify, local_bad)
         except (CorruptEntryError, FormatVersionError) as exc:
             size = _size(store, name)
-            _unreadable(exc, unknown, corrupt).append(CorruptInfo(key, str(exc), size))
+            _unreadable(exc, unknown, corrupt).append(CorruptInfo(key, str(exc), size, owner))
         else:
-            if got is None:  # deleted while we scanned
-                continue
-            header, size = got
-            entries.add(header, size)
+            if read is not None:  # else deleted while we scanned
+                size = read[1]
+                entries.add(*read, owned=kind.owned)
         if progress is not None:
             progress(1, size)
     entries.finish()
     _read_access(store.backend, entries)
-    derived, malformed = _scan_owned(store, entries, verify, (corrupt, unknown), local_bad, progress)
     contexts = ContextTable(entries)
     for record in _records(store.backend, malformed):
         contexts.add(record.key, record.chunks, record.n_tokens, record.created, RECORDED, passage=record.passage)
@@ -262,12 +296,13 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
         if entries.profile(row).format == 1:  # a whole-context entry is its own context
             contexts.add(entries.keys[row], (entries.keys[row],), entries.n_tokens(row), entries.created(row),
                          WHOLE_ENTRY)  # fmt: skip
+    owned = entries.owned_infos()
     known = set(contexts.keys)
-    for d in derived:  # a context stored only as entries that stand for it (pressed caches: build --no-dense)
+    for d in owned:  # a context stored only as entries that stand for it (pressed caches: build --no-dense)
         if d.context not in known and stands_for_context(d.kind):
             known.add(d.context)
             contexts.add(d.context, (), d.n_tokens, d.created, OWNED_ONLY)
-    contexts.attach(derived)
+    contexts.attach(owned)
     contexts.finish()
     about = StoreAbout(store.url, store.format, store.codec.spec, float(store.meta.created),
                        store.backend.disk_bytes(), verify, store.chunk_tokens, store.meta.codec_reason)  # fmt: skip
@@ -318,18 +353,6 @@ def _records(backend: Backend, malformed: list[CorruptInfo]) -> Iterator[Context
                 malformed.append(CorruptInfo(key, f"malformed context record: {exc}", len(raw)))
 
 
-def _chunk() -> EntryKind:
-    got = find_kind("chunk")
-    assert got is not None
-    return got
-
-
-def _owned() -> EntryKind:
-    from kvstore.store.derived import ANY_OWNED
-
-    return ANY_OWNED
-
-
 @dataclass(frozen=True)
 class _Wanted:
     """One stored entry a scan reads: its kind, backend key, own key, owner (the context of an
@@ -350,17 +373,13 @@ def _peek(backend: Backend, w: _Wanted) -> tuple[Any, int] | None:
         return None
     header, offset, size = got
     if header.key != w.key or (w.owner and header.context != w.owner):
-        raise CorruptEntryError(f"{_noun(w)} header names another {'context or key' if w.owner else 'key'}")
+        raise CorruptEntryError(f"{w.kind.noun} header names another {'context or key' if w.owner else 'key'}")
     payload = size - offset - TRAILER_BYTES
     if w.owner:
         w.kind.check_sizes(header, payload)
     else:  # a chunk's codec parsed once per scan
         check_sizes(header, payload, w.codecs(header.codec)[1])
     return header, size
-
-
-def _noun(w: _Wanted) -> str:
-    return "derived entry" if w.owner else "entry"
 
 
 def _decoded(w: _Wanted, buf: Any) -> Any:
@@ -393,51 +412,6 @@ def _read(store: ScannedStore, w: _Wanted, verify: bool, local_bad: list[Corrupt
         got = _peek(store.backend.origin(), w)  # the tier's copy is bad; the remote's decides
         local_bad.append(CorruptInfo(w.key, str(exc), got[1] if got else 0, w.owner))
         return got
-
-
-def _scan_owned(
-    store: ScannedStore, entries: EntryTable, verify: bool, bad: tuple[list[CorruptInfo], list[CorruptInfo]],
-    local_bad: list[CorruptInfo] | None, progress: Progress | None,
-) -> tuple[list[DerivedInfo], list[CorruptInfo]]:  # fmt: skip
-    """Every entry a context owns, of every kind: the intact ones (strings shared among them), the
-    unreadable ones into ``bad`` (``(corrupt, unknown)``); returns them and the names under ``x/`` that name no context
-    and key."""
-    derived: list[DerivedInfo] = []
-    malformed: list[CorruptInfo] = []
-    shared: dict[Any, Any] = {}
-
-    def intern(value: Any) -> Any:
-        return shared.setdefault(value, value)
-
-    owned = _owned()
-    for name in store.backend.keys(OWNED):
-        parsed = owner_of(name)
-        if parsed is None:
-            malformed.append(CorruptInfo(key_of(name, OWNED, errors="replace"), "malformed derived entry name",
-                                         _size(store, name)))  # fmt: skip
-            continue
-        context, key = parsed
-        size = 0
-        try:
-            got = _read(store, _Wanted(owned, name, key, context, entries.codecs), verify, local_bad)
-        except (CorruptEntryError, FormatVersionError) as exc:
-            size = _size(store, name)
-            _unreadable(exc, bad[1], bad[0]).append(CorruptInfo(key, str(exc), size, context))
-        else:
-            if got is not None:
-                h, size = got
-                codec, _ = entries.codecs(h.codec)
-                press = json.dumps(h.press, sort_keys=True)
-                derived.append(DerivedInfo(
-                    context=intern(h.context), key=h.key, kind=intern(h.kind), spec=intern(h.spec),
-                    model=intern(h.model), model_name=intern(h.model_name), dtype=intern(h.dtype),
-                    n_tokens=h.n_tokens, codec=intern(codec), kept_pairs=h.kept_pairs, kept_fraction=h.kept_fraction,
-                    raw_bytes=h.raw_bytes, kv_bytes=h.kv_bytes, stored_bytes=size, created=h.created, format=h.format,
-                    press=shared.setdefault(press, h.press), last_access=entries.access_of(key),
-                ))  # fmt: skip
-        if progress is not None:
-            progress(1, size)
-    return derived, malformed
 
 
 __all__ = ["ScannedStore", "StoreInfo", "scan_store"]

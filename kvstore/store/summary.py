@@ -1,7 +1,7 @@
 """Totals per group of contexts (model, dtype, codec...) from a scan: what ``kvstore stats`` and
 ``kvstore size --store`` both show. Logical bytes count each context's chunks; physical bytes count
 the group's distinct chunks once (their ratio is the dedupe ratio). Derived entries (scores, pressed
-caches) are totalled per kind apart (:func:`derived_totals`)."""
+caches) are totalled per kind apart (:func:`owned_totals`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.store.infos import DerivedInfo
+    from kvstore.store.infos import OwnedInfo
     from kvstore.store.scan import StoreInfo
     from kvstore.store.tables import EntryTable
 
@@ -74,7 +74,7 @@ class GroupStats:
 
 def summarize(info: StoreInfo, by: Sequence[str] = ("model_name", "model", "dtype", "codec")) -> list[GroupStats]:
     """Totals per group of the contexts that have chunks (a context stored only as pressed caches
-    is in :func:`derived_totals`), grouped by the ``by`` fields (``model_name``, ``model``,
+    is in :func:`owned_totals`), grouped by the ``by`` fields (``model_name``, ``model``,
     ``dtype``, ``codec``: their first chunk's), sorted by those fields. Fields not grouped by are
     joined when they differ."""
     C, E = info.contexts, info.entries
@@ -118,7 +118,7 @@ def _facts(entries: EntryTable, row: int) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class DerivedStats:
+class OwnedStats:
     """Totals over the derived entries of one kind (``scores`` or ``pressed``): entries, the
     contexts they belong to, their stored and uncompressed bytes, the (token, head) pairs a pressed
     cache keeps and the share of its contexts' pairs that is, and the specs and codecs seen."""
@@ -142,16 +142,16 @@ class DerivedStats:
         }  # fmt: skip
 
 
-def owned_totals(info: StoreInfo) -> list[DerivedStats]:
+def owned_totals(info: StoreInfo) -> list[OwnedStats]:
     """Totals of the entries the store's contexts own (derived entries), per kind (none: an empty list)."""
-    by: dict[str, list[DerivedInfo]] = {}
-    for d in info.derived:
+    by: dict[str, list[OwnedInfo]] = {}
+    for d in info.owned:
         by.setdefault(d.kind, []).append(d)
     out = []
     for kind, items in sorted(by.items()):
         pairs = sum(d.kept_pairs for d in items)
         possible = sum(d.kept_pairs / d.kept_fraction for d in items if d.kept_fraction > 0)
-        out.append(DerivedStats(
+        out.append(OwnedStats(
             kind=kind, entries=len(items), contexts=len({d.context for d in items}),
             stored_bytes=sum(d.stored_bytes for d in items), raw_bytes=sum(d.raw_bytes for d in items),
             kv_bytes=sum(d.kv_bytes for d in items), kept_pairs=pairs,
@@ -161,6 +161,7 @@ def owned_totals(info: StoreInfo) -> list[DerivedStats]:
     return out
 
 
-derived_totals = owned_totals  # the name it had before kinds were one table
+DerivedStats = OwnedStats  # deprecated: the names they had
+derived_totals = owned_totals
 
-__all__ = ["DerivedStats", "GroupStats", "derived_totals", "owned_totals", "summarize"]
+__all__ = ["GroupStats", "OwnedStats", "owned_totals", "summarize"]

@@ -17,12 +17,13 @@ import math
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TypeVar, overload
+from dataclasses import replace
+from typing import Any, TypeVar, overload
 
 from kvstore.errors import CorruptEntryError
 from kvstore.store.codecs import codec_from_params
 from kvstore.store.header import EntryHeader
-from kvstore.store.infos import ContextInfo, DerivedInfo, EntryInfo
+from kvstore.store.infos import ContextInfo, EntryInfo, OwnedInfo
 
 _NONE = math.nan  # no recorded use
 _NO_PARENT = bytes(32)
@@ -101,9 +102,11 @@ class _Values(Sequence[T]):
 
 
 class EntryTable(_Values[EntryInfo]):
-    """Every intact chunk entry of a scan, one row each, in key order (see the module docstring).
-    ``touched``: this handle's uses not yet recorded; ``other_access``: recorded last uses of keys
-    that are no chunk (derived entries, stale records)."""
+    """Every intact entry of a scan, of every kind: chunks one row each, in key order, as columns
+    (see the module docstring; the table is the sequence of their values), and the entries contexts
+    own (``owned``: a few per context, one value each, strings shared). ``touched``: this handle's
+    uses not yet recorded; ``other_access``: recorded last uses of keys that are no chunk (owned
+    entries, stale records)."""
 
     def __init__(self, touched: Mapping[str, float] | None = None, codecs: Codecs | None = None):
         self.keys: list[str] = []
@@ -116,10 +119,16 @@ class EntryTable(_Values[EntryInfo]):
         self.touched = dict(touched or {})
         self.other_access: dict[str, float] = {}
         self.refs = array("i")  # contexts using each row (ContextTable.finish)
+        self.owned: list[OwnedInfo] = []  # their last uses are filled in when read (owned_infos)
+        self._shared: dict[Any, Any] = {}
 
     # -- building ---------------------------------------------------------------------------------
-    def add(self, header: EntryHeader, stored: int, recorded: float | None = None) -> None:
-        """Append one entry (rows are sorted by :meth:`finish`)."""
+    def add(self, header: Any, stored: int, recorded: float | None = None, *, owned: bool = False) -> None:
+        """Append one entry (chunk rows are sorted by :meth:`finish`); ``owned``: an entry a context
+        owns (``header`` its kind's)."""
+        if owned:
+            self.owned.append(OwnedInfo.of(header, stored, self.codecs(header.codec)[0], self._shared.setdefault))
+            return
         spec, lossless = self.codecs(header.codec)
         numerics = tuple(sorted(header.numerics.items()))
         key = (header.model, header.model_name, header.dtype, spec, lossless, header.format, numerics, header.layers)
@@ -136,6 +145,10 @@ class EntryTable(_Values[EntryInfo]):
         self._created.append(header.created)
         self._recorded.append(_NONE if recorded is None else recorded)
         self._profile.append(index)
+
+    def owned_infos(self) -> list[OwnedInfo]:
+        """The owned entries' values, each with its last use (read once the uses are)."""
+        return [replace(d, last_access=self.access_of(d.key)) for d in self.owned]
 
     def finish(self) -> None:
         """Sort the rows by key (a backend lists them sorted already: then nothing moves)."""
@@ -326,7 +339,7 @@ class ContextTable(_Values[ContextInfo]):
         self.missing_keys: list[str] = []
         self._missing: dict[str, int] = {}
         self._tokens, self._created, self.kind = array("q"), array("d"), bytearray()
-        self.derived: dict[str, tuple[DerivedInfo, ...]] = {}  # context key -> its derived entries
+        self.owned: dict[str, tuple[OwnedInfo, ...]] = {}  # context key -> the entries it owns
         self.passages: set[str] = set()  # keys of the contexts recorded as passages (kvstore.model.compose)
 
     def add(
@@ -351,12 +364,12 @@ class ContextTable(_Values[ContextInfo]):
         self._created.append(created)
         self.kind.append(kind)
 
-    def attach(self, derived: Iterable[DerivedInfo]) -> None:
+    def attach(self, owned: Iterable[OwnedInfo]) -> None:
         """File each derived entry under its context."""
-        by: dict[str, list[DerivedInfo]] = {}
-        for d in derived:
+        by: dict[str, list[OwnedInfo]] = {}
+        for d in owned:
             by.setdefault(d.context, []).append(d)
-        self.derived = {k: tuple(v) for k, v in by.items()}
+        self.owned = {k: tuple(v) for k, v in by.items()}
 
     def finish(self) -> None:
         """Count the contexts using each chunk (``entries.refs``)."""
@@ -379,8 +392,8 @@ class ContextTable(_Values[ContextInfo]):
     def chunk_keys(self, i: int) -> tuple[str, ...]:
         return tuple(self.chunk_key(r) for r in self.rows(i))
 
-    def owned_of(self, i: int) -> tuple[DerivedInfo, ...]:
-        return self.derived.get(self.keys[i], ())
+    def owned_of(self, i: int) -> tuple[OwnedInfo, ...]:
+        return self.owned.get(self.keys[i], ())
 
     def n_tokens(self, i: int) -> int:
         return self._tokens[i]
@@ -440,40 +453,9 @@ class ContextTable(_Values[ContextInfo]):
             key=self.keys[i], n_tokens=self._tokens[i], chunks=self.chunk_keys(i), stored_bytes=self.stored(i),
             raw_bytes=sum(e.raw(r) for r in present), kv_bytes=sum(e.profile(r).kv_bytes for r in present),
             missing=len(rows) - len(present), first=e.info(rows[0]) if rows and rows[0] >= 0 else None,
-            created=self.created(i), last_access=self.last_access(i), derived=self.owned_of(i),
+            created=self.created(i), last_access=self.last_access(i), owned=self.owned_of(i),
             passage=self.keys[i] in self.passages,
         )  # fmt: skip
-
-
-def entry_table_of(entries: Iterable[EntryInfo], recorded: Mapping[str, float] | None = None) -> EntryTable:
-    """A table of ``entries`` made by hand (a scan makes its own): each entry's ``last_access`` is
-    kept as this handle's use unless ``recorded`` (the store's records) says the same."""
-    recorded = dict(recorded or {})
-    table = EntryTable()
-    for e in entries:
-        table.add(e.header, e.stored_bytes, recorded.get(e.key))
-        if e.last_access is not None and recorded.get(e.key) != e.last_access:
-            table.touched[e.key] = e.last_access
-    table.finish()
-    for key, when in recorded.items():
-        if table.row(key) < 0:
-            table.other_access[key] = when
-    return table
-
-
-def context_table_of(entries: EntryTable, contexts: Iterable[ContextInfo], derived: Iterable[DerivedInfo] = ()
-                     ) -> ContextTable:  # fmt: skip
-    """A table of ``contexts`` made by hand over ``entries``."""
-    table = ContextTable(entries)
-    extra: list[DerivedInfo] = list(derived)
-    for c in contexts:
-        whole = len(c.chunks) == 1 and c.first is not None and c.first.header.format == 1
-        kind = OWNED_ONLY if not c.chunks else WHOLE_ENTRY if whole else RECORDED
-        table.add(c.key, c.chunks, c.n_tokens, c.created, kind, passage=c.passage)
-        extra += c.derived
-    table.attach({(d.context, d.key): d for d in extra}.values())
-    table.finish()
-    return table
 
 
 __all__ = [
@@ -487,6 +469,4 @@ __all__ = [
     "Profile",
     "Recorded",
     "Refs",
-    "context_table_of",
-    "entry_table_of",
 ]

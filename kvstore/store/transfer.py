@@ -1,9 +1,9 @@
 """Copying a store into another, across backends: ``kvstore sync SRC DST``.
 
-Every record of SRC that DST lacks is copied byte for byte: entries (``e/KEY``, each verified
-with :func:`kvstore.store.entry.decode_entry` before it is written, so a corrupt one is reported
-and never copied), derived entries (``x/CONTEXT/KEY``, verified with
-:func:`kvstore.store.derived.decode_derived`), access times, and any other ``NAME/HEX`` record.
+Every record of SRC that DST lacks is copied byte for byte: entries of every kind (chunks under
+``e/KEY``, the entries a context owns under ``x/CONTEXT/KEY``), each verified by the kind that
+reads it (:func:`kvstore.store.kinds.stored_at`) before it is written, so a corrupt one is reported
+and never copied; access times, and any other ``NAME/HEX`` record.
 An entry whose header says a format newer than this kvstore's, or a kind this process does not know
 (a plug-in's), is copied byte for byte once its checksum holds, and reported (``unknown``): it is
 another writer's, not corrupt.
@@ -34,13 +34,10 @@ from dataclasses import dataclass, field
 from kvstore.errors import CorruptEntryError, FormatVersionError, KVStoreError, StoreNotFoundError
 from kvstore.progress import Progress
 from kvstore.store.backends import Backend, open_backend
-from kvstore.store.derived import decode_derived
-from kvstore.store.derived_header import read_derived_header
-from kvstore.store.entry import decode_entry
 from kvstore.store.frame import verify_checksum
 from kvstore.store.header import STORE_FORMAT, peek_frame
-from kvstore.store.keyspace import ENTRY, META, OWNED, key_of, owner_of
-from kvstore.store.kinds import stands_for_context
+from kvstore.store.keyspace import ENTRY, META, OWNED, key_of
+from kvstore.store.kinds import stands_for_context, stored_at
 
 BATCH_RECORDS = 256  # records read, verified and written together (held in memory until written)
 BATCH_BYTES = 64 << 20  # ... and about this many bytes of them
@@ -64,9 +61,11 @@ class SyncPlan:
         return sum(k.startswith(ENTRY) for k in self.missing)
 
     @property
-    def derived(self) -> int:
+    def owned(self) -> int:
         """Derived entries among the records to copy."""
         return sum(k.startswith(OWNED) for k in self.missing)
+
+    derived = property(lambda self: self.owned, doc="Deprecated: ``owned``.")
 
 
 @dataclass(frozen=True)
@@ -83,11 +82,13 @@ class SyncReport:
     copied: int = 0
     copied_entries: int = 0
     copied_bytes: int = 0
-    copied_derived: int = 0
+    copied_owned: int = 0
     vanished: int = 0
     corrupt: tuple[tuple[str, str], ...] = field(default=())
     seconds: float = 0.0
     unknown: tuple[tuple[str, str], ...] = field(default=())
+
+    copied_derived = property(lambda self: self.copied_owned, doc="Deprecated: ``copied_owned``.")
 
     def as_dict(self) -> dict:
         return {
@@ -97,7 +98,7 @@ class SyncReport:
             "already_present": self.present,
             "copied": self.copied,
             "copied_entries": self.copied_entries,
-            "copied_derived": self.copied_derived,
+            "copied_derived": self.copied_owned,
             "copied_bytes": self.copied_bytes,
             "vanished": self.vanished,
             "corrupt": len(self.corrupt),
@@ -142,7 +143,7 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
     missing = [k for k in records if k not in have]
     # entries, then the records about them, then derived entries (pressed caches before scores: a
     # context stored only as pressed caches arrives before anything that derives from it)
-    missing.sort(key=lambda k: (_phase(k), _owned_last(src, k), k))
+    missing.sort(key=lambda k: (*_order(src, k), k))
     return SyncPlan(
         src=src_name,
         dst=dst_name,
@@ -154,38 +155,44 @@ def plan_sync(src: Backend, dst: Backend | None, *, src_name: str = "SRC", dst_n
 
 
 def _phase(key: bytes) -> int:
-    """When a record is copied: entries (0), the records about them (1), derived entries (2)."""
-    return 0 if key.startswith(ENTRY) else 2 if key.startswith(OWNED) else 1
+    """When a record is copied, asking the kind that reads it: entries that are no context's
+    (chunks, 0), then the records about them (1), then the entries contexts own (2)."""
+    got = stored_at(key)
+    if got is None:
+        return 2 if key.startswith(OWNED) else 1  # a malformed owned name goes with the owned
+    return 2 if got[0].owned else 0
 
 
-def _owned_last(src: Backend, key: bytes) -> int:
-    """1 for an owned entry that does not stand for its context (scores; or one whose header does
-    not read), 0 for anything else: those that do (pressed caches) are copied first."""
-    if not key.startswith(OWNED):
-        return 0
+def _order(src: Backend, key: bytes) -> tuple[int, bool]:
+    """``(phase, last)``: owned entries that stand for their context (pressed caches) go before
+    the others (and before any whose header does not read)."""
+    got, phase = stored_at(key), _phase(key)
+    if got is None or phase < 2:
+        return phase, phase == 2
     try:
-        got = peek_frame(src, key, read_derived_header)
+        peeked = peek_frame(src, key, got[0].read_header)
     except (CorruptEntryError, FormatVersionError):
-        return 1
-    return 0 if got is not None and stands_for_context(got[0].kind) else 1
+        return phase, True
+    return phase, not (peeked is not None and stands_for_context(peeked[0].kind))
 
 
 def _check(key: bytes, buf: memoryview) -> None:
-    """Raise CorruptEntryError or FormatVersionError unless the entry or derived entry ``key`` reads."""
-    if key.startswith(ENTRY):
-        decode_entry(buf, key=key_of(key, ENTRY, errors="replace"))
-    elif key.startswith(OWNED):
-        named = owner_of(key)
-        if named is None:
+    """Raise CorruptEntryError or FormatVersionError unless the entry ``key`` (of any kind) reads."""
+    got = stored_at(key)
+    if got is None:
+        if key.startswith(OWNED):
             raise CorruptEntryError("its name names no context and key")
-        if decode_derived(buf, key=named[1]).header.context != named[0]:
-            raise CorruptEntryError(f"it belongs to another context than {named[0][:12]}")
+        return  # a record, not an entry
+    kind, owner, own_key = got
+    header = kind.decode(buf, key=own_key).header
+    if owner and header.context != owner:
+        raise CorruptEntryError(f"it belongs to another context than {owner[:12]}")
 
 
 def _read(src: Backend, key: bytes) -> tuple[str, bytes | None, str]:
     """Read one record to copy: ("ok", bytes, ""), ("vanished", None, ""), ("unknown", bytes,
     reason) for an intact entry of a newer format or unknown kind (copied as it is), or ("corrupt",
-    None, reason) for an entry or derived entry that does not verify."""
+    None, reason) for an entry that does not verify."""
     with src.view(key) as buf:
         if buf is None:
             return "vanished", None, ""
@@ -203,10 +210,10 @@ def _read(src: Backend, key: bytes) -> tuple[str, bytes | None, str]:
 
 
 def _name(key: bytes) -> str:
-    """How a report names a stored entry: its key (a derived entry's with its context)."""
-    named = owner_of(key)
-    if named is not None:
-        return f"{named[1]} (derived entry of context {named[0][:16]})"
+    """How a report names a stored entry: its key (an owned entry's with its context)."""
+    got = stored_at(key)
+    if got is not None and got[1]:
+        return f"{got[2]} (derived entry of context {got[1][:16]})"
     return key_of(key, ENTRY, errors="replace")
 
 
@@ -267,7 +274,7 @@ def execute_sync(
         present=plan.present + counts["present"],
         copied=counts["copied"],
         copied_entries=totals["entries"],
-        copied_derived=totals["derived"],
+        copied_owned=totals["derived"],
         copied_bytes=totals["bytes"],
         vanished=counts["vanished"],
         corrupt=tuple(corrupt),

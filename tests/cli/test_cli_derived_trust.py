@@ -9,9 +9,9 @@ import json
 import pytest
 
 from helpers.cli import run_main, write_dataset
-from kvstore.store.derived import PRESSED
 from kvstore.store.keyspace import META, derived_entry_key
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import PRESSED
 
 
 @pytest.fixture

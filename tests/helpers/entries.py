@@ -335,7 +335,9 @@ def derived_blobs(context: str, n_tokens: int, *, fp: str = FP_TINY, name: str =
     """A context's derived entries made by hand (2 layers of 2 KV heads, head_dim 4, float32):
     ``{"scores": (key, bytes), "pressed": (key, bytes)}`` (those of ``kinds``), the pressed cache
     keeping every other token (``ratio`` recorded in its press record only)."""
-    from kvstore.store.derived import DerivedFacts, encode_pressed, encode_scores
+    from kvstore.store.kind_pressed import encode_pressed
+    from kvstore.store.kind_scores import encode_scores
+    from kvstore.store.owned import DerivedFacts
 
     g = torch.Generator().manual_seed(seed)
     facts = DerivedFacts(context, fp, name, "float32", n_tokens, {"device": "cpu", "attn": "sdpa"})

@@ -23,9 +23,10 @@ from kvstore.model.compute.cache import BatchCache
 from kvstore.model.press.select import PressMemo, row_scores
 from kvstore.model.press.spec import parse_press, parse_scorer
 from kvstore.model.press.stored import facts, pressed_key, scores_key
-from kvstore.store.derived import DerivedFacts, encode_pressed
 from kvstore.store.keyspace import derived_entry_key
+from kvstore.store.kind_pressed import encode_pressed
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import DerivedFacts
 
 N_NEW = 5
 LENGTHS = [96, 130, 75, 151]

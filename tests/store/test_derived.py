@@ -19,24 +19,17 @@ import torch
 from helpers.entries import assemble, bits, golden_facts, make_entry, split
 from helpers.paths import GOLDEN
 from kvstore.errors import CodecError, CorruptEntryError, CorruptEntryWarning, FormatVersionError, ReadOnlyStoreError
-from kvstore.store import derived as derived_mod
 from kvstore.store import frame as header_mod
+from kvstore.store import owned as derived_mod
 from kvstore.store.codecs import get_codec
 from kvstore.store.codecs.prerope import Rotary, rotate
-from kvstore.store.derived import (
-    PRESSED,
-    SCORES,
-    DerivedFacts,
-    decode_derived,
-    derived_key_of,
-    encode_pressed,
-    encode_scores,
-    read_derived_header,
-)
 from kvstore.store.entry import decode_entry
 from kvstore.store.header import read_header
 from kvstore.store.keyspace import access_key, derived_entry_key
+from kvstore.store.kind_pressed import encode_pressed
+from kvstore.store.kind_scores import encode_scores
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import PRESSED, SCORES, DerivedFacts, decode_derived, derived_key_of, read_derived_header
 
 REGEN = os.environ.get("KVSTORE_REGEN_GOLDEN") == "1"
 CONTEXT = hashlib.sha256(b"kvstore golden context").hexdigest()
@@ -343,6 +336,49 @@ def test_store_puts_and_opens_derived_entries(url):
         assert s.recorded_access([pkey, skey]).keys() == {pkey, skey}  # last uses, written at close
         with pytest.raises(ReadOnlyStoreError):
             s.put_derived(sblob)
+
+
+def test_one_put_and_one_open_for_every_kind(url):
+    """``store.put(blob)`` reads the kind, owner and key from the frame; ``store.open(kind, key,
+    owner=)`` is the verified open of every kind, and the old names are the same path."""
+    from kvstore.store.access import kind_of_blob
+    from kvstore.store.kinds import find_kind
+
+    (skey, sblob), (pkey, pblob), _ = _blobs()
+    entry = make_entry(seed=3)
+    with KVStore(url) as s:
+        chunk_blob = s.encode(entry)
+        for blob in (sblob, pblob, chunk_blob):
+            assert s.put(blob) == len(blob)
+        assert [kind_of_blob(b)[0].name for b in (sblob, pblob, chunk_blob)] == ["scores", "pressed", "chunk"]
+        assert kind_of_blob(pblob)[1:] == (CONTEXT, pkey) and kind_of_blob(chunk_blob)[1:] == ("", entry.key)
+        assert s.backend.get(derived_entry_key(CONTEXT, pkey)) == pblob and s.keys() == [entry.key]
+        pressed_kind, chunk = find_kind("pressed"), find_kind("chunk")
+        assert s.has(pressed_kind, pkey, owner=CONTEXT) and s.has(chunk, entry.key)
+        with s.open(pressed_kind, pkey, owner=CONTEXT) as view, s.open_derived(CONTEXT, pkey) as old:
+            assert view.header == old.header and view.header.kind == PRESSED
+        with s.open(chunk, entry.key) as view, s.open_entry(entry.key) as old:
+            assert view.header == old.header and s[entry.key].key == entry.key
+        fresh = s.encode(make_entry(seed=4))
+        with pytest.raises(CorruptEntryError):
+            s.put(fresh[:-1] + bytes([fresh[-1] ^ 1]))  # bytes are verified before they are stored
+        assert s.keys() == [entry.key]
+
+
+def test_the_one_put_takes_every_golden_format():
+    """Every format's golden entry (chunks of formats 1 to 4 and 6, owned entries of format 5) goes
+    through ``put(blob)`` and reads back through ``open(kind, key, owner)``."""
+    from kvstore.store.access import kind_of_blob
+
+    paths = sorted(GOLDEN.glob("*.kvs"))
+    assert len(paths) > 10
+    with KVStore("memory://golden-put") as s:
+        for path in paths:
+            blob = path.read_bytes()
+            kind, owner, key = kind_of_blob(blob)
+            assert s.put(blob) == len(blob) and s.has(kind, key, owner), path.name
+            with s.open(kind, key, owner) as view:
+                assert view is not None and view.header.key == key, path.name
 
 
 def test_written_once_and_a_corrupt_copy_replaced(url, monkeypatch):

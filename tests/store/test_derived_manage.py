@@ -14,11 +14,11 @@ import pytest
 
 from helpers.entries import make_chain, put_derived, store_chain
 from helpers.paths import GOLDEN
-from kvstore.store.derived import PRESSED, SCORES
 from kvstore.store.export import export_store
 from kvstore.store.gc import GcOptions, plan_gc
 from kvstore.store.keyspace import access_key, derived_entry_key, entry_key, record_key
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import PRESSED, SCORES
 from kvstore.store.removal import execute_plan
 from kvstore.store.summary import derived_totals
 from kvstore.store.transfer import sync

@@ -1,7 +1,9 @@
-"""Entry kinds are one table (issue 40, item 1): a kind of entry a context owns defined here, in
-the test alone (one class and one ``register_kind``), is listed, counted, verified, removed with
-its context, collected as an orphan or as corrupt, synced and exported by the same commands as the
-built-in scores and pressed caches, with no line of the store's management knowing its name."""
+"""Entry kinds are one table (issue 40, item 1) and a kind owns its format (issue 48, item 4): a
+kind of entry a context owns defined in one test module (``helpers/kind_summary.py``: its layer
+record type, a header field of its own, its view and its encoder; one ``register_kind``) is put,
+opened, listed, counted, verified, removed with its context, collected as an orphan or as corrupt,
+synced and exported by the same commands as the built-in scores and pressed caches, with no line of
+the store's management knowing its name."""
 
 from __future__ import annotations
 
@@ -14,52 +16,16 @@ import torch
 from click.testing import CliRunner
 
 from helpers.entries import FP_TINY, make_chain, store_chain
+from helpers.kind_summary import SummaryKind, SummaryLayer, SummaryView, encode_summary
 from kvstore.cli.main import app
-from kvstore.errors import CorruptEntryError
-from kvstore.store.codecs import get_codec
-from kvstore.store.derived import DerivedFacts, OwnedKindBase, encode_owned, owned_header
-from kvstore.store.derived_header import DerivedLayer
-from kvstore.store.frame import field_int
 from kvstore.store.gc import GcOptions, plan_gc
 from kvstore.store.keyspace import owned_key
 from kvstore.store.kinds import find_kind, register_kind, unregister_kind
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned_header import OwnedFacts
 from kvstore.store.removal import execute_plan
 
 LATER = 7200.0  # a plan made two hours later: past the default grace
-
-
-class SummaryKind(OwnedKindBase):
-    """A toy kind: each layer's per-head mean key norm, ``layers.{i}.summary`` float32 ``[kv_heads]``."""
-
-    name = "summary"
-    stands_for_context = False
-    keeps_part = False
-    lossless_only = True
-
-    def layer(self, record, n_tokens, i) -> DerivedLayer:
-        if set(record) != {"kv_heads"}:
-            raise CorruptEntryError(f"summary layer {i} is malformed")
-        return DerivedLayer(field_int(record, "kv_heads", 1))
-
-    def check_header(self, h) -> str:
-        return ""
-
-    def value_bytes(self, header) -> int:
-        return 4 * sum(layer.kv_heads for layer in header.layers)
-
-    def tensor_names(self, header, codec) -> list[str]:
-        return [f"layers.{i}.summary" for i in range(len(header.layers))]
-
-    def read_tensors(self, header, records, codec) -> tuple:
-        for i, layer in enumerate(header.layers):
-            rec = records[f"layers.{i}.summary"]
-            if rec.shape != (layer.kv_heads,) or rec.dtype != torch.float32:
-                raise CorruptEntryError(f"tensor {rec.name} does not match the header")
-        return {}, ()
-
-    def export_tensors(self, view) -> dict[str, torch.Tensor]:
-        return {name: view.records[name].materialize() for name in self.tensor_names(view.header, None)}
 
 
 @pytest.fixture
@@ -70,11 +36,9 @@ def summary_kind():
 
 
 def summary_blob(context: str, n_tokens: int, seed: int = 0) -> tuple[str, bytes]:
-    facts = DerivedFacts(context, FP_TINY, "tiny", "float32", n_tokens, {"device": "cpu"})
+    facts = OwnedFacts(context, FP_TINY, "tiny", "float32", n_tokens, {"device": "cpu"})
     g = torch.Generator().manual_seed(seed)
-    tensors = [(f"layers.{i}.summary", torch.rand(2, generator=g), None) for i in range(2)]
-    header = owned_header(facts, "summary", "mean-norm", {"method": "mean-norm"})
-    return encode_owned(header, [{"kv_heads": 2}] * 2, tensors, get_codec("raw"))
+    return encode_summary(facts, [torch.rand(2, generator=g) for _ in range(2)], summary_of="values")
 
 
 def invoke(*args: str) -> Any:
@@ -89,9 +53,9 @@ def populated(path: str) -> tuple[str, str, str]:
         store_chain(s, chain)
         context = chain[-1].key
         key, blob = summary_blob(context, 13)
-        s.put_derived(blob)
+        s.put(blob)  # the one put: kind, owner and key read from the frame
         orphan_key, orphan_blob = summary_blob(orphan, 9, seed=1)
-        s.put_derived(orphan_blob)
+        s.put(orphan_blob)
     return context, key, orphan_key
 
 
@@ -106,6 +70,9 @@ def test_a_kind_defined_in_a_test_is_managed_like_the_built_in_ones(tmp_path, su
     assert [d["key"] for c in contexts if c["key"] == context for d in c["derived"]] == [key]
     assert "7" * 64 not in {c["key"] for c in contexts}  # a summary does not stand for its context
 
+    with KVStore(path, readonly=True) as s:  # one scan, one table: its chunks and the entries contexts own
+        table = s.scan().entries
+        assert len(table) == 4 and sorted(d.key for d in table.owned) == sorted([key, orphan_key])  # 4 chunks
     stats = json.loads(invoke("stats", "--store", path, "--format", "json").stdout)
     assert [(k["kind"], k["entries"]) for k in stats["derived"]] == [("summary", 2)]
 
@@ -125,8 +92,11 @@ def test_a_kind_defined_in_a_test_is_managed_like_the_built_in_ones(tmp_path, su
     with KVStore(dst, readonly=True) as d:
         assert d.derived_keys(context) == [key] and not d.verify().corrupt
         assert d.has(summary_kind, key, context) and not d.has(summary_kind, key, "7" * 64)
-        with d.open(summary_kind, key, context) as view:  # the store's one open, for any kind
-            assert view is not None and view.header.kind == "summary"
+        with d.open(summary_kind, key, owner=context) as view:  # the store's one open, for any kind
+            assert isinstance(view, SummaryView) and view.header.kind == "summary"
+            assert view.header.fields == {"summary_of": "values"}  # its own header field, read back
+            assert view.header.layers == (SummaryLayer(2, "mean-norm"),) * 2  # its own record type
+            assert view.summary(1).shape == (2,)
         chunk = find_kind("chunk")
         assert chunk is not None and d.has(chunk, context)
         with d.open(chunk, context) as view:
@@ -134,7 +104,7 @@ def test_a_kind_defined_in_a_test_is_managed_like_the_built_in_ones(tmp_path, su
 
     with KVStore(path) as s:  # the orphan goes past the grace
         plan = plan_gc(s.scan(), GcOptions(orphans=True), now=time.time() + LATER)
-        assert [(c, k) for c, k, _, _ in plan.derived] == [("7" * 64, orphan_key)]
+        assert [(r.kind, r.owner, r.key) for r in plan.entries] == [("summary", "7" * 64, orphan_key)]
         execute_plan(s, plan)
         assert s.derived_keys("7" * 64) == []
 
@@ -151,7 +121,7 @@ def test_a_corrupt_entry_of_the_new_kind_is_found_and_collected(tmp_path, summar
         raw = bytearray(s.backend.get(owned_key(context, key)))
         raw[-30] ^= 0xFF
         s.backend.put(owned_key(context, key), bytes(raw))
-        with pytest.warns(UserWarning, match="corrupt"), s.open_derived(context, key) as view:
+        with pytest.warns(UserWarning, match="corrupt"), s.open(find_kind("summary"), key, owner=context) as view:
             assert view is None  # a miss
     assert invoke("verify", "--store", path, "-q").exit_code != 0
     r = invoke("gc", "--store", path, "--corrupt", "--yes", "-q")

@@ -27,10 +27,12 @@ from helpers.entries import assemble, seal, split
 from helpers.fuzz import SOAK_EXAMPLES, big_ints, ci_settings, json_values
 from kvstore.errors import CorruptEntryError, FormatVersionError
 from kvstore.store.codecs import codec_from_params
-from kvstore.store.derived import DerivedFacts, decode_derived, derived_key_of, encode_pressed, encode_scores
 from kvstore.store.header import MAX_COMPRESSION_RATIO
 from kvstore.store.keyspace import derived_entry_key
+from kvstore.store.kind_pressed import encode_pressed
+from kvstore.store.kind_scores import encode_scores
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import DerivedFacts, decode_derived, derived_key_of
 
 CONTEXT = "c" * 64
 

@@ -310,7 +310,8 @@ def test_a_pressed_cache_gives_the_listed_layers_8_bits():
     """The pressed path names its tensors per head (``layers.L.heads.H.keys``): layer 1's keys 8-bit."""
     from test_derived import PRESS, facts, pressed
 
-    from kvstore.store.derived import decode_derived, encode_pressed
+    from kvstore.store.kind_pressed import encode_pressed
+    from kvstore.store.owned import decode_derived
 
     layers = pressed()
     views = {

@@ -47,6 +47,21 @@ def test_derived_entries_live_under_their_context():
     assert keyspace.derived_entry_key(context, key).startswith(keyspace.derived_prefix(context))
 
 
+def test_a_stored_name_says_its_kind_owner_and_key():
+    from kvstore.store.kinds import stored_at
+
+    context, key = "0123456789abcdef" * 4, "fedcba9876543210" * 4
+    assert keyspace.entry_name(keyspace.entry_key(key)) == (keyspace.ENTRY, "", key)
+    assert keyspace.entry_name(keyspace.owned_key(context, key)) == (keyspace.OWNED, context, key)
+    for other in (keyspace.record_key(key), keyspace.access_key(key), keyspace.META, b"x/" + context.encode()):
+        assert keyspace.entry_name(other) is None and stored_at(other) is None
+    chunk, owner, got = stored_at(keyspace.entry_key(key))
+    assert (chunk.name, chunk.owned, owner, got) == ("chunk", False, "", key)
+    owned, owner, got = stored_at(keyspace.owned_key(context, key))
+    assert owned.owned and (owner, got) == (context, key)
+    assert owned.address(key, context) == keyspace.owned_key(context, key)
+
+
 def test_the_scheme_is_what_earlier_releases_wrote():
     """Stores already written keep opening: these bytes are part of the on-disk format."""
     key = "0123456789abcdef" * 4

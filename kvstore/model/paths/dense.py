@@ -39,8 +39,8 @@ from kvstore.model.stages.load import Loaded, load, load_prefix_kv
 from kvstore.model.stages.score import keep_rows, score_fed, scored_contexts
 from kvstore.model.stages.transform import transform
 from kvstore.store.codecs import Codec
-from kvstore.store.derived import DerivedView
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import DerivedView
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.compute.writer import Writer

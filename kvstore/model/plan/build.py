@@ -24,8 +24,8 @@ from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import Press
 from kvstore.model.press.stored import FORWARD_READS, pressed_key, scores_key, storable, stored_intact
 from kvstore.model.stages.load import has_v1, verified_depth
-from kvstore.store.derived import PRESSED, SCORES
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import PRESSED, SCORES
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.handle import ModelHandle, TextOrIds

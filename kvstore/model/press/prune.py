@@ -33,7 +33,7 @@ from kvstore.model.press.select import Observations, PressMemo, kept_masks, row_
 from kvstore.model.press.spec import Press
 from kvstore.model.press.stored import KeptLayers, round_trip
 from kvstore.store.codecs import Codec
-from kvstore.store.derived import DerivedView
+from kvstore.store.owned import DerivedView
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.handle import ModelHandle

@@ -33,17 +33,10 @@ from kvstore.errors import CorruptEntryWarning
 from kvstore.model.plan.chains import Chain
 from kvstore.model.press.spec import Press
 from kvstore.store.codecs import Codec
-from kvstore.store.derived import (
-    PRESSED,
-    SCORES,
-    DerivedFacts,
-    DerivedView,
-    decode_derived,
-    derived_key_of,
-    encode_pressed,
-    encode_scores,
-)
+from kvstore.store.kind_pressed import encode_pressed
+from kvstore.store.kind_scores import encode_scores
 from kvstore.store.kvstore import KVStore
+from kvstore.store.owned import PRESSED, SCORES, DerivedFacts, DerivedView, decode_derived, derived_key_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.handle import ModelHandle

@@ -22,7 +22,7 @@ from kvstore.model.press.prune import Geometry, Sources, press_batch
 from kvstore.model.press.select import PressMemo
 from kvstore.model.variants.variant import Variant
 from kvstore.store.codecs import Codec
-from kvstore.store.derived import DerivedView
+from kvstore.store.owned import DerivedView
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.handle import ModelHandle
