@@ -15,6 +15,7 @@ from helpers.entries import make_entry
 from helpers.tiny import make_tiny_model
 from kvstore.model.adapter import Adapter
 from kvstore.model.compute import offload
+from kvstore.model.compute import writer as writer_module
 from kvstore.model.compute.writer import Writer
 from kvstore.store.kvstore import KVStore
 
@@ -117,6 +118,9 @@ def test_staged_chunks_store_what_direct_ones_store_through_reused_buffers(monke
     monkeypatch.setattr(offload.HostBuffers, "__init__", spy_init)
     monkeypatch.setattr(offload.HostBuffers, "stage", spy_stage)
     monkeypatch.setattr(adapter.handle, "force_staging", True)
+    # a writer budget under one chunk: each chunk is staged once the one before is written (and its
+    # buffer given back), so reuse does not hang on how fast the writer thread runs on a loaded machine
+    monkeypatch.setattr(writer_module, "WRITER_BYTES", 1)
     with KVStore("memory://", codec="zstd-split:1:16", chunk_tokens=CHUNK) as store:
         adapter.generate_kv_cache(contexts, store)
         got = {k: store.get(k) for k in store.keys()}
