@@ -74,6 +74,7 @@ TAIL_GROUPS = (128, 64)  # the tail's int8 groups: keys' tokens, values' channel
 BODY = (".codes", ".scales", ".zeros")
 TAIL = (".tail.codes", ".tail.scales", ".tail.zeros")
 _MAX_EDGE = 4096
+CHUNK = 512  # the chunk bits_per_value assumes: the store's default (kvstore.store.keys.DEFAULT_CHUNK_TOKENS)
 
 
 def planes(bits: int) -> tuple[int, ...]:
@@ -301,15 +302,15 @@ class AsymQuantizer:
         return [name + p for p in (*BODY, ".sink", *(TAIL if self.tail else ()))]
 
     def bits_per_value(self, head_dim: int, dtype_bits: int, n_layers: int = 0) -> float:
-        """Keys' and values' bits (codes, and a 16-bit scale and zero per group) averaged; with a
-        tail, each 512-token chunk's (the store's default) last ``T`` tokens at the tail's 8 bits."""
+        """Stored bits per element of a :data:`CHUNK`-token chunk past the sinks (the store's default
+        chunk): codes, a 16-bit scale and zero per group (a partial group pays a whole one), the
+        last ``T`` tokens at the tail's 8 bits; keys and values averaged."""
+        t = min(self.tail, CHUNK)
+        m = CHUNK - t
         gv = min(self.group_v, head_dim)
-        body = (self.key_bits + 32.0 / self.group_k + self.value_bits + 32.0 / gv) / 2
-        if not self.tail:
-            return body
-        share = min(self.tail, 512) / 512
-        tail = 8 + 16.0 / TAIL_GROUPS[0] + 16.0 / min(TAIL_GROUPS[1], head_dim)
-        return (1 - share) * body + share * tail
+        keys = self.key_bits * m + 32 * -(-m // self.group_k) + 8 * t + 32 * -(-t // TAIL_GROUPS[0])
+        values = (self.value_bits + 32 / gv) * m + (8 + 32 / min(TAIL_GROUPS[1], head_dim)) * t
+        return (keys + values) / (2 * CHUNK)
 
     def _split(self, n: int, start: int, positions: torch.Tensor | None) -> tuple[int, int]:
         """``(sink tokens, tail tokens)`` of an ``n``-token tensor (see :func:`sink_tokens`)."""
