@@ -15,7 +15,8 @@ from helpers.entries import check_lossy_golden, golden_quant_entry, lossy_facts
 from helpers.paths import GOLDEN
 from kvstore.errors import CodecError, CorruptEntryError, FormatVersionError
 from kvstore.store.codecs import get_codec
-from kvstore.store.codecs.asym import AsymQuantizer, pack, planes, sink_tokens, unpack_into
+from kvstore.store.codecs.asym import AsymQuantizer, sink_tokens
+from kvstore.store.codecs.planes import pack, planes, unpack_into
 from kvstore.store.codecs.quant import IntQuantizer
 from kvstore.store.entry import Entry, decode_entry, encode_entry
 from kvstore.store.kvstore import KVStore
@@ -284,3 +285,41 @@ def test_cli_build_sample_verify_and_sync_under_kvh(tiny_llama_dir, tmp_path, ca
     assert synced["converted"] == 3 and synced["codec"] == "kvh:6/4:32/32:s=2:t=4+zstd:1"
     again = ok("sample", data, *common, "--store", converted, "--codec", spec, "--readonly-store", "-n", "3")
     assert again["cache_hit_rate"] == 1
+
+
+# -- per-layer widths ----------------------------------------------------------------------------------
+def test_layer_widths_parse_print_and_count_in_the_bits():
+    c = get_codec("kvh:6/4:v8=29.0:k8=1.0:k5=3")
+    assert c.spec == "kvh:6/4:32/32:k8=0.1:k5=3:v8=0.29+zstd:1" and get_codec(c.spec).spec == c.spec
+    assert c.identity != get_codec("kvh:6/4").identity
+    q = c.quantizer
+    assert q.width_of("keys", "layers.1.keys").bits == 8 and q.width_of("keys", "layers.2.keys").bits == 6
+    assert q.width_of("values", "layers.29.heads.2.values").bits == 8 and q.width_of("values", "t").bits == 4
+    base = get_codec("kvh:6/4").quantizer.bits_per_value(64, 32)
+    k8, v8 = get_codec("kvh:8/4").quantizer, get_codec("kvh:6/8").quantizer
+    k5 = get_codec("kvh:5/4").quantizer
+    extra = [2 * (k8.bits_per_value(64, 32) - base), 2 * (v8.bits_per_value(64, 32) - base)]
+    want = base + (sum(extra) + k5.bits_per_value(64, 32) - base) / 30  # 2 layers' keys and values, 1 layer's keys
+    assert q.bits_per_value(64, 32, n_layers=30) == pytest.approx(want)
+    with pytest.raises(CodecError, match="layer count"):
+        q.bits_per_value(64, 32)
+    for bad in ("kvh:8/4:k8=1:k5=1", "kvh:8/4:k9=1", "kvh:8/4:k8=", "kvh:8/4:k8=a", "kvh:8/4:k1=2", "kvh:8/4:x8=1"):
+        with pytest.raises(CodecError) as exc:
+            get_codec(bad)
+        assert "\n" not in str(exc.value), bad
+
+
+@pytest.mark.parametrize("start", [0, 700])
+def test_listed_layers_are_stored_at_their_width(start):
+    """Layer 1's keys at 8 bits (unrotated, int8 groups: far closer), layer 0's values at 3; every
+    other tensor as the plain spec stores it; the header's spec is all decoding needs."""
+    e = _entry(start)
+    plain, mixed = decode_entry(encode_entry(e, "kvh:5/5")), decode_entry(encode_entry(e, "kvh:5/5:k8=1:v3=0"))
+    assert mixed.header.codec["quant"] == {"name": "kvh", "args": "5/5:32/64:k8=1:v3=0"}
+    for i, ((k, v), (pk, pv), (mk, mv)) in enumerate(zip(e.layers, plain.layers, mixed.layers)):
+        kerr = [float((t.materialize() - k).abs().max()) for t in (pk, mk)]
+        verr = [float((t.materialize() - v).abs().max()) for t in (pv, mv)]
+        if i == 1:
+            assert kerr[1] * 2 < kerr[0] and torch.equal(pv.materialize(), mv.materialize())
+        else:
+            assert verr[1] > 2 * verr[0] and torch.equal(pk.materialize(), mk.materialize())

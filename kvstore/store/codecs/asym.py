@@ -43,6 +43,13 @@ Specs: ``kvh[:KB/VB][:GK/GV][:s=S][:t=T]``, e.g. ``kvh:8/4`` (the default), ``kv
 32 below (``int4h``'s); values 32 channels at 4 bits and below (half ``int4h``'s 64: finer steps for
 the values, which are what is left once keys have 8 bits), 64 above. ``S`` defaults to 4 (as every
 other lossy codec), ``T`` to 0; at most 4096 each. Packing ``zstd:1`` unless the spec names one.
+
+Per-layer widths: ``:kW=L.L...`` / ``:vW=L.L...`` (``W`` 2 to 8) give the listed layers' keys (values)
+``W``-bit codes in ``W``'s default groups (rotated below 8 bits), e.g. ``kvh:6/4:k8=0.1:v8=0.29``:
+what ``kvstore quality --sweep`` recommends for a byte budget (:mod:`kvstore.sweep`). The layer is
+read from the stored tensor's name (``layers.L.keys``, a pressed cache's ``layers.L.heads.H.keys``),
+at encoding and decoding alike (as ``int4h:k8=``), so the spec in the entry's header is all
+decoding needs.
 """
 
 from __future__ import annotations
@@ -56,16 +63,8 @@ import torch
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import register_quantizer
 from kvstore.store.codecs.hadamard import _norm, butterfly, hadamard_block, rotate
-from kvstore.store.codecs.quant import (
-    IntQuantizer,
-    Stage,
-    _finite_params,
-    _param_dtype,
-    _rec,
-    _round_outward,
-    _scratch,
-    _view,
-)
+from kvstore.store.codecs.planes import affine, check_dim, levels, pack, unpack_into
+from kvstore.store.codecs.quant import Stage, _finite_params, _rec, _scratch, _view
 from kvstore.store.codecs.records import TensorRecord
 
 DEFAULT_PACKING = "zstd:1"
@@ -74,97 +73,8 @@ TAIL_GROUPS = (128, 64)  # the tail's int8 groups: keys' tokens, values' channel
 BODY = (".codes", ".scales", ".zeros")
 TAIL = (".tail.codes", ".tail.scales", ".tail.zeros")
 _MAX_EDGE = 4096
+_LAYER = re.compile(r"layers\.(\d+)\.")
 CHUNK = 512  # the chunk bits_per_value assumes: the store's default (kvstore.store.keys.DEFAULT_CHUNK_TOKENS)
-
-
-def planes(bits: int) -> tuple[int, ...]:
-    """The bit planes ``bits``-bit codes are stored in, low bits first: 8 -> (8,), 6 -> (4, 2),
-    5 -> (4, 1), 3 -> (2, 1)."""
-    if bits == 8:
-        return (8,)
-    return tuple(w for w in (4, 2, 1) if bits & w)
-
-
-def check_dim(bits: int, dim: int) -> None:
-    """Raise CodecError unless ``dim`` channels split into the bytes of every plane of ``bits``."""
-    for w in planes(bits):
-        if dim % (8 // w):
-            raise CodecError(f"{bits}-bit codes need a head_dim divisible by {8 // w}, not {dim}")
-
-
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``codes`` (uint8 ``[H, m, D]``, each below ``2 ** bits``) as the planes of :func:`planes`
-    (uint8 ``[H, m, bits * D / 8]``, see the module docstring). Raises CodecError when ``D`` does not
-    split into a plane's bytes."""
-    dim = codes.shape[-1]
-    check_dim(bits, dim)
-    out, shift = [], 0
-    for w in planes(bits):
-        per = 8 // w
-        field = (codes >> shift) & ((1 << w) - 1) if w < 8 else codes
-        n = dim // per
-        byte = field[..., :n].clone()
-        for i in range(1, per):
-            byte |= field[..., i * n : (i + 1) * n] << (i * w)
-        out.append(byte)
-        shift += w
-    return torch.cat(out, -1).contiguous()
-
-
-def unpack_into(packed: torch.Tensor, bits: int, work: torch.Tensor, stage_on: torch.device | None) -> None:
-    """The codes of ``packed`` (see :func:`pack`) into ``work`` (float ``[H, m, D]``, exact: codes
-    are small integers). Integer shifts and masks only. ``stage_on``: a device, whose fresh tensors
-    replace the host's per-thread scratch."""
-    dim = work.shape[-1]
-    if bits == 8:
-        work.copy_(packed)
-        return
-    ws = planes(bits)
-    acc = None
-    if len(ws) > 1:  # the code is assembled in uint8, then cast once
-        shape = (*packed.shape[:-1], dim)
-        acc = (
-            _scratch("kvh_acc", work.numel(), torch.uint8).view(shape)
-            if stage_on is None
-            else torch.empty(shape, dtype=torch.uint8, device=stage_on)
-        )
-    tmp = _scratch("u8", packed.numel() * 8 // bits, torch.uint8) if stage_on is None else None
-    off, shift = 0, 0
-    for w in ws:
-        per = 8 // w
-        n = dim // per
-        plane = packed[..., off : off + n]
-        field = tmp[: plane.numel()].view(plane.shape) if tmp is not None else torch.empty_like(plane)
-        for i in range(per):
-            torch.bitwise_right_shift(plane, i * w, out=field)
-            if i < per - 1:
-                field.bitwise_and_((1 << w) - 1)
-            if acc is None:
-                work[..., i * n : (i + 1) * n].copy_(field)
-            elif shift == 0:
-                acc[..., i * n : (i + 1) * n].copy_(field)
-            else:
-                acc[..., i * n : (i + 1) * n].bitwise_or_(field.bitwise_left_shift_(shift))
-        off, shift = off + n, shift + w
-    if acc is not None:
-        work.copy_(acc)
-
-
-def _affine(role: str, group: int, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> None:
-    """``w = w * scale + zero`` by group, in place: ``int4``'s element-wise steps (keys per channel in
-    groups of ``group`` tokens, the last partial; values per token in groups of ``group`` channels)."""
-    if role == "values":
-        wv = w.unflatten(2, (w.shape[2] // group, group))
-        wv.mul_(s.unsqueeze(-1))
-        wv.add_(z.unsqueeze(-1))
-        return
-    m = w.shape[1]
-    full = (m // group) * group
-    if full:
-        wv = w[:, :full].unflatten(1, (m // group, group))
-        torch.addcmul(z[:, : m // group].unsqueeze(2), wv, s[:, : m // group].unsqueeze(2), out=wv)
-    if m > full:
-        torch.addcmul(z[:, -1:], w[:, full:], s[:, -1:], out=w[:, full:])
 
 
 @dataclass(frozen=True)
@@ -190,7 +100,7 @@ class Width:
         if self.rotated:
             hadamard_block(x.shape[-1])
             x = rotate(x.double()).float()  # float64 butterfly, rounded once to float32
-        codes, scales, zeros = _levels(role, x, self.group_for(role, x.shape[-1]), (1 << self.bits) - 1)
+        codes, scales, zeros = levels(role, x, self.group_for(role, x.shape[-1]), (1 << self.bits) - 1)
         return [pack(codes, self.bits), scales, zeros]
 
     def check(self, role: str, name: str, recs: list[TensorRecord], heads: int, m: int, dim: int):
@@ -217,25 +127,6 @@ class Width:
         return _Section(self, role, codes, s, z, g)
 
 
-def _levels(role: str, x: torch.Tensor, g: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``int8``'s/``int4``'s asymmetric codes of ``x`` (float32 ``[H, m, D]``) in ``0..qmax``, one per
-    byte, with their scales and zeros (16-bit, rounded outward so that every code stays in range)."""
-    heads, m, dim = x.shape
-    if role == "keys":
-        groups = [x[:, i : i + g] for i in range(0, m, g)]
-        lo = torch.stack([t.amin(dim=1) for t in groups], 1) if groups else x.new_empty(heads, 0, dim)
-        hi = torch.stack([t.amax(dim=1) for t in groups], 1) if groups else x.new_empty(heads, 0, dim)
-    else:
-        grouped = x.unflatten(2, (dim // g, g))
-        lo, hi = grouped.amin(dim=3), grouped.amax(dim=3)
-    pdt = _param_dtype(lo, hi)
-    zeros = _round_outward(lo, pdt, up=False)
-    scales = _round_outward(torch.clamp((hi - zeros.float()) / qmax, min=1e-8), pdt, up=True)
-    s, z = IntQuantizer._expand(role, scales.float(), zeros.float(), x.shape, g)
-    codes = x.sub(z).div_(s).round_().clamp_(0, qmax).to(torch.uint8)
-    return codes.contiguous(), scales, zeros
-
-
 class _Section:
     """The checked codes, scales and zeros of one run of tokens (the body or the tail) of a stored
     tensor, decoded by :meth:`decode`."""
@@ -260,7 +151,7 @@ class _Section:
             direct = d.dtype == wdt and d.device.type == "cpu" and not self.width.rotated
             work = d if direct else _scratch("kvh_" + str(wdt), d.numel(), wdt).view(d.shape)
         unpack_into(codes, self.width.bits, work, dev)
-        _affine(self.role, self.group, work, scales.to(wdt), zeros.to(wdt))
+        affine(self.role, self.group, work, scales.to(wdt), zeros.to(wdt))
         if self.width.rotated:
             tag = "kvh_b" + str(wdt)
             other = torch.empty_like(work) if dev is not None else _scratch(tag, d.numel(), wdt).view(d.shape)
@@ -281,7 +172,7 @@ class AsymQuantizer:
     default_packing = DEFAULT_PACKING
 
     def __init__(self, key_bits: int, value_bits: int, group_k: int, group_v: int, sinks: int = DEFAULT_SINKS,
-                 tail: int = 0):  # fmt: skip
+                 tail: int = 0, layers: Mapping[str, Mapping[int, int]] | None = None):  # fmt: skip
         self.key_bits, self.value_bits, self.group_k, self.group_v = key_bits, value_bits, group_k, group_v
         self.sinks, self.tail = sinks, tail
         self.widths = {
@@ -289,10 +180,24 @@ class AsymQuantizer:
             "values": Width(value_bits, group_v, value_bits < 8),
         }
         self.tail_widths = {"keys": Width(8, TAIL_GROUPS[0], False), "values": Width(8, TAIL_GROUPS[1], False)}
+        # per role, the layers given other widths (``kW=``/``vW=``), each in its width's default groups
+        self.layers = {role: dict(sorted((layers or {}).get(role, {}).items())) for role in ("keys", "values")}
+
+    def width_of(self, role: str, name: str) -> Width:
+        """The codes of tensor ``name``: its layer's own width (read from the name, ``layers.L....``)
+        when the spec lists that layer, else the role's."""
+        m = _LAYER.match(name)
+        bits = self.layers[role].get(int(m.group(1))) if m else None
+        if bits is None:
+            return self.widths[role]
+        return Width(bits, default_group(role, bits), bits < 8)
 
     @property
     def spec(self) -> str:
         extra = (f":s={self.sinks}" if self.sinks != DEFAULT_SINKS else "") + (f":t={self.tail}" if self.tail else "")
+        for role, tag in (("keys", "k"), ("values", "v")):
+            for bits in sorted(set(self.layers[role].values()), reverse=True):
+                extra += f":{tag}{bits}=" + ".".join(str(i) for i, b in self.layers[role].items() if b == bits)
         return f"kvh:{self.key_bits}/{self.value_bits}:{self.group_k}/{self.group_v}{extra}"
 
     def params(self) -> dict:
@@ -304,27 +209,43 @@ class AsymQuantizer:
     def bits_per_value(self, head_dim: int, dtype_bits: int, n_layers: int = 0) -> float:
         """Stored bits per element of a :data:`CHUNK`-token chunk past the sinks (the store's default
         chunk): codes, a 16-bit scale and zero per group (a partial group pays a whole one), the
-        last ``T`` tokens at the tail's 8 bits; keys and values averaged."""
-        t = min(self.tail, CHUNK)
-        m = CHUNK - t
-        gv = min(self.group_v, head_dim)
-        keys = self.key_bits * m + 32 * -(-m // self.group_k) + 8 * t + 32 * -(-t // TAIL_GROUPS[0])
-        values = (self.value_bits + 32 / gv) * m + (8 + 32 / min(TAIL_GROUPS[1], head_dim)) * t
-        return (keys + values) / (2 * CHUNK)
+        last ``T`` tokens at the tail's 8 bits; keys and values averaged, and over ``n_layers``
+        layers when the spec gives some layers other widths (CodecError without it then)."""
+        listed = any(self.layers.values())
+        if listed and n_layers < 1:
+            raise CodecError(f"{self.spec}: bits per value depend on the model's layer count; give n_layers")
+        total = 0.0
+        for i in range(n_layers if listed else 1):
+            for role in ("keys", "values"):
+                bits = self.layers[role].get(i)
+                w = self.widths[role] if bits is None else Width(bits, default_group(role, bits), bits < 8)
+                total += _chunk_bits(w, self.tail_widths[role], role, min(self.tail, CHUNK), head_dim)
+        return total / (2 * CHUNK * (n_layers if listed else 1))
 
     def _split(self, n: int, start: int, positions: torch.Tensor | None) -> tuple[int, int]:
         """``(sink tokens, tail tokens)`` of an ``n``-token tensor (see :func:`sink_tokens`)."""
         k = sink_tokens(self.sinks, n, start, positions)
         return k, min(self.tail, n - k)
 
+    def encode_named(
+        self, name: str, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`encode` of the tensor stored as ``name`` (its layer may have a width of its own)."""
+        return self._encode(self.width_of(role, name), role, tensor, start, positions)
+
     def encode(
         self, role: str, tensor: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        return self._encode(self.widths[role], role, tensor, start, positions)
+
+    def _encode(
+        self, width: Width, role: str, tensor: torch.Tensor, start: int, positions: torch.Tensor | None
     ) -> list[tuple[str, torch.Tensor]]:
         x = tensor.detach().to("cpu")
         heads, n, dim = x.shape
         k, t = self._split(n, start, positions)
         body = x[:, k : n - t].float()
-        out = list(zip(BODY, self.widths[role].encode(role, body)))
+        out = list(zip(BODY, width.encode(role, body)))
         out.append((".sink", x[:, :k].contiguous()))
         if self.tail:
             out += zip(TAIL, self.tail_widths[role].encode(role, x[:, n - t :].float()))
@@ -349,8 +270,26 @@ class AsymQuantizer:
             if not 0 <= t <= min(self.tail, n - k):
                 raise CorruptEntryError(f"tensor {recs[0].name} has {t} tokens, expected at most {self.tail}")
             tail = self.tail_widths[role].check(role, name, recs, heads, t, dim)
-        body = self.widths[role].check(role, name, [_rec(records, name + p) for p in BODY], heads, n - k - t, dim)
+        parts = [_rec(records, name + p) for p in BODY]
+        body = self.width_of(role, name).check(role, name, parts, heads, n - k - t, dim)
         return _AsymReader(name, tuple(shape), dtype, sink, body, tail)
+
+
+def default_group(role: str, bits: int) -> int:
+    """A width's default group: keys 128 tokens at 8 bits (``int8``'s), 32 below (``int4h``'s);
+    values 32 channels at 4 bits and below, 64 above."""
+    if role == "keys":
+        return 128 if bits == 8 else 32
+    return 32 if bits <= 4 else 64
+
+
+def _chunk_bits(w: Width, tail: Width, role: str, t: int, head_dim: int) -> float:
+    """Bits one channel (keys) or one token's channels per channel (values) of a CHUNK-token chunk
+    takes: body codes and groups, then the tail's."""
+    m = CHUNK - t
+    if role == "keys":
+        return w.bits * m + 32 * -(-m // w.group) + tail.bits * t + 32 * -(-t // tail.group)
+    return (w.bits + 32 / min(w.group, head_dim)) * m + (tail.bits + 32 / min(tail.group, head_dim)) * t
 
 
 def sink_tokens(sinks: int, n: int, start: int = 0, positions: torch.Tensor | None = None) -> int:
@@ -408,32 +347,44 @@ def _group(text: str) -> int:
 
 
 def _factory(args: str) -> AsymQuantizer:
-    """``kvh[:KB/VB][:GK/GV][:s=S][:t=T]`` (module docstring)."""
+    """``kvh[:KB/VB][:GK/GV][:s=S][:t=T][:kW=L.L...][:vW=L.L...]`` (module docstring)."""
     fields = args.split(":") if args else []
     plain = [f for f in fields if "=" not in f]
-    named = [f for f in fields if "=" in f]
     if len(plain) > 2 or fields[: len(plain)] != plain:
-        raise CodecError(f"kvh takes [KB/VB][:GK/GV][:s=S][:t=T], not {args!r}")
+        raise CodecError(f"kvh takes [KB/VB][:GK/GV][:s=S][:t=T][:kW=L.L...][:vW=L.L...], not {args!r}")
     kb, vb = 8, 4
     if plain:
         a, sep, b = plain[0].partition("/")
         if not sep:
             raise CodecError(f"kvh's first field is the key and value bits KB/VB (e.g. 8/4), not {plain[0]!r}")
         kb, vb = _whole(a, "key bits", 2, 8), _whole(b, "value bits", 2, 8)
-    gk, gv = (128 if kb == 8 else 32), (32 if vb <= 4 else 64)
+    gk, gv = default_group("keys", kb), default_group("values", vb)
     if len(plain) == 2:
         a, sep, b = plain[1].partition("/")
         gk = _group(a)
         gv = _group(b) if sep else gk
     edges: dict[str, int] = {}
-    for f in named:
+    layers: dict[str, dict[int, int]] = {"keys": {}, "values": {}}
+    for f in fields[len(plain) :]:
         tag, _, text = f.partition("=")
-        if tag not in ("s", "t") or tag in edges:
-            raise CodecError(f"kvh takes s=S and t=T once each, not {args!r}")
-        edges[tag] = _whole(text, tag + "=", 0, _MAX_EDGE)
-    return AsymQuantizer(kb, vb, gk, gv, sinks=edges.get("s", DEFAULT_SINKS), tail=edges.get("t", 0))
+        if tag in ("s", "t") and tag not in edges:
+            edges[tag] = _whole(text, tag + "=", 0, _MAX_EDGE)
+        elif re.fullmatch(r"[kv][2-8]", tag):
+            _add_layers(layers["keys" if tag[0] == "k" else "values"], int(tag[1]), tag, text)
+        else:
+            raise CodecError(f"kvh takes s=S and t=T once each, and kW=/vW= layer lists (W 2-8), not {f!r}")
+    return AsymQuantizer(kb, vb, gk, gv, edges.get("s", DEFAULT_SINKS), edges.get("t", 0), layers)
+
+
+def _add_layers(into: dict[int, int], bits: int, tag: str, text: str) -> None:
+    if not re.fullmatch(r"\d+(\.\d+)*", text):
+        raise CodecError(f"kvh {tag}= takes layer indices separated by '.', e.g. {tag}=0.1.29, not {text!r}")
+    for layer in map(int, text.split(".")):
+        if layer in into:
+            raise CodecError(f"kvh lists layer {layer} twice for the {'keys' if tag[0] == 'k' else 'values'}")
+        into[layer] = bits
 
 
 register_quantizer("kvh", _factory, since=7)
 
-__all__ = ["AsymQuantizer", "Width", "pack", "planes", "sink_tokens", "unpack_into"]
+__all__ = ["AsymQuantizer", "Width", "sink_tokens"]
