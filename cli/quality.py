@@ -7,6 +7,8 @@ each ``--codec`` then round-trips that cache through its stored bytes and is com
 one (identical rows, mean common prefix), with its bytes against float32. Nothing is stored. A row
 is its context's text (the model's own BOS where it uses one) and the question's text after it, as
 they are (no prompt template); a row without a question feeds its context's last token.
+``--sweep`` (:mod:`kvstore.cli.codec_sweep`) measures each layer's keys and values apart instead
+and recommends a ``kvh`` spec for ``--budget``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import click
 
+from kvstore.cli.codec_sweep import SweepChoice, run_sweep
 from kvstore.cli.common import CLIError, emit, format_option, progress_bar, quiet_option
 from kvstore.cli.flags import ModelChoice, dataset_flags, model_flags, receives
 
@@ -59,20 +62,38 @@ COLUMNS = {
 @click.command("quality")
 @dataset_flags
 @model_flags
-@click.option("--codec", "-c", multiple=True, required=True, help="A lossy codec to measure (repeat for several).")
+@click.option("--codec", "-c", multiple=True, help="A lossy codec to measure (repeat for several).")
 @click.option("--new-tokens", "-n", type=click.IntRange(min=1), default=16, show_default=True,
               help="Greedy tokens per row compared with the lossless answer.")  # fmt: skip
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens per stored chunk the codecs encode (a store's default).")  # fmt: skip
+@click.option(
+    "--sweep",
+    is_flag=True,
+    help="Instead of --codec: measure each layer's keys and values apart and recommend a kvh spec.",
+)
+@click.option(
+    "--budget",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.21,
+    show_default=True,
+    help="With --sweep: stored bytes over float32 bytes the recommended spec may take.",
+)
 @format_option
 @quiet_option
-@receives(source=GateSource, model=ModelChoice, gate=Gate)
-def quality(source: GateSource, model: ModelChoice, gate: Gate) -> None:
+@receives(source=GateSource, model=ModelChoice, gate=Gate, choice=SweepChoice)
+def quality(source: GateSource, model: ModelChoice, gate: Gate, choice: SweepChoice) -> None:
     """Measure lossy codecs against the lossless cache on DATASET's rows: next-token KL and top-1,
-    key and value damage apart, identical answers and their common prefix, bytes vs float32."""
+    key and value damage apart, identical answers and their common prefix, bytes vs float32.
+    With --sweep: per-layer damage, and the kvh spec recommended for --budget, measured."""
     from kvstore.quality import quality_gate, rows_of
     from kvstore.store.codecs import get_codec
 
+    if choice.sweep:
+        run_sweep(source, model, gate, choice)
+        return
+    if not gate.codec:
+        raise CLIError("give the codecs to measure (--codec, repeatable), or --sweep")
     for spec in gate.codec:
         if get_codec(spec).lossless:
             raise CLIError(f"--codec {spec} is lossless: give lossy codecs (int8, int4h, ecq, ...)")

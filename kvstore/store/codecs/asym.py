@@ -46,8 +46,8 @@ other lossy codec), ``T`` to 0; at most 4096 each. Packing ``zstd:1`` unless the
 
 Per-layer widths: ``:kW=L.L...`` / ``:vW=L.L...`` (``W`` 2 to 8) give the listed layers' keys (values)
 ``W``-bit codes in ``W``'s default groups (rotated below 8 bits), e.g. ``kvh:6/4:k8=0.1:v8=0.29``:
-what ``kvstore quality --sweep`` recommends for a byte budget (:mod:`kvstore.sweep`). The layer is
-read from the stored tensor's name (``layers.L.keys``, a pressed cache's ``layers.L.heads.H.keys``),
+what ``kvstore quality --sweep`` recommends for a byte budget (:mod:`kvstore.codec_sweep`). The
+layer is read from the stored tensor's name (``layers.L.keys``, a pressed cache's ``layers.L.heads.H.keys``),
 at encoding and decoding alike (as ``int4h:k8=``), so the spec in the entry's header is all
 decoding needs.
 """
