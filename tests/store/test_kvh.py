@@ -66,7 +66,9 @@ def _steps(scales: torch.Tensor, role: str, m: int, group: int) -> torch.Tensor:
     return s
 
 
-@pytest.mark.parametrize("spec", ["kvh", "kvh:8/5", "kvh:5/3:64/32", "kvh:4/4:32/16:s=16:t=40", "kvh:7/2:s=0:t=8"])
+@pytest.mark.parametrize(
+    "spec", ["kvh", "kvh:8/5", "kvh:5/3:64/32", "kvh:4/4:32/16:s=16:t=40", "kvh:7/2:s=0:t=8", "kvh:6/4:h=0"]
+)
 @pytest.mark.parametrize("role", ["keys", "values"])
 @pytest.mark.parametrize("start", [0, 10, 512])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -120,7 +122,7 @@ def test_a_chunk_of_sinks_and_tail_only():
 
 
 # -- device decoding -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", ["kvh:6/3:16/8:s=2:t=8", "kvh:8/4:16/8:t=5"])
+@pytest.mark.parametrize("spec", ["kvh:6/3:16/8:s=2:t=8", "kvh:8/4:16/8:t=5", "kvh:5/4:16/8:h=0"])
 @pytest.mark.parametrize("role", ["keys", "values"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("start", [0, 48])
@@ -186,10 +188,16 @@ def test_specs_keys_and_the_default_packing():
     assert get_codec("kvh:8/4:s=4").spec == "kvh:8/4:128/32+zstd:1"
     assert get_codec("kvh+raw").identity == get_codec("kvh").identity != get_codec("kvh:8/4:t=1").identity
     assert get_codec("kvh").entry_format == 7 and get_codec("int4h").entry_format == 6
-    for spec in ("kvh:6/3:16/8:s=2:t=8", "kvh:8/4:128/32:s=0"):
+    assert (
+        get_codec("kvh:8/4:h=0").spec == "kvh:8/4:128/32:h=0+zstd:1"
+        and get_codec("kvh:8/4:h=1").spec == "kvh:8/4:128/32+zstd:1"
+    )
+    assert not get_codec("kvh:5/4:h=0").quantizer.widths["values"].rotated
+    for spec in ("kvh:6/3:16/8:s=2:t=8", "kvh:8/4:128/32:s=0", "kvh:6/4:h=0:k8=1"):
         assert get_codec(get_codec(spec).spec).spec == get_codec(spec).spec
     for bad in ("kvh:9/4", "kvh:8", "kvh:1/4", "kvh:8/4:3", "kvh:8/4:x", "kvh:8/4:s=1:s=2", "kvh:8/4:u=1",
-                "kvh:s=1:8/4", "kvh:8/4:1/2/3", "kvh:8/4:t=5000", "kvh:8/4:t=-1", "kvh:8/4:32/64:16/16"):  # fmt: skip
+                "kvh:s=1:8/4", "kvh:8/4:1/2/3", "kvh:8/4:t=5000", "kvh:8/4:t=-1", "kvh:8/4:32/64:16/16",
+                "kvh:8/4:h=2"):  # fmt: skip
         with pytest.raises(CodecError) as exc:
             get_codec(bad)
         assert "\n" not in str(exc.value), bad

@@ -8,7 +8,9 @@ carry most of it, and once keys get 8 bits the 4-bit values are what is left (do
 * **values**: ``VB``-bit codes per token in groups of ``GV`` channels;
 * a role below 8 bits is Hadamard-rotated first (``int4h``'s butterfly, :mod:`.hadamard`), which
   spreads a loud channel's range over the head; at 8 bits the codes are ``int8``'s, not rotated
-  (the rotation buys nothing measurable there and would cost a decode pass);
+  (keys-only KL is already ~int8's there, and the butterfly is the slow part of a decode: 6 strided
+  passes, ~10x ``int4``'s whole dequantization on this CPU). ``:h=0`` turns the rotation off for
+  every width (``int4``'s speed, the outlier channels' coarser steps back);
 * **sinks**: a context's first ``S`` tokens stored as the model made them (``int4h``'s fixed 4,
   generalised);
 * **tail**: each stored chunk's last ``T`` tokens (after its sinks) in ``int8``'s codes (keys per
@@ -38,7 +40,7 @@ in the model's dtype, and when ``T > 0`` ``NAME.tail.codes``/``.tail.scales``/``
 (``int8``'s). Entry format 7: a kvstore that reads up to format 6 refuses a ``kvh`` chunk instead of
 taking it for corrupt.
 
-Specs: ``kvh[:KB/VB][:GK/GV][:s=S][:t=T]``, e.g. ``kvh:8/4`` (the default), ``kvh:8/5``,
+Specs: ``kvh[:KB/VB][:GK/GV][:s=S][:t=T][:h=0]``, e.g. ``kvh:8/4`` (the default), ``kvh:8/5``,
 ``kvh:5/3:64/32``, ``kvh:8/4:s=16:t=64``. Default groups: keys 128 tokens at 8 bits (``int8``'s),
 32 below (``int4h``'s); values 32 channels at 4 bits and below (half ``int4h``'s 64: finer steps for
 the values, which are what is left once keys have 8 bits), 64 above. ``S`` defaults to 4 (as every
@@ -172,12 +174,13 @@ class AsymQuantizer:
     default_packing = DEFAULT_PACKING
 
     def __init__(self, key_bits: int, value_bits: int, group_k: int, group_v: int, sinks: int = DEFAULT_SINKS,
-                 tail: int = 0, layers: Mapping[str, Mapping[int, int]] | None = None):  # fmt: skip
+                 tail: int = 0, layers: Mapping[str, Mapping[int, int]] | None = None,
+                 rotate: bool = True):  # fmt: skip
         self.key_bits, self.value_bits, self.group_k, self.group_v = key_bits, value_bits, group_k, group_v
-        self.sinks, self.tail = sinks, tail
+        self.sinks, self.tail, self.rotate = sinks, tail, rotate
         self.widths = {
-            "keys": Width(key_bits, group_k, key_bits < 8),
-            "values": Width(value_bits, group_v, value_bits < 8),
+            "keys": Width(key_bits, group_k, rotate and key_bits < 8),
+            "values": Width(value_bits, group_v, rotate and value_bits < 8),
         }
         self.tail_widths = {"keys": Width(8, TAIL_GROUPS[0], False), "values": Width(8, TAIL_GROUPS[1], False)}
         # per role, the layers given other widths (``kW=``/``vW=``), each in its width's default groups
@@ -190,11 +193,12 @@ class AsymQuantizer:
         bits = self.layers[role].get(int(m.group(1))) if m else None
         if bits is None:
             return self.widths[role]
-        return Width(bits, default_group(role, bits), bits < 8)
+        return Width(bits, default_group(role, bits), self.rotate and bits < 8)
 
     @property
     def spec(self) -> str:
         extra = (f":s={self.sinks}" if self.sinks != DEFAULT_SINKS else "") + (f":t={self.tail}" if self.tail else "")
+        extra += "" if self.rotate else ":h=0"
         for role, tag in (("keys", "k"), ("values", "v")):
             for bits in sorted(set(self.layers[role].values()), reverse=True):
                 extra += f":{tag}{bits}=" + ".".join(str(i) for i, b in self.layers[role].items() if b == bits)
@@ -218,7 +222,7 @@ class AsymQuantizer:
         for i in range(n_layers if listed else 1):
             for role in ("keys", "values"):
                 bits = self.layers[role].get(i)
-                w = self.widths[role] if bits is None else Width(bits, default_group(role, bits), bits < 8)
+                w = self.widths[role] if bits is None else self.width_of(role, f"layers.{i}.")
                 total += _chunk_bits(w, self.tail_widths[role], role, min(self.tail, CHUNK), head_dim)
         return total / (2 * CHUNK * (n_layers if listed else 1))
 
@@ -347,11 +351,11 @@ def _group(text: str) -> int:
 
 
 def _factory(args: str) -> AsymQuantizer:
-    """``kvh[:KB/VB][:GK/GV][:s=S][:t=T][:kW=L.L...][:vW=L.L...]`` (module docstring)."""
+    """``kvh[:KB/VB][:GK/GV][:s=S][:t=T][:h=0][:kW=L.L...][:vW=L.L...]`` (module docstring)."""
     fields = args.split(":") if args else []
     plain = [f for f in fields if "=" not in f]
     if len(plain) > 2 or fields[: len(plain)] != plain:
-        raise CodecError(f"kvh takes [KB/VB][:GK/GV][:s=S][:t=T][:kW=L.L...][:vW=L.L...], not {args!r}")
+        raise CodecError(f"kvh takes [KB/VB][:GK/GV][:s=S][:t=T][:h=0][:kW=L.L...][:vW=L.L...], not {args!r}")
     kb, vb = 8, 4
     if plain:
         a, sep, b = plain[0].partition("/")
@@ -367,13 +371,15 @@ def _factory(args: str) -> AsymQuantizer:
     layers: dict[str, dict[int, int]] = {"keys": {}, "values": {}}
     for f in fields[len(plain) :]:
         tag, _, text = f.partition("=")
-        if tag in ("s", "t") and tag not in edges:
-            edges[tag] = _whole(text, tag + "=", 0, _MAX_EDGE)
+        if tag in ("s", "t", "h") and tag not in edges:
+            edges[tag] = _whole(text, tag + "=", 0, _MAX_EDGE if tag != "h" else 1)
         elif re.fullmatch(r"[kv][2-8]", tag):
             _add_layers(layers["keys" if tag[0] == "k" else "values"], int(tag[1]), tag, text)
         else:
-            raise CodecError(f"kvh takes s=S and t=T once each, and kW=/vW= layer lists (W 2-8), not {f!r}")
-    return AsymQuantizer(kb, vb, gk, gv, edges.get("s", DEFAULT_SINKS), edges.get("t", 0), layers)
+            raise CodecError(f"kvh takes s=S, t=T and h=0|1 once each, and kW=/vW= layer lists (W 2-8), not {f!r}")
+    return AsymQuantizer(
+        kb, vb, gk, gv, edges.get("s", DEFAULT_SINKS), edges.get("t", 0), layers, edges.get("h", 1) == 1
+    )
 
 
 def _add_layers(into: dict[int, int], bits: int, tag: str, text: str) -> None:
