@@ -11,10 +11,12 @@ spec that spends a byte budget where it hurts most, measured.
    per row.
 2. **Allocation.** Each layer's keys and values get a width from ``key_widths`` / ``value_widths``:
    starting from the narrowest, the upgrade with the largest predicted KL drop per extra bit is
-   taken while the spec's bits per value (``kvh``'s own accounting, the tail included) stay within
-   ``budget x 32`` (bytes against float32). The predicted KL of a width ``W`` is the probe's KL
-   times ``4 ** (probe - W)`` (each bit halves the rounding step and quarters its squared error): a
-   model, used only to rank; what is reported is measured.
+   taken while the spec's bits per value (``kvh``'s own accounting, the tail included, times the
+   probe's measured over nominal bits on these rows: short contexts pay their sinks and partial
+   groups, the packing takes a little off) stay within ``budget x 32`` (bytes against float32).
+   The predicted KL of a width ``W`` is the probe's KL times ``4 ** (probe - W)`` (each bit halves
+   the rounding step and quarters its squared error): a model, used only to rank; what is
+   reported is measured.
 3. **Measurement.** One candidate per tail in ``tails`` (the tail's 8-bit tokens paid from the
    budget), each a plain ``kvh`` spec (``build --codec`` takes it), measured with the quality gate
    on the same rows: bytes, KL, top-1, identical answers. The recommendation is the candidate with
@@ -77,23 +79,27 @@ class SweepResult:
     candidates: tuple[CodecQuality, ...]
     best: str
     bits: dict[str, float] = field(default_factory=dict)  # nominal bits per value of each candidate
+    overhead: float = 1.0  # the probe's stored bits over its nominal bits on these rows
 
     def record(self) -> dict:
         """A JSON-serialisable dict of every field."""
         return {
-            "budget": self.budget, "best": self.best, "bits": dict(self.bits),
+            "budget": self.budget, "best": self.best, "bits": dict(self.bits), "overhead": self.overhead,
             "damage": [{"layer": d.layer, "keys": d.keys, "values": d.values} for d in self.damage],
             "candidates": [c.record() for c in self.candidates],
         }  # fmt: skip
 
 
 def layer_damage(adapter: Any, rows: Sequence[QualityRow], options: SweepOptions,
-                 progress: Callable[[int], None] | None = None) -> tuple[list[LayerDamage], int]:  # fmt: skip
-    """Step 1 of the module docstring, and the model's head_dim. ``progress`` is called with 1 per
-    row. Raises CodecError for probe widths ``kvh`` cannot store on this model."""
+                 progress: Callable[[int], None] | None = None) -> tuple[list[LayerDamage], int, float]:  # fmt: skip
+    """Step 1 of the module docstring, the model's head_dim, and the probe's stored bits per value
+    on these rows over its nominal bits per value (``kvh``'s accounting: full 512-token chunks):
+    what the rows' lengths (sinks, partial groups) and the packing make of the nominal figure.
+    ``progress`` is called with 1 per row. Raises CodecError for probe widths ``kvh`` cannot store
+    on this model."""
     probe = get_codec(f"kvh:{options.probe_keys}/{options.probe_values}")
     sums: list[list[float]] = []
-    head_dim = 0
+    head_dim, stored, elems = 0, 0, 0
     with torch.inference_mode():
         for row in rows:
             (layers,) = adapter.prefill([list(row.context)])
@@ -102,7 +108,8 @@ def layer_damage(adapter: Any, rows: Sequence[QualityRow], options: SweepOptions
                 sums, head_dim = [[0.0, 0.0] for _ in layers], int(layers[0][0].shape[-1])
             answer, ref = _greedy(adapter, layers, row.follow, options.new_tokens)
             forced, start = list(row.follow) + answer[:-1], len(row.follow) - 1
-            lossy, _ = stored_round_trip(probe, layers, options.chunk_tokens)
+            lossy, nbytes = stored_round_trip(probe, layers, options.chunk_tokens)
+            stored, elems = stored + nbytes, elems + sum(k.numel() + v.numel() for k, v in layers)
             for i in range(len(layers)):
                 for j in range(2):
                     mixed = list(layers)
@@ -111,26 +118,35 @@ def layer_damage(adapter: Any, rows: Sequence[QualityRow], options: SweepOptions
             if progress is not None:
                 progress(1)
     n = max(1, len(rows))
-    return [LayerDamage(i, k / n, v / n) for i, (k, v) in enumerate(sums)], head_dim
+    nominal = spec_bits(probe.spec, head_dim, len(sums)) if sums else 1.0
+    return (
+        [LayerDamage(i, k / n, v / n) for i, (k, v) in enumerate(sums)],
+        head_dim,
+        8 * stored / max(1, elems) / nominal,
+    )
 
 
-def allocate(damage: Sequence[LayerDamage], options: SweepOptions, head_dim: int, tail: int = 0) -> str:
+def allocate(damage: Sequence[LayerDamage], options: SweepOptions, head_dim: int, tail: int = 0,
+             overhead: float = 1.0) -> str:  # fmt: skip
     """Step 2 of the module docstring: the ``kvh`` spec (with ``t=tail``) whose predicted KL is
-    greedily lowest within ``options.budget`` (its bits per value by ``kvh``'s own accounting).
-    Raises CodecError when even the narrowest widths exceed the budget."""
+    greedily lowest within ``options.budget`` (its bits per value by ``kvh``'s own accounting times
+    ``overhead``, the probe's measured over nominal bits). Raises CodecError when even the narrowest
+    widths exceed the budget."""
     n = len(damage)
     widths = {"keys": sorted(options.key_widths), "values": sorted(options.value_widths)}
     probe = {"keys": options.probe_keys, "values": options.probe_values}
     chosen = {(d.layer, r): widths[r][0] for d in damage for r in ROLES}
     hurt = {(d.layer, r): getattr(d, r) for d in damage for r in ROLES}
-    limit = options.budget * 32
+    limit = options.budget * 32 / overhead
 
     def bits(plan: dict[tuple[int, str], int]) -> float:
         return spec_bits(plan_spec(plan, n, tail), head_dim, n)
 
     if bits(chosen) > limit:
-        least = bits(chosen) / 32
-        raise CodecError(f"no kvh spec fits a budget of {options.budget} x float32 (the narrowest takes {least:.3f})")
+        least = bits(chosen) * overhead / 32
+        raise CodecError(
+            f"no kvh spec fits a budget of {options.budget} x float32 (the narrowest takes {least:.3f} on these rows)"
+        )
     while True:
         best, best_gain = None, 0.0
         now = bits(chosen)
@@ -180,14 +196,14 @@ def sweep(adapter: Any, rows: Sequence[QualityRow], options: SweepOptions = Swee
     cannot prefill."""
     if not rows:
         raise ValueError("the sweep needs at least one row")
-    damage, head_dim = layer_damage(adapter, rows, options, progress)
-    specs = list(dict.fromkeys(allocate(damage, options, head_dim, t) for t in options.tails))
+    damage, head_dim, overhead = layer_damage(adapter, rows, options, progress)
+    specs = list(dict.fromkeys(allocate(damage, options, head_dim, t, overhead) for t in options.tails))
     measured = quality_gate(adapter, rows, specs, new_tokens=options.new_tokens, chunk_tokens=options.chunk_tokens,
                             progress=progress)  # fmt: skip
     fits = [q for q in measured if q.size_vs_f32 <= options.budget]
     best = min(fits, key=lambda q: q.kl["kv"]) if fits else min(measured, key=lambda q: q.size_vs_f32)
     bits = {q.codec: spec_bits(s, head_dim, len(damage)) for q, s in zip(measured, specs)}
-    return SweepResult(options.budget, tuple(damage), tuple(measured), best.codec, bits)
+    return SweepResult(options.budget, tuple(damage), tuple(measured), best.codec, bits, overhead)
 
 
 __all__ = ["LayerDamage", "SweepOptions", "SweepResult", "allocate", "layer_damage", "spec_bits", "plan_spec", "sweep"]

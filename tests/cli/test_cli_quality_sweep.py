@@ -23,7 +23,7 @@ def _sweep(tiny_llama_dir, tmp_path, *extra: str):
 
 
 def test_the_sweep_recommends_a_spec_that_builds(tiny_llama_dir, tmp_path, capsys):
-    result = _sweep(tiny_llama_dir, tmp_path, "--budget", "0.2", "--format", "json")
+    result = _sweep(tiny_llama_dir, tmp_path, "--budget", "0.4", "--format", "json")
     assert result.exit_code == 0, result.output
     got = json.loads(result.stdout)
     n_layers = len(got["damage"])
@@ -32,7 +32,8 @@ def test_the_sweep_recommends_a_spec_that_builds(tiny_llama_dir, tmp_path, capsy
     specs = [c["codec"] for c in got["candidates"]]
     assert got["best"] in specs and 1 <= len(specs) <= 2
     for c in got["candidates"]:
-        assert c["rows"] == 2 and got["bits"][c["codec"]] <= 0.2 * 32 + 1e-9
+        # within the budget by kvh's accounting scaled by the probe's measured overhead on these rows
+        assert c["rows"] == 2 and got["bits"][c["codec"]] * got["overhead"] <= 0.4 * 32 + 1e-9
         assert get_codec(c["codec"]).spec == c["codec"]  # a plain spec, as printed
     # the recommended spec is one build --codec takes, and the store answers from it
     data = _data(tmp_path)
@@ -43,7 +44,7 @@ def test_the_sweep_recommends_a_spec_that_builds(tiny_llama_dir, tmp_path, capsy
 
 
 def test_the_sweep_table_and_bad_input(tiny_llama_dir, tmp_path, capsys):
-    result = _sweep(tiny_llama_dir, tmp_path, "--limit", "1")
+    result = _sweep(tiny_llama_dir, tmp_path, "--limit", "1", "--budget", "0.4")
     assert result.exit_code == 0, result.output
     assert "KL keys only" in result.stdout and "recommended: kvh:" in result.stdout
     base = ["quality", _data(tmp_path), "--model", str(tiny_llama_dir), "-q", "-n", "2", "--limit", "1"]
