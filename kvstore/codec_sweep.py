@@ -50,8 +50,8 @@ class SweepOptions:
     (``kvh``'s ``t=``), and the gate's ``new_tokens`` and ``chunk_tokens``."""
 
     budget: float = 0.21
-    key_widths: tuple[int, ...] = (4, 5, 6, 8)
-    value_widths: tuple[int, ...] = (3, 4, 5, 8)
+    key_widths: tuple[int, ...] = (3, 4, 5, 6, 8)
+    value_widths: tuple[int, ...] = (2, 3, 4, 5, 8)
     probe_keys: int = 4
     probe_values: int = 3
     tails: tuple[int, ...] = (0, 64)
