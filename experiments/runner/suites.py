@@ -254,7 +254,7 @@ SUITES: tuple[Suite, ...] = (
           ("experiments/bench_quality.py", "--threads", "1", "--no-decode", "--text", "report", "--codecs",
            "int8,kvh:8/4,kvh:5/3:64/32,kvh:8/4:t=64,kvh:8/4:s=16:t=128", "--stem", "quality_kvh"),
           ("quality_kvh", "quality_kvh_tuning", "quality_kvh_grid", "quality_kvh_decode", "quality_kvh_decode_h0",
-           "quality_kvh_sweep", "quality_kvh_sweep15", "quality_kvh_recommend")),
+           "quality_kvh_sweep", "quality_kvh_sweep15", "quality_kvh_sweep_prose", "quality_kvh_recommend")),
     Suite("prerope_ranges", "How much undoing RoPE narrows the key ranges int4r quantizes",
           ("experiments/prerope_ranges.py",), ("prerope_ranges",), quick=None),
     Suite("s3", "S3 backend against a local SeaweedFS", ("experiments/bench_s3.py",), _s3_outputs(),
