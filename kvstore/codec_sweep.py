@@ -19,7 +19,9 @@ spec that spends a byte budget where it hurts most, measured.
    reported is measured.
 3. **Measurement.** One candidate per tail in ``tails`` (the tail's 8-bit tokens paid from the
    budget), each a plain ``kvh`` spec (``build --codec`` takes it), measured with the quality gate
-   on the same rows: bytes, KL, top-1, identical answers. The recommendation is the candidate with
+   on the same rows: bytes, KL, top-1, identical answers; a candidate whose measured bytes exceed
+   the budget is allocated again with its own measured over nominal bits and measured too. The
+   recommendation is the candidate with
    the lowest measured KL among those whose measured bytes are within the budget (the smallest, if
    none is).
 
@@ -191,19 +193,41 @@ def spec_bits(spec: str, head_dim: int, n_layers: int) -> float:
 def sweep(adapter: Any, rows: Sequence[QualityRow], options: SweepOptions = SweepOptions(),
           progress: Callable[[int], None] | None = None) -> SweepResult:  # fmt: skip
     """The whole sweep (module docstring) on ``rows``. ``progress`` is called with 1 per row
-    measured (``len(rows) * (1 + len(options.tails))`` in all). Raises CodecError when no spec
-    fits the budget or the model's head_dim cannot be stored, ModelError for a model kvstore
-    cannot prefill."""
+    measured (``len(rows) * (1 + len(options.tails))``, and as many again when a candidate is
+    refitted). Raises CodecError when no spec fits the budget or the model's head_dim cannot be
+    stored, ModelError for a model kvstore cannot prefill."""
     if not rows:
         raise ValueError("the sweep needs at least one row")
     damage, head_dim, overhead = layer_damage(adapter, rows, options, progress)
-    specs = list(dict.fromkeys(allocate(damage, options, head_dim, t, overhead) for t in options.tails))
-    measured = quality_gate(adapter, rows, specs, new_tokens=options.new_tokens, chunk_tokens=options.chunk_tokens,
-                            progress=progress)  # fmt: skip
+    n = len(damage)
+    tails = {allocate(damage, options, head_dim, t, overhead): t for t in options.tails}
+    measured = _measure(adapter, rows, list(tails), options, progress)
+    # a candidate over the budget: allocated again with its own stored over nominal bits (wider codes
+    # pack worse than the probe's), then measured too
+    refit = []
+    for q, spec in zip(measured, list(tails)):
+        if q.size_vs_f32 > options.budget:
+            try:
+                again = allocate(
+                    damage, options, head_dim, tails[spec], q.size_vs_f32 * 32 / spec_bits(spec, head_dim, n)
+                )
+            except CodecError:
+                continue
+            if again not in tails:
+                tails[again] = tails[spec]
+                refit.append(again)
+    if refit:
+        measured += _measure(adapter, rows, refit, options, progress)
     fits = [q for q in measured if q.size_vs_f32 <= options.budget]
     best = min(fits, key=lambda q: q.kl["kv"]) if fits else min(measured, key=lambda q: q.size_vs_f32)
-    bits = {q.codec: spec_bits(s, head_dim, len(damage)) for q, s in zip(measured, specs)}
+    bits = {q.codec: spec_bits(s, head_dim, n) for q, s in zip(measured, list(tails))}
     return SweepResult(options.budget, tuple(damage), tuple(measured), best.codec, bits, overhead)
+
+
+def _measure(adapter: Any, rows: Sequence[QualityRow], specs: list[str], options: SweepOptions,
+             progress: Callable[[int], None] | None) -> list[CodecQuality]:  # fmt: skip
+    return quality_gate(adapter, rows, specs, new_tokens=options.new_tokens, chunk_tokens=options.chunk_tokens,
+                        progress=progress)  # fmt: skip
 
 
 __all__ = ["LayerDamage", "SweepOptions", "SweepResult", "allocate", "layer_damage", "spec_bits", "plan_spec", "sweep"]
