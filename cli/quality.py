@@ -10,6 +10,8 @@ codec given twice (``-c int4h -c int4h:32/64``: one canonical spec) is measured 
 Nothing is stored. A row
 is its context's text (the model's own BOS where it uses one) and the question's text after it, as
 they are (no prompt template); a row without a question feeds its context's last token.
+``--sweep`` (:mod:`kvstore.cli.codec_sweep`) measures each layer's keys and values apart instead
+and recommends a ``kvh`` spec for ``--budget``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import click
 
+from kvstore.cli.codec_sweep import SweepChoice, run_sweep
 from kvstore.cli.common import CLIError, emit, format_option, progress_bar, quiet_option, warn
 from kvstore.cli.compose_quality import Composing, compose_option
 from kvstore.cli.flags import ModelChoice, dataset_flags, model_flags, receives
@@ -69,19 +72,35 @@ COLUMNS = {
               help="Greedy tokens per row compared with the lossless answer.")  # fmt: skip
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens per stored chunk the codecs encode (a store's default).")  # fmt: skip
+@click.option(
+    "--sweep",
+    is_flag=True,
+    help="Instead of --codec: measure each layer's keys and values apart and recommend a kvh spec.",
+)
+@click.option(
+    "--budget",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.21,
+    show_default=True,
+    help="With --sweep: stored bytes over float32 bytes the recommended spec may take.",
+)
 @format_option
 @quiet_option
-@receives(source=GateSource, model=ModelChoice, gate=Gate, composing=Composing)
-def quality(source: GateSource, model: ModelChoice, gate: Gate, composing: Composing) -> None:
+@receives(source=GateSource, model=ModelChoice, gate=Gate, composing=Composing, choice=SweepChoice)
+def quality(source: GateSource, model: ModelChoice, gate: Gate, composing: Composing, choice: SweepChoice) -> None:
     """Measure lossy codecs against the lossless cache on DATASET's rows: next-token KL and top-1,
     key and value damage apart, identical answers and their common prefix, bytes vs float32. With
-    --compose POLICY instead: composition policies on passage rows against their full prefill."""
+    --compose POLICY instead: composition policies on passage rows against their full prefill. With
+    --sweep: per-layer damage, and the kvh spec recommended for --budget, measured."""
     from kvstore.quality import quality_gate, rows_of, unique_codecs
 
-    if bool(gate.codec) == bool(composing.compose):
-        raise CLIError("give --codec (lossy codecs) or --compose (policies on passage rows): one of the two")
+    if [bool(gate.codec), bool(composing.compose), choice.sweep].count(True) != 1:
+        raise CLIError("give --codec (lossy codecs), --compose (policies on passage rows) or --sweep "
+                       "(per-layer widths for --budget): one of the three")  # fmt: skip
     if composing.compose:
         return composing.run(source, model, gate.new_tokens, gate.fmt, gate.quiet)
+    if choice.sweep:
+        return run_sweep(source, model, gate, choice)
     codecs, repeats = unique_codecs(gate.codec)
     for given, canonical in repeats:  # measured once: twice would double its rows and bytes
         warn(f"--codec {given} is {canonical}, given already: measured once")

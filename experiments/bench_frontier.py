@@ -71,14 +71,14 @@ PROSE_SOURCES = (
 )  # fmt: skip
 
 
-def prose_text() -> str:
-    """The docstrings of the modules above and of their public classes and functions, in a fixed
-    order, joined by blank lines."""
+def prose_text(sources: tuple[str, ...] = PROSE_SOURCES) -> str:
+    """The docstrings of the modules ``sources`` (default: the ones above) and of their public
+    classes and functions, in a fixed order, joined by blank lines."""
     import importlib
     import inspect
 
     parts: list[str] = []
-    for name in PROSE_SOURCES:
+    for name in sources:
         mod = importlib.import_module(name)
         docs = [inspect.getdoc(mod)]
         for attr in sorted(dir(mod)):

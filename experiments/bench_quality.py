@@ -6,6 +6,9 @@ Text, the bundled SmolLM2-135M-Instruct in float32, no chat template:
 * ``prose`` (held out): the standard library's docstrings (``bench_frontier.prose_text``, the text
   the frontier's KL is measured on; no codec was tuned on it), ``--rows`` windows spread evenly over
   it, each ``--context`` tokens of cache then its next token fed and ``--new-tokens`` greedy tokens;
+* ``report`` (held out, the third text): the docstrings of other standard-library modules
+  (:data:`REPORT_SOURCES`, none of them in ``prose``), cut the same way: added for ``kvh`` (issue
+  49), whose points were chosen before any of it was measured;
 * ``tuning``: the demo articles joined (``experiments/data/demo.jsonl``), windows cut the same way:
   the text ``int4h``'s design was chosen on.
 
@@ -24,6 +27,8 @@ writes experiments/results/quality.json; run by hand it writes to cache/bench/ra
     .venv/bin/python experiments/bench_quality.py --text tuning --rows 12 --no-decode --stem quality_tuning
     .venv/bin/python experiments/bench_quality.py --no-gate --codecs int4h,int4,int4r,ecq,int8   # decode times only
     .venv/bin/python experiments/bench_quality.py --quick    # 3 rows, 4 new tokens
+    .venv/bin/python experiments/bench_quality.py --text report --no-decode --codecs int8,kvh:8/4,... \
+        --stem quality_kvh     # the kvh points (suite quality_kvh; its params name the codecs run)
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ from bench_frontier import prose_text
 
 import benchlib as bl
 
+# the third text: standard-library modules that neither ``prose`` (bench_frontier.PROSE_SOURCES) nor
+# the tuning text used
+REPORT_SOURCES = (
+    "abc", "ast", "base64", "bisect", "bz2", "calendar", "cmd", "codecs", "configparser", "copy", "csv",
+    "datetime", "dis", "filecmp", "fnmatch", "ftplib", "getopt", "gettext", "glob", "graphlib", "gzip", "hashlib",
+    "hmac", "html.parser", "http.client", "imaplib", "io", "locale", "lzma", "mailbox", "mimetypes", "numbers",
+    "operator", "optparse", "os", "pdb", "platform", "pprint", "queue", "sched", "secrets", "selectors", "shelve",
+    "shlex", "smtplib", "socket", "socketserver", "ssl", "struct", "symtable", "sysconfig", "tabnanny", "tokenize",
+    "trace", "traceback", "types", "wave", "zipimport", "zoneinfo",
+)  # fmt: skip
 CODECS = ("int4h", "int4", "int4r", "ecq", "int4r:32/32+zstd:1", "int8")
 
 
@@ -104,7 +119,7 @@ def summary(per_row: list[list[dict]], text: str) -> list[dict]:
 
 def main() -> None:
     ap = bl.parser(__doc__)
-    ap.add_argument("--text", choices=("prose", "tuning"), default="prose")
+    ap.add_argument("--text", choices=("prose", "report", "tuning"), default="prose")
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--context", type=int, default=512)
@@ -120,7 +135,8 @@ def main() -> None:
     from kvstore.quality import QualityRow
 
     adapter = Adapter.from_pretrained(None, dtype="float32", device="cpu")
-    text = prose_text() if args.text == "prose" else tuning_text()
+    texts = {"prose": prose_text, "report": lambda: prose_text(REPORT_SOURCES), "tuning": tuning_text}
+    text = texts[args.text]()
     ids = adapter.tokenizer.encode(text, add_special_tokens=False)
     rows = [QualityRow(tuple(w[:-1]), tuple(w[-1:])) for w in windows(ids, args.rows, args.context + 1)]
     codecs = args.codecs.split(",")

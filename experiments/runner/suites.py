@@ -243,6 +243,19 @@ SUITES: tuple[Suite, ...] = (
     Suite("quality_mixed", "The quality gate on held-out prose: int4h beside int4h with 8-bit layers (int4h:k8=...)",
           ("experiments/bench_quality.py", "--threads", "1", "--no-decode", "--codecs",
            "int4h,int4h:k8=23:v8=23,int4h:k8=21.23", "--stem", "quality_mixed"), ("quality_mixed",)),
+    # the other parts (each result's params and command name its codecs): --text tuning --rows 12 --codecs
+    # int8,kvh:8/4,... --stem quality_kvh_tuning (the points were chosen there); --text report --codecs
+    # kvh:6/5:64/64:t=32,... --stem quality_kvh_grid (the chosen points and the sinks x tail grid);
+    # --no-gate --codecs int4,int4h,kvh:... --decode-stem quality_kvh_decode (CPU decode times); --codecs
+    # SWEPT,kvh:6/5:64/64:t=32:h=0,int4h,ecq --stem quality_kvh_sweep (SWEPT: the spec `kvstore quality --sweep
+    # --budget 0.21` recommended on 12 demo rows, whose output is quality_kvh_recommend); the same for
+    # --budget 0.15 beside kvh:8/4:t=64:h=0,kvh:8/4:256/32:t=64:h=0 --stem quality_kvh_sweep15
+    Suite("quality_kvh", "kvh's asymmetric points beside int8: the quality gate on the third (report) text",
+          ("experiments/bench_quality.py", "--threads", "1", "--no-decode", "--text", "report", "--codecs",
+           "int8,kvh:8/4,kvh:5/3:64/32,kvh:8/4:t=64,kvh:8/4:s=16:t=128", "--stem", "quality_kvh"),
+          ("quality_kvh", "quality_kvh_tuning", "quality_kvh_grid", "quality_kvh_decode", "quality_kvh_decode_h0",
+           "quality_kvh_sweep", "quality_kvh_sweep15", "quality_kvh_sweep_prose",
+           "quality_kvh_sweep_refit", "quality_kvh_recommend")),
     Suite("prerope_ranges", "How much undoing RoPE narrows the key ranges int4r quantizes",
           ("experiments/prerope_ranges.py",), ("prerope_ranges",), quick=None),
     Suite("s3", "S3 backend against a local SeaweedFS", ("experiments/bench_s3.py",), _s3_outputs(),

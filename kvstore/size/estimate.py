@@ -124,7 +124,7 @@ def estimate_size(
             bpv = (
                 float(dtypes.bits(dtype))
                 if quantizer is None
-                else quantizer.bits_per_value(shape.head_dim, dtypes.bits(dtype))
+                else quantizer.bits_per_value(shape.head_dim, dtypes.bits(dtype), n_layers=shape.n_layers)
             )
             per_token = _quantized(kv_bytes_per_token(shape, dtype), bpv, dtype)
             state = shape.state_bytes(dtype)  # recurrent states are stored as they are, whatever the codec

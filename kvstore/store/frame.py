@@ -30,11 +30,12 @@ from kvstore.store.codecs import codec_from_params
 # and 5: an entry a context owns (its scores or a pressed cache, :mod:`kvstore.store.derived`), the
 # same framing around another header, read only as such (a chunk reader takes it for corrupt; a
 # reader of format 4 or older refuses it as "written by format version 5 ... upgrade kvstore"); 6: a
-# chunk entry again (the layout of 2-4), written by int4h, which a reader of format 5 does not know.
+# chunk entry again (the layout of 2-4), written by int4h, which a reader of format 5 does not know;
+# 7: the same, written by kvh (keys and values at widths of their own), which a reader of 6 does not know.
 # The store's own layout (meta, e/, r/, a/, x/) is STORE_FORMAT, unchanged since format 2: a store
 # without owned entries has no x/ keys, and an older kvstore ignores them.
-FORMAT_VERSION = 6
-CHUNK_FORMAT = 6  # the newest format of a chunk entry
+FORMAT_VERSION = 7
+CHUNK_FORMAT = 7  # the newest format of a chunk entry
 DERIVED_FORMAT = 5
 STORE_FORMAT = 2
 MAGIC = b"\x89KVS\r\n\x1a\n"

@@ -49,8 +49,8 @@ def test_quality_measures_each_policy_against_the_full_prefill(tiny_llama_dir, t
 def test_quality_compose_refuses_in_one_line(tiny_llama_dir, tmp_path):
     cases = [
         (("--compose", "blend:2"), "compose policy 'blend:2'"),
-        (("--compose", "none", "-c", "int8"), "one of the two"),
-        ((), "one of the two"),
+        (("--compose", "none", "-c", "int8"), "one of the three"),
+        ((), "one of the three"),
     ]
     for extra, message in cases:
         got = _quality(tmp_path, tiny_llama_dir, *extra)

@@ -29,7 +29,7 @@ from kvstore.store.codecs import records as records_mod
 from kvstore.store.kvstore import KVStore
 
 CHUNK = 16
-CODECS = ("raw", "zstd:1", "zstd-shuffle:1", "int8", "int4", "int8:32+zstd:1", "fp8", "ecq", "int4h")
+CODECS = ("raw", "zstd:1", "zstd-shuffle:1", "int8", "int4", "int8:32+zstd:1", "fp8", "ecq", "int4h", "kvh:8/4:t=8")
 
 
 def _ids(tok, n: int, seed: int) -> list[int]:
@@ -112,7 +112,7 @@ def test_staged_load_fills_the_buffers_as_a_direct_load(llama, forced, spec):
                 assert torch.equal(bits(kd), bits(ks)) and torch.equal(bits(vd), bits(vs))
             chunks = len(plan.keys)
             assert not own, "an upload or record allocated a host tensor of its own instead of using a ring slot"
-            if spec.startswith(("int", "ecq")):  # dequantized where the buffers are, record by record
+            if spec.startswith(("int", "ecq", "kvh")):  # dequantized where the buffers are, record by record
                 assert st.counts == {"chunks": 0, "device_chunks": chunks, "device_decoded": 2 * n_layers * chunks,
                                      "records": 0, "uploads": st.counts["uploads"], "compressed_chunks": 0}  # fmt: skip
                 assert st.counts["uploads"] >= 3 * 2 * n_layers * chunks  # codes, scales, zeros (+ sink)

@@ -220,9 +220,9 @@ def golden_v1() -> dict:
 
 
 def test_golden_format_version(golden, golden_v1):
-    # this kvstore reads formats 1 to 6 (chunks 1-4 and 6, derived entries 5); raw and zstd-shuffle
+    # this kvstore reads formats 1 to 7 (chunks 1-4, 6 and 7, derived entries 5); raw and zstd-shuffle
     # entries are still written as format 2
-    assert FORMAT_VERSION == 6 and CHUNK_FORMAT == 6 and DERIVED_FORMAT == 5
+    assert FORMAT_VERSION == 7 and CHUNK_FORMAT == 7 and DERIVED_FORMAT == 5
     assert golden["format_version"] == 2 and golden_v1["format_version"] == 1
 
 

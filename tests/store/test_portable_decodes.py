@@ -32,12 +32,13 @@ FRESH = [
     ("format_v3_prerope.json", "int4r", "golden_rotary_entry"),
     ("format_v4_ecq.json", "ecq", "golden_rotary_entry"),
     ("format_v6_int4h.json", "int4h", "golden_rotary_entry"),
+    ("format_v7_kvh.json", "kvh:6/3:16/8:s=2:t=8", "golden_quant_entry"),
 ]
 
 
 def probe() -> dict:
     """What this process makes of the golden files: ``{"capability", "threads", "decoded/FILE":
-    sha256 of every record's and layer's bits (entries of formats 1-4, 6), "derived/FILE": the
+    sha256 of every record's and layer's bits (entries of formats 1-4, 6, 7), "derived/FILE": the
     derived entries' decoded sha256, "fresh/SPEC": lossy facts of a fresh encoding}``."""
     import importlib
 
@@ -51,7 +52,7 @@ def probe() -> dict:
     from kvstore.store.entry import decode_entry
 
     out: dict = {"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
-    for path in sorted(GOLDEN.glob("entry_v[1-46]_*.kvs")):
+    for path in sorted(GOLDEN.glob("entry_v[1-467]_*.kvs")):
         view, h = decode_entry(path.read_bytes()), hashlib.sha256()
         for rec in sorted(view.records):  # as test_every_older_golden_file_still_decodes_to_the_same_tensors
             h.update(rec.encode())
@@ -60,7 +61,7 @@ def probe() -> dict:
             for t in kv or ():
                 h.update(bits(t.materialize()).numpy().tobytes())
         out["decoded/" + path.name] = h.hexdigest()
-        if path.name.startswith("entry_v6_"):
+        if path.name.startswith(("entry_v6_", "entry_v7_")):
             out["stored/" + path.name] = lossy_facts(path.read_bytes())["decoded_sha256"]
     derived = importlib.import_module("test_derived")
     for path in sorted(GOLDEN.glob("entry_v5_*.kvs")):
@@ -136,6 +137,8 @@ def test_the_bits_are_the_ones_the_golden_files_pin(runs):
         got["stored/entry_v6_int4h.kvs"]
         == json.loads((GOLDEN / "format_v6_int4h.json").read_text())["int4h"]["decoded_sha256"]
     )
+    kvh = json.loads((GOLDEN / "format_v7_kvh.json").read_text())["kvh:6/3:16/8:s=2:t=8"]
+    assert got["stored/entry_v7_kvh.kvs"] == kvh["decoded_sha256"]
 
 
 # -- the pieces, in this process ---------------------------------------------------------------------
@@ -206,7 +209,7 @@ def test_no_decode_runs_a_matrix_product_or_a_library_cos(monkeypatch):
 
     from test_derived import _decoded_sha
 
-    blobs = [p.read_bytes() for p in sorted(GOLDEN.glob("entry_v[1-46]_*.kvs"))]
+    blobs = [p.read_bytes() for p in sorted(GOLDEN.glob("entry_v[1-467]_*.kvs"))]
     blobs.append(golden_rotary_entry("int4h:k8=0:v8=0"))  # int4h's 8-bit layers too
     derived = [p.read_bytes() for p in sorted(GOLDEN.glob("entry_v5_*.kvs"))]
     for name in ("matmul", "mm", "bmm", "einsum", "cos", "sin", "exp"):

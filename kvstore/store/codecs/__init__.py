@@ -24,6 +24,7 @@ its import below. Codecs see tensors and bytes, never keys or stores.
 from __future__ import annotations
 
 # The built-in codecs register themselves on import; each imports only ``base`` and ``records``.
+from kvstore.store.codecs import asym as _asym  # noqa: F401
 from kvstore.store.codecs import entropy as _entropy  # noqa: F401
 from kvstore.store.codecs import hadamard as _hadamard  # noqa: F401
 from kvstore.store.codecs import plain as _plain  # noqa: F401

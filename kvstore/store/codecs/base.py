@@ -76,9 +76,11 @@ class Quantizer(Protocol):
         """The names under which ``encode`` stores tensor ``name``."""
         ...
 
-    def bits_per_value(self, head_dim: int, dtype_bits: int) -> float:
+    def bits_per_value(self, head_dim: int, dtype_bits: int, n_layers: int = 0) -> float:
         """Stored bits per key/value element, scales and zeros included (averaged over keys and
-        values; a context's first few tokens and partial groups aside): size estimates use it."""
+        values and over the model's ``n_layers`` layers, 0 when unknown; a context's first few tokens
+        and partial groups aside): size estimates use it. Raises CodecError when the figure depends
+        on the layer count (a spec giving some layers other widths) and ``n_layers`` is 0."""
         ...
 
 

@@ -92,7 +92,7 @@ class EntropyQuantizer:
     def stored_names(self, name: str) -> list[str]:
         return [name + p for p in PARTS]
 
-    def bits_per_value(self, head_dim: int, dtype_bits: int) -> float:
+    def bits_per_value(self, head_dim: int, dtype_bits: int, n_layers: int = 0) -> float:
         # a Gaussian channel rounded to steps of S sigma takes about log2(sqrt(2 pi e) / S) bits once
         # entropy coded (the default packing); int8 codes never take more than 8
         s = math.sqrt(self.step_k * self.step_v)

@@ -155,6 +155,18 @@ class HadamardQuantizer(IntQuantizer):
         )
         return super().spec + extra
 
+    def bits_per_value(self, head_dim: int, dtype_bits: int, n_layers: int = 0) -> float:
+        """:meth:`IntQuantizer.bits_per_value` with the listed layers' keys (values) at 8 bits: each
+        adds ``(8 - 4) / 2 / n_layers`` (keys and values averaged). CodecError without ``n_layers``
+        for a mixed spec (the share depends on it)."""
+        four = super().bits_per_value(head_dim, dtype_bits)
+        if not (self.keys8 or self.values8):
+            return four
+        if n_layers < 1:
+            raise CodecError(f"{self.spec}: bits per value depend on the model's layer count; give n_layers")
+        wide = sum(1 for i in self.keys8 if i < n_layers) + sum(1 for i in self.values8 if i < n_layers)
+        return four + (self._wide.bits - self.bits) * wide / (2 * n_layers)
+
     def codes_of(self, role: str, name: str) -> IntQuantizer:
         """The integer codes tensor ``name`` is stored in: 8-bit for a layer of ``keys8``/``values8``
         (read from the name, ``layers.L....``), else this quantizer's 4-bit ones."""

@@ -38,7 +38,7 @@ class Identity:
     def stored_names(self, name: str) -> list[str]:
         return [name]
 
-    def bits_per_value(self, head_dim: int, dtype_bits: int) -> float:
+    def bits_per_value(self, head_dim: int, dtype_bits: int, n_layers: int = 0) -> float:
         return float(dtype_bits)
 
     def reader(

@@ -164,7 +164,7 @@ class IntQuantizer:
     def stored_names(self, name: str) -> list[str]:
         return [name + p for p in PARTS]
 
-    def bits_per_value(self, head_dim: int, dtype_bits: int) -> float:
+    def bits_per_value(self, head_dim: int, dtype_bits: int, n_layers: int = 0) -> float:
         # a 16-bit scale and a 16-bit zero per group, keys grouped by tokens, values by channels
         return self.bits + 16.0 / self.group_k + 16.0 / min(self.group_v, head_dim)
 
@@ -323,7 +323,7 @@ class Fp8Quantizer:
     def stored_names(self, name: str) -> list[str]:
         return [name + ".codes", name + ".scales"]
 
-    def bits_per_value(self, head_dim: int, dtype_bits: int) -> float:
+    def bits_per_value(self, head_dim: int, dtype_bits: int, n_layers: int = 0) -> float:
         return 8.0 + 16.0 / head_dim  # one 16-bit scale per head and token
 
     def encode(
