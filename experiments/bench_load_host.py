@@ -119,10 +119,11 @@ def main() -> None:
                 st = Staging(torch.device("cpu"), force=True, ring=ring)
                 with store.open_chain(keys, lazy=True, defer=True) as views:
                     assert len(views) == len(keys) and all(v.unverified is not None for v in views)
-                    chunks = []
+                    chunks = []  # paired as kvstore.model.stages.load pairs them: row 0's views, cut per chunk
+                    rows = [(kb[0], vb[0]) for kb, vb in bufs]
                     for view in views:
                         h = view.header
-                        chunks.append([(kv[r], bufs[i][r][0, :, h.start : h.end])
+                        chunks.append([(kv[r], rows[i][r][:, h.start : h.end])
                                        for i, kv in enumerate(view.layers) for r in (0, 1)])  # fmt: skip
                     frames = [v.unverified for v in views]
                     if not copy:
