@@ -257,25 +257,27 @@ def decode_entry(
     header, codec, decoded = open_frame(
         buf, read_header, lambda h, _, n: check_sizes(h, n), key=key, threads=threads, lazy=lazy, checked=checked
     )
-    records = decoded.tensors
+    records, quantizer = decoded.tensors, codec.quantizer
+    kv_names = [
+        (kv_tensor_name(i, "keys"), kv_tensor_name(i, "values")) if spec.kind in KV_KINDS else None
+        for i, spec in enumerate(header.layers)
+    ]
     want = ["token_ids"]
-    for i, spec in enumerate(header.layers):
-        if spec.kind in KV_KINDS:
-            for role in ("keys", "values"):
-                want += codec.quantizer.stored_names(kv_tensor_name(i, role))
+    for i, (spec, kv) in enumerate(zip(header.layers, kv_names)):
+        if kv is not None:
+            want += quantizer.stored_names(kv[0])
+            want += quantizer.stored_names(kv[1])
         want += [state_tensor_name(i, name) for name, _, _ in spec.state]
     if sorted(records) != sorted(want):
         raise CorruptEntryError("entry holds other tensors than its header describes")
     dtype = dtypes.to_torch(header.dtype)
     layers: list[tuple[StoredTensor, StoredTensor] | None] = []
     states: list[dict[str, TensorRecord] | None] = []
-    for i, spec in enumerate(header.layers):
-        if spec.kind in KV_KINDS:
+    for i, (spec, kv) in enumerate(zip(header.layers, kv_names)):
+        if kv is not None:
             kv_shape = (spec.kv_heads, spec.length, spec.head_dim)
-            k, v = (
-                codec.quantizer.reader(role, kv_tensor_name(i, role), records, kv_shape, dtype, start=header.start)
-                for role in ("keys", "values")
-            )
+            k = quantizer.reader("keys", kv[0], records, kv_shape, dtype, start=header.start)
+            v = quantizer.reader("values", kv[1], records, kv_shape, dtype, start=header.start)
             layers.append((k, v))
         else:
             layers.append(None)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
+import operator
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -40,6 +42,23 @@ BLOCK = 256 << 10  # bytes of a run of raw bytes copied, then hashed, in one go 
 # 1 MiB 0.75x (no longer in L2 when hashed), 64 KiB 0.8x (per-call overhead)
 
 Job = tuple[Any, int, int, int, int, int]  # (callable or None: a memmove, lo, hi, dst, src, nbytes)
+
+
+_BOUNDS = operator.itemgetter(1, 2)  # a job's (lo, hi)
+
+
+def _blocks(job: Job) -> list[Job]:
+    """A run of copies cut into jobs of :data:`BLOCK` bytes (its tail shorter); any other job as it is."""
+    fn, lo, _, dst, src, n = job
+    if fn is not None or n <= BLOCK:
+        return [job]
+    whole, block = n - n % BLOCK, BLOCK  # built by iterators: a 64 MiB run is 256 blocks, cut per chunk opened
+    los, his = range(lo, lo + whole, block), range(lo + block, lo + whole + block, block)
+    dsts, srcs = range(dst, dst + whole, block), range(src, src + whole, block)
+    out = list(zip(itertools.repeat(None), los, his, dsts, srcs, itertools.repeat(block)))
+    if whole < n:
+        out.append((None, lo + whole, lo + n, dst + whole, src + whole, n - whole))
+    return out
 
 
 def address(buf: Any) -> int:
@@ -111,13 +130,13 @@ class ChunkWork:
 
     def copy(self, dst: int, start: int, nbytes: int) -> None:
         """Jobs copying the frame's bytes ``[start, start + nbytes)`` to the address ``dst`` (the
-        caller's: at least ``nbytes`` writable bytes), a :data:`BLOCK` each."""
+        caller's: at least ``nbytes`` writable bytes), a :data:`BLOCK` each (one entry until
+        :meth:`seal` cuts it: a 64 MiB run is 256 blocks)."""
         if start < 0 or start + nbytes > self.end:
             self.usable = False
             return
-        src, block = self.base + start, BLOCK
-        self.jobs += [(None, start + a, start + min(a + block, nbytes), dst + a, src + a, min(block, nbytes - a))
-                      for a in range(0, nbytes, block)]  # fmt: skip
+        if nbytes:
+            self.jobs.append((None, start, start + nbytes, dst, self.base + start, nbytes))
 
     def record(self, record: Any, fn: Callable[[], object]) -> None:
         """A job decoding ``record`` (``fn``) from the frame's bytes it reads."""
@@ -131,13 +150,15 @@ class ChunkWork:
     def seal(self) -> bool:
         """Order the jobs as their bytes lie in the frame; False (nothing to run here: verify the
         frame first, then decode) when a job reads bytes not the frame's or two jobs' bytes
-        overlap."""
+        overlap. Runs of copies are then cut into blocks."""
         if not self.usable:
             return False
-        self.jobs.sort(key=lambda j: (j[1], j[2]))
+        self.jobs.sort(key=_BOUNDS)
         his = [j[2] for j in self.jobs]
         if any(hi > job[1] for hi, job in zip(his, self.jobs[1:])):
             return False
+        if any(j[0] is None and j[5] > BLOCK for j in self.jobs):
+            self.jobs = [block for job in self.jobs for block in _blocks(job)]
         self.ready = [False] * len(self.jobs)
         return True
 

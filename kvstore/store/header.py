@@ -5,6 +5,7 @@ kind of entry shares (magic, header length, checksum) in :mod:`kvstore.store.fra
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,10 +166,30 @@ def check_layer(spec: LayerSpec, n_tokens: int, i: int, error: type[Exception]) 
         raise error(f"layer {i}: only sliding and chunked layers have a window")
 
 
+_local = threading.local()
+
+
 def _layers_v2(h: Mapping, n_tokens: int) -> tuple[LayerSpec, ...]:
+    """The header's layer records, validated. The chunks of a chain list the same layers: the last
+    records validated on this thread are kept with the ``repr`` of the JSON they came from (which
+    tells ``1`` from ``true`` and ``1.0``), and the same text for the same ``n_tokens`` reuses
+    them instead of validating again."""
     raw = h.get("layers")
     if not isinstance(raw, list) or not raw:
         raise CorruptEntryError("entry header lists no layers")
+    try:
+        text = repr(raw)
+    except RecursionError:  # hostile nesting json.loads let through: validated (and refused) below
+        return _validate_layers(raw, n_tokens)
+    last = getattr(_local, "layers", None)
+    if last is not None and last[0] == n_tokens and last[1] == text:
+        return last[2]
+    specs = _validate_layers(raw, n_tokens)
+    _local.layers = (n_tokens, text, specs)
+    return specs
+
+
+def _validate_layers(raw: list, n_tokens: int) -> tuple[LayerSpec, ...]:
     specs = []
     for i, r in enumerate(raw):
         if not isinstance(r, dict) or not isinstance(r.get("kind"), str):

@@ -291,11 +291,12 @@ class KVStore(EntryAccess):
         defer = defer and lazy and self._single_copy()
         with contextlib.ExitStack() as stack:
             bufs = []
-            for key in keys:
-                buf = stack.enter_context(self.backend.view(entry_key(key)))
-                if buf is None:
-                    break
-                bufs.append(buf)
+            with self.backend.read_ahead():  # read whole: a cold chunk at the disk's sequential speed
+                for key in keys:
+                    buf = stack.enter_context(self.backend.view(entry_key(key)))
+                    if buf is None:
+                        break
+                    bufs.append(buf)
             # every chunk's checksum at once, on the load threads (xxh3 releases the GIL): one
             # thread verifying a long context's chunks in turn cost as much as copying them
             checks: list[BaseException | bool] = [defer] * len(bufs)

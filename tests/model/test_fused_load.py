@@ -162,3 +162,33 @@ def test_a_chunk_hashed_out_of_order_or_short_fails():
     outside = fused.ChunkWork(frame)
     outside.copy(0, len(body) - 4, 8)  # past the checksummed bytes
     assert not outside.seal()
+
+
+def test_a_run_of_copies_is_cut_into_blocks_that_cover_it():
+    """A run of raw bytes is one job until sealed, then blocks of ``BLOCK`` bytes (the last one
+    shorter) that copy it whole, bit for bit, in any order of the threads that run them."""
+    import xxhash
+
+    n = 3 * fused.BLOCK + 100
+    body = torch.randint(0, 256, (n + 64,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    frame = body.numpy().tobytes()
+    frame += xxhash.xxh3_64_intdigest(frame).to_bytes(8, "little")
+    for order in ("in turn", "reversed"):
+        dest = torch.zeros(n, dtype=torch.uint8)
+        work = fused.ChunkWork(frame)
+        work.copy(dest.data_ptr(), 32, n)
+        assert len(work.jobs) == 1
+        assert work.seal()
+        assert [(j[1], j[2], j[5]) for j in work.jobs] == [
+            (32, 32 + fused.BLOCK, fused.BLOCK),
+            (32 + fused.BLOCK, 32 + 2 * fused.BLOCK, fused.BLOCK),
+            (32 + 2 * fused.BLOCK, 32 + 3 * fused.BLOCK, fused.BLOCK),
+            (32 + 3 * fused.BLOCK, 32 + n, 100),
+        ]
+        if order == "in turn":
+            work.run_in_turn()
+        else:
+            for k in reversed(range(len(work.jobs))):
+                work.run_job(k)
+        work.check()
+        assert torch.equal(dest, body[32 : 32 + n])

@@ -359,6 +359,10 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
             return
         first, start = run[0]
         nbytes = run[-1][1] + run[-1][0].numel() - start
+        if work is not None:  # its tasks are made only when the work cannot be sealed (below)
+            work.copy(host.data_ptr() + start, first.data_ptr() - work.base, nbytes)
+            run.clear()
+            return
         span = first.as_strided((nbytes,), (1,))  # the run's bytes: one view of the payload
         share = -(-nbytes // max(threads, 1))  # bytes per thread, rounded up
         step = max(PIECE, -(-share // ALIGN) * ALIGN)
@@ -366,8 +370,6 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
             functools.partial(torch.Tensor.copy_, host[start + a : start + min(a + step, nbytes)], span[a : a + step])
             for a in range(0, nbytes, step)
         )
-        if work is not None:
-            work.copy(host.data_ptr() + start, span.data_ptr() - work.base, nbytes)
         run.clear()
 
     for (rec, dest), off in zip(staged, offsets):
@@ -389,7 +391,9 @@ def _decode_tasks(staged: Sequence[tuple[Any, torch.Tensor]], offsets: Sequence[
                 flush()
         run.append((source, off))
     flush()
-    return (work, []) if work is not None and work.seal() else (None, tasks)
+    if work is None:
+        return None, tasks
+    return (work, []) if work.seal() else _decode_tasks(staged, offsets, host, threads)
 
 
 __all__ = ["SlotUploads", "Staging"]

@@ -144,13 +144,14 @@ def _copy_chunks(
     that failed, or None)``: that chunk and the later ones do not count as loaded."""
     per_chunk: list[list[tuple[StoredTensor, torch.Tensor]]] = []
     frames = [view.unverified for view in fitting]
+    rows = [(kb[row], vb[row]) for kb, vb in bufs]  # row ``row`` once, each chunk's span of it below
     for view in fitting:
         h = view.header
         pairs: list[tuple[StoredTensor, torch.Tensor]] = []
-        for (kb, vb), kv, spec in zip(bufs, view.layers, h.layers):
+        for (kr, vr), kv, spec in zip(rows, view.layers, h.layers):
             if kv is not None:
                 lo, hi = slot0 + h.end - spec.length, slot0 + h.end
-                pairs += [(kv[0], kb[row, :, lo:hi]), (kv[1], vb[row, :, lo:hi])]
+                pairs += [(kv[0], kr[:, lo:hi]), (kv[1], vr[:, lo:hi])]
         per_chunk.append(pairs)
     if staging is not None and staging.active:
         return staging.load_chunks(per_chunk, threads, frames)

@@ -8,6 +8,9 @@ a default in :class:`BackendBase` built on those: batched variants, zero-copy ``
   (:func:`kvstore.model.plan.chains.stored_tails`); False for a remote store or a tier in front of one.
 * ``prefetch(keys)``: start loading values in the background; a no-op where loads are already
   cheap (only the S3 backend, and a tier in front of it, do something).
+* ``read_ahead()``: a context in which values read through ``view`` are read whole (a chain's
+  chunks): LMDB lets the kernel read ahead in its map meanwhile, so that a cold value comes in at
+  the disk's sequential speed; a no-op elsewhere.
 * ``disk_bytes()``: bytes the store occupies on this machine's disk, or None when that is not a
   file here (memory, S3, a tier's remote).
 * ``origin()``, ``local_copy(key)``, ``drop_local(keys)``: the copies of a local tier
@@ -51,6 +54,7 @@ class Backend(Protocol):
 
     # optional features (defaults in BackendBase)
     def prefetch(self, keys: Iterable[bytes]) -> None: ...
+    def read_ahead(self) -> contextlib.AbstractContextManager[None]: ...
     def disk_bytes(self) -> int | None: ...
     def origin(self) -> Backend: ...
     def local_copy(self, key: bytes) -> contextlib.AbstractContextManager[memoryview | None]: ...
@@ -108,6 +112,10 @@ class BackendBase:
 
     def prefetch(self, keys: Iterable[bytes]) -> None:
         """Start loading ``keys`` in the background where that pays; here, nothing to do."""
+
+    def read_ahead(self) -> contextlib.AbstractContextManager[None]:
+        """Values viewed inside are read whole (see the module docstring); here, nothing to do."""
+        return contextlib.nullcontext()
 
     def disk_bytes(self) -> int | None:
         """Bytes the store occupies on this machine's disk; None: not a local file."""

@@ -158,6 +158,14 @@ class LMDBBackend(BackendBase):
             buf = txn.get(key)
             yield None if buf is None else memoryview(buf)
 
+    @contextlib.contextmanager
+    def read_ahead(self) -> Iterator[None]:
+        if self._shared is None:
+            yield
+            return
+        with self._shared.read_ahead():
+            yield
+
     def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
         with self._read_txn() as txn:
             return [txn.get(k) for k in keys]

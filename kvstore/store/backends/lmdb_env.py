@@ -51,6 +51,8 @@ class SharedEnv:
     users: int = 0
     active: int = 0  # transactions in progress (read and write)
     busy_at_fork: bool = False  # inherited from a parent that was inside a transaction when it forked
+    reading_ahead: int = 0  # loads inside read_ahead() (the map's read-ahead is on while any is)
+    mapped: tuple[int, list[tuple[int, int]]] | None = None  # (map size, where the map is) once found
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
@@ -62,6 +64,66 @@ class SharedEnv:
         finally:
             with LMDB.lock:
                 self.active -= 1
+
+    @contextlib.contextmanager
+    def read_ahead(self) -> Iterator[None]:
+        """The kernel's read-ahead on this environment's map while any load is inside: LMDB opens
+        it with read-ahead off (random reads of a store larger than memory), so that a cold 64 MiB
+        value came in 4 KiB page by 4 KiB page (~60 MB/s on the VM it was measured on)."""
+        with LMDB.lock:
+            self.reading_ahead += 1
+            if self.reading_ahead == 1:
+                advise(self._ranges(), MADV_NORMAL)
+        try:
+            yield
+        finally:
+            with LMDB.lock:
+                self.reading_ahead -= 1
+                if self.reading_ahead == 0:
+                    advise(self._ranges(), MADV_RANDOM)  # as LMDB left it (readahead=False)
+
+    def _ranges(self) -> list[tuple[int, int]]:
+        """Where the map is (call under the lock): found once per map size (LMDB maps again only
+        when the size changes: the store grew, here or in another process), ~0.6 ms each time."""
+        size = self.env.info()["map_size"]
+        if self.mapped is None or self.mapped[0] != size:
+            self.mapped = (size, mapped_ranges(Path(self.key) / "data.mdb"))
+        return self.mapped[1]
+
+
+MADV_NORMAL, MADV_RANDOM = 0, 1  # Linux's madvise(2) advice values
+_LIBC: list[Any] = []  # libc's madvise, looked up once ([None] where there is none)
+
+
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """``(address, length)`` of every mapping of the file ``path`` in this process, from
+    /proc/self/maps (py-lmdb does not tell where its map is); none where there is no /proc."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    want, out = str(path), []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].rstrip("\n") == want:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi - lo))
+    return out
+
+
+def advise(ranges: list[tuple[int, int]], advice: int) -> int:
+    """``madvise(advice)`` on each of ``ranges``; how many took it (none without madvise). A
+    stale range (the map moved) gets advice that only ever changes read-ahead."""
+    if not _LIBC:
+        import ctypes
+
+        fn = getattr(ctypes.CDLL(None, use_errno=True), "madvise", None)
+        if fn is not None:
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        _LIBC.append(fn)
+    madvise = _LIBC[0]
+    return 0 if madvise is None else sum(madvise(lo, n, advice) == 0 for lo, n in ranges)
 
 
 def _open(path: Path, *, map_size: int, sync: bool, max_readers: int, writable: bool):
@@ -154,4 +216,4 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
-__all__ = ["SharedEnv", "acquire", "open_count", "release"]
+__all__ = ["SharedEnv", "acquire", "advise", "mapped_ranges", "open_count", "release"]

@@ -150,6 +150,9 @@ class TieredBackend(BackendBase):
             self.tier.delete_many([_V + k for k in keys] + [_I + k for k in keys])
 
     # -- reads --------------------------------------------------------------------------------------
+    def read_ahead(self) -> contextlib.AbstractContextManager[None]:
+        return self.tier.read_ahead()  # the local tier's copies are read from its map
+
     @contextlib.contextmanager
     def view(self, key: bytes) -> Iterator[memoryview | None]:
         size = self._cached_len(key)

@@ -158,6 +158,14 @@ def build_header(tensors: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[
 
 
 HeaderRecord = tuple[str, torch.dtype, tuple[int, ...], int, int]  # name, dtype, shape, begin, end
+_TORCH_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """Each safetensors dtype code kvstore stores, as its torch dtype (made once)."""
+    if not _TORCH_DTYPES:
+        _TORCH_DTYPES.update({code: dtypes.to_torch(name) for code, name in dtypes.FROM_SAFETENSORS.items()})
+    return _TORCH_DTYPES
 
 
 def parse_header(head: memoryview | bytes, data_len: int) -> tuple[list[HeaderRecord], dict]:
@@ -177,24 +185,39 @@ def parse_header(head: memoryview | bytes, data_len: int) -> tuple[list[HeaderRe
     metadata = parsed.pop("__metadata__", {}) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CorruptEntryError("safetensors metadata must map strings to strings")
+    return _tensor_table(parsed, data_len), metadata
+
+
+def _tensor_table(parsed: dict, data_len: int) -> list[HeaderRecord]:
+    """The records of a parsed safetensors header (its metadata popped), validated against
+    ``data_len`` bytes of data and sorted by offset. The chunks of a chain list the same tensors at
+    the same offsets: the last table validated on this thread is kept with the header it came from,
+    and a header equal to it (``==`` on the parsed JSON: every value that differs, or that
+    validation would read differently, compares unequal; the names in the same order) reuses it
+    instead of validating again."""
+    last = getattr(_local, "table", None)
+    if last is not None and last[0] == data_len and last[1] == parsed and last[2] == tuple(parsed):
+        return list(last[3])
     records: list[HeaderRecord] = []
+    codes, prod = _torch_dtypes(), math.prod  # one chunk's header lists ~65 tensors: a tight loop
     for name, spec in parsed.items():
         try:
-            dtype = dtypes.to_torch(dtypes.FROM_SAFETENSORS[spec["dtype"]])
-            shape = tuple(int(d) for d in spec["shape"])
-            begin, end = (int(x) for x in spec["data_offsets"])
+            dtype = codes[spec["dtype"]]
+            shape = tuple(map(int, spec["shape"]))
+            begin, end = map(int, spec["data_offsets"])
         except (KeyError, TypeError, ValueError, OverflowError, AttributeError):  # OverflowError: int(1e999)
             raise CorruptEntryError(f"safetensors entry {name!r} is malformed or has an unsupported dtype") from None
-        if any(d < 0 for d in shape) or not 0 <= begin <= end <= data_len:
+        if (shape and min(shape) < 0) or not 0 <= begin <= end <= data_len:
             raise CorruptEntryError(f"tensor {name!r}: offsets {begin}..{end} fall outside {data_len} data bytes")
-        if math.prod(shape) * dtype.itemsize != end - begin:
+        if prod(shape) * dtype.itemsize != end - begin:
             raise CorruptEntryError(f"tensor {name!r}: shape {shape} does not match its {end - begin} bytes")
         records.append((name, dtype, shape, begin, end))
     records.sort(key=lambda r: r[3])
     for (a, _, _, _, a_end), (b, _, _, b_begin, _) in zip(records, records[1:]):
         if b_begin < a_end:
             raise CorruptEntryError(f"tensors {a!r} and {b!r} overlap")
-    return records, metadata
+    _local.table = (data_len, parsed, tuple(parsed), tuple(records))
+    return records
 
 
 __all__ = ["DecodedPayload", "TensorRecord", "buffer_view", "build_header", "parse_header", "tensor_bytes"]
