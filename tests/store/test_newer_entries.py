@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from helpers.entries import assemble, make_chain, put_derived, split, store_chain
 from kvstore.cli.main import app
+from kvstore.store.frame import FORMAT_VERSION
 from kvstore.store.keyspace import entry_key, owned_key
 from kvstore.store.kvstore import KVStore
 
@@ -23,10 +24,13 @@ def invoke(*args: str) -> Any:
     return CliRunner().invoke(app, list(args))
 
 
+NEWER = FORMAT_VERSION + 1  # a format no release of this code writes
+
+
 def _newer(blob: bytes) -> bytes:
-    """The same entry, its header saying format 7, resealed (a valid checksum)."""
+    """The same entry, its header saying a format newer than this code's, resealed (a valid checksum)."""
     header, payload = split(blob)
-    header["format"] = 7
+    header["format"] = NEWER
     return assemble(header, payload)
 
 
@@ -36,8 +40,8 @@ def _everything(path: str) -> dict[bytes, bytes]:
 
 
 def populated(path: str) -> dict[str, Any]:
-    """A recorded context whose last chunk is format 7, owning readable scores; a context stored
-    only as a pressed cache of format 7, owning readable scores; a plain context."""
+    """A recorded context whose last chunk is of a newer format, owning readable scores; a context stored
+    only as a pressed cache of a newer format, owning readable scores; a plain context."""
     newer_chain = make_chain(list(range(10, 21)))
     plain = make_chain(list(range(40, 49)))
     pressed_only = "5" * 64
@@ -65,7 +69,7 @@ def test_verify_reports_them_apart_and_exits_0(store):
     path, keys = store
     r = invoke("verify", "--store", path, "-q")
     assert r.exit_code == 0, r.output
-    assert f"unknown  {keys['context']}  entry was written by format version 7" in r.stdout
+    assert f"unknown  {keys['context']}  entry was written by format version {NEWER}" in r.stdout
     assert f"unknown  {keys['pressed']}" in r.stdout and "corrupt" not in r.stdout and "broken" not in r.stdout
     assert "2 entries of a newer format" in r.stderr and "upgrade kvstore" in r.stderr
     with KVStore(path, readonly=True) as s:
