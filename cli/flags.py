@@ -163,7 +163,7 @@ class StoreChoice:
 
         default = None
         if device_type is not None and self.codec is None:
-            from kvstore.model.compute.device_zstd import nvcomp_importable
+            from kvstore.model.io.device_zstd import nvcomp_importable
             from kvstore.store.codecs.choice import choose_codec
 
             default = choose_codec(device_type, device_decoder=device_type == "cuda" and nvcomp_importable())

@@ -1,6 +1,6 @@
 """The host side of a load into accelerator memory, against a plain memcpy of the same bytes.
 
-What runs on the CPU before the copy engine takes over (``kvstore.model.compute.staging``): open a
+What runs on the CPU before the copy engine takes over (``kvstore.model.io.staging``): open a
 stored chain in a warm LMDB store and decode every key and value record of every chunk into the
 staging ring's host slots, each chunk's checksum computed while its bytes are copied
 (``kvstore.store.fused``; the host-to-device copy and the device-side scatter are left out: no GPU
@@ -82,8 +82,8 @@ def main() -> None:
     p.add_argument("--write-lengths", default="2048", help="context lengths whose write path is measured too")
     args = bl.start(p, {"lengths": "512,1024", "repeats": 2})
     from kvstore.model.compute.cache import new_buffers
-    from kvstore.model.compute.ring import Ring
-    from kvstore.model.compute.staging import Staging
+    from kvstore.model.io.ring import Ring
+    from kvstore.model.io.staging import Staging
     from kvstore.parallel import run_all
     from kvstore.store.frame import verify_checksum
     from kvstore.store.kvstore import KVStore

@@ -28,6 +28,8 @@ from kvstore.model.compose.store import build_of, build_passages, plan_passages
 from kvstore.model.compute.cache import LayerKV
 from kvstore.model.compute.forward import prefill
 from kvstore.model.handle import DEFAULT_RESERVE_TOKENS, ModelHandle, TextOrIds
+from kvstore.model.io import chains
+from kvstore.model.io.chains import Chain, Keying
 from kvstore.model.keywords import takes_options
 from kvstore.model.options import (
     BuildKeywords,
@@ -43,9 +45,7 @@ from kvstore.model.paths.choice import check_supported, path_of
 from kvstore.model.pipelines import build, sample, score
 from kvstore.model.pipelines.build import BuildReport
 from kvstore.model.pipelines.sample import SampleResult
-from kvstore.model.plan import chains
 from kvstore.model.plan.build import BuildPlan, plan_build
-from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import Press
 from kvstore.model.scoring.scores import RollingResults, ScoreResult
 from kvstore.model.variants import sparse
@@ -110,7 +110,7 @@ class Adapter(ModelView):
         special_tokens: bool = True,
     ) -> Chain:  # fmt: skip
         """A tokenized context as a chain of chunks for ``store``: its keys, and ``chain.key`` the
-        context's (:func:`kvstore.model.plan.chains.chain_of`)."""
+        context's (:func:`kvstore.model.io.chains.chain_of`)."""
         return chains.chain_of(self.handle, context_ids, store, prefix=prefix, special_tokens=special_tokens)
 
     def key(

@@ -61,7 +61,7 @@ class ModelHandle:
     ``prefill_chunk_tokens``: longer prefills run in pieces of this many positions (chunked
     prefill: activation memory bounded by the piece; 0: one forward; None: automatic, see
     :attr:`prefill_piece`); ``force_staging``: loads go through the accelerator staging
-    (:class:`kvstore.model.compute.staging.Staging`) on CPU too (tests; None: whether
+    (:class:`kvstore.model.io.staging.Staging`) on CPU too (tests; None: whether
     ``KVSTORE_FORCE_STAGING`` is set, :func:`kvstore.process.forced_staging`).
     """
 

@@ -202,7 +202,7 @@ def import_caches(
             f"to {report.max_abs_diff:.3g} (> {tolerance:g}); check --model, --dtype, --config-json and "
             "--max-context-length; nothing was stored"
         )
-    from kvstore.model.compute.writer import Writer
+    from kvstore.model.io.writer import Writer
 
     writer = Writer(store)
     try:

@@ -14,8 +14,8 @@ import torch
 from helpers.entries import make_entry
 from helpers.tiny import make_tiny_model
 from kvstore.model.adapter import Adapter
-from kvstore.model.compute import offload
-from kvstore.model.compute.writer import Writer
+from kvstore.model.io import offload
+from kvstore.model.io.writer import Writer
 from kvstore.store.kvstore import KVStore
 
 CHUNK = 16

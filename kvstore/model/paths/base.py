@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvstore.model.compute.forward import Decoding
+from kvstore.model.io.chains import Chain
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import Chain
 from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.stages.answer import Answer
 from kvstore.model.stages.load import Loaded
@@ -35,8 +35,8 @@ from kvstore.model.variants.variant import Variant
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.io.writer import Writer
     from kvstore.model.options import BuildOptions
     from kvstore.progress import Progress
 

@@ -28,9 +28,9 @@ import torch
 from kvstore.model.compute.cache import PreallocatedCache, new_buffers
 from kvstore.model.compute.forward import DecodeSlots, Decoding, batches, extend, greedy_loop, prefill, right_padded
 from kvstore.model.compute.static import StaticSteps, bucket_slots
+from kvstore.model.io.chains import Chain
 from kvstore.model.paths.base import FEATURES, BatchAnswers, BatchScores, BuildCounts, CachePath, Work
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import Chain
 from kvstore.model.press.select import PressMemo
 from kvstore.model.press.stored import StoredScores, open_pressed
 from kvstore.model.stages.answer import Answer, QuestionMemo, answer, prefill_contexts
@@ -43,8 +43,8 @@ from kvstore.store.kvstore import KVStore
 from kvstore.store.owned import DerivedView
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.io.writer import Writer
     from kvstore.model.options import BuildOptions
     from kvstore.progress import Progress
 

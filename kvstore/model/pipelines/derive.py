@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.model.compute.forward import Decoding, batches
-from kvstore.model.compute.writer import Writer
+from kvstore.model.io.writer import Writer
 from kvstore.model.options import BuildOptions
 from kvstore.model.paths.base import CachePath, Work
 from kvstore.model.paths.dense import Prepared

@@ -29,14 +29,14 @@ import torch
 from kvstore.errors import ContextTooLongError
 from kvstore.model.compute.attention import uses_grouped_kv
 from kvstore.model.compute.forward import Decoding, batches, in_halves, loaded_ahead, row_length
-from kvstore.model.compute.writer import Writer
 from kvstore.model.handle import row_label
+from kvstore.model.io import chains
+from kvstore.model.io.chains import Chain, Keying
+from kvstore.model.io.writer import Writer
 from kvstore.model.options import SampleOptions
 from kvstore.model.paths.base import BatchAnswers, CachePath, PreparedT, Work
 from kvstore.model.paths.choice import check_supported, check_variants
-from kvstore.model.plan import chains
 from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
-from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.stages.load import Loaded, load
 from kvstore.model.variants import hooks
@@ -72,7 +72,7 @@ class SampleResult:
     for a context that was not composed of passages); only ``full`` is exact.
     ``lossy_copies``: in a lossless run, per lossy codec identity, how many of the contexts the store
     did not hold whole it held more of under that codec when the run began (what ``--codec`` would
-    read; :func:`kvstore.model.plan.chains.lossy_copies`); empty otherwise.
+    read; :func:`kvstore.model.io.chains.lossy_copies`); empty otherwise.
     """
 
     tokens: torch.Tensor

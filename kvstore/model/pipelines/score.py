@@ -32,14 +32,14 @@ import torch
 from kvstore.errors import ContextTooLongError, DatasetError, ModelError, PressError
 from kvstore.model.compute.attention import uses_grouped_kv
 from kvstore.model.compute.forward import Decoding, in_halves, loaded_ahead
-from kvstore.model.compute.writer import Writer
 from kvstore.model.handle import row_label
+from kvstore.model.io import chains
+from kvstore.model.io.chains import DEFAULT_KEYING, Keying
+from kvstore.model.io.writer import Writer
 from kvstore.model.options import ScoreOptions
 from kvstore.model.paths.base import BatchScores, Scoring, Work
 from kvstore.model.paths.choice import check_supported, check_variants
-from kvstore.model.plan import chains
 from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
-from kvstore.model.plan.chains import DEFAULT_KEYING, Keying
 from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.scoring.rows import row_batches, score_reference, vocab_size
 from kvstore.model.scoring.scores import (

@@ -17,7 +17,7 @@ tokens' keys and values (stored with the codec: int8, 4-bit...) and their positi
 codec ``C`` a press reads the dense cache as ``C`` stores it and its kept tokens are stored with
 ``C`` again; an answer pressed from the dense cache goes through the same encoding, so it is the
 answer a stored pressed entry gives (:func:`round_trip`). Derived entries are filed under the
-chain's :attr:`~kvstore.model.plan.chains.Chain.context_key`.
+chain's :attr:`~kvstore.model.io.chains.Chain.context_key`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.errors import CorruptEntryWarning
-from kvstore.model.plan.chains import Chain
+from kvstore.model.io.chains import Chain
 from kvstore.model.press.spec import Press
 from kvstore.store.codecs import Codec
 from kvstore.store.kind_pressed import encode_pressed

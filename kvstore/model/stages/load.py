@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning
-from kvstore.model.compute import device_zstd
 from kvstore.model.compute.cache import Buffers, LayerKV, new_buffers
-from kvstore.model.compute.ring import Ring
-from kvstore.model.compute.staging import Staging
+from kvstore.model.io import device_zstd
+from kvstore.model.io.chains import Chain, fits
+from kvstore.model.io.ring import Ring
+from kvstore.model.io.staging import Staging
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import Chain, fits
 from kvstore.parallel import run_all
 from kvstore.store import fused
 from kvstore.store.codecs import StoredTensor, spec_of
@@ -36,8 +36,8 @@ from kvstore.store.frame import verify_checksum
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.io.writer import Writer
 
 
 @dataclass(frozen=True)

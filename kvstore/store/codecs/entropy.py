@@ -186,7 +186,7 @@ class _EntropyReader:
 
     def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
         """Decode into ``dest``: on the host, or with ``stage`` (``stage(source, device)``, see
-        :meth:`kvstore.model.compute.staging.Staging.upload`) on ``dest``'s device, in fresh tensors there."""
+        :meth:`kvstore.model.io.staging.Staging.upload`) on ``dest``'s device, in fresh tensors there."""
         d = sink_then_rest(self, dest, stage)
         k = self.sink.shape[1]
         if d.numel() == 0:

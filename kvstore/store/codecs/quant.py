@@ -260,7 +260,7 @@ class _IntReader:
     def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
         """Dequantize into ``dest``. Without ``stage``: on the host (a non-CPU ``dest`` gets one
         copy of the float values). With ``stage`` (``stage(source, device)`` -> that stored or
-        host tensor on ``device``, e.g. :meth:`kvstore.model.compute.staging.Staging.upload`): the codes
+        host tensor on ``device``, e.g. :meth:`kvstore.model.io.staging.Staging.upload`): the codes
         (uint8), scales, zeros and sink go to ``dest``'s device and the same arithmetic runs there,
         in fresh device tensors instead of the host's per-thread scratch."""
         d = sink_then_rest(self, dest, stage)

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.model.compute.cache import LayerKV
-from kvstore.model.compute.offload import HostBuffers, Staged
-from kvstore.model.plan import chains
-from kvstore.model.plan.chains import Chain
+from kvstore.model.io import chains
+from kvstore.model.io.chains import Chain
+from kvstore.model.io.offload import HostBuffers, Staged
 from kvstore.store.entry import Entry
 from kvstore.store.kvstore import KVStore
 

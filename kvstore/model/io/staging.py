@@ -50,8 +50,8 @@ from typing import Any
 import torch
 
 from kvstore.errors import CorruptEntryError
-from kvstore.model.compute import device_zstd
-from kvstore.model.compute.ring import ALIGN, RING_SLOTS, Ring, Slot, _view  # noqa: F401 - RING_SLOTS: tests
+from kvstore.model.io import device_zstd
+from kvstore.model.io.ring import ALIGN, RING_SLOTS, Ring, Slot, _view  # noqa: F401 - RING_SLOTS: tests
 from kvstore.parallel import run_all
 from kvstore.store import fused
 from kvstore.store.frame import verify_checksum
