@@ -29,13 +29,14 @@ from kvstore.model.compute.cache import PreallocatedCache, new_buffers
 from kvstore.model.compute.forward import DecodeSlots, Decoding, batches, extend, greedy_loop, prefill, right_padded
 from kvstore.model.compute.static import StaticSteps, bucket_slots
 from kvstore.model.io.chains import Chain
+from kvstore.model.io.probes import load_prefix_kv
 from kvstore.model.paths.base import FEATURES, BatchAnswers, BatchScores, BuildCounts, CachePath, Work
 from kvstore.model.plan.batch import BatchPlan
 from kvstore.model.press.select import PressMemo
 from kvstore.model.press.stored import StoredScores, open_pressed
 from kvstore.model.stages.answer import Answer, QuestionMemo, answer, prefill_contexts
 from kvstore.model.stages.complete import Completed, complete
-from kvstore.model.stages.load import Loaded, load, load_prefix_kv
+from kvstore.model.stages.load import Loaded, load
 from kvstore.model.stages.score import keep_rows, score_fed, scored_contexts
 from kvstore.model.stages.transform import transform
 from kvstore.store.codecs import Codec

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 from kvstore.errors import ReadOnlyStoreError
 from kvstore.model.compute.attention import uses_grouped_kv
 from kvstore.model.io.chains import DEFAULT_KEYING, Chain, Keying
+from kvstore.model.io.probes import load_v1, verified_depth
 from kvstore.model.io.writer import Writer
 from kvstore.model.options import BuildOptions
 from kvstore.model.paths.base import BuildCounts, CachePath
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.pipelines.derive import derive
 from kvstore.model.plan.build import BuildPlan, plan_build
-from kvstore.model.stages.load import load_v1, verified_depth
 from kvstore.model.variants.variant import make_variant
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
