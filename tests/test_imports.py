@@ -664,3 +664,18 @@ def test_imports_inside_the_model_run_down_the_floors() -> None:
     assert found == KNOWN_UPWARD, (
         f"imports back up a floor: {sorted(found - KNOWN_UPWARD)}; stale: {sorted(KNOWN_UPWARD - found)}"
     )
+
+
+def test_staging_asks_a_stored_tensor_only_what_the_protocol_declares() -> None:
+    """The staging ring and the load read a record through ``StoredTensor`` (``device_decode``,
+    ``raw_bytes``, ``copy_into``): no ``getattr``/``hasattr`` probe of what it may have."""
+    found = []
+    for rel in ("kvstore/model/io/staging.py", "kvstore/model/stages/load.py"):
+        for node in ast.walk(ast.parse((REPO / rel).read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in {"getattr", "hasattr"}
+            ):
+                found.append(f"{rel}:{node.lineno}")
+    assert not found, found

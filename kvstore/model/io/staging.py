@@ -178,7 +178,7 @@ class Staging:
         if not self.active:
             record.copy_into(dest)
             return
-        if getattr(record, "device_decode", False):
+        if record.device_decode:
             self._count("device_decoded")
             with self.ring.on_stream():
                 record.copy_into(dest, stage=self.upload)
@@ -241,8 +241,8 @@ class Staging:
         return None
 
     def _prepare(self, pairs: Sequence[tuple[Any, torch.Tensor]], frame: Any, threads: int) -> _Chunk:
-        staged = [(rec, dest) for rec, dest in pairs if not getattr(rec, "device_decode", False)]
-        on_device = [(rec, dest) for rec, dest in pairs if getattr(rec, "device_decode", False)]
+        staged = [(rec, dest) for rec, dest in pairs if not rec.device_decode]
+        on_device = [(rec, dest) for rec, dest in pairs if rec.device_decode]
         compressed = device_zstd.plan(staged) if self.decoder is not None and staged and not on_device else None
         if compressed is not None:
             return self._prepare_compressed(compressed, frame)
@@ -317,8 +317,8 @@ PIECE = 1 << 20  # bytes: the smallest piece of a run of raw bytes a thread copi
 def _plain(record, dest: torch.Tensor) -> torch.Tensor | None:
     """The stored bytes of ``record`` when it is ``dest``'s values as they are (a ``raw`` record:
     one 1-D uint8 view of the payload), else None."""
-    source = getattr(record, "source", None)
-    if source is None or getattr(record, "planes", None) is not None or getattr(record, "frames", None) is not None:
+    source = record.raw_bytes()
+    if source is None:
         return None
     if tuple(record.shape) != tuple(dest.shape) or record.dtype != dest.dtype or not source.is_contiguous():
         return None
