@@ -624,11 +624,11 @@ MODEL_FLOORS = (
     ("pipelines",),
     ("adapter",),
 )
-# The arrows that still run back up a floor, each with why (at most two): the handle builds its
-# KV buffers' shapes and installs grouped-KV attention when it is made.
+# The arrows that still run back up a floor, each with why (at most two): the handle installs
+# grouped-KV attention when it is made, and declares the staging ring it keeps (a type only).
 KNOWN_UPWARD = {
     ("kvstore.model.handle", "kvstore.model.compute.attention"),
-    ("kvstore.model.handle", "kvstore.model.compute.cache"),
+    ("kvstore.model.handle", "kvstore.model.io.ring"),
 }
 
 
