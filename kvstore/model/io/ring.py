@@ -1,6 +1,6 @@
 """The staging ring: pinned host buffers allocated once per model handle and reused by every load
 into accelerator memory, each with a device twin of the same size and an event that says when the
-copies reading it are done (:mod:`kvstore.model.compute.staging` fills and sends them)."""
+copies reading it are done (:mod:`kvstore.model.io.staging` fills and sends them)."""
 
 from __future__ import annotations
 

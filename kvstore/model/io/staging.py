@@ -13,11 +13,11 @@ and a pinned allocation per load costs more than the copy. :class:`Staging` inst
   buffer, and an event marks the slot's copies done. The next chunk decodes into the next slot
   while that copy runs; a slot is written again only after its event (so two or three slots
   overlap the host's decoding with the copy engine). The ring belongs to the model handle
-  (:meth:`Ring.of`, :mod:`kvstore.model.compute.ring`): its buffers are allocated once, grown
+  (:meth:`Ring.of`, :mod:`kvstore.model.io.ring`): its buffers are allocated once, grown
   only when a larger chunk comes, and reused by every load. A chunk's checksum is computed while
   its bytes are copied into the slot (:mod:`kvstore.store.fused`), and the slot is sent only once
   it matched; a few chunks decode at once, one per thread;
-* **zstd frames decoded on the device** (a ``decoder``, :mod:`kvstore.model.compute.device_zstd`:
+* **zstd frames decoded on the device** (a ``decoder``, :mod:`kvstore.model.io.device_zstd`:
   nvCOMP with the ``gpu`` extra): a lossless chunk's stored bytes cross as they are and its frames
   decode on the device in one batched call, its byte planes joined there;
 * **device decoding** (:meth:`Staging.copy_into` of a record with ``device_decode``, the
@@ -122,7 +122,7 @@ class Staging:
         decoder: device_zstd.DeviceDecoder | None = None,
     ):  # fmt: skip
         self.device = device
-        self.decoder = decoder  # zstd frames decoded on the device (kvstore.model.compute.device_zstd)
+        self.decoder = decoder  # zstd frames decoded on the device (kvstore.model.io.device_zstd)
         self.ring = ring if ring is not None else Ring(device, force=force)
         self.cuda, self.active, self.stream = self.ring.cuda, self.ring.cuda or force, self.ring.stream
         if self.stream is not None:  # buffers allocated or zeroed on the compute stream come first

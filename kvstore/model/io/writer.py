@@ -87,7 +87,7 @@ class Writer:
     release the GIL; default: the CPU count, at most 8) and writing on the writer's own thread,
     strictly in order (a context record after its chunks). Chunks computed on an accelerator (or
     with the model handle's ``force_staging``) reach the host through reused pinned buffers
-    (:mod:`kvstore.model.compute.offload`) without blocking the next prefill. A chunk already in the
+    (:mod:`kvstore.model.io.offload`) without blocking the next prefill. A chunk already in the
     store is not rewritten unless asked (a corrupt one is). Errors are re-raised on the caller's
     thread (next ``put``, ``flush`` or ``close``); :attr:`stats` counts what was written."""
 
@@ -229,7 +229,7 @@ class Writer:
         """Chunks ``depth..`` of ``chain`` from ``layers`` (positions ``offset..``), then (with
         ``record``) its context record. The chunk at ``depth`` is written even if present: it is
         missing or corrupt (a repair). From an accelerator (or with ``handle.force_staging``) each
-        chunk is copied into a pinned host buffer without blocking (:mod:`kvstore.model.compute.offload`)."""
+        chunk is copied into a pinned host buffer without blocking (:mod:`kvstore.model.io.offload`)."""
         host = self._host_for(handle)
         for i, entry in enumerate(chains.chunk_entries(handle, chain, layers, depth, offset)):
             self._enqueue(_Job(entry, i == 0), host)

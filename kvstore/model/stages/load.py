@@ -3,7 +3,7 @@
 :func:`load` allocates the buffers a :class:`~kvstore.model.plan.batch.BatchPlan` asks for and,
 for each distinct context whose dense cache the plan needs (``plan.dense``), copies the chunks the
 plan expects stored (``plan.stored``) into its first row, context position ``p`` at slot ``P - c +
-p`` (left-padded). Every chunk is checked against its chain (:func:`kvstore.model.plan.chains.fits`)
+p`` (left-padded). Every chunk is checked against its chain (:func:`kvstore.model.io.chains.fits`)
 and its checksum before any byte reaches the buffers; a missing, corrupt or foreign chunk ends the
 prefix there (a corrupt one warns): ``Loaded.tokens`` says how much it found, and the complete stage
 computes the rest. Chunks the writer still held when the batch was planned are
@@ -92,7 +92,7 @@ def load_prefix(
     codecs: list[str] | None = None, staging: Staging | None = None,
 ) -> int:  # fmt: skip
     """Copy the longest verified stored prefix of ``chain`` (of the chunks it lists: a chain cut
-    with :meth:`~kvstore.model.plan.chains.Chain.upto` reads no further) into batch row ``row`` of
+    with :meth:`~kvstore.model.io.chains.Chain.upto` reads no further) into batch row ``row`` of
     ``bufs``, context position ``p`` at slot ``slot0 + p``. Falls back to a format-1 entry holding
     exactly this (lossless) context. Returns how many context tokens were loaded (0: nothing); the
     codec spec of each chunk loaded is appended to ``codecs``. With ``staging`` (accelerator
