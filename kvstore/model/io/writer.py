@@ -56,12 +56,19 @@ class _Record:
     n_tokens: int
 
 
+@dataclass(frozen=True)
+class _Owned:
+    """An encoded entry a context owns (scores, a pressed cache), written as it is (``store.put``)."""
+
+    blob: bytes
+
+
 @dataclass
 class _Job:
     """One put: a chunk (with its encoded bytes, their encoding in flight, or its staged copy), a
-    context record, or None (stop)."""
+    context record, an owned entry, or None (stop)."""
 
-    item: Entry | _Record | None
+    item: Entry | _Record | _Owned | None
     overwrite: bool
     blob: bytes | None = None
     staged: Staged | None = None
@@ -196,6 +203,9 @@ class Writer:
             if self.store.put_context(item.key, item.chunks, item.n_tokens):  # names the chunks gone meanwhile
                 self.lost.append(item.key)
             return
+        if isinstance(item, _Owned):
+            self.store.put(item.blob)
+            return
         assert isinstance(item, Entry)
         if job.blob is None and job.future is None:  # stored already when it was started
             return
@@ -204,7 +214,7 @@ class Writer:
         blob, seconds = (job.blob, 0.0) if job.future is None else job.future.result()
         assert blob is not None
         t0 = time.perf_counter()
-        self.store.put_bytes(item.key, blob)
+        self.store.put(blob)
         s = self.stats
         s.stored_bytes += len(blob)
         s.raw_bytes += item.kv_bytes + item.state_bytes + 8 * item.n_tokens
@@ -217,6 +227,11 @@ class Writer:
     def put_encoded(self, entry: Entry, blob: bytes, *, overwrite: bool = False) -> None:
         """Write ``blob``, already encoded from ``entry`` with the store's codec."""
         self._enqueue(_Job(entry, overwrite, blob=blob))
+
+    def put_owned(self, blob: bytes) -> None:
+        """Write ``blob``, an encoded entry a context owns (any kind: its kind, owner and key are
+        read from its frame), after what was put before it: its context's chunks and record."""
+        self._enqueue(_Job(_Owned(blob), False))
 
     def put_context(self, chain: Chain) -> None:
         """Record ``chain``'s context once the chunks put before it are written."""

@@ -8,7 +8,9 @@ memory, never stored; a lossy codec's round trip applied, as a stored chain woul
 scorer's scores are computed once and stored
 (:class:`~kvstore.model.press.stored.StoredScores`), and each press's kept tokens (the row pressed as
 a sample presses it, :func:`~kvstore.model.press.prune.pressed_row`) are encoded with the store's
-codec and stored as a pressed entry (:func:`~kvstore.model.press.stored.encode_kept`).
+codec as a pressed entry (:func:`~kvstore.model.press.stored.encode_kept`). Both are written by
+the build's writer (:meth:`~kvstore.model.io.writer.Writer.put_owned`), off the compute thread and
+after the chunks and records put before them.
 A press's scores are read from the store when they are there, so ``build --score kvzip`` then
 ``build --press kvzip:0.5 --press kvzip:0.75`` replays each context once. Each entry is one
 atomic put: an interrupted build leaves some contexts' entries written and the re-run makes the
@@ -80,7 +82,7 @@ def derive(
     order = sorted(range(len(chains)), key=lambda i: sizes[i])
     assert options.batch_size is not None
     todo = list(batches(order, sizes, options.batch_size, options.max_batch_tokens))
-    deriving = Deriving(handle, path, work, tuple(steps), RowSet(chains, ((),) * len(chains), 0), known)
+    deriving = Deriving(handle, path, work, writer, tuple(steps), RowSet(chains, ((),) * len(chains), 0), known)
     report = (lambda b: progress(0, sum(sizes[i] for i in b))) if progress else None
     done, _ = run_batches(handle, deriving, todo, progress=report)
     return sum((got for _, got in done), Derived())
@@ -95,6 +97,7 @@ class Deriving:
     handle: ModelHandle
     path: CachePath[Prepared]
     work: Work
+    writer: Writer  # the build's: writes the scores and pressed caches off the compute thread
     steps: tuple[ContextStep, ...]
     requests: RowSet
     known: Mapping[str, int]
@@ -116,7 +119,7 @@ class Deriving:
             completed = prepared.done
             cache = completed.cache
             assert cache is not None
-            scores = StoredScores(handle, store, plan.contexts, writable=True)
+            scores = StoredScores(handle, store, plan.contexts, writable=True, writer=self.writer)
             memo = PressMemo(stored=scores)
             pressed = nbytes = 0
             for r, i in enumerate(plan.rows):
@@ -126,7 +129,8 @@ class Deriving:
                 for press in step.presses:
                     kept = pressed_row(handle, cache, r, press, memo).kept_tensors()
                     _, blob = encode_kept(handle, step.chain, press, kept, store.codec)
-                    nbytes += store.put_derived(blob)
+                    self.writer.put_owned(blob)
+                    nbytes += len(blob)
                     pressed += 1
         return Derived(
             pressed, len(scores.saved), nbytes + scores.saved_bytes, completed.computed,
