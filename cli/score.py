@@ -131,7 +131,7 @@ def score(
     if mode == "rolling" and sweep:  # one variant: the options' press and decode attention
         options = ScoreOptions.of(options, press=sweep[0].press, decode_attention=sweep[0].decode_attention)
         sweep = ()
-    run = _Run(mode, scoring.template, scoring.delimiter, report.quiet, kv)
+    run = _ScoreSettings(mode, scoring.template, scoring.delimiter, report.quiet, kv)
     t0 = time.perf_counter()
     try:
         if mode == "rolling":
@@ -156,7 +156,7 @@ def score(
 
 
 @dataclass(frozen=True)
-class _Run:
+class _ScoreSettings:
     """How ``kvstore score`` scores: its mode, prompt template, delimiter, quietness and store."""
 
     mode: str
@@ -166,7 +166,7 @@ class _Run:
     store: object
 
 
-def _scored(adapter, rows, options, sweep: tuple, run: _Run) -> tuple[list[dict], dict]:
+def _scored(adapter, rows, options, sweep: tuple, run: _ScoreSettings) -> tuple[list[dict], dict]:
     """Multiple-choice or reference rows through :meth:`Adapter.score` (one variant: the options')
     or :meth:`Adapter.score_sweep` (``sweep``)."""
     contexts, conts, labels, owner = [], [], [], []
@@ -333,7 +333,7 @@ def _reference_summary(per_row) -> dict:
     }
 
 
-def _rolling(adapter, rows, options, run: _Run) -> tuple[list[dict], dict]:
+def _rolling(adapter, rows, options, run: _ScoreSettings) -> tuple[list[dict], dict]:
     """Each row's context as a whole document through :meth:`Adapter.score_rolling`."""
     texts = [row.context for row in rows]
     with progress_bar(None, "score", run.quiet, unit="win", rate="tok") as bar:

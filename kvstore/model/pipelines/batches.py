@@ -70,7 +70,7 @@ class BatchRunner(Generic[PreparedT, ResultT]):
         """Every batch of ``todo`` run; per batch part (a whole batch, or the halves an
         out-of-memory error split it into), its plan and result, in the order they ran.
         ``progress(rows)`` after each batch. The loader is shut down on the way out."""
-        done: list[tuple[BatchPlan, ResultT]] = []
+        parts: list[tuple[BatchPlan, ResultT]] = []
         try:
             for b, batch in enumerate(todo):
                 plan = self._start(batch)
@@ -78,7 +78,7 @@ class BatchRunner(Generic[PreparedT, ResultT]):
                 if nxt is not None and self.upcoming is not None:
                     self.upcoming(nxt)
                 self.following = nxt if self.loader is not None else None
-                done += in_halves(functools.partial(self._part, plan), list(range(len(plan.rows))), self.handle)
+                parts += in_halves(functools.partial(self._part, plan), list(range(len(plan.rows))), self.handle)
                 self._submit()
                 if progress is not None:
                     progress(batch)
@@ -86,7 +86,7 @@ class BatchRunner(Generic[PreparedT, ResultT]):
             self.held = self.pending = None
             if self.loader is not None:
                 self.loader.shutdown(wait=True, cancel_futures=True)
-        return done
+        return parts
 
     def _start(self, batch: list[int]) -> BatchPlan:
         """This batch's plan: the one it was loaded ahead with (its load then held), else made now
@@ -125,8 +125,8 @@ def run_batches(
     """``todo``'s batches through ``work`` (see :class:`BatchRunner`): the parts run, with their
     plans and results, and the seconds spent waiting for loads done ahead."""
     runner = BatchRunner(handle, work, ahead=ahead and len(todo) > 1, upcoming=upcoming)
-    done = runner.run(todo, progress)
-    return done, runner.waited
+    parts = runner.run(todo, progress)
+    return parts, runner.waited
 
 
 __all__ = ["BatchRunner", "BatchWork", "run_batches"]

@@ -28,7 +28,7 @@ import torch
 from kvstore.model.compute.forward import Decoding, batches
 from kvstore.model.io.writer import Writer
 from kvstore.model.options import BuildOptions
-from kvstore.model.paths.base import CachePath, Work
+from kvstore.model.paths.base import BatchSetup, CachePath
 from kvstore.model.paths.dense import Prepared
 from kvstore.model.pipelines.batches import run_batches
 from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
@@ -75,7 +75,9 @@ def derive(
     if not steps:
         return Derived()
     chains = tuple(s.chain for s in steps)
-    work = Work(store, writer if options.dense else None, Decoding(), ())  # dense=False: computed chains not stored
+    work = BatchSetup(
+        store, writer if options.dense else None, Decoding(), ()
+    )  # dense=False: computed chains not stored
     # what the build's plan and dense part left stored: not probed again
     known = {s.chain.key: len(s.chain.keys) if options.dense else s.depth for s in steps}
     sizes = [c.n_tokens for c in chains]
@@ -84,8 +86,8 @@ def derive(
     todo = list(batches(order, sizes, options.batch_size, options.max_batch_tokens))
     deriving = Deriving(handle, path, work, writer, tuple(steps), RowSet(chains, ((),) * len(chains), 0), known)
     report = (lambda b: progress(0, sum(sizes[i] for i in b))) if progress else None
-    done, _ = run_batches(handle, deriving, todo, progress=report)
-    return sum((got for _, got in done), Derived())
+    parts, _ = run_batches(handle, deriving, todo, progress=report)
+    return sum((got for _, got in parts), Derived())
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class Deriving:
 
     handle: ModelHandle
     path: CachePath[Prepared]
-    work: Work
+    work: BatchSetup
     writer: Writer  # the build's: writes the scores and pressed caches off the compute thread
     steps: tuple[ContextStep, ...]
     requests: RowSet
@@ -116,7 +118,7 @@ class Deriving:
         handle, store = self.handle, self.work.store
         assert store is not None
         with prepared.stack:  # no variant: no pressed entry is open
-            completed = prepared.done
+            completed = prepared.completed
             cache = completed.cache
             assert cache is not None
             scores = StoredScores(handle, store, plan.contexts, writable=True, writer=self.writer)

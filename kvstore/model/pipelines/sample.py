@@ -32,7 +32,7 @@ from kvstore.model.io import chains
 from kvstore.model.io.chains import Chain, Keying
 from kvstore.model.io.writer import Writer
 from kvstore.model.options import SampleOptions
-from kvstore.model.paths.base import BatchAnswers, CachePath, PreparedT, Work
+from kvstore.model.paths.base import BatchAnswers, BatchSetup, CachePath, PreparedT
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.pipelines.batches import run_batches
 from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
@@ -166,7 +166,7 @@ def sample_variants(
     decoding = options.decoding()
     use_store = store if options.use_cache else None
     writer = Writer(store) if (options.use_cache and store is not None and not store.readonly) else None
-    work = Work(use_store, writer, decoding, tuple(variants))
+    work = BatchSetup(use_store, writer, decoding, tuple(variants))
     n = len(rows.chains)
     order = sorted(range(n), key=lambda i: (len(rows.contexts[i]), rows.chains[i].key, i))
     sizes = [len(rows.contexts[i]) + len(rows.question_ids[i]) + decoding.new_tokens for i in range(n)]
@@ -177,7 +177,7 @@ def sample_variants(
     held = chains.lossy_copies(handle, rows.chains, use_store) if lossless and use_store is not None else {}
     answering = Answering(handle, path, work, rows.requests(decoding.new_tokens))
     try:
-        done, waited = run_batches(
+        parts, waited = run_batches(
             handle, answering, todo, ahead=ahead, upcoming=answering.prefetch,
             progress=(lambda b: progress(len(b), sum(len(rows.contexts[i]) + len(rows.question_ids[i]) for i in b)))
             if progress else None,
@@ -185,7 +185,7 @@ def sample_variants(
     finally:
         if writer is not None:
             writer.close()
-    results = _collect(handle, rows, done, variants, decoding, options.use_cache, waited)
+    results = _collect(handle, rows, parts, variants, decoding, options.use_cache, waited)
     for result in results:
         result.lossy_copies = dict(held)
     return results
@@ -199,7 +199,7 @@ class Answering(Generic[PreparedT]):
 
     handle: ModelHandle
     path: CachePath[PreparedT]
-    work: Work
+    work: BatchSetup
     requests: RowSet
 
     def plan(self, rows: list[int]) -> BatchPlan:
@@ -226,7 +226,7 @@ class Answering(Generic[PreparedT]):
 
 
 def _collect(
-    handle: ModelHandle, rows: Rows, done: Sequence[tuple[BatchPlan, BatchAnswers]], variants: Sequence[Variant],
+    handle: ModelHandle, rows: Rows, parts: Sequence[tuple[BatchPlan, BatchAnswers]], variants: Sequence[Variant],
     decoding: Decoding, use_cache: bool, waited: float = 0.0,
 ) -> list[SampleResult]:  # fmt: skip
     """The per-variant results of every batch, in the caller's row order (``waited``: seconds spent
@@ -235,9 +235,9 @@ def _collect(
     out = []
     cached = [0] * n
     codecs: list[str | None] = [None] * n
-    computed = sum(b.computed for _, b in done)
-    scoring = sum((b.scoring for _, b in done), ScoringTokens())
-    for plan, b in done:
+    computed = sum(b.computed for _, b in parts)
+    scoring = sum((b.scoring for _, b in parts), ScoringTokens())
+    for plan, b in parts:
         for r, i in enumerate(plan.rows):
             cached[i] = b.cached_tokens[r]
             codecs[i] = b.codecs[r]
@@ -248,7 +248,7 @@ def _collect(
         scores: list[torch.Tensor] | None = [torch.empty(0)] * n if decoding.scores else None
         seconds = 0.0
         nbytes = 0
-        for plan, b in done:
+        for plan, b in parts:
             a = b.answers[v]
             seconds += a.seconds
             nbytes += a.cache_bytes

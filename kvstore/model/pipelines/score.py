@@ -35,7 +35,7 @@ from kvstore.model.io import chains
 from kvstore.model.io.chains import DEFAULT_KEYING, Keying
 from kvstore.model.io.writer import Writer
 from kvstore.model.options import ScoreOptions
-from kvstore.model.paths.base import BatchScores, CachePath, PreparedT, Scoring, Work
+from kvstore.model.paths.base import BatchScores, BatchSetup, CachePath, PreparedT, Scoring
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.pipelines.batches import run_batches
 from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
@@ -129,12 +129,12 @@ def score_rows(
         )
     if options.use_cache or not plain:  # a variant's reference: the cached layout, nothing loaded or stored
         return _score_cached(handle, rows, options, variants, store if options.use_cache else None, keys, progress)
-    done = score_reference(handle, rows.contexts, rows.continuations, options, progress)
+    scored = score_reference(handle, rows.contexts, rows.continuations, options, progress)
     computed = sum(len(c) for c in rows.contexts)
     kept = [len(c) - 1 for c in rows.contexts]
     nbytes = sum(kept) * handle.kv_bytes_per_token()
     saved = sum(len(c) for c in rows.contexts) - computed
-    return [ScoreResult(done, computed, saved, v.name, kept, nbytes) for v in variants]
+    return [ScoreResult(scored, computed, saved, v.name, kept, nbytes) for v in variants]
 
 
 @torch.inference_mode()
@@ -165,22 +165,21 @@ def _score_cached(
     sizes = [len(ctx[i]) + len(fed[i]) for i in range(n)]
     writer = Writer(store) if (store is not None and not store.readonly) else None
     path = check_supported(handle, store)
-    work = Work(store, writer, Decoding(), tuple(variants), Scoring(tuple(cont), options.token_logprobs, keep))
-    done: list[tuple[BatchPlan, BatchScores]] = []
+    work = BatchSetup(store, writer, Decoding(), tuple(variants), Scoring(tuple(cont), options.token_logprobs, keep))
     row_logits = vocab_size(handle) * 4
     todo = list(row_batches(order, [p.key for p in chain_list], sizes, [len(f) for f in fed], options.batch_size,
                             options.max_batch_tokens, row_logits))  # fmt: skip
     # the next batch's load runs on a worker while this one scores, as sampling's does
     ahead = store is not None and path.supports("load_ahead")
     try:
-        done, waited = run_batches(
+        parts, waited = run_batches(
             handle, ScoringBatches(handle, path, work, requests), todo, ahead=ahead,
             progress=(lambda b: progress(len(b), sum(sizes[i] for i in b))) if progress else None,
         )  # fmt: skip
     finally:
         if writer is not None:
             writer.close()
-    return _collect(rows, variants, done, waited)
+    return _collect(rows, variants, parts, waited)
 
 
 @dataclass(frozen=True)
@@ -190,7 +189,7 @@ class ScoringBatches(Generic[PreparedT]):
 
     handle: ModelHandle
     path: CachePath[PreparedT]
-    work: Work
+    work: BatchSetup
     requests: RowSet
 
     def plan(self, rows: list[int]) -> BatchPlan:
@@ -208,20 +207,20 @@ class ScoringBatches(Generic[PreparedT]):
 
 
 def _collect(
-    rows: ScoreRows, variants: Sequence[Variant], done: Sequence[tuple[BatchPlan, BatchScores]], waited: float = 0.0
+    rows: ScoreRows, variants: Sequence[Variant], parts: Sequence[tuple[BatchPlan, BatchScores]], waited: float = 0.0
 ) -> list[ScoreResult]:
     """The per-variant results of every batch, in the caller's row order (``waited``: seconds spent
     waiting for loads done ahead)."""
     n = len(rows.contexts)
-    computed = sum(b.computed for _, b in done)
-    scoring = sum((b.scoring for _, b in done), ScoringTokens())
+    computed = sum(b.computed for _, b in parts)
+    scoring = sum((b.scoring for _, b in parts), ScoringTokens())
     saved = sum(len(c) for c in rows.contexts) - computed
     out = []
     for j, v in enumerate(variants):
         scored: list[ScoredRow | None] = [None] * n
         kept = [0] * n
         nbytes = 0
-        for plan, b in done:
+        for plan, b in parts:
             nbytes += b.nbytes[j]
             for r, i in enumerate(plan.rows):
                 total, greedy, per_token = b.rows[j][r]

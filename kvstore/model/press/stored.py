@@ -52,7 +52,7 @@ def storable(press: Press) -> bool:
     return press.record.ratio_free and not press.question
 
 
-def facts(handle: ModelHandle, chain: Chain) -> DerivedFacts:
+def owned_facts_of(handle: ModelHandle, chain: Chain) -> DerivedFacts:
     """What ties a derived entry of ``chain``'s context to this model."""
     return DerivedFacts(chain.context_key, handle.fingerprint, handle.name, handle.dtype_name, chain.n_tokens,
                         handle.numerics)  # fmt: skip
@@ -173,7 +173,7 @@ class StoredScores:
         exact = [
             s if s.dtype in (torch.float32, torch.float64) else s.float() for s in scores
         ]  # 16-bit: widened, exact
-        key, blob = encode_scores(facts(self.handle, chain), scores_spec(press), press_record(press), exact,
+        key, blob = encode_scores(owned_facts_of(self.handle, chain), scores_spec(press), press_record(press), exact,
                                   self.store.meta.codec)  # fmt: skip
         if self.writer is not None:
             self.writer.put_owned(blob)
@@ -186,7 +186,7 @@ class StoredScores:
 def encode_kept(handle: ModelHandle, chain: Chain, press: Press, kept: KeptLayers, codec: Codec) -> tuple[str, bytes]:
     """A row's kept tokens as a pressed derived entry: ``(derived key, bytes)``."""
     spec = pressed_spec(press)
-    return encode_pressed(facts(handle, chain), spec, press_record(press), kept, codec, rotary=handle.rotary)
+    return encode_pressed(owned_facts_of(handle, chain), spec, press_record(press), kept, codec, rotary=handle.rotary)
 
 
 def round_trip(handle: ModelHandle, chain: Chain, press: Press, kept: KeptLayers, codec: Codec) -> DerivedView:
@@ -233,6 +233,8 @@ def has_pressed(store: KVStore, filed: Sequence[Chain], press: Press, chains: Se
     return out
 
 
+facts = owned_facts_of  # deprecated: the old name, for one release
+
 __all__ = [
     "FORWARD_READS",
     "KeptLayers",
@@ -241,6 +243,7 @@ __all__ = [
     "pressed_spec",
     "scores_spec",
     "facts",
+    "owned_facts_of",
     "derived_fits",
     "has_pressed",
     "open_fitting",
