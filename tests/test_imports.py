@@ -594,10 +594,10 @@ def test_the_kind_table_rows_name_their_kinds() -> None:
         assert kind is not None and kind.name == name
 
 
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 70
 
 
-def test_no_function_is_over_eighty_lines() -> None:
+def test_no_function_is_over_seventy_lines() -> None:
     """No function in kvstore/ or cli/ over MAX_FUNCTION_LINES lines (its ``def`` to its last line,
     docstring included): a longer one is several steps, each worth a name (``plan_gc`` is one
     function per criterion, merged at the end)."""
