@@ -302,6 +302,11 @@ def each(parse: Callable[[str], Any]) -> Callable:
     return callback
 
 
+def stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """``--stop`` strings with their typed ``\\n`` and ``\\t`` made a newline and a tab."""
+    return tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in values)
+
+
 def press_spec(value: str) -> Any:
     """A ``build --press`` value: one press, no decode attention."""
     return press_of(value, FLAGS)

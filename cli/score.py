@@ -11,16 +11,14 @@ text instead (perplexity, bits per character); ``--rolling`` the whole context a
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import click
 
 from kvstore.cli import flags
-from kvstore.cli.common import CLIError, progress_bar
+from kvstore.cli.common import CLIError, progress_bar, write_jsonl
 from kvstore.cli.flags import ModelChoice, Report, StoreChoice
 from kvstore.cli.summary import corrupt_entries_as_warnings, emit_summary
 from kvstore.data.prompts import DEFAULT_TEMPLATE
@@ -146,9 +144,7 @@ def score(
     wait = summary.get("load_wait_seconds")
     summary["idle_share"] = round(wait / seconds, 4) if wait is not None and seconds else None
     if report.output:
-        with Path(report.output).open("w", encoding="utf-8") as f:
-            for r in out_rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        write_jsonl(report.output, out_rows)
     variant = ", ".join(v.name for v in sweep) or options.variant().name
     head = {"dataset": source.dataset, "model": adapter.name, "dtype": adapter.dtype_name, "mode": mode,
             "cache": "on" if options.use_cache else "off", "variant": variant, "rows": len(rows)}  # fmt: skip

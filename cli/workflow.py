@@ -15,13 +15,12 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import click
 
 from kvstore.cli import flags
-from kvstore.cli.common import CLIError, progress_bar
+from kvstore.cli.common import CLIError, progress_bar, write_jsonl
 from kvstore.cli.flags import ModelChoice, Report, StoreChoice
 from kvstore.cli.summary import (
     METRIC_KEYS,
@@ -318,10 +317,6 @@ def build(
     emit_summary("build", summary, report.fmt)
 
 
-def _stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in values)
-
-
 @click.command()
 @_run_flags
 @flags.work_flags(SampleOptions)
@@ -340,7 +335,7 @@ def _stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str,
     "--stop",
     "stop_strings",
     multiple=True,
-    callback=_stop_strings,
+    callback=flags.stop_strings,
     help="End an answer once its text contains this string (repeatable; \\n and \\t are newline and tab), "
     "e.g. --stop '\\n'.",
 )
@@ -413,7 +408,7 @@ def sample(
     named = bool(sweep) or not variant.dense  # rows say which variant answered them
     out_rows = _answer_rows(adapter, examples, results, options.use_cache, named)
     if report.output:
-        _write_jsonl(report.output, out_rows)
+        write_jsonl(report.output, out_rows)
     result, n = results[0], len(examples)
     summary = {
         "dataset": data.dataset,
@@ -457,13 +452,6 @@ def _sample_results(adapter: Any, rows: tuple, options: SampleOptions, sweep: tu
         if sweep:
             return list(adapter.sweep(contexts, questions, options, variants=sweep, **common).values())
         return [adapter.sample(contexts, questions, options, **common)]
-
-
-def _write_jsonl(path: str, rows: list[dict]) -> None:
-    """``rows`` as JSON lines in ``path``."""
-    with Path(path).open("w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
 def _answer_rows(adapter: Any, examples: list, results: list, use_cache: bool, named: bool) -> list[dict]:
