@@ -277,7 +277,7 @@ class Adapter(ModelView):
         Full-attention models, eager steps only."""
         assert options is not None  # completed by takes_options (from the field keywords)
         texts, asked, keying, composed = self._prompted(prompt, contexts, questions, special_tokens, prefix)
-        return self._sample([options.variant(generation_context)], texts, asked, options, store, keying, labels,
+        return self._sample([options.variant(generation_context)], (texts, asked), options, store, keying, labels,
                             progress, composed=composed)[0]  # fmt: skip
 
     @takes_options(SampleOptions)
@@ -305,7 +305,7 @@ class Adapter(ModelView):
         assert options is not None  # completed by takes_options (from the field keywords)
         chosen = _swept(variants, options)
         texts, asked, keying, composed = self._prompted(prompt, contexts, questions, special_tokens, prefix)
-        results = self._sample(chosen, texts, asked, options, store, keying, labels, progress, composed=composed)
+        results = self._sample(chosen, (texts, asked), options, store, keying, labels, progress, composed=composed)
         return {r.variant: r for r in results}
 
     @takes_options(SampleOptions, first="num_new_tokens")
@@ -358,10 +358,12 @@ class Adapter(ModelView):
         return texts, asked, Keying(special_tokens, prefix), None
 
     def _sample(
-        self, chosen: Sequence[Variant], contexts: Sequence[TextOrIds], questions: Sequence[TextOrIds],
+        self, chosen: Sequence[Variant], texts: tuple[Sequence[TextOrIds], Sequence[TextOrIds]],
         opts: SampleOptions, store: KVStore | None, keying: Keying, labels: Sequence[str] | None,
         progress: Progress | None, *, composed: Composed | None = None,
     ) -> list[SampleResult]:  # fmt: skip
+        """Every variant of ``chosen`` answered on ``texts`` (contexts, questions)."""
+        contexts, questions = texts
         if opts.compose is not None:  # passages placed at their offsets (or, for full, the reference)
             return [sample_composed(self.handle, composed, opts, chosen, store, labels, progress)]
         path = sample.check_sample(self.handle, opts, chosen, store)  # a refused model: before any tokenizing
