@@ -368,6 +368,13 @@ def progress_bar(
     return ProgressBar(total, desc, quiet, unit, leave, rate)
 
 
+def write_jsonl(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """``rows`` as JSON lines (UTF-8, not escaped) in the file ``path``."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
 def short(text: str | None, n: int = 12) -> str:
     """The first ``n`` characters of a key or fingerprint (``-`` for None)."""
     return "-" if text is None else text[:n]
@@ -396,4 +403,5 @@ __all__ = [
     "tier_options",
     "warn",
     "yes_option",
+    "write_jsonl",
 ]

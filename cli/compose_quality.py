@@ -47,7 +47,7 @@ class Composing:
         from kvstore.data.readers import Fields
         from kvstore.model.compose.quality import compose_quality
         from kvstore.model.compose.rows import compose_inputs
-        from kvstore.model.plan.chains import Keying
+        from kvstore.model.io.chains import Keying
 
         fields = Fields(source.context_field, source.question_field, id=source.id_field)
         data = load_dataset(source.dataset, fields, require_question=False, limit=source.limit)

@@ -163,7 +163,7 @@ class StoreChoice:
 
         default = None
         if device_type is not None and self.codec is None:
-            from kvstore.model.compute.device_zstd import nvcomp_importable
+            from kvstore.model.io.device_zstd import nvcomp_importable
             from kvstore.store.codecs.choice import choose_codec
 
             default = choose_codec(device_type, device_decoder=device_type == "cuda" and nvcomp_importable())
@@ -300,6 +300,11 @@ def each(parse: Callable[[str], Any]) -> Callable:
         return tuple(parse(v) for v in values)
 
     return callback
+
+
+def stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """``--stop`` strings with their typed ``\\n`` and ``\\t`` made a newline and a tab."""
+    return tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in values)
 
 
 def press_spec(value: str) -> Any:

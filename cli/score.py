@@ -11,16 +11,14 @@ text instead (perplexity, bits per character); ``--rolling`` the whole context a
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import click
 
 from kvstore.cli import flags
-from kvstore.cli.common import CLIError, progress_bar
+from kvstore.cli.common import CLIError, progress_bar, write_jsonl
 from kvstore.cli.flags import ModelChoice, Report, StoreChoice
 from kvstore.cli.summary import corrupt_entries_as_warnings, emit_summary
 from kvstore.data.prompts import DEFAULT_TEMPLATE
@@ -131,7 +129,7 @@ def score(
     if mode == "rolling" and sweep:  # one variant: the options' press and decode attention
         options = ScoreOptions.of(options, press=sweep[0].press, decode_attention=sweep[0].decode_attention)
         sweep = ()
-    run = _Run(mode, scoring.template, scoring.delimiter, report.quiet, kv)
+    run = _ScoreSettings(mode, scoring.template, scoring.delimiter, report.quiet, kv)
     t0 = time.perf_counter()
     try:
         if mode == "rolling":
@@ -146,9 +144,7 @@ def score(
     wait = summary.get("load_wait_seconds")
     summary["idle_share"] = round(wait / seconds, 4) if wait is not None and seconds else None
     if report.output:
-        with Path(report.output).open("w", encoding="utf-8") as f:
-            for r in out_rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        write_jsonl(report.output, out_rows)
     variant = ", ".join(v.name for v in sweep) or options.variant().name
     head = {"dataset": source.dataset, "model": adapter.name, "dtype": adapter.dtype_name, "mode": mode,
             "cache": "on" if options.use_cache else "off", "variant": variant, "rows": len(rows)}  # fmt: skip
@@ -156,7 +152,7 @@ def score(
 
 
 @dataclass(frozen=True)
-class _Run:
+class _ScoreSettings:
     """How ``kvstore score`` scores: its mode, prompt template, delimiter, quietness and store."""
 
     mode: str
@@ -166,7 +162,7 @@ class _Run:
     store: object
 
 
-def _scored(adapter, rows, options, sweep: tuple, run: _Run) -> tuple[list[dict], dict]:
+def _scored(adapter, rows, options, sweep: tuple, run: _ScoreSettings) -> tuple[list[dict], dict]:
     """Multiple-choice or reference rows through :meth:`Adapter.score` (one variant: the options')
     or :meth:`Adapter.score_sweep` (``sweep``)."""
     contexts, conts, labels, owner = [], [], [], []
@@ -333,7 +329,7 @@ def _reference_summary(per_row) -> dict:
     }
 
 
-def _rolling(adapter, rows, options, run: _Run) -> tuple[list[dict], dict]:
+def _rolling(adapter, rows, options, run: _ScoreSettings) -> tuple[list[dict], dict]:
     """Each row's context as a whole document through :meth:`Adapter.score_rolling`."""
     texts = [row.context for row in rows]
     with progress_bar(None, "score", run.quiet, unit="win", rate="tok") as bar:

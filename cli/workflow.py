@@ -15,13 +15,12 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import click
 
 from kvstore.cli import flags
-from kvstore.cli.common import CLIError, progress_bar
+from kvstore.cli.common import CLIError, progress_bar, write_jsonl
 from kvstore.cli.flags import ModelChoice, Report, StoreChoice
 from kvstore.cli.summary import (
     METRIC_KEYS,
@@ -318,10 +317,6 @@ def build(
     emit_summary("build", summary, report.fmt)
 
 
-def _stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in values)
-
-
 @click.command()
 @_run_flags
 @flags.work_flags(SampleOptions)
@@ -340,7 +335,7 @@ def _stop_strings(ctx: click.Context, param: click.Parameter, values: tuple[str,
     "--stop",
     "stop_strings",
     multiple=True,
-    callback=_stop_strings,
+    callback=flags.stop_strings,
     help="End an answer once its text contains this string (repeatable; \\n and \\t are newline and tab), "
     "e.g. --stop '\\n'.",
 )
@@ -399,17 +394,12 @@ def sample(
     examples = rows.examples
     contexts = [ex.model_context for ex in examples]
     questions = [ex.question for ex in examples]
-    labels = [f"{data.dataset}: row {ex.id}" for ex in examples]
     kv = store.open() if options.use_cache else None
     bar = progress_bar(len(examples), "sample", report.quiet, unit="q", rate="tok")
     t0 = time.perf_counter()
-    common = dict(store=kv, prompt=prompt, labels=labels, progress=bar)
+    common = dict(store=kv, prompt=prompt, labels=[f"{data.dataset}: row {ex.id}" for ex in examples], progress=bar)
     try:
-        with corrupt_entries_as_warnings(bar):
-            if sweep:
-                results = list(adapter.sweep(contexts, questions, options, variants=sweep, **common).values())
-            else:
-                results = [adapter.sample(contexts, questions, options, **common)]
+        results = _sample_results(adapter, (contexts, questions), options, sweep, common, bar)
     finally:
         bar.close()
         if kv is not None:
@@ -418,9 +408,7 @@ def sample(
     named = bool(sweep) or not variant.dense  # rows say which variant answered them
     out_rows = _answer_rows(adapter, examples, results, options.use_cache, named)
     if report.output:
-        with Path(report.output).open("w", encoding="utf-8") as f:
-            for r in out_rows:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        write_jsonl(report.output, out_rows)
     result, n = results[0], len(examples)
     summary = {
         "dataset": data.dataset,
@@ -454,6 +442,16 @@ def sample(
     lossy_copies_hint(result.lossy_copies, store.readonly_store)
     emit_summary("sample", summary, report.fmt)
     sys.stdout.flush()
+
+
+def _sample_results(adapter: Any, rows: tuple, options: SampleOptions, sweep: tuple, common: dict, bar: Any) -> list:
+    """Each variant's ``SampleResult`` of ``rows`` (contexts, questions): a sweep's in turn, or the
+    options' one variant's; a corrupt entry is a warning printed above the bar."""
+    contexts, questions = rows
+    with corrupt_entries_as_warnings(bar):
+        if sweep:
+            return list(adapter.sweep(contexts, questions, options, variants=sweep, **common).values())
+        return [adapter.sample(contexts, questions, options, **common)]
 
 
 def _answer_rows(adapter: Any, examples: list, results: list, use_cache: bool, named: bool) -> list[dict]:

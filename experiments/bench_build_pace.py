@@ -2,7 +2,7 @@
 the writer's encode throughput on one thread and on several.
 
 A build (``Adapter.build``) runs each context's prefill and hands the computed chunks to the
-writer (``kvstore.model.compute.writer``), which encodes them on its worker threads and writes them
+writer (``kvstore.model.io.writer``), which encodes them on its worker threads and writes them
 in order to the store while the next context's prefill runs. Issue 39's goal: a dataset of many
 contexts built in at most 1.2x the sum of its prefills. Per repeat, in one run and alternating:
 
@@ -59,7 +59,7 @@ def heads_8b_model():
 
 
 def run_model(name: str, adapter, args, threads: list[int]) -> list[dict]:
-    from kvstore.model.compute import writer as writer_mod
+    from kvstore.model.io import writer as writer_mod
     from kvstore.model.options import BuildOptions
     from kvstore.store.kvstore import KVStore
 
@@ -134,7 +134,7 @@ def run_model(name: str, adapter, args, threads: list[int]) -> list[dict]:
 
 
 def encode_rows(name, adapter, contexts, args, threads: list[int]) -> list[dict]:
-    from kvstore.model.plan.chains import chain_of, chunk_entries
+    from kvstore.model.io.chains import chain_of, chunk_entries
     from kvstore.store.kvstore import KVStore
 
     rows = []
@@ -173,7 +173,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--encode-threads", default="", help="writer threads compared (default: 1 and the CPU count)")
     args = bl.start(p, {"tokens": 512, "contexts": 2, "repeats": 1, "models": "8b-heads"})
-    from kvstore.model.compute.writer import encode_threads
+    from kvstore.model.io.writer import encode_threads
 
     threads = [int(x) for x in args.encode_threads.split(",")] if args.encode_threads else [1, encode_threads()]
     threads = sorted(set(threads))

@@ -61,7 +61,7 @@ def main() -> None:
     from kvstore.model.compose.quality import compose_quality
     from kvstore.model.compose.rows import compose_inputs
     from kvstore.model.compose.spec import SEPARATOR
-    from kvstore.model.plan.chains import Keying
+    from kvstore.model.io.chains import Keying
     from kvstore.store.kvstore import KVStore
 
     data = [json.loads(line) for line in (bl.HERE / "data" / "multidoc.jsonl").read_text().splitlines()]

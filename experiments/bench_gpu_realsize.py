@@ -88,8 +88,8 @@ def drop_page_cache() -> str | None:
 
 def extra_rows(adapter, n: int, args, scratch, base: dict, recompute_s: float) -> tuple[list[dict], dict]:
     """Cold reads, builds, the pressed store and decode steps at context length ``n``."""
+    from kvstore.model.io import chains
     from kvstore.model.options import BuildOptions
-    from kvstore.model.plan import chains
     from kvstore.store.codecs import DEFAULT_CODEC
     from kvstore.store.kvstore import KVStore
 

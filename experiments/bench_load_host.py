@@ -1,6 +1,6 @@
 """The host side of a load into accelerator memory, against a plain memcpy of the same bytes.
 
-What runs on the CPU before the copy engine takes over (``kvstore.model.compute.staging``): open a
+What runs on the CPU before the copy engine takes over (``kvstore.model.io.staging``): open a
 stored chain in a warm LMDB store and decode every key and value record of every chunk into the
 staging ring's host slots, each chunk's checksum computed while its bytes are copied
 (``kvstore.store.fused``; the host-to-device copy and the device-side scatter are left out: no GPU
@@ -106,8 +106,8 @@ def main() -> None:
         print(json.dumps(_write_rows(args, [int(x) for x in args.lengths.split(",")])))
         return
     from kvstore.model.compute.cache import new_buffers
-    from kvstore.model.compute.ring import Ring
-    from kvstore.model.compute.staging import Staging
+    from kvstore.model.io.ring import Ring
+    from kvstore.model.io.staging import Staging
     from kvstore.parallel import run_all
     from kvstore.store.frame import verify_checksum
     from kvstore.store.kvstore import KVStore
@@ -206,7 +206,7 @@ def main() -> None:
 
 def load_into(bufs, ring, store, keys: list[str], threads: int) -> None:
     """The staged load of ``keys`` from ``store`` into row 0 of ``bufs`` through ``ring``."""
-    from kvstore.model.compute.staging import Staging
+    from kvstore.model.io.staging import Staging
 
     st = Staging(torch.device("cpu"), force=True, ring=ring)
     rows = [(kb[0], vb[0]) for kb, vb in bufs]

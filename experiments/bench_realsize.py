@@ -148,7 +148,7 @@ def h2d(nbytes: int, device: torch.device, n: int) -> dict[str, list[float]]:
 
 def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scratch: Path) -> list[dict]:
     from kvstore.model.compute.cache import new_buffers
-    from kvstore.model.plan import chains
+    from kvstore.model.io import chains
     from kvstore.model.stages.load import load_prefix
     from kvstore.store.kvstore import KVStore
 
@@ -209,8 +209,8 @@ def run_config(adapter, shape: str, params: int, dname: str, n: int, args, scrat
     for codec, (store, plan) in stores.items():
 
         def load_fn(store=store, plan=plan):
-            from kvstore.model.compute.ring import Ring
-            from kvstore.model.compute.staging import Staging
+            from kvstore.model.io.ring import Ring
+            from kvstore.model.io.staging import Staging
 
             staging = Staging(dev, ring=Ring.of(adapter.handle, dev))  # the slots every load of the model reuses
             got = load_prefix(adapter.handle, store, plan, bufs, 0, 0, staging=staging)

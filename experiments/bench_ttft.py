@@ -95,7 +95,7 @@ def run_length(
     from transformers import DynamicCache
 
     from helpers.entries import encode_v1
-    from kvstore.model.plan.chains import plan
+    from kvstore.model.io.chains import plan
     from kvstore.store.keys import cache_key
     from kvstore.store.kvstore import KVStore
 

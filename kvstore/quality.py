@@ -194,15 +194,9 @@ def unique_codecs(codecs: Sequence[str | Codec]) -> tuple[list[Codec], list[tupl
     return out, repeats
 
 
-def quality_gate(
-    adapter: Any, rows: Sequence[QualityRow], codecs: Sequence[str | Codec], *, new_tokens: int = 16,
-    chunk_tokens: int = 512, progress: Callable[[int], None] | None = None,
-) -> list[CodecQuality]:  # fmt: skip
-    """Measure each codec of ``codecs`` against the lossless cache on ``rows`` (module docstring);
-    a codec given twice (the same canonical spec, :func:`unique_codecs`) is measured once. Every
-    result carries ``kl_floor``, the reference path against itself. ``progress`` is called with 1 per
-    row and codec done. Raises CodecError for a lossless or unknown codec or one the model cannot use
-    (a layer it lacks: ``int4h:k8=L``), ModelError for a model kvstore cannot prefill."""
+def _gated_codecs(adapter: Any, codecs: Sequence[str | Codec]) -> list[Codec]:
+    """The distinct codecs of ``codecs``, each with the model's rotary parameters; CodecError for a
+    lossless one, one naming a layer the model lacks, or one that needs rotary parameters it has not."""
     chosen = []
     n_layers = len(describe(adapter.handle.model.config).kinds)
     for codec in unique_codecs(codecs)[0]:
@@ -214,6 +208,19 @@ def quality_gate(
         if needs_rotary(codec) and adapter.rotary is None:
             raise CodecError(f"{codec.spec} needs the model's rotary parameters; this model has none kvstore undoes")
         chosen.append(with_rotary(codec, adapter.rotary))
+    return chosen
+
+
+def quality_gate(
+    adapter: Any, rows: Sequence[QualityRow], codecs: Sequence[str | Codec], *, new_tokens: int = 16,
+    chunk_tokens: int = 512, progress: Callable[[int], None] | None = None,
+) -> list[CodecQuality]:  # fmt: skip
+    """Measure each codec of ``codecs`` against the lossless cache on ``rows`` (module docstring);
+    a codec given twice (the same canonical spec, :func:`unique_codecs`) is measured once. Every
+    result carries ``kl_floor``, the reference path against itself. ``progress`` is called with 1 per
+    row and codec done. Raises CodecError for a lossless or unknown codec or one the model cannot use
+    (a layer it lacks: ``int4h:k8=L``), ModelError for a model kvstore cannot prefill."""
+    chosen = _gated_codecs(adapter, codecs)
     per: dict[str, dict[str, Any]] = {
         c.spec: {"same": 0, "prefix": [], "kl": {m: [] for m in MODES}, "top1": {m: [] for m in MODES}, "bytes": 0}
         for c in chosen

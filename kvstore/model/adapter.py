@@ -28,6 +28,8 @@ from kvstore.model.compose.store import build_of, build_passages, plan_passages
 from kvstore.model.compute.cache import LayerKV
 from kvstore.model.compute.forward import prefill
 from kvstore.model.handle import DEFAULT_RESERVE_TOKENS, ModelHandle, TextOrIds
+from kvstore.model.io import chains
+from kvstore.model.io.chains import Chain, Keying
 from kvstore.model.keywords import takes_options
 from kvstore.model.options import (
     BuildKeywords,
@@ -43,9 +45,7 @@ from kvstore.model.paths.choice import check_supported, path_of
 from kvstore.model.pipelines import build, sample, score
 from kvstore.model.pipelines.build import BuildReport
 from kvstore.model.pipelines.sample import SampleResult
-from kvstore.model.plan import chains
 from kvstore.model.plan.build import BuildPlan, plan_build
-from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import Press
 from kvstore.model.scoring.scores import RollingResults, ScoreResult
 from kvstore.model.variants import sparse
@@ -110,7 +110,7 @@ class Adapter(ModelView):
         special_tokens: bool = True,
     ) -> Chain:  # fmt: skip
         """A tokenized context as a chain of chunks for ``store``: its keys, and ``chain.key`` the
-        context's (:func:`kvstore.model.plan.chains.chain_of`)."""
+        context's (:func:`kvstore.model.io.chains.chain_of`)."""
         return chains.chain_of(self.handle, context_ids, store, prefix=prefix, special_tokens=special_tokens)
 
     def key(
@@ -277,7 +277,7 @@ class Adapter(ModelView):
         Full-attention models, eager steps only."""
         assert options is not None  # completed by takes_options (from the field keywords)
         texts, asked, keying, composed = self._prompted(prompt, contexts, questions, special_tokens, prefix)
-        return self._sample([options.variant(generation_context)], texts, asked, options, store, keying, labels,
+        return self._sample([options.variant(generation_context)], (texts, asked), options, store, keying, labels,
                             progress, composed=composed)[0]  # fmt: skip
 
     @takes_options(SampleOptions)
@@ -305,7 +305,7 @@ class Adapter(ModelView):
         assert options is not None  # completed by takes_options (from the field keywords)
         chosen = _swept(variants, options)
         texts, asked, keying, composed = self._prompted(prompt, contexts, questions, special_tokens, prefix)
-        results = self._sample(chosen, texts, asked, options, store, keying, labels, progress, composed=composed)
+        results = self._sample(chosen, (texts, asked), options, store, keying, labels, progress, composed=composed)
         return {r.variant: r for r in results}
 
     @takes_options(SampleOptions, first="num_new_tokens")
@@ -358,10 +358,12 @@ class Adapter(ModelView):
         return texts, asked, Keying(special_tokens, prefix), None
 
     def _sample(
-        self, chosen: Sequence[Variant], contexts: Sequence[TextOrIds], questions: Sequence[TextOrIds],
+        self, chosen: Sequence[Variant], texts: tuple[Sequence[TextOrIds], Sequence[TextOrIds]],
         opts: SampleOptions, store: KVStore | None, keying: Keying, labels: Sequence[str] | None,
         progress: Progress | None, *, composed: Composed | None = None,
     ) -> list[SampleResult]:  # fmt: skip
+        """Every variant of ``chosen`` answered on ``texts`` (contexts, questions)."""
+        contexts, questions = texts
         if opts.compose is not None:  # passages placed at their offsets (or, for full, the reference)
             return [sample_composed(self.handle, composed, opts, chosen, store, labels, progress)]
         path = sample.check_sample(self.handle, opts, chosen, store)  # a refused model: before any tokenizing

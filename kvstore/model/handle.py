@@ -11,7 +11,7 @@ the public front, composes one and adds building, sampling, scoring and sweeps.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -20,14 +20,16 @@ from kvstore import dtypes
 from kvstore.errors import ContextTooLongError
 from kvstore.facts import ATTN
 from kvstore.model.compute import attention
-from kvstore.model.compute.cache import KVShape, LayerKV
-from kvstore.model.family.layout import CacheLayout, cache_layout
+from kvstore.model.family.layout import CacheLayout, KVShape, LayerKV, cache_layout
 from kvstore.model.family.rope import rotary_of
 from kvstore.model.load.identity import model_fingerprint
 from kvstore.process import forced_staging
 from kvstore.store.codecs.prerope import Rotary
 from kvstore.store.entry import Entry
 from kvstore.store.keys import chain_seed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvstore.model.io.ring import Ring
 
 TextOrIds = str | Sequence[int]
 DEFAULT_RESERVE_TOKENS = 256
@@ -61,7 +63,7 @@ class ModelHandle:
     ``prefill_chunk_tokens``: longer prefills run in pieces of this many positions (chunked
     prefill: activation memory bounded by the piece; 0: one forward; None: automatic, see
     :attr:`prefill_piece`); ``force_staging``: loads go through the accelerator staging
-    (:class:`kvstore.model.compute.staging.Staging`) on CPU too (tests; None: whether
+    (:class:`kvstore.model.io.staging.Staging`) on CPU too (tests; None: whether
     ``KVSTORE_FORCE_STAGING`` is set, :func:`kvstore.process.forced_staging`).
     """
 
@@ -89,6 +91,7 @@ class ModelHandle:
         self._layout: CacheLayout | None = None
         self._rotary: tuple[Rotary | None] | None = None
         self._prefixes: dict[tuple, list[int]] = {}
+        self.staging_ring: Ring | None = None  # pinned staging slots of loads into the accelerator (Ring.of)
         attention.install()  # kvstore's masked forwards attend to grouped KV heads in place (see there)
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)

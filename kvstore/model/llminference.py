@@ -164,8 +164,20 @@ def import_caches(
     if not directory.is_dir():
         raise KVStoreError(f"{directory} is not a directory of llminference caches")
     config_json = config_json if config_json is not None else adapter.model.config.to_json_string(use_diff=False)
-    files = {p.stem: p for p in directory.glob("*.pt")}
     report = ImportReport()
+    found = _found(directory, contexts, config_json, max_context_length, report)
+    jobs = _read(adapter, found, max_context_length, report)
+    _spot_check(adapter, jobs[: max(0, check)], report)
+    _write(adapter, store, jobs, report, progress)
+    return report
+
+
+def _found(
+    directory: Path, contexts: Sequence[str], config_json: str, max_context_length: int, report: ImportReport
+) -> list[tuple[str, Path]]:
+    """The cache file of each distinct context found in ``directory``; the contexts missing and the
+    files no context named go to ``report``."""
+    files = {p.stem: p for p in directory.glob("*.pt")}
     found: list[tuple[str, Path]] = []
     for text in dict.fromkeys(contexts):
         name = cache_name(config_json, text, max_context_length)
@@ -174,6 +186,14 @@ def import_caches(
         else:
             report.missing.append(text[:60])
     report.unmatched = sorted(p.name for p in files.values())
+    return found
+
+
+def _read(
+    adapter: Adapter, found: Sequence[tuple[str, Path]], max_context_length: int, report: ImportReport
+) -> list[tuple[list[int], torch.Tensor]]:
+    """``(context ids, cache tensor)`` of each file whose shape and dtype are this model's; the
+    others are rejected in ``report`` (that file only: the others are still imported)."""
     shapes = adapter.kv_shapes()
     jobs = []
     for text, path in found:
@@ -186,11 +206,16 @@ def import_caches(
                 raise ValueError(f"is {tuple(t.shape)}, this model's context would be {want}")
             if t.dtype != adapter.dtype:
                 raise ValueError(f"holds {t.dtype}, the model runs in {adapter.dtype}; import with --dtype to match")
-        except (OSError, ValueError) as exc:  # this file only: the others are still imported
+        except (OSError, ValueError) as exc:
             report.rejected.append(f"{path.name}: {exc}")
             continue
         jobs.append((ids, t))
-    for ids, t in jobs[: max(0, check)]:  # spot check: recompute, compare
+    return jobs
+
+
+def _spot_check(adapter: Adapter, jobs: Sequence[tuple[list[int], torch.Tensor]], report: ImportReport) -> None:
+    """Recompute ``jobs``' contexts and compare; KVStoreError (nothing stored) past the tolerance."""
+    for ids, t in jobs:
         fresh = adapter.prefill([ids])[0]
         diff = max(float((t[i, j, 0] - kv).abs().max()) for i, layer in enumerate(fresh) for j, kv in enumerate(layer))
         report.checked += 1
@@ -202,7 +227,14 @@ def import_caches(
             f"to {report.max_abs_diff:.3g} (> {tolerance:g}); check --model, --dtype, --config-json and "
             "--max-context-length; nothing was stored"
         )
-    from kvstore.model.compute.writer import Writer
+
+
+def _write(
+    adapter: Adapter, store: KVStore, jobs: Sequence[tuple[list[int], torch.Tensor]], report: ImportReport,
+    progress: Progress | None,
+) -> None:  # fmt: skip
+    """Each context not stored whole yet written as a chain (chunks, then its record)."""
+    from kvstore.model.io.writer import Writer
 
     writer = Writer(store)
     try:
@@ -224,7 +256,6 @@ def import_caches(
                 writer.put_chunks(adapter.handle, *written[key])
     finally:
         writer.close()
-    return report
 
 
 __all__ = ["ImportReport", "cache_name", "import_caches"]

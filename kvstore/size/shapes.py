@@ -14,7 +14,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -334,6 +334,25 @@ def shape_from_gguf(path: str | os.PathLike, name: str | None = None) -> ModelSh
             )
         head_dim = hidden // heads
 
+    windows = _gguf_windows(name, get, int(n_layers), windows)
+    if windows is not None and all(w is None for w in windows):
+        windows = None
+    return ModelShape(
+        name=name,
+        n_layers=int(n_layers),
+        kv_heads=int(kv),
+        head_dim=int(head_dim),
+        windows=tuple(windows) if windows is not None else None,
+        source=f"gguf: {path}",
+    )
+
+
+def _gguf_windows(
+    name: str, get: Callable[[str], Any], n_layers: int, windows: list[int | None] | None
+) -> list[int | None] | None:
+    """Each layer's window from a GGUF's ``attention.sliding_window`` and its pattern (``windows``:
+    0 for the layers without attention, as the KV head counts said; None: every layer global).
+    Raises ModelError when the GGUF names a window but not which layers use it."""
     sliding = get("attention.sliding_window")
     if sliding:
         pattern = get("attention.sliding_window_pattern")
@@ -351,16 +370,7 @@ def shape_from_gguf(path: str | os.PathLike, name: str | None = None) -> ModelSh
         windows = [
             (0 if (windows and windows[i] == 0) else (int(sliding) if s else None)) for i, s in enumerate(slides)
         ]
-    if windows is not None and all(w is None for w in windows):
-        windows = None
-    return ModelShape(
-        name=name,
-        n_layers=int(n_layers),
-        kv_heads=int(kv),
-        head_dim=int(head_dim),
-        windows=tuple(windows) if windows is not None else None,
-        source=f"gguf: {path}",
-    )
+    return windows
 
 
 # -- names ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from kvstore import dtypes
 from kvstore.errors import CodecError, CorruptEntryError
-from kvstore.store.codecs import Codec, StoredTensor, TensorRecord, get_codec
+from kvstore.store.codecs import Codec, StoredTensor, StoredTensorBase, TensorRecord, get_codec
 from kvstore.store.codecs.prerope import Rotary, with_rotary
 from kvstore.store.frame import field_int
 from kvstore.store.owned import PRESSED, OwnedKindBase, OwnedView, encode_owned, owned_header
@@ -24,7 +24,7 @@ from kvstore.store.owned_header import OwnedFacts, OwnedHeader, OwnedLayer, head
 ROLES = ("keys", "values")
 
 
-class _NoTokens:
+class _NoTokens(StoredTensorBase):
     """A head that keeps no token: a ``[1, 0, head_dim]`` stored tensor with nothing to copy."""
 
     def __init__(self, head_dim: int, dtype: torch.dtype):

@@ -348,7 +348,7 @@ def test_force_staging_from_the_environment_stages_on_cpu_with_the_same_answers(
     """``KVSTORE_FORCE_STAGING=1`` (issue 45, finding 8): a CLI sample stages its loads through the
     ring and its writes through the host buffers, as on an accelerator, on CPU; the answers, cold
     (computed and stored) and warm (loaded), are those of a run without it."""
-    from kvstore.model.compute.writer import Writer
+    from kvstore.model.io.writer import Writer
     from kvstore.model.stages import load as load_mod
 
     loads: list[bool] = []  # per load: staged through a forced ring

@@ -283,7 +283,7 @@ def decode_host_and_staged(reader, dtype: torch.dtype):
     buffer twice: on the host (``copy_into``) and through the staging bookkeeping on CPU (its
     device branch, a ``Staging(cpu, force=True)``). Returns ``(host, staged, staging,
     uploads)``, ``uploads`` the ``(shape, dtype)`` of every tensor the staging uploaded."""
-    from kvstore.model.compute import staging
+    from kvstore.model.io import staging
 
     host = torch.full((2, 3, 90, 16), float("nan"), dtype=dtype)
     reader.copy_into(host[1, :, 7:77])  # a strided slice of a batch buffer, as loads use

@@ -21,7 +21,7 @@ from kvstore.model.compose.recompute import selected
 from kvstore.model.compose.rows import compose_inputs
 from kvstore.model.compose.run import _Parts, assemble
 from kvstore.model.compose.spec import BLEND_LAYER, SEPARATOR, Passages
-from kvstore.model.plan.chains import Keying
+from kvstore.model.io.chains import Keying
 from kvstore.store.kvstore import KVStore
 
 WORDS = "alpha beta gamma delta river stone cloud paper window garden silver music field train".split()

@@ -15,7 +15,7 @@ from helpers.tiny import make_family_model, make_tiny_model
 from kvstore.errors import ComposeError
 from kvstore.model.adapter import Adapter
 from kvstore.model.compose.passages import chain_kv, check_composable, passage_chain, place, stored_kv
-from kvstore.model.plan.chains import chain_of
+from kvstore.model.io.chains import chain_of
 from kvstore.store.kvstore import KVStore
 
 # measured (seed 1, float32): keys placed vs computed at the offset, relative (Frobenius) per layer,

@@ -21,8 +21,8 @@ from helpers.entries import bits, decode_host_and_staged, split, with_frame
 from helpers.tiny import make_tiny_model
 from kvstore.errors import CorruptEntryWarning
 from kvstore.model.adapter import Adapter
-from kvstore.model.compute import staging
 from kvstore.model.compute.cache import new_buffers
+from kvstore.model.io import staging
 from kvstore.model.stages.load import load_prefix
 from kvstore.store.codecs import get_codec
 from kvstore.store.codecs import records as records_mod

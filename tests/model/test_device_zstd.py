@@ -1,4 +1,4 @@
-"""zstd frames decoded on the device (``kvstore.model.compute.device_zstd``): a lossless chunk
+"""zstd frames decoded on the device (``kvstore.model.io.device_zstd``): a lossless chunk
 crosses compressed, its frames decode in one batched call and its byte planes are put back
 together on the device. No GPU here: the stand-in decoder (CPU zstd) runs the same bookkeeping
 through ``force_staging``. Loads answer as direct loads bit for bit; a frame that does not decode
@@ -16,7 +16,7 @@ from helpers.entries import split
 from helpers.tiny import make_tiny_model
 from kvstore.errors import CorruptEntryWarning
 from kvstore.model.adapter import Adapter
-from kvstore.model.compute import device_zstd, staging
+from kvstore.model.io import device_zstd, staging
 from kvstore.store.frame import seal
 from kvstore.store.kvstore import KVStore
 

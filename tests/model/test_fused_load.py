@@ -14,7 +14,7 @@ import torch
 from helpers.tiny import make_tiny_model
 from kvstore.errors import CorruptEntryWarning
 from kvstore.model.adapter import Adapter
-from kvstore.model.compute import staging
+from kvstore.model.io import staging
 from kvstore.model.stages import load as load_stage
 from kvstore.store import fused
 from kvstore.store import kvstore as kvstore_module

@@ -284,7 +284,7 @@ def test_a_plain_sample_hints_once_that_codec_reads_the_lossy_copies(tiny_llama_
 def test_lossy_copies_counts_contexts_a_lossless_run_misses(llama, tmp_path):
     """``SampleResult.lossy_copies``: per lossy codec, the missed contexts the store holds more of
     under it; every built-in lossy codec is looked for."""
-    from kvstore.model.plan.chains import LOSSY_PROBES
+    from kvstore.model.io.chains import LOSSY_PROBES
     from kvstore.store.codecs import base
 
     quantizers = [r for r in base._REGISTRY.values() if r.kind == base.QUANTIZER and r.name != "none"]

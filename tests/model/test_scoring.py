@@ -96,7 +96,7 @@ def test_cached_equals_no_cache_equals_hf_forward(kind, dtype, attn):
 def test_options_of_one_context_compute_it_once(tiny_llama, monkeypatch):
     import time
 
-    from kvstore.model.compute.writer import Writer
+    from kvstore.model.io.writer import Writer
 
     write = Writer._write
 

@@ -14,7 +14,7 @@ from helpers.entries import split, with_frame
 from helpers.tiny import make_tiny_model
 from kvstore.errors import CorruptEntryWarning
 from kvstore.model.adapter import Adapter
-from kvstore.model.compute import staging
+from kvstore.model.io import staging
 from kvstore.store.kvstore import KVStore
 
 

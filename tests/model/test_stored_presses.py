@@ -10,6 +10,7 @@ codec's pressed entry answers what its lossy reload would; corrupt or foreign en
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -288,3 +289,27 @@ def test_a_build_with_presses_probes_the_store_once(llama, rows, monkeypatch):
             got = llama.sample(contexts, questions, store=store, press="knorm:0.5", num_new_tokens=3)
             assert all(got.cache_hit)
             monkeypatch.setattr(batch_plans, "stored_depth", lambda *a: probes.append(a) or real(*a))
+
+
+def test_a_build_writes_its_scores_and_pressed_caches_on_the_writer_thread(llama, rows, monkeypatch):
+    """build --press / --score: every entry a context owns is put by the build's writer, off the
+    compute thread, after its context's chunks and record (one write path for every kind)."""
+    from kvstore.store.access import kind_of_blob
+
+    puts: list[tuple[str, str]] = []  # (kind, thread) of every put of an encoded entry
+    real_put = KVStore.put
+
+    def put(self, item, **kw):
+        if isinstance(item, bytes):
+            puts.append((kind_of_blob(item)[0].name, threading.current_thread().name))
+        return real_put(self, item, **kw)
+
+    monkeypatch.setattr(KVStore, "put", put)
+    contexts, _ = rows
+    with KVStore("memory://", chunk_tokens=32) as store:
+        report = llama.build(contexts, store, presses=["kvzip:0.5"], scores=["expected_attention"])
+    assert report.pressed_written == len(contexts) and report.scores_written >= len(contexts)
+    owned = [(kind, thread) for kind, thread in puts if kind != "chunk"]
+    assert sorted({k for k, _ in owned}) == ["pressed", "scores"]
+    assert len(owned) == report.pressed_written + report.scores_written
+    assert {t for _, t in puts} == {"kvstore-writer"}  # chunks and owned entries alike

@@ -14,9 +14,10 @@ import torch
 from helpers.entries import make_entry
 from helpers.tiny import make_tiny_model
 from kvstore.model.adapter import Adapter
-from kvstore.model.compute import offload
-from kvstore.model.compute import writer as writer_module
-from kvstore.model.compute.writer import Writer
+from kvstore.model.io import offload
+from kvstore.model.io import writer as writer_module
+from kvstore.model.io.writer import Writer
+from kvstore.store.access import kind_of_blob
 from kvstore.store.kvstore import KVStore
 
 CHUNK = 16
@@ -31,7 +32,7 @@ def test_encoding_threads_keep_the_order_and_the_bytes(monkeypatch, spec, thread
     with KVStore("memory://", codec=spec) as store:
         expected = [store.encode(e) for e in entries]
         written: list[tuple[str, bytes]] = []
-        real_put, real_encode = store.put_bytes, store.encode
+        real_put, real_encode = store.put, store.encode
         busy, most = [0], [0]
         lock = threading.Lock()
 
@@ -46,12 +47,12 @@ def test_encoding_threads_keep_the_order_and_the_bytes(monkeypatch, spec, thread
                 with lock:
                     busy[0] -= 1
 
-        def spy_put(key, blob, **kw):
-            written.append((key, bytes(blob)))
-            return real_put(key, blob, **kw)
+        def spy_put(blob, **kw):
+            written.append((kind_of_blob(blob)[2], bytes(blob)))
+            return real_put(blob, **kw)
 
         monkeypatch.setattr(store, "encode", slow_encode)
-        monkeypatch.setattr(store, "put_bytes", spy_put)
+        monkeypatch.setattr(store, "put", spy_put)
         writer = Writer(store, threads=threads)
         for e in entries:
             writer.put(e)

@@ -26,7 +26,7 @@ from kvstore.errors import ComposeError
 from kvstore.model.compute.cache import LayerKV
 from kvstore.model.compute.forward import prefill
 from kvstore.model.family.rope import rotary_refusal
-from kvstore.model.plan.chains import Chain, chunk_entries, fits
+from kvstore.model.io.chains import Chain, chunk_entries, fits
 from kvstore.store.codecs.prerope import Rotary
 from kvstore.store.keys import DEFAULT_CHUNK_TOKENS, cache_key, chain_keys, chunk_spans, passage_seed
 from kvstore.store.kvstore import KVStore

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.errors import ComposeError, ContextTooLongError
 from kvstore.model.compose.spec import SEPARATOR, passages_of
 from kvstore.model.handle import row_label
-from kvstore.model.plan.chains import Keying
+from kvstore.model.io.chains import Keying
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.data.prompts import PromptFormat

@@ -27,9 +27,9 @@ from kvstore.model.compose.spec import Compose
 from kvstore.model.compute.attention import uses_grouped_kv
 from kvstore.model.compute.cache import BatchCache, LayerKV, new_buffers
 from kvstore.model.compute.forward import batches, row_length
+from kvstore.model.io.chains import chain_of
 from kvstore.model.options import SampleOptions
 from kvstore.model.pipelines.sample import SampleResult, check_sample, sample_variants, tokenize_rows
-from kvstore.model.plan.chains import chain_of
 from kvstore.model.stages.answer import answer
 from kvstore.model.variants.variant import DENSE, Variant
 from kvstore.progress import Progress

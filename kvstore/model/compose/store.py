@@ -19,10 +19,10 @@ from kvstore.errors import ComposeError, ReadOnlyStoreError
 from kvstore.model.compose.passages import check_composable, passage_chain
 from kvstore.model.compose.rows import Composed
 from kvstore.model.compute.forward import prefill
+from kvstore.model.io.chains import Chain, chain_of, chunk_entries
 from kvstore.model.options import BuildOptions
 from kvstore.model.pipelines.build import BuildReport
 from kvstore.model.plan.build import BuildPlan, _step, in_shard
-from kvstore.model.plan.chains import Chain, chain_of, chunk_entries
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 

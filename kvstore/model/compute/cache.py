@@ -14,8 +14,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-KVShape = tuple[int, int, int]  # (kv_heads, key head_dim, value head_dim) of one layer
-LayerKV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values) [kv_heads, n, head_dim]
+from kvstore.model.family.layout import KVShape, LayerKV  # noqa: F401 - their old home
+
 Buffers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [B, kv_heads, T, head_dim]
 
 
@@ -144,8 +144,6 @@ __all__ = [
     "BatchCache",
     "Buffers",
     "HeadCounts",
-    "KVShape",
-    "LayerKV",
     "PreallocatedCache",
     "PreallocatedLayer",
     "new_buffers",

@@ -48,6 +48,9 @@ from kvstore.facts import (
 from kvstore.model.family import families
 from kvstore.store.header import LayerSpec
 
+KVShape = tuple[int, int, int]  # (kv_heads, key head_dim, value head_dim) of one layer
+LayerKV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (keys, values) [kv_heads, n, head_dim]
+
 
 @dataclass(frozen=True)
 class LayerLayout:
@@ -226,4 +229,4 @@ def cache_layout(model: Any, pad_id: int = 0) -> CacheLayout:
     )  # fmt: skip
 
 
-__all__ = ["CacheLayout", "LayerLayout", "cache_keyword", "cache_layout"]
+__all__ = ["CacheLayout", "KVShape", "LayerKV", "LayerLayout", "cache_keyword", "cache_layout"]

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from kvstore.model.compute.forward import Decoding
+from kvstore.model.io.chains import Chain
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import Chain
 from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.stages.answer import Answer
 from kvstore.model.stages.load import Loaded
@@ -35,8 +35,8 @@ from kvstore.model.variants.variant import Variant
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.io.writer import Writer
     from kvstore.model.options import BuildOptions
     from kvstore.progress import Progress
 
@@ -82,7 +82,7 @@ class Scoring:
 
 
 @dataclass(frozen=True)
-class Work:
+class BatchSetup:
     """What a batch runs with besides its plan: the store (None: the no-cache reference), the
     writer (None: nothing is stored), how it decodes, the variants it answers or scores under, and
     for a scoring batch what it scores."""
@@ -143,23 +143,35 @@ class CachePath(ABC, Generic[PreparedT]):
         then (with ``count``: contexts, not shared prefixes) its record."""
 
     @abstractmethod
-    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> PreparedT:
+    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup, loaded: Loaded | None) -> PreparedT:
         """A batch's contexts from the store, whole: its load (``loaded``, when it was loaded
         ahead) and what is missing computed and handed to the writer. What it returns is this
         path's own, for :meth:`answer` and :meth:`score`."""
 
     @abstractmethod
-    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: PreparedT) -> BatchAnswers:
+    def answer(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup, prepared: PreparedT) -> BatchAnswers:
         """Answer a prepared batch under every variant of ``work``."""
 
     @abstractmethod
-    def reference(self, handle: ModelHandle, plan: BatchPlan, work: Work) -> BatchAnswers:
+    def reference(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup) -> BatchAnswers:
         """Answer a batch without a store (the reference)."""
 
-    def score(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: PreparedT) -> BatchScores:
+    def score(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup, prepared: PreparedT) -> BatchScores:
         """Score a prepared batch's continuations (``work.scoring``) under every variant of
         ``work`` (paths that offer ``scoring``)."""
         raise NotImplementedError(f"the {self.name} cache path does not score from stored contexts")
 
 
-__all__ = ["FEATURES", "BatchAnswers", "BatchScores", "BuildCounts", "CachePath", "PreparedT", "Scoring", "Work"]
+Work = BatchSetup  # deprecated: the old name, for one release
+
+__all__ = [
+    "FEATURES",
+    "BatchAnswers",
+    "BatchScores",
+    "BatchSetup",
+    "BuildCounts",
+    "CachePath",
+    "PreparedT",
+    "Scoring",
+    "Work",
+]

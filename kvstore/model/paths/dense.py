@@ -28,14 +28,15 @@ import torch
 from kvstore.model.compute.cache import PreallocatedCache, new_buffers
 from kvstore.model.compute.forward import DecodeSlots, Decoding, batches, extend, greedy_loop, prefill, right_padded
 from kvstore.model.compute.static import StaticSteps, bucket_slots
-from kvstore.model.paths.base import FEATURES, BatchAnswers, BatchScores, BuildCounts, CachePath, Work
+from kvstore.model.io.chains import Chain
+from kvstore.model.io.probes import load_prefix_kv
+from kvstore.model.paths.base import FEATURES, BatchAnswers, BatchScores, BatchSetup, BuildCounts, CachePath
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import Chain
 from kvstore.model.press.select import PressMemo
 from kvstore.model.press.stored import StoredScores, open_pressed
 from kvstore.model.stages.answer import Answer, QuestionMemo, answer, prefill_contexts
 from kvstore.model.stages.complete import Completed, complete
-from kvstore.model.stages.load import Loaded, load, load_prefix_kv
+from kvstore.model.stages.load import Loaded, load
 from kvstore.model.stages.score import keep_rows, score_fed, scored_contexts
 from kvstore.model.stages.transform import transform
 from kvstore.store.codecs import Codec
@@ -43,8 +44,8 @@ from kvstore.store.kvstore import KVStore
 from kvstore.store.owned import DerivedView
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.io.writer import Writer
     from kvstore.model.options import BuildOptions
     from kvstore.progress import Progress
 
@@ -90,7 +91,7 @@ class DensePath(CachePath["Prepared"]):
                 )
         return done
 
-    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> Prepared:
+    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup, loaded: Loaded | None) -> Prepared:
         stack = contextlib.ExitStack()
         try:
             entries, bad = _open_entries(handle, plan, work, stack)
@@ -102,9 +103,9 @@ class DensePath(CachePath["Prepared"]):
             stack.close()
             raise
 
-    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: Prepared) -> BatchAnswers:
+    def answer(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup, prepared: Prepared) -> BatchAnswers:
         with prepared.stack:
-            plan, done = prepared.plan, prepared.done
+            plan, done = prepared.plan, prepared.completed
             memo = _memo(handle, plan, work)
             questions_memo = QuestionMemo()
             out = []
@@ -113,11 +114,11 @@ class DensePath(CachePath["Prepared"]):
                 out.append(answer(handle, mine, plan.fed, work.decoding, v, questions_memo))
         return BatchAnswers(tuple(out), _loaded(plan, done), done.computed, _labels(plan, prepared), memo.tokens)
 
-    def score(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: Prepared) -> BatchScores:
+    def score(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup, prepared: Prepared) -> BatchScores:
         assert work.scoring is not None
         job = work.scoring
         with prepared.stack:
-            plan, done = prepared.plan, prepared.done
+            plan, done = prepared.plan, prepared.completed
             dense = scored_contexts(done.cache) if done.cache is not None else None
             memo = _memo(handle, plan, work)
             targets = [job.targets[i] for i in plan.rows]
@@ -134,7 +135,7 @@ class DensePath(CachePath["Prepared"]):
                     keeping = False
         return BatchScores(tuple(rows), tuple(kept), tuple(nbytes), _loaded(plan, done), done.computed, memo.tokens)
 
-    def reference(self, handle: ModelHandle, plan: BatchPlan, work: Work) -> BatchAnswers:
+    def reference(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup) -> BatchAnswers:
         contexts = [p.ids for p in plan.contexts]
         computed = sum(len(c) for c in contexts)
         none = (0,) * len(contexts)
@@ -167,13 +168,13 @@ class Prepared:
     variant name and context key, and the stack that keeps them open until the batch is done."""
 
     plan: BatchPlan
-    done: Completed
+    completed: Completed
     entries: Mapping[str, Mapping[str, DerivedView]]
     stack: contextlib.ExitStack
 
 
 def _open_entries(
-    handle: ModelHandle, plan: BatchPlan, work: Work, stack: contextlib.ExitStack
+    handle: ModelHandle, plan: BatchPlan, work: BatchSetup, stack: contextlib.ExitStack
 ) -> tuple[dict[str, dict[str, DerivedView]], frozenset[str]]:
     """The plan's pressed entries, verified and open on ``stack``; and the contexts whose entry
     turned out missing, corrupt or foreign."""
@@ -192,14 +193,14 @@ def _open_entries(
     return entries, frozenset(bad)
 
 
-def _memo(handle: ModelHandle, plan: BatchPlan, work: Work) -> PressMemo:
+def _memo(handle: ModelHandle, plan: BatchPlan, work: BatchSetup) -> PressMemo:
     """A batch's press memo, reading and (on a writable store) saving stored scores."""
     if work.store is None:
         return PressMemo()
     return PressMemo(stored=StoredScores(handle, work.store, plan.derived_chains, work.writer is not None))
 
 
-def _codec(work: Work) -> Codec | None:
+def _codec(work: BatchSetup) -> Codec | None:
     return work.store.codec if work.store is not None else None
 
 
@@ -213,7 +214,7 @@ def _labels(plan: BatchPlan, prepared: Prepared) -> tuple[str | None, ...]:
     """Per row, the codec its context came from: the dense chunks', else its pressed entries'."""
     out = []
     for r, c in enumerate(plan.contexts):
-        label = prepared.done.codecs[r]
+        label = prepared.completed.codecs[r]
         if label is None and c.key not in plan.dense:
             specs = [m[c.key].header.codec_spec for m in prepared.entries.values() if c.key in m]
             label = ",".join(dict.fromkeys(specs)) or None

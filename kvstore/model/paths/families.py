@@ -26,10 +26,10 @@ import torch
 
 from kvstore.facts import WINDOWED_KINDS
 from kvstore.model.compute.forward import DecodeSlots, Decoding, batches, greedy_loop
-from kvstore.model.paths.base import BatchAnswers, BuildCounts, CachePath, Work
+from kvstore.model.io.chains import Chain, fits
+from kvstore.model.paths.base import BatchAnswers, BatchSetup, BuildCounts, CachePath
 from kvstore.model.paths.slots import KV, RowCache, Slots
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import Chain, fits
 from kvstore.model.stages.answer import Answer
 from kvstore.model.stages.load import Loaded
 from kvstore.store.codecs import spec_of
@@ -37,8 +37,8 @@ from kvstore.store.entry import Entry
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.io.writer import Writer
     from kvstore.model.options import BuildOptions
     from kvstore.progress import Progress
 
@@ -285,13 +285,13 @@ class FamiliesPath(CachePath[None]):
     ) -> BuildCounts:  # fmt: skip
         return compute_jobs(handle, store, jobs, writer, options, progress, count)
 
-    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: Work, loaded: Loaded | None) -> None:
+    def prepare(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup, loaded: Loaded | None) -> None:
         return None  # loaded and completed row by row in answer: one variant, nothing ahead
 
-    def answer(self, handle: ModelHandle, plan: BatchPlan, work: Work, prepared: None) -> BatchAnswers:
+    def answer(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup, prepared: None) -> BatchAnswers:
         return decode_cached(handle, plan, work.store, work.writer, work.decoding)
 
-    def reference(self, handle: ModelHandle, plan: BatchPlan, work: Work) -> BatchAnswers:
+    def reference(self, handle: ModelHandle, plan: BatchPlan, work: BatchSetup) -> BatchAnswers:
         return decode_reference(handle, plan, work.decoding)
 
 

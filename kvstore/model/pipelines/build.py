@@ -11,7 +11,7 @@ carries it out: the dense work by the model's cache path
 (:meth:`kvstore.model.paths.base.CachePath.compute`; chunks that several contexts to compute share,
 such as a few-shot block, computed first, once), then the derived work
 (:mod:`kvstore.model.pipelines.derive`). Encoding and writing run on a background thread
-(:class:`~kvstore.model.compute.writer.Writer`): each context's chunks first, then its record, so a
+(:class:`~kvstore.model.io.writer.Writer`): each context's chunks first, then its record, so a
 reader or a concurrent gc never sees a record whose chunks were not written yet. The counts come
 back as values and make the :class:`BuildReport`.
 """
@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ReadOnlyStoreError
 from kvstore.model.compute.attention import uses_grouped_kv
-from kvstore.model.compute.writer import Writer
+from kvstore.model.io.chains import DEFAULT_KEYING, Chain, Keying
+from kvstore.model.io.probes import load_v1, verified_depth
+from kvstore.model.io.writer import Writer
 from kvstore.model.options import BuildOptions
 from kvstore.model.paths.base import BuildCounts, CachePath
 from kvstore.model.paths.choice import check_supported, check_variants
 from kvstore.model.pipelines.derive import derive
 from kvstore.model.plan.build import BuildPlan, plan_build
-from kvstore.model.plan.chains import DEFAULT_KEYING, Chain, Keying
-from kvstore.model.stages.load import load_v1, verified_depth
 from kvstore.model.variants.variant import make_variant
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore

@@ -8,7 +8,9 @@ memory, never stored; a lossy codec's round trip applied, as a stored chain woul
 scorer's scores are computed once and stored
 (:class:`~kvstore.model.press.stored.StoredScores`), and each press's kept tokens (the row pressed as
 a sample presses it, :func:`~kvstore.model.press.prune.pressed_row`) are encoded with the store's
-codec and stored as a pressed entry (:func:`~kvstore.model.press.stored.encode_kept`).
+codec as a pressed entry (:func:`~kvstore.model.press.stored.encode_kept`). Both are written by
+the build's writer (:meth:`~kvstore.model.io.writer.Writer.put_owned`), off the compute thread and
+after the chunks and records put before them.
 A press's scores are read from the store when they are there, so ``build --score kvzip`` then
 ``build --press kvzip:0.5 --press kvzip:0.75`` replays each context once. Each entry is one
 atomic put: an interrupted build leaves some contexts' entries written and the re-run makes the
@@ -24,15 +26,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.model.compute.forward import Decoding, batches
-from kvstore.model.compute.writer import Writer
+from kvstore.model.io.writer import Writer
 from kvstore.model.options import BuildOptions
-from kvstore.model.paths.base import CachePath, Work
+from kvstore.model.paths.base import BatchSetup, CachePath
 from kvstore.model.paths.dense import Prepared
-from kvstore.model.plan.batch import RowSet, plan_batch
+from kvstore.model.pipelines.batches import run_batches
+from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
 from kvstore.model.press.prune import pressed_row
 from kvstore.model.press.select import PressMemo, row_scores
 from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.press.stored import StoredScores, encode_kept
+from kvstore.model.stages.load import Loaded, load
 from kvstore.progress import Progress
 from kvstore.store.kvstore import KVStore
 
@@ -54,6 +58,12 @@ class Derived:
     computed_contexts: int = 0
     scoring: ScoringTokens = ScoringTokens()
 
+    def __add__(self, other: Derived) -> Derived:
+        return Derived(
+            self.pressed + other.pressed, self.scores + other.scores, self.bytes + other.bytes,
+            self.tokens + other.tokens, self.computed_contexts + other.computed_contexts, self.scoring + other.scoring,
+        )  # fmt: skip
+
 
 @torch.inference_mode()
 def derive(
@@ -65,56 +75,69 @@ def derive(
     if not steps:
         return Derived()
     chains = tuple(s.chain for s in steps)
-    requests = RowSet(chains, ((),) * len(chains), 0)
-    work = Work(store, writer if options.dense else None, Decoding(), ())  # dense=False: computed chains not stored
+    work = BatchSetup(
+        store, writer if options.dense else None, Decoding(), ()
+    )  # dense=False: computed chains not stored
     # what the build's plan and dense part left stored: not probed again
     known = {s.chain.key: len(s.chain.keys) if options.dense else s.depth for s in steps}
     sizes = [c.n_tokens for c in chains]
     order = sorted(range(len(chains)), key=lambda i: sizes[i])
     assert options.batch_size is not None
-    done = Derived()
-    for batch in batches(order, sizes, options.batch_size, options.max_batch_tokens):
-        done = _batch(handle, path, work, [steps[i] for i in batch], _Run(requests, batch, known), done)
-        if progress:
-            progress(0, sum(sizes[i] for i in batch))
-    return done
+    todo = list(batches(order, sizes, options.batch_size, options.max_batch_tokens))
+    deriving = Deriving(handle, path, work, writer, tuple(steps), RowSet(chains, ((),) * len(chains), 0), known)
+    report = (lambda b: progress(0, sum(sizes[i] for i in b))) if progress else None
+    parts, _ = run_batches(handle, deriving, todo, progress=report)
+    return sum((got for _, got in parts), Derived())
 
 
 @dataclass(frozen=True)
-class _Run:
+class Deriving:
+    """A build's derived part on each batch (a :class:`~kvstore.model.pipelines.batches.BatchWork`):
+    the steps' contexts planned from the depths the build found (``known``), their dense caches
+    prepared by ``path``, then the scores and pressed caches each row's step lacks stored."""
+
+    handle: ModelHandle
+    path: CachePath[Prepared]
+    work: BatchSetup
+    writer: Writer  # the build's: writes the scores and pressed caches off the compute thread
+    steps: tuple[ContextStep, ...]
     requests: RowSet
-    batch: list[int]
     known: Mapping[str, int]
 
+    def plan(self, rows: list[int]) -> BatchPlan:
+        return plan_batch(rows, self.requests, self.work.store, self.work.writer, known=self.known)
 
-def _batch(
-    handle: ModelHandle, path: CachePath[Prepared], work: Work, steps: Sequence[ContextStep], run: _Run, done: Derived
-) -> Derived:
-    store = work.store
-    assert store is not None
-    plan = plan_batch(run.batch, run.requests, store, work.writer, known=run.known)
-    prepared = path.prepare(handle, plan, work, None)
-    with prepared.stack:  # no variant: no pressed entry is open
-        completed = prepared.done
-        cache = completed.cache
-        assert cache is not None
-        scores = StoredScores(handle, store, plan.contexts, writable=True)
-        memo = PressMemo(stored=scores)
-        pressed = nbytes = 0
-        for r, step in enumerate(steps):
-            for scorer in step.scores:
-                scores.save(scorer, step.chain.ids, row_scores(handle, cache, scorer, r, memo), force=True)
-            for press in step.presses:
-                kept = pressed_row(handle, cache, r, press, memo).kept_tensors()
-                _, blob = encode_kept(handle, step.chain, press, kept, store.codec)
-                nbytes += store.put_derived(blob)
-                pressed += 1
-    computed = completed.computed
-    return Derived(
-        done.pressed + pressed, done.scores + len(scores.saved), done.bytes + nbytes + scores.saved_bytes,
-        done.tokens + computed, done.computed_contexts + _computed(plan, completed.tokens_loaded),
-        done.scoring + memo.tokens,
-    )  # fmt: skip
+    def load(self, plan: BatchPlan) -> Loaded:
+        return load(self.handle, plan, self.work.store, self.work.writer)
+
+    def prepare(self, plan: BatchPlan, loaded: Loaded | None) -> Prepared:
+        return self.path.prepare(self.handle, plan, self.work, loaded)
+
+    def finish(self, plan: BatchPlan, prepared: Prepared) -> Derived:
+        """The scores and pressed caches of ``plan``'s rows stored; what was stored and computed."""
+        handle, store = self.handle, self.work.store
+        assert store is not None
+        with prepared.stack:  # no variant: no pressed entry is open
+            completed = prepared.completed
+            cache = completed.cache
+            assert cache is not None
+            scores = StoredScores(handle, store, plan.contexts, writable=True, writer=self.writer)
+            memo = PressMemo(stored=scores)
+            pressed = nbytes = 0
+            for r, i in enumerate(plan.rows):
+                step = self.steps[i]
+                for scorer in step.scores:
+                    scores.save(scorer, step.chain.ids, row_scores(handle, cache, scorer, r, memo), force=True)
+                for press in step.presses:
+                    kept = pressed_row(handle, cache, r, press, memo).kept_tensors()
+                    _, blob = encode_kept(handle, step.chain, press, kept, store.codec)
+                    self.writer.put_owned(blob)
+                    nbytes += len(blob)
+                    pressed += 1
+        return Derived(
+            pressed, len(scores.saved), nbytes + scores.saved_bytes, completed.computed,
+            _computed(plan, completed.tokens_loaded), memo.tokens,
+        )  # fmt: skip
 
 
 def _computed(plan, loaded) -> int:

@@ -18,25 +18,24 @@ the contexts densely in memory and answers each variant as the cached path does.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic
 
 import torch
 
 from kvstore.errors import ContextTooLongError
 from kvstore.model.compute.attention import uses_grouped_kv
-from kvstore.model.compute.forward import Decoding, batches, in_halves, loaded_ahead, row_length
-from kvstore.model.compute.writer import Writer
+from kvstore.model.compute.forward import Decoding, batches, row_length
 from kvstore.model.handle import row_label
+from kvstore.model.io import chains
+from kvstore.model.io.chains import Chain, Keying
+from kvstore.model.io.writer import Writer
 from kvstore.model.options import SampleOptions
-from kvstore.model.paths.base import BatchAnswers, CachePath, PreparedT, Work
+from kvstore.model.paths.base import BatchAnswers, BatchSetup, CachePath, PreparedT
 from kvstore.model.paths.choice import check_supported, check_variants
-from kvstore.model.plan import chains
+from kvstore.model.pipelines.batches import run_batches
 from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
-from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.stages.load import Loaded, load
 from kvstore.model.variants import hooks
@@ -72,7 +71,7 @@ class SampleResult:
     for a context that was not composed of passages); only ``full`` is exact.
     ``lossy_copies``: in a lossless run, per lossy codec identity, how many of the contexts the store
     did not hold whole it held more of under that codec when the run began (what ``--codec`` would
-    read; :func:`kvstore.model.plan.chains.lossy_copies`); empty otherwise.
+    read; :func:`kvstore.model.io.chains.lossy_copies`); empty otherwise.
     """
 
     tokens: torch.Tensor
@@ -167,95 +166,67 @@ def sample_variants(
     decoding = options.decoding()
     use_store = store if options.use_cache else None
     writer = Writer(store) if (options.use_cache and store is not None and not store.readonly) else None
-    work = Work(use_store, writer, decoding, tuple(variants))
+    work = BatchSetup(use_store, writer, decoding, tuple(variants))
     n = len(rows.chains)
     order = sorted(range(n), key=lambda i: (len(rows.contexts[i]), rows.chains[i].key, i))
     sizes = [len(rows.contexts[i]) + len(rows.question_ids[i]) + decoding.new_tokens for i in range(n)]
     todo = list(batches(order, sizes, options.batch_size, options.max_batch_tokens))
-    ahead = options.load_ahead and use_store is not None and path.supports("load_ahead") and len(todo) > 1
-    loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if ahead else None
-    done: list[tuple[BatchPlan, BatchAnswers]] = []
-    requests = rows.requests(decoding.new_tokens)
+    ahead = options.load_ahead and use_store is not None and path.supports("load_ahead")
     # what a lossy codec holds of the contexts this lossless run misses, looked up before it stores them
     lossless = use_store is not None and use_store.codec.lossless
     held = chains.lossy_copies(handle, rows.chains, use_store) if lossless and use_store is not None else {}
-    waited = 0.0
+    answering = Answering(handle, path, work, rows.requests(decoding.new_tokens))
     try:
-        nxt_item: tuple[BatchPlan, Future[Loaded]] | None = None
-        for b, batch in enumerate(todo):
-            if nxt_item is not None:  # planned and loading ahead: the wait is the accelerator's idle time
-                t0 = time.perf_counter()
-                plan, loaded = nxt_item[0], loaded_ahead(nxt_item[1])
-                waited += time.perf_counter() - t0
-            else:
-                plan = plan_batch(batch, requests, use_store, writer, decoding.fixed, variants)
-                loaded = None
-            nxt = todo[b + 1] if b + 1 < len(todo) else None
-            if use_store is not None and nxt is not None:  # a remote store fetches the next batch's chunks
-                use_store.prefetch(k for i in nxt for k in rows.chains[i].keys)
-            following = _Ahead(loader, requests, nxt) if loader is not None and nxt is not None else None
-            got, nxt_item = _run_batch(handle, path, plan, work, loaded, following)
-            done += got
-            if progress:
-                progress(len(batch), sum(len(rows.contexts[i]) + len(rows.question_ids[i]) for i in batch))
+        parts, waited = run_batches(
+            handle, answering, todo, ahead=ahead, upcoming=answering.prefetch,
+            progress=(lambda b: progress(len(b), sum(len(rows.contexts[i]) + len(rows.question_ids[i]) for i in b)))
+            if progress else None,
+        )  # fmt: skip
     finally:
-        if loader is not None:
-            loader.shutdown(wait=True, cancel_futures=True)
         if writer is not None:
             writer.close()
-    results = _collect(handle, rows, done, variants, decoding, options.use_cache, waited)
+    results = _collect(handle, rows, parts, variants, decoding, options.use_cache, waited)
     for result in results:
         result.lossy_copies = dict(held)
     return results
 
 
 @dataclass(frozen=True)
-class _Ahead:
-    """The batch after this one, to plan and load on ``loader`` once this one is complete."""
+class Answering(Generic[PreparedT]):
+    """A sample's work on each batch (a :class:`~kvstore.model.pipelines.batches.BatchWork`):
+    planned with the decoding's fixed shapes, prepared by ``path`` (nothing when there is no
+    store: the no-cache reference) and answered under every variant."""
 
-    loader: ThreadPoolExecutor
+    handle: ModelHandle
+    path: CachePath[PreparedT]
+    work: BatchSetup
     requests: RowSet
-    batch: list[int]
 
-    def submit(self, handle: ModelHandle, work: Work) -> tuple[BatchPlan, Future[Loaded]]:
-        """Its plan (the one it runs with), and its load running on the loader."""
-        plan = plan_batch(self.batch, self.requests, work.store, work.writer, work.decoding.fixed, work.variants)
-        return plan, self.loader.submit(load, handle, plan, work.store, work.writer)
+    def plan(self, rows: list[int]) -> BatchPlan:
+        w = self.work
+        return plan_batch(rows, self.requests, w.store, w.writer, w.decoding.fixed, w.variants)
 
+    def load(self, plan: BatchPlan) -> Loaded:
+        return load(self.handle, plan, self.work.store, self.work.writer)
 
-def _run_batch(
-    handle: ModelHandle,
-    path: CachePath[PreparedT],
-    plan: BatchPlan,
-    work: Work,
-    loaded: Loaded | None,
-    ahead: _Ahead | None,
-) -> tuple[list[tuple[BatchPlan, BatchAnswers]], tuple[BatchPlan, Future[Loaded]] | None]:
-    """One batch through its path: prepared (loaded, completed, new chunks handed to the writer),
-    then the next batch planned and its load submitted, then answered under every variant. Out of
-    memory: the plans of its two halves (answers do not depend on the batch)."""
-    held = [loaded]  # the batch loaded ahead: dropped on first use, so an out-of-memory retry frees it
-    following: list[tuple[BatchPlan, Future[Loaded]] | None] = [None]
+    def prepare(self, plan: BatchPlan, loaded: Loaded | None) -> PreparedT | None:
+        if self.work.store is None:
+            return None
+        return self.path.prepare(self.handle, plan, self.work, loaded)
 
-    def run(positions: list[int]) -> list[tuple[BatchPlan, BatchAnswers]]:
-        part = plan if len(positions) == len(plan.rows) else plan.part(positions)
-        got, held[0] = held[0] if part is plan else None, None
-        if work.store is None:
-            return [(part, path.reference(handle, part, work))]
-        prepared = path.prepare(handle, part, work, got)
-        del got
-        if ahead is not None and following[0] is None:
-            following[0] = ahead.submit(handle, work)
-        return [(part, path.answer(handle, part, work, prepared))]
+    def finish(self, plan: BatchPlan, prepared: PreparedT | None) -> BatchAnswers:
+        if prepared is None:
+            return self.path.reference(self.handle, plan, self.work)
+        return self.path.answer(self.handle, plan, self.work, prepared)
 
-    out = in_halves(run, list(range(len(plan.rows))), handle)
-    if ahead is not None and following[0] is None:
-        following[0] = ahead.submit(handle, work)
-    return out, following[0]
+    def prefetch(self, rows: list[int]) -> None:
+        """A remote store starts fetching the chunks of ``rows``' contexts (the next batch)."""
+        if self.work.store is not None:
+            self.work.store.prefetch(k for i in rows for k in self.requests.chains[i].keys)
 
 
 def _collect(
-    handle: ModelHandle, rows: Rows, done: Sequence[tuple[BatchPlan, BatchAnswers]], variants: Sequence[Variant],
+    handle: ModelHandle, rows: Rows, parts: Sequence[tuple[BatchPlan, BatchAnswers]], variants: Sequence[Variant],
     decoding: Decoding, use_cache: bool, waited: float = 0.0,
 ) -> list[SampleResult]:  # fmt: skip
     """The per-variant results of every batch, in the caller's row order (``waited``: seconds spent
@@ -264,9 +235,9 @@ def _collect(
     out = []
     cached = [0] * n
     codecs: list[str | None] = [None] * n
-    computed = sum(b.computed for _, b in done)
-    scoring = sum((b.scoring for _, b in done), ScoringTokens())
-    for plan, b in done:
+    computed = sum(b.computed for _, b in parts)
+    scoring = sum((b.scoring for _, b in parts), ScoringTokens())
+    for plan, b in parts:
         for r, i in enumerate(plan.rows):
             cached[i] = b.cached_tokens[r]
             codecs[i] = b.codecs[r]
@@ -277,7 +248,7 @@ def _collect(
         scores: list[torch.Tensor] | None = [torch.empty(0)] * n if decoding.scores else None
         seconds = 0.0
         nbytes = 0
-        for plan, b in done:
+        for plan, b in parts:
             a = b.answers[v]
             seconds += a.seconds
             nbytes += a.cache_bytes

@@ -21,25 +21,24 @@ scores them as rows. The result types and the tokenization rules live in
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic
 
 import torch
 
 from kvstore.errors import ContextTooLongError, DatasetError, ModelError, PressError
 from kvstore.model.compute.attention import uses_grouped_kv
-from kvstore.model.compute.forward import Decoding, in_halves, loaded_ahead
-from kvstore.model.compute.writer import Writer
+from kvstore.model.compute.forward import Decoding
 from kvstore.model.handle import row_label
+from kvstore.model.io import chains
+from kvstore.model.io.chains import DEFAULT_KEYING, Keying
+from kvstore.model.io.writer import Writer
 from kvstore.model.options import ScoreOptions
-from kvstore.model.paths.base import BatchScores, Scoring, Work
+from kvstore.model.paths.base import BatchScores, BatchSetup, CachePath, PreparedT, Scoring
 from kvstore.model.paths.choice import check_supported, check_variants
-from kvstore.model.plan import chains
+from kvstore.model.pipelines.batches import run_batches
 from kvstore.model.plan.batch import BatchPlan, RowSet, plan_batch
-from kvstore.model.plan.chains import DEFAULT_KEYING, Keying
 from kvstore.model.press.spec import ScoringTokens
 from kvstore.model.scoring.rows import row_batches, score_reference, vocab_size
 from kvstore.model.scoring.scores import (
@@ -130,12 +129,12 @@ def score_rows(
         )
     if options.use_cache or not plain:  # a variant's reference: the cached layout, nothing loaded or stored
         return _score_cached(handle, rows, options, variants, store if options.use_cache else None, keys, progress)
-    done = score_reference(handle, rows.contexts, rows.continuations, options, progress)
+    scored = score_reference(handle, rows.contexts, rows.continuations, options, progress)
     computed = sum(len(c) for c in rows.contexts)
     kept = [len(c) - 1 for c in rows.contexts]
     nbytes = sum(kept) * handle.kv_bytes_per_token()
     saved = sum(len(c) for c in rows.contexts) - computed
-    return [ScoreResult(done, computed, saved, v.name, kept, nbytes) for v in variants]
+    return [ScoreResult(scored, computed, saved, v.name, kept, nbytes) for v in variants]
 
 
 @torch.inference_mode()
@@ -166,71 +165,62 @@ def _score_cached(
     sizes = [len(ctx[i]) + len(fed[i]) for i in range(n)]
     writer = Writer(store) if (store is not None and not store.readonly) else None
     path = check_supported(handle, store)
-    work = Work(store, writer, Decoding(), tuple(variants), Scoring(tuple(cont), options.token_logprobs, keep))
-    done: list[tuple[BatchPlan, BatchScores]] = []
+    work = BatchSetup(store, writer, Decoding(), tuple(variants), Scoring(tuple(cont), options.token_logprobs, keep))
     row_logits = vocab_size(handle) * 4
     todo = list(row_batches(order, [p.key for p in chain_list], sizes, [len(f) for f in fed], options.batch_size,
                             options.max_batch_tokens, row_logits))  # fmt: skip
     # the next batch's load runs on a worker while this one scores, as sampling's does
-    ahead = store is not None and path.supports("load_ahead") and len(todo) > 1
-    loader = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load") if ahead else None
-    pending: list[tuple[BatchPlan, Future[Loaded]]] = []  # the next batch, planned and loading
-    waited = 0.0
+    ahead = store is not None and path.supports("load_ahead")
     try:
-        for b, batch in enumerate(todo):
-            if pending:
-                plan, future = pending.pop()
-                t0 = time.perf_counter()
-                got = loaded_ahead(future)
-                waited += time.perf_counter() - t0
-            else:  # a context split over batches waits
-                plan, got = plan_batch(batch, requests, store, writer, False, variants), None
-            nxt = todo[b + 1] if loader is not None and b + 1 < len(todo) else None
-            held = [got]
-            del got
-
-            def submit(nxt: list[int] | None = nxt) -> None:
-                if nxt is not None and not pending and loader is not None:
-                    ahead_plan = plan_batch(nxt, requests, store, writer, False, variants)
-                    pending.append((ahead_plan, loader.submit(load, handle, ahead_plan, store, writer)))
-
-            def run(
-                positions: list[int], plan: BatchPlan = plan, held: list = held, submit=submit
-            ) -> list[tuple[BatchPlan, BatchScores]]:
-                part = plan if len(positions) == len(plan.rows) else plan.part(positions)
-                mine, held[0] = held[0] if part is plan else None, None  # an out-of-memory retry frees it
-                prepared = path.prepare(handle, part, work, mine)
-                del mine
-                submit()  # once this batch's new chunks are with the writer
-                return [(part, path.score(handle, part, work, prepared))]
-
-            done += in_halves(run, list(range(len(batch))), handle)
-            submit()
-            if progress:
-                progress(len(batch), sum(sizes[i] for i in batch))
+        parts, waited = run_batches(
+            handle, ScoringBatches(handle, path, work, requests), todo, ahead=ahead,
+            progress=(lambda b: progress(len(b), sum(sizes[i] for i in b))) if progress else None,
+        )  # fmt: skip
     finally:
-        if loader is not None:
-            loader.shutdown(wait=True, cancel_futures=True)
         if writer is not None:
             writer.close()
-    return _collect(rows, variants, done, waited)
+    return _collect(rows, variants, parts, waited)
+
+
+@dataclass(frozen=True)
+class ScoringBatches(Generic[PreparedT]):
+    """Scoring's work on each batch (a :class:`~kvstore.model.pipelines.batches.BatchWork`):
+    planned without fixed shapes, prepared by ``path`` and scored under every variant."""
+
+    handle: ModelHandle
+    path: CachePath[PreparedT]
+    work: BatchSetup
+    requests: RowSet
+
+    def plan(self, rows: list[int]) -> BatchPlan:
+        w = self.work
+        return plan_batch(rows, self.requests, w.store, w.writer, False, w.variants)
+
+    def load(self, plan: BatchPlan) -> Loaded:
+        return load(self.handle, plan, self.work.store, self.work.writer)
+
+    def prepare(self, plan: BatchPlan, loaded: Loaded | None) -> PreparedT:
+        return self.path.prepare(self.handle, plan, self.work, loaded)
+
+    def finish(self, plan: BatchPlan, prepared: PreparedT) -> BatchScores:
+        return self.path.score(self.handle, plan, self.work, prepared)
 
 
 def _collect(
-    rows: ScoreRows, variants: Sequence[Variant], done: Sequence[tuple[BatchPlan, BatchScores]], waited: float = 0.0
+    rows: ScoreRows, variants: Sequence[Variant], parts: Sequence[tuple[BatchPlan, BatchScores]], waited: float = 0.0
 ) -> list[ScoreResult]:
     """The per-variant results of every batch, in the caller's row order (``waited``: seconds spent
     waiting for loads done ahead)."""
     n = len(rows.contexts)
-    computed = sum(b.computed for _, b in done)
-    scoring = sum((b.scoring for _, b in done), ScoringTokens())
+    computed = sum(b.computed for _, b in parts)
+    scoring = sum((b.scoring for _, b in parts), ScoringTokens())
     saved = sum(len(c) for c in rows.contexts) - computed
     out = []
     for j, v in enumerate(variants):
         scored: list[ScoredRow | None] = [None] * n
         kept = [0] * n
         nbytes = 0
-        for plan, b in done:
+        for plan, b in parts:
             nbytes += b.nbytes[j]
             for r, i in enumerate(plan.rows):
                 total, greedy, per_token = b.rows[j][r]

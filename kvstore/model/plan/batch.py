@@ -23,13 +23,13 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from kvstore.model.compute.static import bucket_slots
-from kvstore.model.plan.chains import Chain
+from kvstore.model.io.chains import Chain
 from kvstore.model.press.stored import has_pressed
 from kvstore.model.variants.variant import Variant
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import Writer
+    from kvstore.model.io.writer import Writer
 
 _EMPTY: Mapping[str, Mapping[str, str]] = MappingProxyType({})
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 from kvstore.errors import ContextTooLongError
 from kvstore.model.handle import row_label
+from kvstore.model.io import chains
+from kvstore.model.io.chains import Chain, Keying
+from kvstore.model.io.probes import has_v1, verified_depth
 from kvstore.model.options import BuildOptions
-from kvstore.model.plan import chains
-from kvstore.model.plan.chains import Chain, Keying
 from kvstore.model.press.spec import Press
 from kvstore.model.press.stored import FORWARD_READS, pressed_key, scores_key, storable, stored_intact
-from kvstore.model.stages.load import has_v1, verified_depth
 from kvstore.store.kvstore import KVStore
 from kvstore.store.owned import PRESSED, SCORES
 

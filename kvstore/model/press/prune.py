@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvstore.model.compute.cache import BatchCache, HeadCounts
-from kvstore.model.plan.chains import Chain
+from kvstore.model.io.chains import Chain
 from kvstore.model.press.select import Observations, PressMemo, kept_masks, row_scores
 from kvstore.model.press.spec import Press
 from kvstore.model.press.stored import KeptLayers, round_trip

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import PressError
@@ -256,11 +257,22 @@ def parse_press(spec: str) -> Press:
     if not _FLOAT.fullmatch(ratio_s):
         raise PressError(f"press {spec!r}: the ratio {ratio_s!r} is not a number in [0, 1) (ASCII digits, no sign)")
     ratio = float(ratio_s)
-    question = False
-    budget = ""
-    params: dict[str, ParamValue] = {}
-    budget_given: dict[str, ParamValue] = {}
-    bare: list[tuple[str, str]] = []  # (field, name) of bare words, resolved once the budget is known
+    question, budget, bare = _fields(spec, rest)
+    rule = budget_rule(budget or method.budget)
+    assert rule is not None
+    params, budget_given = _parameters(spec, name, method, rule, bare)
+    try:
+        return Press(name, ratio, question, tuple(params.items()), budget, tuple(budget_given.items()))
+    except PressError as exc:
+        raise PressError(f"press {spec!r}: {str(exc).split(': ', 1)[-1]}") from None
+
+
+def _fields(spec: str, rest: Sequence[str]) -> tuple[bool, str, list[tuple[str, str]]]:
+    """The fields of a press spec after its ratio: ``q``, the budget named, and the rest as
+    ``(field, NAME[=VALUE])``, resolved once the budget is known. PressError for an empty or
+    repeated field, or two budgets."""
+    question, budget = False, ""
+    bare: list[tuple[str, str]] = []
     seen: set[str] = set()
     for part in rest:
         key, eq, value = part.partition("=")
@@ -280,8 +292,16 @@ def parse_press(spec: str) -> Press:
                 bare.append((part, key))
             continue
         bare.append((part, key + "=" + value))
-    rule = budget_rule(budget or method.budget)
-    assert rule is not None
+    return question, budget, bare
+
+
+def _parameters(
+    spec: str, name: str, method: PressMethod, rule: BudgetRule, bare: Sequence[tuple[str, str]]
+) -> tuple[dict[str, ParamValue], dict[str, ParamValue]]:
+    """The press's and the budget's parameters of ``bare`` fields; PressError naming a field that
+    is neither (and the budget it belongs to, if any) or a value of the wrong kind."""
+    params: dict[str, ParamValue] = {}
+    budget_given: dict[str, ParamValue] = {}
     for part, item in bare:
         key, eq, value = item.partition("=")
         p = method.param(key)
@@ -303,10 +323,7 @@ def parse_press(spec: str) -> Press:
             target[key] = True
         else:
             target[key] = _number(value, key, spec, p.kind)
-    try:
-        return Press(name, ratio, question, tuple(params.items()), budget, tuple(budget_given.items()))
-    except PressError as exc:
-        raise PressError(f"press {spec!r}: {str(exc).split(': ', 1)[-1]}") from None
+    return params, budget_given
 
 
 def parse_scorer(spec: str) -> Press:

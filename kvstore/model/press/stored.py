@@ -17,7 +17,7 @@ tokens' keys and values (stored with the codec: int8, 4-bit...) and their positi
 codec ``C`` a press reads the dense cache as ``C`` stores it and its kept tokens are stored with
 ``C`` again; an answer pressed from the dense cache goes through the same encoding, so it is the
 answer a stored pressed entry gives (:func:`round_trip`). Derived entries are filed under the
-chain's :attr:`~kvstore.model.plan.chains.Chain.context_key`.
+chain's :attr:`~kvstore.model.io.chains.Chain.context_key`.
 """
 
 from __future__ import annotations
@@ -30,16 +30,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.errors import CorruptEntryWarning
-from kvstore.model.plan.chains import Chain
+from kvstore.model.io.chains import Chain
 from kvstore.model.press.spec import Press
 from kvstore.store.codecs import Codec
 from kvstore.store.kind_pressed import encode_pressed
 from kvstore.store.kind_scores import encode_scores
 from kvstore.store.kvstore import KVStore
-from kvstore.store.owned import PRESSED, SCORES, DerivedFacts, DerivedView, decode_derived, derived_key_of
+from kvstore.store.owned import ANY_OWNED, PRESSED, SCORES, DerivedFacts, DerivedView, decode_derived, derived_key_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.io.writer import Writer
 
 # per layer, per KV head: (keys [n, d], values [n, d], positions [n] int64) of the kept tokens
 KeptLayers = Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
@@ -51,7 +52,7 @@ def storable(press: Press) -> bool:
     return press.record.ratio_free and not press.question
 
 
-def facts(handle: ModelHandle, chain: Chain) -> DerivedFacts:
+def owned_facts_of(handle: ModelHandle, chain: Chain) -> DerivedFacts:
     """What ties a derived entry of ``chain``'s context to this model."""
     return DerivedFacts(chain.context_key, handle.fingerprint, handle.name, handle.dtype_name, chain.n_tokens,
                         handle.numerics)  # fmt: skip
@@ -128,9 +129,12 @@ class StoredScores:
     cost no more than reading them back). ``saved``: derived keys this source wrote;
     ``saved_bytes``: their stored bytes."""
 
-    def __init__(self, handle: ModelHandle, store: KVStore, chains: Sequence[Chain], writable: bool):
+    def __init__(
+        self, handle: ModelHandle, store: KVStore, chains: Sequence[Chain], writable: bool, writer: Writer | None = None
+    ):
         self.handle = handle
         self.store = store
+        self.writer = writer  # writes what is saved off the compute thread (a build's); None: written now
         self.chains = {c.ids: c for c in chains}
         self.writable = writable and not store.readonly
         self.saved: list[str] = []
@@ -141,7 +145,7 @@ class StoredScores:
         if chain is None or not storable(press):
             return None
         key = scores_key(chain, press)
-        with self.store.open_derived(chain.context_key, key) as view:
+        with self.store.open(ANY_OWNED, key, chain.context_key) as view:
             if view is None:
                 return None
             got = (
@@ -164,21 +168,25 @@ class StoredScores:
         if not force and press.record.reads not in FORWARD_READS:
             return
         key = scores_key(chain, press)
-        if key in self.saved or (not force and self.store.has_derived(chain.context_key, key)):
+        if key in self.saved or (not force and self.store.has(ANY_OWNED, key, chain.context_key)):
             return
         exact = [
             s if s.dtype in (torch.float32, torch.float64) else s.float() for s in scores
         ]  # 16-bit: widened, exact
-        key, blob = encode_scores(facts(self.handle, chain), scores_spec(press), press_record(press), exact,
+        key, blob = encode_scores(owned_facts_of(self.handle, chain), scores_spec(press), press_record(press), exact,
                                   self.store.meta.codec)  # fmt: skip
-        self.saved_bytes += self.store.put_derived(blob)
+        if self.writer is not None:
+            self.writer.put_owned(blob)
+            self.saved_bytes += len(blob)
+        else:
+            self.saved_bytes += self.store.put(blob)
         self.saved.append(key)
 
 
 def encode_kept(handle: ModelHandle, chain: Chain, press: Press, kept: KeptLayers, codec: Codec) -> tuple[str, bytes]:
     """A row's kept tokens as a pressed derived entry: ``(derived key, bytes)``."""
     spec = pressed_spec(press)
-    return encode_pressed(facts(handle, chain), spec, press_record(press), kept, codec, rotary=handle.rotary)
+    return encode_pressed(owned_facts_of(handle, chain), spec, press_record(press), kept, codec, rotary=handle.rotary)
 
 
 def round_trip(handle: ModelHandle, chain: Chain, press: Press, kept: KeptLayers, codec: Codec) -> DerivedView:
@@ -194,7 +202,7 @@ def open_fitting(
     """The stored derived entry ``key`` (of ``kind``) of ``chain``'s context, verified and kept
     open on ``stack`` (an ``ExitStack``), or None when it is missing, corrupt or not this model's
     and context's (a warning)."""
-    view = stack.enter_context(store.open_derived(chain.context_key, key))
+    view = stack.enter_context(store.open(ANY_OWNED, key, chain.context_key))
     if view is not None and not derived_fits(handle, view, chain, kind):
         _warn_mismatch(chain, kind)
         return None
@@ -220,10 +228,12 @@ def has_pressed(store: KVStore, filed: Sequence[Chain], press: Press, chains: Se
     out = {}
     for f, c in zip(filed, chains):
         key = pressed_key(f, press, store.codec)
-        if store.has_derived(f.context_key, key):
+        if store.has(ANY_OWNED, key, f.context_key):
             out[c.key] = key
     return out
 
+
+facts = owned_facts_of  # deprecated: the old name, for one release
 
 __all__ = [
     "FORWARD_READS",
@@ -233,6 +243,7 @@ __all__ = [
     "pressed_spec",
     "scores_spec",
     "facts",
+    "owned_facts_of",
     "derived_fits",
     "has_pressed",
     "open_fitting",

@@ -20,16 +20,16 @@ import torch
 
 from kvstore.model.compute.cache import BatchCache, Buffers, LayerKV
 from kvstore.model.compute.forward import extend, prefill
-from kvstore.model.compute.staging import Staging
+from kvstore.model.io.chains import Chain, chunk_entries
+from kvstore.model.io.staging import Staging
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import Chain, chunk_entries
 from kvstore.model.stages.load import Loaded
 from kvstore.store.entry import decode_entry
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.io.writer import Writer
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 :func:`load` allocates the buffers a :class:`~kvstore.model.plan.batch.BatchPlan` asks for and,
 for each distinct context whose dense cache the plan needs (``plan.dense``), copies the chunks the
 plan expects stored (``plan.stored``) into its first row, context position ``p`` at slot ``P - c +
-p`` (left-padded). Every chunk is checked against its chain (:func:`kvstore.model.plan.chains.fits`)
+p`` (left-padded). Every chunk is checked against its chain (:func:`kvstore.model.io.chains.fits`)
 and its checksum before any byte reaches the buffers; a missing, corrupt or foreign chunk ends the
 prefix there (a corrupt one warns): ``Loaded.tokens`` says how much it found, and the complete stage
 computes the rest. Chunks the writer still held when the batch was planned are
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning
-from kvstore.model.compute import device_zstd
-from kvstore.model.compute.cache import Buffers, LayerKV, new_buffers
-from kvstore.model.compute.ring import Ring
-from kvstore.model.compute.staging import Staging
+from kvstore.model.compute.cache import Buffers, new_buffers
+from kvstore.model.io import device_zstd
+from kvstore.model.io.chains import Chain, fits
+from kvstore.model.io.ring import Ring
+from kvstore.model.io.staging import Staging
 from kvstore.model.plan.batch import BatchPlan
-from kvstore.model.plan.chains import Chain, fits
 from kvstore.parallel import run_all
 from kvstore.store import fused
 from kvstore.store.codecs import StoredTensor, spec_of
@@ -36,8 +36,8 @@ from kvstore.store.frame import verify_checksum
 from kvstore.store.kvstore import KVStore
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.io.writer import Writer
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def load_prefix(
     codecs: list[str] | None = None, staging: Staging | None = None,
 ) -> int:  # fmt: skip
     """Copy the longest verified stored prefix of ``chain`` (of the chunks it lists: a chain cut
-    with :meth:`~kvstore.model.plan.chains.Chain.upto` reads no further) into batch row ``row`` of
+    with :meth:`~kvstore.model.io.chains.Chain.upto` reads no further) into batch row ``row`` of
     ``bufs``, context position ``p`` at slot ``slot0 + p``. Falls back to a format-1 entry holding
     exactly this (lossless) context. Returns how many context tokens were loaded (0: nothing); the
     codec spec of each chunk loaded is appended to ``codecs``. With ``staging`` (accelerator
@@ -210,54 +210,4 @@ def _warn_corrupt(key: str, exc: Exception) -> None:
     )
 
 
-def verified_depth(handle: ModelHandle, store: KVStore, chain: Chain) -> int:
-    """How many leading chunks of ``chain`` are stored, intact and this model's (verified)."""
-    with store.open_chain(chain.keys) as views:
-        return sum(1 for _ in _fitting(handle, chain, views))
-
-
-def _fitting(handle: ModelHandle, chain: Chain, views):
-    for j, view in enumerate(views):
-        if not fits(handle, view, chain, j):
-            return
-        yield view
-
-
-def load_prefix_kv(handle: ModelHandle, store: KVStore, chain: Chain, depth: int) -> LayerKV | None:
-    """The keys/values of ``chain``'s first ``depth`` chunks, materialized (None if they are no
-    longer all stored intact)."""
-    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-    with store.open_chain(chain.keys[:depth]) as views:
-        for view in _fitting(handle, chain, views):
-            pieces.append([(k.materialize(), v.materialize()) for k, v in filter(None, view.layers)])
-    if len(pieces) < depth:
-        return None
-    return tuple(
-        (torch.cat([p[i][0] for p in pieces], 1), torch.cat([p[i][1] for p in pieces], 1))
-        for i in range(len(pieces[0]))
-    )
-
-
-def has_v1(handle: ModelHandle, store: KVStore, chain: Chain) -> bool:
-    """Whether a format-1 entry holding exactly ``chain``'s context is stored, intact and this
-    model's (nothing materialized)."""
-    if not store.contains(chain.v1_key):
-        return False
-    whole = Chain(chain.ids, ((0, chain.n_tokens),), (chain.v1_key,), chain.v1_key)
-    with store.open_entry(chain.v1_key) as view:
-        return view is not None and view.header.format == 1 and fits(handle, view, whole, 0)
-
-
-def load_v1(handle: ModelHandle, store: KVStore, chain: Chain) -> LayerKV | None:
-    """The keys/values of a format-1 entry holding exactly ``chain``'s context, materialized (None
-    when there is none, or it is corrupt or another model's)."""
-    if not store.contains(chain.v1_key):
-        return None
-    whole = Chain(chain.ids, ((0, chain.n_tokens),), (chain.v1_key,), chain.v1_key)
-    with store.open_entry(chain.v1_key) as view:
-        if view is None or view.header.format != 1 or not fits(handle, view, whole, 0):
-            return None
-        return tuple((k.materialize(), v.materialize()) for k, v in filter(None, view.layers))
-
-
-__all__ = ["Loaded", "has_v1", "load", "load_prefix", "load_prefix_kv", "load_v1", "verified_depth"]
+__all__ = ["Loaded", "load", "load_prefix"]

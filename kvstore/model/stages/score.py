@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.model.compute.cache import BatchCache, PreallocatedCache
-from kvstore.model.plan import chains
+from kvstore.model.io import chains
 from kvstore.model.press.heads import per_head_masks
 from kvstore.model.scoring.rows import gather_logprobs
 from kvstore.model.variants import hooks
 from kvstore.model.variants.variant import Variant
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvstore.model.compute.writer import Writer
     from kvstore.model.handle import ModelHandle
+    from kvstore.model.io.writer import Writer
     from kvstore.model.plan.batch import BatchPlan
     from kvstore.store.kvstore import KVStore
 

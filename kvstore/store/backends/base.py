@@ -5,7 +5,7 @@ a default in :class:`BackendBase` built on those: batched variants, zero-copy ``
 ``put_if_absent``, and the optional features callers use without probing for them:
 
 * ``local``: lookups cost microseconds (LMDB, memory), so planning may afford many probes
-  (:func:`kvstore.model.plan.chains.stored_tails`); False for a remote store or a tier in front of one.
+  (:func:`kvstore.model.io.chains.stored_tails`); False for a remote store or a tier in front of one.
 * ``prefetch(keys)``: start loading values in the background; a no-op where loads are already
   cheap (only the S3 backend, and a tier in front of it, do something).
 * ``read_ahead()``: a context in which values read through ``view`` are read whole (a chain's

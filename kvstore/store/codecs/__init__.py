@@ -50,6 +50,7 @@ from kvstore.store.codecs.base import (
     register_quantizer,
     spec_of,
 )
+from kvstore.store.codecs.records import StoredTensorBase
 
 __all__ = [
     "DEFAULT_CODEC",
@@ -60,6 +61,7 @@ __all__ = [
     "Packing",
     "Quantizer",
     "StoredTensor",
+    "StoredTensorBase",
     "TensorRecord",
     "choices",
     "codec_from_params",

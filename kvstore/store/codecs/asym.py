@@ -67,7 +67,7 @@ from kvstore.store.codecs.base import register_quantizer
 from kvstore.store.codecs.hadamard import _norm, butterfly, hadamard_block, hadamard_rotate
 from kvstore.store.codecs.planes import affine, check_dim, levels, pack, unpack_into
 from kvstore.store.codecs.quant import Stage, _finite_params, _rec, _scratch, _view
-from kvstore.store.codecs.records import TensorRecord
+from kvstore.store.codecs.records import StoredTensorBase, TensorRecord
 
 DEFAULT_PACKING = "zstd:1"
 DEFAULT_SINKS = 4
@@ -305,7 +305,7 @@ def sink_tokens(sinks: int, n: int, start: int = 0, positions: torch.Tensor | No
     return int((positions[:sinks] < sinks).sum())
 
 
-class _AsymReader:
+class _AsymReader(StoredTensorBase):
     """Decodes one ``kvh`` tensor: the sink copied, the body and the tail dequantized in place.
     ``device_decode``: with a ``stage`` every part goes to the destination's device as it is stored
     (codes as uint8) and the same steps run there."""

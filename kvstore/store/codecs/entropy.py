@@ -54,7 +54,7 @@ from kvstore.store.codecs.quant import (
     sink_count,
     sink_then_rest,
 )
-from kvstore.store.codecs.records import TensorRecord
+from kvstore.store.codecs.records import StoredTensorBase, TensorRecord
 
 PARTS = (".codes", ".offsets", ".steps", ".sink")
 CODE_MAX = 127
@@ -171,7 +171,7 @@ class EntropyQuantizer:
         )
 
 
-class _EntropyReader:
+class _EntropyReader(StoredTensorBase):
     """Decodes one ``ecq`` tensor into a destination buffer: codes * step + offset (float32, float64
     for a float64 model), rotated back for keys, cast once into the destination. ``device_decode``:
     with a ``stage`` the int8 codes go to the destination's device and the arithmetic runs there."""
@@ -186,7 +186,7 @@ class _EntropyReader:
 
     def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
         """Decode into ``dest``: on the host, or with ``stage`` (``stage(source, device)``, see
-        :meth:`kvstore.model.compute.staging.Staging.upload`) on ``dest``'s device, in fresh tensors there."""
+        :meth:`kvstore.model.io.staging.Staging.upload`) on ``dest``'s device, in fresh tensors there."""
         d = sink_then_rest(self, dest, stage)
         k = self.sink.shape[1]
         if d.numel() == 0:

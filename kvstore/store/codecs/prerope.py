@@ -48,7 +48,7 @@ from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import Codec, register_quantizer
 from kvstore.store.codecs.portable import cos_sin
 from kvstore.store.codecs.quant import PARTS, IntQuantizer, _scratch, _view, int_factory, sink_count, sink_then_rest
-from kvstore.store.codecs.records import TensorRecord
+from kvstore.store.codecs.records import StoredTensorBase, TensorRecord
 
 LAYOUTS = ("half",)  # channel j pairs with j + R/2 (transformers' rotate_half); the only one handled
 
@@ -206,7 +206,7 @@ class PreRopeQuantizer(IntQuantizer):
         )
 
 
-class _PreRopeReader:
+class _PreRopeReader(StoredTensorBase):
     """Decodes one pre-rotation key tensor into a destination buffer: codes -> float32 (float64
     for a float64 model) -> rotated -> destination."""
 

@@ -49,7 +49,7 @@ import torch
 
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import register_quantizer
-from kvstore.store.codecs.records import TensorRecord
+from kvstore.store.codecs.records import StoredTensorBase, TensorRecord
 
 # ``stage(source, device)``: a stored tensor (``copy_into``) or host tensor, as a tensor on ``device``
 Stage = Callable[[Any, torch.device], torch.Tensor]
@@ -246,7 +246,7 @@ class IntQuantizer:
         return codes, s, z, sink, g
 
 
-class _IntReader:
+class _IntReader(StoredTensorBase):
     """Decodes one int8/int4 tensor into a destination buffer. ``device_decode``: with a ``stage``
     (see :meth:`copy_into`) it dequantizes where the destination is."""
 
@@ -260,7 +260,7 @@ class _IntReader:
     def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
         """Dequantize into ``dest``. Without ``stage``: on the host (a non-CPU ``dest`` gets one
         copy of the float values). With ``stage`` (``stage(source, device)`` -> that stored or
-        host tensor on ``device``, e.g. :meth:`kvstore.model.compute.staging.Staging.upload`): the codes
+        host tensor on ``device``, e.g. :meth:`kvstore.model.io.staging.Staging.upload`): the codes
         (uint8), scales, zeros and sink go to ``dest``'s device and the same arithmetic runs there,
         in fresh device tensors instead of the host's per-thread scratch."""
         d = sink_then_rest(self, dest, stage)
@@ -353,7 +353,7 @@ class Fp8Quantizer:
         return _Fp8Reader(name, tuple(shape), dtype, codes, s)
 
 
-class _Fp8Reader:
+class _Fp8Reader(StoredTensorBase):
     def __init__(self, name, shape, dtype, codes, scales):
         self.name, self.shape, self.dtype, self.codes, self.scales = name, shape, dtype, codes, scales
 

@@ -26,8 +26,21 @@ from kvstore.errors import CodecError, CorruptEntryError
 MAX_HEADER_BYTES = 16 << 20  # a safetensors header larger than this is hostile, not a KV cache
 
 
+class StoredTensorBase:
+    """What a stored tensor tells the staging ring beyond ``copy_into``/``materialize`` (the
+    :class:`~kvstore.store.codecs.base.StoredTensor` protocol), with the defaults of one that
+    decodes on the host and has no plain bytes: ``device_decode`` (``copy_into`` takes ``stage=``
+    and decodes where the destination is) and :meth:`raw_bytes`."""
+
+    device_decode = False
+
+    def raw_bytes(self) -> torch.Tensor | None:
+        """The stored bytes (1-D uint8) when they are the tensor's values as they are, else None."""
+        return None
+
+
 @dataclass(frozen=True)
-class TensorRecord:
+class TensorRecord(StoredTensorBase):
     """Where one stored tensor lives: ``source`` (its bytes, 1-D uint8) or, for a shuffled tensor,
     ``planes`` (one 1-D uint8 buffer per byte of the element); or, decoded lazily, ``frames``
     (compressed zstd frames with their decompressed sizes: the whole tensor, or one per plane),
@@ -44,6 +57,10 @@ class TensorRecord:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def raw_bytes(self) -> torch.Tensor | None:
+        """``source`` when the values are stored as they are (no planes, no frames), else None."""
+        return self.source if self.planes is None and self.frames is None else None
 
     def copy_into(self, dest: torch.Tensor) -> None:
         """Copy the tensor into ``dest`` (same shape and dtype; any device; may be a strided view,
@@ -220,4 +237,12 @@ def _tensor_table(parsed: dict, data_len: int) -> list[HeaderRecord]:
     return records
 
 
-__all__ = ["DecodedPayload", "TensorRecord", "buffer_view", "build_header", "parse_header", "tensor_bytes"]
+__all__ = [
+    "DecodedPayload",
+    "StoredTensorBase",
+    "TensorRecord",
+    "buffer_view",
+    "build_header",
+    "parse_header",
+    "tensor_bytes",
+]

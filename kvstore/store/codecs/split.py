@@ -174,40 +174,10 @@ class SplitPacking:
     def unpack(
         self, payload: memoryview | bytes, params: Mapping, raw_bytes: int, threads: int, lazy: bool = False
     ) -> DecodedPayload:
-        import zstandard
 
-        table = params.get("parts")
-        if not isinstance(table, list) or not table:
-            raise CorruptEntryError("zstd-split entry lists no parts")
-        try:
-            sizes = [(int(c), int(d)) for c, d in table]
-        except (TypeError, ValueError, OverflowError):
-            raise CorruptEntryError("zstd-split part table is malformed") from None
-        if any(c < 0 or d < 0 for c, d in sizes) or sum(c for c, _ in sizes) != len(payload):
-            raise CorruptEntryError("zstd-split part sizes do not add up to the payload")
-        if sum(d for _, d in sizes) != raw_bytes:
-            raise CorruptEntryError("zstd-split parts declare a different size than the entry header")
-        views: list[Any] = []
-        pos = 0
-        for c, _ in sizes:
-            views.append(payload[pos : pos + c])
-            pos += c
+        views, sizes = _parts(payload, params, raw_bytes)
 
-        def frame(i: int) -> tuple[Any, int]:
-            """Part ``i`` as a zstd frame whose own size claim matches the table (a frame claiming
-            more than the table says would otherwise be allocated in full when decompressed)."""
-            view, (c, d) = views[i], sizes[i]
-            if c == 0 and d == 0:
-                return view, 0
-            try:
-                claimed = zstandard.frame_content_size(view)
-            except zstandard.ZstdError:
-                raise CorruptEntryError("zstd-split frame has an unreadable header") from None
-            if claimed != d:
-                raise CorruptEntryError(f"a zstd frame declares {claimed} bytes, the entry header {d}")
-            return view, d
-
-        head = bytes(_decompress(*frame(0)))
+        head = bytes(_decompress(*_frame(views, sizes, 0)))
         (n,) = struct.unpack_from("<Q", head, 0) if len(head) >= 8 else (None,)
         if n is None or len(head) != 8 + n:
             raise CorruptEntryError("first zstd-split frame is not exactly the safetensors header")
@@ -231,7 +201,7 @@ class SplitPacking:
             for width, compressed in planes:
                 if sizes[i][1] != numel * width or (not compressed and sizes[i][0] != sizes[i][1]):
                     raise CorruptEntryError("zstd-split parts are not aligned with the tensors")
-                data, nbytes = frame(i) if compressed else (views[i], sizes[i][1])
+                data, nbytes = _frame(views, sizes, i) if compressed else (views[i], sizes[i][1])
                 if compressed and not lazy:
                     data, compressed = _decompress(data, nbytes), False
                 pieces.append((width, data, nbytes, compressed))
@@ -245,6 +215,45 @@ class SplitPacking:
         if i != len(sizes):
             raise CorruptEntryError("zstd-split parts are not aligned with the tensors")
         return DecodedPayload(out, metadata)
+
+
+def _parts(payload: memoryview | bytes, params: Mapping, raw_bytes: int) -> tuple[list[Any], list[tuple[int, int]]]:
+    """Each part of ``payload`` (a view) and its ``(stored, decoded)`` sizes, checked against the
+    entry's part table and the header's raw size; CorruptEntryError otherwise."""
+    table = params.get("parts")
+    if not isinstance(table, list) or not table:
+        raise CorruptEntryError("zstd-split entry lists no parts")
+    try:
+        sizes = [(int(c), int(d)) for c, d in table]
+    except (TypeError, ValueError, OverflowError):
+        raise CorruptEntryError("zstd-split part table is malformed") from None
+    if any(c < 0 or d < 0 for c, d in sizes) or sum(c for c, _ in sizes) != len(payload):
+        raise CorruptEntryError("zstd-split part sizes do not add up to the payload")
+    if sum(d for _, d in sizes) != raw_bytes:
+        raise CorruptEntryError("zstd-split parts declare a different size than the entry header")
+    views: list[Any] = []
+    pos = 0
+    for c, _ in sizes:
+        views.append(payload[pos : pos + c])
+        pos += c
+    return views, sizes
+
+
+def _frame(views: Sequence[Any], sizes: Sequence[tuple[int, int]], i: int) -> tuple[Any, int]:
+    """Part ``i`` as a zstd frame whose own size claim matches the table (a frame claiming more
+    than the table says would otherwise be allocated in full when decompressed)."""
+    import zstandard
+
+    view, (c, d) = views[i], sizes[i]
+    if c == 0 and d == 0:
+        return view, 0
+    try:
+        claimed = zstandard.frame_content_size(view)
+    except zstandard.ZstdError:
+        raise CorruptEntryError("zstd-split frame has an unreadable header") from None
+    if claimed != d:
+        raise CorruptEntryError(f"a zstd frame declares {claimed} bytes, the entry header {d}")
+    return view, d
 
 
 def _code(dtype: torch.dtype) -> str:

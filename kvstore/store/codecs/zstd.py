@@ -71,32 +71,7 @@ class ZstdPacking:
     ) -> DecodedPayload:
         import zstandard
 
-        frames = params.get("frames")
-        if not isinstance(frames, list) or not frames:
-            raise CorruptEntryError("zstd entry lists no frames")
-        try:
-            sizes = [(int(c), int(d)) for c, d in frames]
-        except (TypeError, ValueError, OverflowError):
-            raise CorruptEntryError("zstd frame table is malformed") from None
-        if any(c <= 0 or d < 0 for c, d in sizes) or sum(c for c, _ in sizes) != len(payload):
-            raise CorruptEntryError("zstd frame sizes do not add up to the payload")
-        if sum(d for _, d in sizes) != raw_bytes:
-            raise CorruptEntryError("zstd frames declare a different size than the entry header")
-        views: list[Any] = []
-        pos = 0
-        for c, _ in sizes:
-            views.append(payload[pos : pos + c])
-            pos += c
-        # ZstdDecompressor.decompress sizes its output from the frame's own content-size field and
-        # ignores max_output_size when that field is present: a small frame claiming (and holding)
-        # gigabytes of zeros would be allocated in full. Check every frame's claim against the table.
-        for v, (_, d) in zip(views, sizes):
-            try:
-                claimed = zstandard.frame_content_size(v)
-            except zstandard.ZstdError:
-                raise CorruptEntryError("zstd frame has an unreadable header") from None
-            if claimed != d:
-                raise CorruptEntryError(f"a zstd frame declares {claimed} bytes, the entry header {d}")
+        views, sizes = _frames(payload, params, raw_bytes)
         dctx = zstandard.ZstdDecompressor()
         chunks: list[Any]
         try:
@@ -140,6 +115,41 @@ class ZstdPacking:
                 out[name] = TensorRecord(name, dtype, shape, buffer_view(chunks[i]))
             i += n
         return DecodedPayload(out, metadata)
+
+
+def _frames(payload: memoryview | bytes, params: Mapping, raw_bytes: int) -> tuple[list[Any], list[tuple[int, int]]]:
+    """Each zstd frame of ``payload`` (a view) and its ``(compressed, decompressed)`` sizes, checked
+    against the entry's frame table, the header's raw size and each frame's own content-size claim;
+    CorruptEntryError otherwise."""
+    import zstandard
+
+    frames = params.get("frames")
+    if not isinstance(frames, list) or not frames:
+        raise CorruptEntryError("zstd entry lists no frames")
+    try:
+        sizes = [(int(c), int(d)) for c, d in frames]
+    except (TypeError, ValueError, OverflowError):
+        raise CorruptEntryError("zstd frame table is malformed") from None
+    if any(c <= 0 or d < 0 for c, d in sizes) or sum(c for c, _ in sizes) != len(payload):
+        raise CorruptEntryError("zstd frame sizes do not add up to the payload")
+    if sum(d for _, d in sizes) != raw_bytes:
+        raise CorruptEntryError("zstd frames declare a different size than the entry header")
+    views: list[Any] = []
+    pos = 0
+    for c, _ in sizes:
+        views.append(payload[pos : pos + c])
+        pos += c
+    # ZstdDecompressor.decompress sizes its output from the frame's own content-size field and
+    # ignores max_output_size when that field is present: a small frame claiming (and holding)
+    # gigabytes of zeros would be allocated in full. Check every frame's claim against the table.
+    for v, (_, d) in zip(views, sizes):
+        try:
+            claimed = zstandard.frame_content_size(v)
+        except zstandard.ZstdError:
+            raise CorruptEntryError("zstd frame has an unreadable header") from None
+        if claimed != d:
+            raise CorruptEntryError(f"a zstd frame declares {claimed} bytes, the entry header {d}")
+    return views, sizes
 
 
 def _factory(shuffle: bool, default_level: int):

@@ -1,6 +1,6 @@
 """The staging ring: pinned host buffers allocated once per model handle and reused by every load
 into accelerator memory, each with a device twin of the same size and an event that says when the
-copies reading it are done (:mod:`kvstore.model.compute.staging` fills and sends them)."""
+copies reading it are done (:mod:`kvstore.model.io.staging` fills and sends them)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,19 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-ALIGN = 64  # bytes: every record's place in a slot starts here (any dtype's view, vectorized copies)
+from kvstore.model.io.pinned import ALIGN, host_bytes
+
 RING_SLOTS = 3  # one decoding, one crossing PCIe, one spare (a chunk that decodes faster than it copies)
-_RING_ATTR = "_kvstore_staging_ring"
+
+
+class RingOwner(Protocol):
+    """What keeps a ring: a model handle's declared ``staging_ring``."""
+
+    staging_ring: Ring | None
 
 
 class Slot:
@@ -49,12 +55,11 @@ class Ring:
         self.allocations = 0  # buffers allocated so far, host and device twins counted once (tests)
 
     @classmethod
-    def of(cls, owner: Any, device: torch.device, *, force: bool = False) -> Ring:
-        """The ring ``owner`` (a model handle) keeps for ``device``, made on first use."""
-        ring = getattr(owner, _RING_ATTR, None)
+    def of(cls, owner: RingOwner, device: torch.device, *, force: bool = False) -> Ring:
+        """The ring ``owner`` (a model handle: its ``staging_ring``) keeps for ``device``, made on first use."""
+        ring = owner.staging_ring
         if ring is None or ring.device != device or ring.active != (ring.cuda or force):
-            ring = cls(device, force=force)
-            setattr(owner, _RING_ATTR, ring)
+            ring = owner.staging_ring = cls(device, force=force)
         return ring
 
     def acquire(self, nbytes: int) -> Slot:
@@ -72,7 +77,7 @@ class Ring:
         return slot
 
     def _allocate(self, nbytes: int) -> Slot:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        host = host_bytes(nbytes, self.cuda)
         with self.on_stream():
             device = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.allocations += 1
@@ -115,4 +120,4 @@ def _view(buf: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dty
     return buf[offset : offset + n].view(dtype).view(tuple(shape))
 
 
-__all__ = ["ALIGN", "RING_SLOTS", "Ring", "Slot"]
+__all__ = ["RING_SLOTS", "Ring", "RingOwner", "Slot"]

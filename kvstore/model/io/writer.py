@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.model.compute.cache import LayerKV
-from kvstore.model.compute.offload import HostBuffers, Staged
-from kvstore.model.plan import chains
-from kvstore.model.plan.chains import Chain
+from kvstore.model.io import chains
+from kvstore.model.io.chains import Chain
+from kvstore.model.io.offload import HostBuffers, Staged
 from kvstore.store.entry import Entry
 from kvstore.store.kvstore import KVStore
 
@@ -56,12 +56,19 @@ class _Record:
     n_tokens: int
 
 
+@dataclass(frozen=True)
+class _Owned:
+    """An encoded entry a context owns (scores, a pressed cache), written as it is (``store.put``)."""
+
+    blob: bytes
+
+
 @dataclass
 class _Job:
     """One put: a chunk (with its encoded bytes, their encoding in flight, or its staged copy), a
-    context record, or None (stop)."""
+    context record, an owned entry, or None (stop)."""
 
-    item: Entry | _Record | None
+    item: Entry | _Record | _Owned | None
     overwrite: bool
     blob: bytes | None = None
     staged: Staged | None = None
@@ -87,7 +94,7 @@ class Writer:
     release the GIL; default: the CPU count, at most 8) and writing on the writer's own thread,
     strictly in order (a context record after its chunks). Chunks computed on an accelerator (or
     with the model handle's ``force_staging``) reach the host through reused pinned buffers
-    (:mod:`kvstore.model.compute.offload`) without blocking the next prefill. A chunk already in the
+    (:mod:`kvstore.model.io.offload`) without blocking the next prefill. A chunk already in the
     store is not rewritten unless asked (a corrupt one is). Errors are re-raised on the caller's
     thread (next ``put``, ``flush`` or ``close``); :attr:`stats` counts what was written."""
 
@@ -196,6 +203,9 @@ class Writer:
             if self.store.put_context(item.key, item.chunks, item.n_tokens):  # names the chunks gone meanwhile
                 self.lost.append(item.key)
             return
+        if isinstance(item, _Owned):
+            self.store.put(item.blob)
+            return
         assert isinstance(item, Entry)
         if job.blob is None and job.future is None:  # stored already when it was started
             return
@@ -204,7 +214,7 @@ class Writer:
         blob, seconds = (job.blob, 0.0) if job.future is None else job.future.result()
         assert blob is not None
         t0 = time.perf_counter()
-        self.store.put_bytes(item.key, blob)
+        self.store.put(blob)
         s = self.stats
         s.stored_bytes += len(blob)
         s.raw_bytes += item.kv_bytes + item.state_bytes + 8 * item.n_tokens
@@ -218,6 +228,11 @@ class Writer:
         """Write ``blob``, already encoded from ``entry`` with the store's codec."""
         self._enqueue(_Job(entry, overwrite, blob=blob))
 
+    def put_owned(self, blob: bytes) -> None:
+        """Write ``blob``, an encoded entry a context owns (any kind: its kind, owner and key are
+        read from its frame), after what was put before it: its context's chunks and record."""
+        self._enqueue(_Job(_Owned(blob), False))
+
     def put_context(self, chain: Chain) -> None:
         """Record ``chain``'s context once the chunks put before it are written."""
         self._enqueue(_Job(_Record(chain.key, chain.keys, chain.n_tokens), True))
@@ -229,7 +244,7 @@ class Writer:
         """Chunks ``depth..`` of ``chain`` from ``layers`` (positions ``offset..``), then (with
         ``record``) its context record. The chunk at ``depth`` is written even if present: it is
         missing or corrupt (a repair). From an accelerator (or with ``handle.force_staging``) each
-        chunk is copied into a pinned host buffer without blocking (:mod:`kvstore.model.compute.offload`)."""
+        chunk is copied into a pinned host buffer without blocking (:mod:`kvstore.model.io.offload`)."""
         host = self._host_for(handle)
         for i, entry in enumerate(chains.chunk_entries(handle, chain, layers, depth, offset)):
             self._enqueue(_Job(entry, i == 0), host)

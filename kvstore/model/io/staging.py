@@ -13,11 +13,11 @@ and a pinned allocation per load costs more than the copy. :class:`Staging` inst
   buffer, and an event marks the slot's copies done. The next chunk decodes into the next slot
   while that copy runs; a slot is written again only after its event (so two or three slots
   overlap the host's decoding with the copy engine). The ring belongs to the model handle
-  (:meth:`Ring.of`, :mod:`kvstore.model.compute.ring`): its buffers are allocated once, grown
+  (:meth:`Ring.of`, :mod:`kvstore.model.io.ring`): its buffers are allocated once, grown
   only when a larger chunk comes, and reused by every load. A chunk's checksum is computed while
   its bytes are copied into the slot (:mod:`kvstore.store.fused`), and the slot is sent only once
   it matched; a few chunks decode at once, one per thread;
-* **zstd frames decoded on the device** (a ``decoder``, :mod:`kvstore.model.compute.device_zstd`:
+* **zstd frames decoded on the device** (a ``decoder``, :mod:`kvstore.model.io.device_zstd`:
   nvCOMP with the ``gpu`` extra): a lossless chunk's stored bytes cross as they are and its frames
   decode on the device in one batched call, its byte planes joined there;
 * **device decoding** (:meth:`Staging.copy_into` of a record with ``device_decode``, the
@@ -50,8 +50,8 @@ from typing import Any
 import torch
 
 from kvstore.errors import CorruptEntryError
-from kvstore.model.compute import device_zstd
-from kvstore.model.compute.ring import ALIGN, RING_SLOTS, Ring, Slot, _view  # noqa: F401 - RING_SLOTS: tests
+from kvstore.model.io import device_zstd
+from kvstore.model.io.ring import ALIGN, RING_SLOTS, Ring, Slot, _view  # noqa: F401 - RING_SLOTS: tests
 from kvstore.parallel import run_all
 from kvstore.store import fused
 from kvstore.store.frame import verify_checksum
@@ -122,7 +122,7 @@ class Staging:
         decoder: device_zstd.DeviceDecoder | None = None,
     ):  # fmt: skip
         self.device = device
-        self.decoder = decoder  # zstd frames decoded on the device (kvstore.model.compute.device_zstd)
+        self.decoder = decoder  # zstd frames decoded on the device (kvstore.model.io.device_zstd)
         self.ring = ring if ring is not None else Ring(device, force=force)
         self.cuda, self.active, self.stream = self.ring.cuda, self.ring.cuda or force, self.ring.stream
         if self.stream is not None:  # buffers allocated or zeroed on the compute stream come first
@@ -178,7 +178,7 @@ class Staging:
         if not self.active:
             record.copy_into(dest)
             return
-        if getattr(record, "device_decode", False):
+        if record.device_decode:
             self._count("device_decoded")
             with self.ring.on_stream():
                 record.copy_into(dest, stage=self.upload)
@@ -241,8 +241,8 @@ class Staging:
         return None
 
     def _prepare(self, pairs: Sequence[tuple[Any, torch.Tensor]], frame: Any, threads: int) -> _Chunk:
-        staged = [(rec, dest) for rec, dest in pairs if not getattr(rec, "device_decode", False)]
-        on_device = [(rec, dest) for rec, dest in pairs if getattr(rec, "device_decode", False)]
+        staged = [(rec, dest) for rec, dest in pairs if not rec.device_decode]
+        on_device = [(rec, dest) for rec, dest in pairs if rec.device_decode]
         compressed = device_zstd.plan(staged) if self.decoder is not None and staged and not on_device else None
         if compressed is not None:
             return self._prepare_compressed(compressed, frame)
@@ -317,8 +317,8 @@ PIECE = 1 << 20  # bytes: the smallest piece of a run of raw bytes a thread copi
 def _plain(record, dest: torch.Tensor) -> torch.Tensor | None:
     """The stored bytes of ``record`` when it is ``dest``'s values as they are (a ``raw`` record:
     one 1-D uint8 view of the payload), else None."""
-    source = getattr(record, "source", None)
-    if source is None or getattr(record, "planes", None) is not None or getattr(record, "frames", None) is not None:
+    source = record.raw_bytes()
+    if source is None:
         return None
     if tuple(record.shape) != tuple(dest.shape) or record.dtype != dest.dtype or not source.is_contiguous():
         return None

@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
+from kvstore.model.io.pinned import aligned, host_bytes
 from kvstore.store.entry import Entry
-
-ALIGN = 64  # bytes: each tensor's place in a buffer starts at a multiple of this
 
 
 @dataclasses.dataclass
@@ -65,7 +64,7 @@ class HostBuffers:
             if i is not None:
                 return self.free.pop(i)
             self.allocations += 1
-        return torch.empty(-(-nbytes // ALIGN) * ALIGN, dtype=torch.uint8, pin_memory=self.cuda)
+        return host_bytes(nbytes, self.cuda)
 
     def give(self, buf: torch.Tensor) -> None:
         """Hand ``buf`` back for reuse (its copies are done and nothing reads it any more)."""
@@ -81,7 +80,7 @@ class HostBuffers:
         places, used = [], 0
         for t in tensors:
             places.append(used)
-            used += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+            used += aligned(t.numel() * t.element_size())
         buf = self.take(max(used, 1))
         device = next((t.device for t in tensors if t.device.type == "cuda"), None)
         cuda = device is not None
