@@ -142,7 +142,7 @@ def stored_tails(seed: str, ids: Sequence[int], chunk_tokens: int, cuts: list[in
 
 # The built-in lossy codecs at their default parameters: the codecs a plain (lossless) sample looks
 # for a missed context under, to say that ``--codec`` would read it (:func:`lossy_copies`).
-LOSSY_PROBES = ("int8", "int4", "fp8", "int8r", "int4r", "ecq", "int4h")
+LOSSY_PROBES = ("int8", "int4", "fp8", "int8r", "int4r", "ecq", "int4h", "kvh")
 PROBED_CONTEXTS = 16
 
 
