@@ -66,7 +66,7 @@ from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import register_quantizer
 from kvstore.store.codecs.hadamard import _norm, butterfly, hadamard_block, hadamard_rotate
 from kvstore.store.codecs.planes import affine, check_dim, levels, pack, unpack_into
-from kvstore.store.codecs.quant import Stage, _finite_params, _rec, _scratch, _view
+from kvstore.store.codecs.quant import Stage, _finite_params, _rec, _scratch, _view, sink_then_rest
 from kvstore.store.codecs.records import StoredTensorBase, TensorRecord
 
 DEFAULT_PACKING = "zstd:1"
@@ -317,19 +317,11 @@ class _AsymReader(StoredTensorBase):
         self.name, self.shape, self.dtype, self.sink, self.body, self.tail = name, shape, dtype, sink, body, tail
 
     def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
-        if tuple(dest.shape) != self.shape or dest.dtype != self.dtype:
-            got, want = f"{tuple(dest.shape)}/{dest.dtype}", f"{self.shape}/{self.dtype}"
-            raise ValueError(f"{self.name}: destination {got} != {want}")
-        k = self.sink.shape[1]
-        if k and stage is not None:
-            dest[:, :k].copy_(stage(self.sink, dest.device))
-        elif k:
-            self.sink.copy_into(dest[:, :k])
-        t = self.tail.codes.shape[1] if self.tail is not None else 0
-        n = self.shape[1]
-        self.body.decode(dest[:, k : n - t], stage)
+        rest = sink_then_rest(self, dest, stage)
+        m = rest.shape[1] - (self.tail.codes.shape[1] if self.tail is not None else 0)
+        self.body.decode(rest[:, :m], stage)
         if self.tail is not None:
-            self.tail.decode(dest[:, n - t :], stage)
+            self.tail.decode(rest[:, m:], stage)
 
     def materialize(self) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype)
