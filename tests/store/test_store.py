@@ -445,13 +445,13 @@ def test_build_writer_holds_a_byte_budget_of_pending_chunks(monkeypatch):
     size = entries[0].kv_bytes
     with KVStore("memory://writer-budget") as store:
         gate = threading.Event()
-        real = store.put_bytes
+        real = store.put  # the writer's one write (chunks and owned entries alike)
 
-        def slow_put(key, blob, **kw):
+        def slow_put(item, **kw):
             gate.wait(10)
-            return real(key, blob, **kw)
+            return real(item, **kw)
 
-        monkeypatch.setattr(store, "put_bytes", slow_put)
+        monkeypatch.setattr(store, "put", slow_put)
         # (budget, chunks put without waiting: the first goes even when larger than the budget)
         for budget, free in ((2 * size, 2), (3 * size, 3), (size // 2, 1)):
             gate.clear()

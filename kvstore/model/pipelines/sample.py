@@ -215,9 +215,9 @@ class Answering(Generic[PreparedT]):
         return self.path.prepare(self.handle, plan, self.work, loaded)
 
     def finish(self, plan: BatchPlan, prepared: PreparedT | None) -> BatchAnswers:
-        if prepared is None:
+        if self.work.store is None:  # not ``prepared is None``: a path may prepare nothing ahead
             return self.path.reference(self.handle, plan, self.work)
-        return self.path.answer(self.handle, plan, self.work, prepared)
+        return self.path.answer(self.handle, plan, self.work, prepared)  # type: ignore[arg-type]
 
     def prefetch(self, rows: list[int]) -> None:
         """A remote store starts fetching the chunks of ``rows``' contexts (the next batch)."""
