@@ -27,6 +27,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import IO, Any
 
 import click
@@ -161,6 +162,16 @@ def yes_option(fn: Callable) -> Callable:
     return click.option("-y", "--yes", is_flag=True, help="Do not ask for confirmation (needed without a terminal).")(
         fn
     )
+
+
+@dataclass(frozen=True)
+class PlanRun:
+    """How a removal plan runs: ``--dry-run`` (print it only), ``--yes`` (do not ask), ``--quiet``
+    (no progress bars)."""
+
+    dry_run: bool
+    yes: bool
+    quiet: bool = True
 
 
 # -- stores -----------------------------------------------------------------------------------
@@ -383,6 +394,7 @@ def short(text: str | None, n: int = 12) -> str:
 __all__ = [
     "CLIError",
     "DURATION",
+    "PlanRun",
     "ProgressBar",
     "SIZE",
     "STORE_DEFAULT_HELP",

@@ -11,6 +11,7 @@ stays fast.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -19,6 +20,7 @@ from kvstore.cli.common import (
     DURATION,
     SIZE,
     CLIError,
+    PlanRun,
     confirm,
     dry_run_option,
     echo_json,
@@ -33,6 +35,7 @@ from kvstore.cli.common import (
     warn,
     yes_option,
 )
+from kvstore.cli.flags import receives
 from kvstore.cli.listing import count as _count
 from kvstore.cli.listing import warn_unreadable as _warn_corrupt
 from kvstore.units import human_bytes
@@ -436,6 +439,15 @@ def rm(
     _run_plan(store, options, verify_all=False, dry_run=dry_run, yes=yes, quiet=True)
 
 
+def _gc_options(values: Mapping[str, Any]) -> GcOptions:
+    """``gc``'s removal options from its flags (``--max-size`` fills ``max_bytes``; unused chunks always go)."""
+    from kvstore.store.gc import GcOptions
+
+    v = values
+    return GcOptions(corrupt=v["corrupt"], older_than=v["older_than"], max_bytes=v["max_size"], model=v["model"],
+                     orphans=True, grace=v["grace"])  # fmt: skip
+
+
 @click.command()
 @store_option
 @click.option("--corrupt", is_flag=True, help="Corrupt entries (verifies every entry first).")
@@ -463,8 +475,8 @@ def rm(
 @dry_run_option
 @yes_option
 @quiet_option
-def gc(store: str, corrupt: bool, older_than: float | None, max_size: int | None, model: str | None, grace: float,
-       dry_run: bool, yes: bool, quiet: bool) -> None:  # fmt: skip
+@receives(store=lambda values: values["store"], options=_gc_options, run=PlanRun)
+def gc(store: str, options: GcOptions, run: PlanRun) -> None:
     """Remove unused chunks, corrupt entries, old contexts, or shrink to a size budget.
 
     Always removes chunks no context uses any more once unused for --grace (default 1h: a build
@@ -476,18 +488,12 @@ def gc(store: str, corrupt: bool, older_than: float | None, max_size: int | None
     keeps its size: LMDB reuses the freed space for new entries. Only what is still as planned
     goes: anything used, recorded or repaired since the plan (while the question waited) stays.
     """
-    from kvstore.store.gc import SAFE_GRACE_SECONDS, GcOptions
+    from kvstore.store.gc import SAFE_GRACE_SECONDS
 
+    grace = options.grace
     if grace < SAFE_GRACE_SECONDS:
         warn(
             f"--grace {grace:g}s is under {SAFE_GRACE_SECONDS / 60:g} minutes: chunks a running build has written "
             "but not recorded yet may go (the build then computes them again)"
         )
-    _run_plan(
-        store,
-        GcOptions(corrupt=corrupt, older_than=older_than, max_bytes=max_size, model=model, orphans=True, grace=grace),
-        verify_all=corrupt,
-        dry_run=dry_run,
-        yes=yes,
-        quiet=quiet,
-    )  # fmt: skip
+    _run_plan(store, options, verify_all=options.corrupt, dry_run=run.dry_run, yes=run.yes, quiet=run.quiet)

@@ -22,6 +22,7 @@ import contextlib
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import CorruptEntryError, CorruptEntryWarning, FormatVersionError
@@ -57,6 +58,17 @@ def kind_of_blob(blob: bytes | memoryview) -> tuple[EntryKind, str, str]:
     kind: EntryKind = kind_of(h.get("kind", "")) if fmt == DERIVED_FORMAT else CHUNK
     header = kind.read_header(blob)[0]
     return kind, header.context if kind.owned else "", header.key
+
+
+@dataclass(frozen=True)
+class WantedEntry:
+    """The entry a read asks for: its ``kind``, backend key ``name``, own ``key`` and, for an entry a
+    context owns, the ``owner`` it must belong to."""
+
+    kind: EntryKind
+    name: bytes
+    key: str
+    owner: str = ""
 
 
 class EntryAccess:
@@ -97,16 +109,15 @@ class EntryAccess:
 
     # -- reading ----------------------------------------------------------------------------------
     def _verified(
-        self, kind: EntryKind, name: bytes, key: str, buf: Any, stack: contextlib.ExitStack | None, *,
-        owner: str = "", lazy: bool = False, checked: BaseException | bool = False, strict: bool = False,
-        stacklevel: int = 4,
+        self, wanted: WantedEntry, buf: Any, stack: contextlib.ExitStack | None, *, lazy: bool = False,
+        checked: BaseException | bool = False, strict: bool = False, stacklevel: int = 4,
     ) -> Any:  # fmt: skip
-        """The verified view of the entry ``key`` of ``kind`` in ``buf`` (backend key ``name``;
-        ``owner``: the context an owned entry must belong to), or None when it is corrupt (it
+        """The verified view of the ``wanted`` entry in ``buf``, or None when it is corrupt (it
         warns; ``strict``: it raises CorruptEntryError instead, and None means the remote lost it).
         ``checked``: True when ``buf``'s checksum was verified already, or the exception verifying
         it raised. A corrupt copy in a local tier is dropped and the remote's read instead (its
         view kept open on ``stack``): a tier's fault stays local."""
+        kind, name, key, owner = wanted.kind, wanted.name, wanted.key, wanted.owner
         try:
             if isinstance(checked, BaseException):
                 raise checked
@@ -123,8 +134,8 @@ class EntryAccess:
                         stacklevel=stacklevel,
                     )
                 fresh = stack.enter_context(self.backend.view(name))
-                return None if fresh is None else self._verified(kind, name, key, fresh, None, owner=owner, lazy=lazy,
-                                                                 strict=strict, stacklevel=stacklevel)  # fmt: skip
+                return None if fresh is None else self._verified(wanted, fresh, None, lazy=lazy, strict=strict,
+                                                                 stacklevel=stacklevel)  # fmt: skip
             if strict:
                 raise
             where = f" of context {owner[:16]}" if owner else ""
@@ -145,7 +156,7 @@ class EntryAccess:
         buf = stack.enter_context(self.backend.view(name))
         if buf is None:
             return None
-        return self._verified(kind, name, key, buf, stack, owner=owner, strict=strict, stacklevel=5)
+        return self._verified(WantedEntry(kind, name, key, owner), buf, stack, strict=strict, stacklevel=5)
 
     def has(self, kind: EntryKind, key: str, owner: str = "") -> bool:
         """Whether the entry ``key`` of ``kind`` (owned by the context ``owner``, for a kind a
@@ -189,4 +200,4 @@ class EntryAccess:
     derived_keys = owned_keys
 
 
-__all__ = ["EntryAccess", "kind_of_blob"]
+__all__ = ["EntryAccess", "WantedEntry", "kind_of_blob"]

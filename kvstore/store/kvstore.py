@@ -46,7 +46,7 @@ from kvstore.errors import (
 from kvstore.facts import ATTN
 from kvstore.parallel import run_all
 from kvstore.progress import Progress
-from kvstore.store.access import EntryAccess
+from kvstore.store.access import EntryAccess, WantedEntry
 from kvstore.store.backends import Backend, open_backend
 from kvstore.store.codecs import Codec, get_codec
 from kvstore.store.codecs.choice import CodecChoice
@@ -308,7 +308,7 @@ class KVStore(EntryAccess):
             for key, buf, check in zip(keys, bufs, checks):
                 if isinstance(check, BaseException) and not isinstance(check, CorruptEntryError):
                     raise check
-                view = self._verified(CHUNK, entry_key(key), key, buf, stack, lazy=lazy, checked=check)
+                view = self._verified(WantedEntry(CHUNK, entry_key(key), key), buf, stack, lazy=lazy, checked=check)
                 if view is None:
                     break
                 if defer:

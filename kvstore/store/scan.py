@@ -81,6 +81,17 @@ class StoreAbout:
     codec_reason: str = ""
 
 
+@dataclass(frozen=True)
+class Unreadable:
+    """What a scan could not read beside its corrupt entries (see :class:`StoreInfo`): through a local
+    tier, its bad copies (``local_corrupt``); context records that do not parse (``malformed``);
+    entries of a newer format or an unknown kind (``unknown``)."""
+
+    local_corrupt: Sequence[CorruptInfo] = ()
+    malformed: Sequence[CorruptInfo] = ()
+    unknown: Sequence[CorruptInfo] = ()
+
+
 class StoreInfo:
     """A store's description and contents (see :meth:`KVStore.scan`): ``about`` (a
     :class:`StoreAbout`; its fields read as this object's own: ``url``, ``format``, ``codec``,
@@ -94,14 +105,14 @@ class StoreInfo:
     ``refs`` / ``recorded_access`` / ``by_key`` (mappings by key, made when read).
 
     Made by a scan; also from values (``entries``/``contexts`` as sequences of ``EntryInfo`` and
-    ``ContextInfo``, ``recorded_access`` a dict), as tests do."""
+    ``ContextInfo``, ``recorded_access`` a dict, ``unreadable`` an :class:`Unreadable`), as tests do."""
 
     def __init__(
         self, about: StoreAbout, entries: EntryTable | Sequence[EntryInfo], corrupt: Sequence[CorruptInfo] = (),
         contexts: ContextTable | Sequence[ContextInfo] = (), *, recorded_access: Mapping[str, float] | None = None,
-        local_corrupt: Sequence[CorruptInfo] = (), malformed: Sequence[CorruptInfo] = (),
-        owned: Sequence[OwnedInfo] = (), unknown: Sequence[CorruptInfo] = (),
+        owned: Sequence[OwnedInfo] = (), unreadable: Unreadable = Unreadable(),
     ):  # fmt: skip
+        local_corrupt, malformed, unknown = unreadable.local_corrupt, unreadable.malformed, unreadable.unknown
         self.about = about
         self.url, self.format, self.codec, self.created = about.url, about.format, about.codec, about.created
         self.disk_bytes, self.verified, self.chunk_tokens = about.disk_bytes, about.verified, about.chunk_tokens
@@ -306,8 +317,7 @@ def scan_store(store: ScannedStore, *, verify: bool = False, progress: Progress 
     contexts.finish()
     about = StoreAbout(store.url, store.format, store.codec.spec, float(store.meta.created),
                        store.backend.disk_bytes(), verify, store.chunk_tokens, store.meta.codec_reason)  # fmt: skip
-    return StoreInfo(about, entries, corrupt, contexts, local_corrupt=local_corrupt, malformed=malformed,
-                     unknown=unknown)  # fmt: skip
+    return StoreInfo(about, entries, corrupt, contexts, unreadable=Unreadable(local_corrupt, malformed, unknown))
 
 
 def _unreadable(exc: Exception, unknown: list[CorruptInfo], corrupt: list[CorruptInfo]) -> list[CorruptInfo]:
@@ -414,4 +424,4 @@ def _read(store: ScannedStore, w: _Wanted, verify: bool, local_bad: list[Corrupt
         return got
 
 
-__all__ = ["ScannedStore", "StoreInfo", "scan_store"]
+__all__ = ["ScannedStore", "StoreInfo", "Unreadable", "scan_store"]

@@ -35,10 +35,14 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvstore.errors import PressError
+from kvstore.model.keywords import documented, option, takes_options
 from kvstore.model.press.identity import OpaqueValueError, scorer_identity
+
+if TYPE_CHECKING:  # pragma: no cover
+    from typing_extensions import Unpack
 
 ParamValue = int | float | bool
 READS = ("keys", "window", "context", "replay")
@@ -164,17 +168,39 @@ def register_budget(rule: BudgetRule) -> BudgetRule:
     return rule
 
 
+@documented
+@dataclass(frozen=True)
+class PressRegistration:
+    """How :func:`register_press` registers a press, beside its name and scorer (its keywords)."""
+
+    params: Mapping[str, ParamValue] | None = option(None, "its parameters and their int, float or bool defaults")
+    reads: str = option("keys", "what the scorer sees: keys, window, context or replay")
+    keeps: str = option("nothing: the best-scored tokens", "what it keeps besides, for the docs")
+    budget: str = option("head", "its default budget")
+    question: bool = option(False, "whether it may be used with :q (a window press)")
+    ratio_free: bool = option(True, "False when its scores depend on the ratio")
+    version: str = option("", "any text; change it when the scorer computes something its digest cannot see")
+
+
+class PressRegistrationKeywords(TypedDict, total=False):
+    """:class:`PressRegistration`'s fields as :func:`register_press`'s keywords (for the type checker)."""
+
+    params: Mapping[str, ParamValue] | None
+    reads: str
+    keeps: str
+    budget: str
+    question: bool
+    ratio_free: bool
+    version: str
+
+
+@takes_options(PressRegistration)
 def register_press(
     name: str,
     score: Callable[..., Any] | str,
     *,
-    params: Mapping[str, ParamValue] | None = None,
-    reads: str = "keys",
-    keeps: str = "nothing: the best-scored tokens",
-    budget: str = "head",
-    question: bool = False,
-    ratio_free: bool = True,
-    version: str = "",
+    options: PressRegistration | None = None,
+    **fields: Unpack[PressRegistrationKeywords],
 ) -> PressMethod:
     """Register a press under ``name`` and return its record; then ``NAME:RATIO`` works wherever a
     press spec does (``sample``, ``sweep``, ``score``, the lm-eval ``press=`` argument).
@@ -193,7 +219,13 @@ def register_press(
     earlier definition of ``name`` are never read for this one. Raises PressError for a bad name or
     parameter, a name taken (:func:`unregister_press` first to redefine one), an unknown ``reads``
     or budget, or (OpaqueValueError) such a value without ``version``. (Built-in records, with the kvpress
-    press they follow and their formula for the docs, go through :func:`add_press`.)"""
+    press they follow and their formula for the docs, go through :func:`add_press`.) The keywords are
+    the fields of :class:`PressRegistration`; ``options=`` gives them as one object."""
+    assert options is not None  # takes_options gives the complete options
+    o = options
+    params, reads, budget, question, ratio_free, version = (
+        o.params, o.reads, o.budget, o.question, o.ratio_free, o.version
+    )  # fmt: skip
     _check_name(name, "press")
     if not (callable(score) or (isinstance(score, str) and ":" in score)):
         raise PressError(f"press {name}: the scorer must be a function or 'module:function'")
@@ -210,7 +242,7 @@ def register_press(
         identity = scorer_identity(score, version, facts)
     except OpaqueValueError as e:
         raise OpaqueValueError(f"press {name}: {e}") from None
-    return add_press(PressMethod(name, declared, reads, keeps, budget, score, question=question,
+    return add_press(PressMethod(name, declared, reads, o.keeps, budget, score, question=question,
                                  ratio_free=ratio_free, identity=identity))  # fmt: skip
 
 
@@ -414,6 +446,8 @@ __all__ = [
     "Param",
     "ParamValue",
     "PressMethod",
+    "PressRegistration",
+    "PressRegistrationKeywords",
     "add_press",
     "budget_names",
     "budget_rule",

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -158,17 +159,19 @@ class EntropyQuantizer:
         rotary = None
         if role == "keys":
             rotary = need_rotary(self.rotary, self.spec, CorruptEntryError, dim)
-        return _EntropyReader(
-            name=name,
-            shape=tuple(shape),
-            dtype=dtype,
-            codes=codes,
-            offsets=o,
-            steps=s,
-            sink=sink,
-            rotary=rotary,
-            where=(start, positions),
-        )
+        parts = EcqParts(codes, o, s, sink)
+        return _EntropyReader(name, tuple(shape), dtype, parts, rotary=rotary, where=(start, positions))
+
+
+@dataclass(frozen=True)
+class EcqParts:
+    """The checked stored parts of one ``ecq`` tensor: its int8 ``codes``, float32 ``offsets`` and
+    ``steps``, and ``sink``."""
+
+    codes: TensorRecord
+    offsets: torch.Tensor
+    steps: torch.Tensor
+    sink: TensorRecord
 
 
 class _EntropyReader(StoredTensorBase):
@@ -178,9 +181,9 @@ class _EntropyReader(StoredTensorBase):
 
     device_decode = True
 
-    def __init__(self, name, shape, dtype, codes, offsets, steps, sink, rotary, where):
+    def __init__(self, name, shape, dtype, parts: EcqParts, rotary, where):
         self.name, self.shape, self.dtype = name, shape, dtype
-        self.codes, self.offsets, self.steps, self.sink = codes, offsets, steps, sink
+        self.codes, self.offsets, self.steps, self.sink = parts.codes, parts.offsets, parts.steps, parts.sink
         self.rotary = rotary
         self.start, self.positions = where  # the first token's position, or every token's
 
@@ -256,4 +259,4 @@ def _from_params(params: Mapping) -> EntropyQuantizer:
 
 register_quantizer("ecq", _factory, from_params=_from_params, since=4)
 
-__all__ = ["EntropyQuantizer"]
+__all__ = ["EcqParts", "EntropyQuantizer"]

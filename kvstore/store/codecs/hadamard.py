@@ -63,6 +63,7 @@ from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import Codec, register_quantizer
 from kvstore.store.codecs.quant import (
     PARTS,
+    IntParts,
     IntQuantizer,
     Stage,
     _IntReader,
@@ -206,8 +207,8 @@ class HadamardQuantizer(IntQuantizer):
         except CodecError as exc:
             raise CorruptEntryError(str(exc)) from None
         q = self.codes_of(role, name)
-        codes, s, z, sink, group = IntQuantizer.checked_parts(q, role, name, records, shape, dtype)
-        return _HadamardReader(q, role, name, shape, dtype, codes=codes, scales=s, zeros=z, sink=sink, group=group)
+        parts = IntQuantizer.checked_parts(q, role, name, records, shape, dtype)
+        return _HadamardReader(q, role, name, shape, dtype, parts)
 
 
 class _HadamardReader(_IntReader):
@@ -230,8 +231,8 @@ class _HadamardReader(_IntReader):
             tag = "h_f64" if wdt == torch.float64 else "h_f32"
             work, other = (_scratch(tag + side, d.numel(), wdt).view(d.shape) for side in ("a", "b"))
         # int4's dequantization of the codes alone (no sink: it went straight to dest above)
-        body = _IntReader(self.q, self.role, self.name, (heads, m, dim), wdt, codes=self.codes, scales=self.scales,
-                          zeros=self.zeros, sink=_no_sink(self.name, heads, dim, wdt), group=self.group)  # fmt: skip
+        parts = IntParts(self.codes, self.scales, self.zeros, _no_sink(self.name, heads, dim, wdt), self.group)
+        body = _IntReader(self.q, self.role, self.name, (heads, m, dim), wdt, parts)
         body.copy_into(work, stage)
         rotated = butterfly(work, other)
         if d.dtype == wdt and d.device == rotated.device:

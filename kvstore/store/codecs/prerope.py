@@ -47,7 +47,16 @@ import torch
 from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import Codec, register_quantizer
 from kvstore.store.codecs.portable import cos_sin
-from kvstore.store.codecs.quant import PARTS, IntQuantizer, _scratch, _view, int_factory, sink_count, sink_then_rest
+from kvstore.store.codecs.quant import (
+    PARTS,
+    IntParts,
+    IntQuantizer,
+    _scratch,
+    _view,
+    int_factory,
+    sink_count,
+    sink_then_rest,
+)
 from kvstore.store.codecs.records import StoredTensorBase, TensorRecord
 
 LAYOUTS = ("half",)  # channel j pairs with j + R/2 (transformers' rotate_half); the only one handled
@@ -191,29 +200,18 @@ class PreRopeQuantizer(IntQuantizer):
         if role != "keys":
             return super().reader(role, name, records, shape, dtype)
         rotary = need_rotary(self.rotary, self.spec, CorruptEntryError, shape[2])
-        codes, s, z, sink, _ = self.checked_parts(role, name, records, shape, dtype)
-        return _PreRopeReader(
-            self,
-            rotary,
-            name=name,
-            shape=tuple(shape),
-            dtype=dtype,
-            codes=codes,
-            scales=s,
-            zeros=z,
-            sink=sink,
-            where=(start, positions),
-        )
+        parts = self.checked_parts(role, name, records, shape, dtype)
+        return _PreRopeReader(self, rotary, name, tuple(shape), dtype, parts, where=(start, positions))
 
 
 class _PreRopeReader(StoredTensorBase):
     """Decodes one pre-rotation key tensor into a destination buffer: codes -> float32 (float64
     for a float64 model) -> rotated -> destination."""
 
-    def __init__(self, q: PreRopeQuantizer, rotary: Rotary, name, shape, dtype, codes, scales, zeros, sink, where):
+    def __init__(self, q: PreRopeQuantizer, rotary: Rotary, name, shape, dtype, parts: IntParts, where):
         self.q, self.rotary, self.name = q, rotary, name
         self.shape, self.dtype = shape, dtype
-        self.codes, self.scales, self.zeros, self.sink = codes, scales, zeros, sink
+        self.codes, self.scales, self.zeros, self.sink = parts.codes, parts.scales, parts.zeros, parts.sink
         self.start, self.positions = where  # the first token's position, or every token's
 
     def copy_into(self, dest: torch.Tensor) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -217,12 +218,12 @@ class IntQuantizer:
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype,
         start: int = 0, positions: torch.Tensor | None = None,
     ) -> _IntReader:  # fmt: skip
-        return _IntReader(self, role, name, shape, dtype, *self.checked_parts(role, name, records, shape, dtype))
+        return _IntReader(self, role, name, shape, dtype, self.checked_parts(role, name, records, shape, dtype))
 
     def checked_parts(
         self, role: str, name: str, records: Mapping[str, TensorRecord], shape: tuple[int, ...], dtype: torch.dtype
-    ) -> tuple[TensorRecord, torch.Tensor, torch.Tensor, TensorRecord, int]:
-        """``(codes, scales, zeros, sink, group)`` of ``name``, each part checked against the
+    ) -> IntParts:
+        """The parts (codes, scales, zeros, sink, group) of ``name``, each part checked against the
         ``shape`` and ``dtype`` the header declares (scales and zeros as float32, finite).
         Raises CorruptEntryError when they do not fit."""
         heads, n, dim = shape
@@ -243,7 +244,19 @@ class IntQuantizer:
                 raise CorruptEntryError(f"tensor {rec.name} is {rec.shape} {rec.dtype}, expected {want} float16")
         s, z = scales.materialize().float(), zeros.materialize().float()
         _finite_params(name, s, z)
-        return codes, s, z, sink, g
+        return IntParts(codes, s, z, sink, g)
+
+
+@dataclass(frozen=True)
+class IntParts:
+    """The checked stored parts of one int8/int4 tensor (see :meth:`IntQuantizer.checked_parts`): its
+    ``codes``, float32 ``scales`` and ``zeros``, ``sink`` and quantization ``group``."""
+
+    codes: TensorRecord
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    sink: TensorRecord
+    group: int
 
 
 class _IntReader(StoredTensorBase):
@@ -252,10 +265,11 @@ class _IntReader(StoredTensorBase):
 
     device_decode = True
 
-    def __init__(self, q: IntQuantizer, role, name, shape, dtype, codes, scales, zeros, sink, group):
+    def __init__(self, q: IntQuantizer, role, name, shape, dtype, parts: IntParts):
         self.q, self.role, self.name = q, role, name
         self.shape, self.dtype = tuple(shape), dtype
-        self.codes, self.scales, self.zeros, self.sink, self.group = codes, scales, zeros, sink, group
+        self.codes, self.scales, self.zeros, self.sink = parts.codes, parts.scales, parts.zeros, parts.sink
+        self.group = parts.group
 
     def copy_into(self, dest: torch.Tensor, stage: Stage | None = None) -> None:
         """Dequantize into ``dest``. Without ``stage``: on the host (a non-CPU ``dest`` gets one
@@ -416,4 +430,13 @@ register_quantizer("int8", int_factory(IntQuantizer, "int8", 8, 128, 64))
 register_quantizer("int4", int_factory(IntQuantizer, "int4", 4, 32, 64))
 register_quantizer("fp8", _fp8)
 
-__all__ = ["FP8_MAX", "SINK_TOKENS", "Fp8Quantizer", "IntQuantizer", "checked_sink", "sink_count", "sink_then_rest"]
+__all__ = [
+    "FP8_MAX",
+    "SINK_TOKENS",
+    "Fp8Quantizer",
+    "IntParts",
+    "IntQuantizer",
+    "checked_sink",
+    "sink_count",
+    "sink_then_rest",
+]
