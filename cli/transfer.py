@@ -42,7 +42,8 @@ Examples:
     "--codec",
     default=None,
     help="Convert instead of copying: write SRC's contexts into DST re-encoded with this lossy codec (int8[:G], "
-    "int4[:G], fp8), no recompute; DST may be SRC. sample --codec with the same codec then finds them.",
+    "int4[:G], fp8, int4r, int8r, ecq, int4h, kvh), no recompute; DST may be SRC. sample --codec with the same "
+    "codec then finds them.",
 )
 @quiet_option
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)

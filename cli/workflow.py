@@ -192,8 +192,9 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @flags.work_flags(BuildOptions)
 @_codec_option(
     "Codec for new entries: lossless zstd-split[:LEVEL[:BITS]], raw, zstd[:LEVEL] or zstd-shuffle[:LEVEL] "
-    "[default: the store's; new stores zstd-split:1:16], or lossy int8[:G], int4[:G], fp8, int4r, int8r or ecq[:STEP] "
-    "(optionally +PACKING): lossy entries are found only by sample --codec with the same codec."
+    "[default: the store's; new stores zstd-split:1:16 on a CPU, raw on CUDA], or lossy int8[:G], int4[:G], fp8, "
+    "int4r, int8r, ecq[:STEP], int4h or kvh[:KB/VB...] (optionally +PACKING): lossy entries are found only by "
+    "sample --codec with the same codec."
 )
 @click.option(
     "--shard",
@@ -366,8 +367,8 @@ def build(
 )
 @_codec_option(
     "Answer from caches stored with this codec. Lossless codecs are interchangeable (the default: the store's); "
-    "a lossy one (int8[:G], int4[:G], fp8, int4r, int8r, ecq) uses only entries built with it, and stores missing "
-    "contexts with it."
+    "a lossy one (int8[:G], int4[:G], fp8, int4r, int8r, ecq, int4h, kvh) uses only entries built with it, "
+    "and stores missing contexts with it."
 )
 @flags.variant_flags("answer", "answered")
 @flags.receives(data=Data, model=ModelChoice, prompting=Prompting, options=flags.fill(SampleOptions),
