@@ -17,6 +17,7 @@ import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -237,6 +238,32 @@ def _tensor_table(parsed: dict, data_len: int) -> list[HeaderRecord]:
     return records
 
 
+def table_views(
+    payload: memoryview | bytes, table: object, raw_bytes: int, *, what: str, part: str, min_stored: int = 0
+) -> tuple[list[Any], list[tuple[int, int]]]:
+    """Each part of ``payload`` (a view) and its ``(stored, decoded)`` sizes from an entry's part
+    table (``table``: ``[[stored, decoded], ...]``), checked: the table well formed, every stored
+    size at least ``min_stored``, the stored sizes adding up to the payload and the decoded ones to
+    the header's ``raw_bytes``. CorruptEntryError naming the codec (``what``) and its parts
+    (``part``: ``frame``, ``part``) otherwise."""
+    if not isinstance(table, list) or not table:
+        raise CorruptEntryError(f"{what} entry lists no {part}s")
+    try:
+        sizes = [(int(c), int(d)) for c, d in table]
+    except (TypeError, ValueError, OverflowError):
+        raise CorruptEntryError(f"{what} {part} table is malformed") from None
+    if any(c < min_stored or d < 0 for c, d in sizes) or sum(c for c, _ in sizes) != len(payload):
+        raise CorruptEntryError(f"{what} {part} sizes do not add up to the payload")
+    if sum(d for _, d in sizes) != raw_bytes:
+        raise CorruptEntryError(f"{what} {part}s declare a different size than the entry header")
+    views: list[Any] = []
+    pos = 0
+    for c, _ in sizes:
+        views.append(payload[pos : pos + c])
+        pos += c
+    return views, sizes
+
+
 __all__ = [
     "DecodedPayload",
     "StoredTensorBase",
@@ -244,5 +271,6 @@ __all__ = [
     "buffer_view",
     "build_header",
     "parse_header",
+    "table_views",
     "tensor_bytes",
 ]

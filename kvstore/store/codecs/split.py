@@ -53,6 +53,7 @@ from kvstore.store.codecs.records import (
     buffer_view,
     build_header,
     parse_header,
+    table_views,
     tensor_bytes,
 )
 
@@ -220,23 +221,7 @@ class SplitPacking:
 def _parts(payload: memoryview | bytes, params: Mapping, raw_bytes: int) -> tuple[list[Any], list[tuple[int, int]]]:
     """Each part of ``payload`` (a view) and its ``(stored, decoded)`` sizes, checked against the
     entry's part table and the header's raw size; CorruptEntryError otherwise."""
-    table = params.get("parts")
-    if not isinstance(table, list) or not table:
-        raise CorruptEntryError("zstd-split entry lists no parts")
-    try:
-        sizes = [(int(c), int(d)) for c, d in table]
-    except (TypeError, ValueError, OverflowError):
-        raise CorruptEntryError("zstd-split part table is malformed") from None
-    if any(c < 0 or d < 0 for c, d in sizes) or sum(c for c, _ in sizes) != len(payload):
-        raise CorruptEntryError("zstd-split part sizes do not add up to the payload")
-    if sum(d for _, d in sizes) != raw_bytes:
-        raise CorruptEntryError("zstd-split parts declare a different size than the entry header")
-    views: list[Any] = []
-    pos = 0
-    for c, _ in sizes:
-        views.append(payload[pos : pos + c])
-        pos += c
-    return views, sizes
+    return table_views(payload, params.get("parts"), raw_bytes, what="zstd-split", part="part")
 
 
 def _frame(views: Sequence[Any], sizes: Sequence[tuple[int, int]], i: int) -> tuple[Any, int]:

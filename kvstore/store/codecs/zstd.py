@@ -27,6 +27,7 @@ from kvstore.store.codecs.records import (
     buffer_view,
     build_header,
     parse_header,
+    table_views,
     tensor_bytes,
 )
 
@@ -123,22 +124,7 @@ def _frames(payload: memoryview | bytes, params: Mapping, raw_bytes: int) -> tup
     CorruptEntryError otherwise."""
     import zstandard
 
-    frames = params.get("frames")
-    if not isinstance(frames, list) or not frames:
-        raise CorruptEntryError("zstd entry lists no frames")
-    try:
-        sizes = [(int(c), int(d)) for c, d in frames]
-    except (TypeError, ValueError, OverflowError):
-        raise CorruptEntryError("zstd frame table is malformed") from None
-    if any(c <= 0 or d < 0 for c, d in sizes) or sum(c for c, _ in sizes) != len(payload):
-        raise CorruptEntryError("zstd frame sizes do not add up to the payload")
-    if sum(d for _, d in sizes) != raw_bytes:
-        raise CorruptEntryError("zstd frames declare a different size than the entry header")
-    views: list[Any] = []
-    pos = 0
-    for c, _ in sizes:
-        views.append(payload[pos : pos + c])
-        pos += c
+    views, sizes = table_views(payload, params.get("frames"), raw_bytes, what="zstd", part="frame", min_stored=1)
     # ZstdDecompressor.decompress sizes its output from the frame's own content-size field and
     # ignores max_output_size when that field is present: a small frame claiming (and holding)
     # gigabytes of zeros would be allocated in full. Check every frame's claim against the table.
