@@ -238,6 +238,21 @@ def _tensor_table(parsed: dict, data_len: int) -> list[HeaderRecord]:
     return records
 
 
+def check_frame_claim(view: Any, decoded: int, what: str) -> None:
+    """A zstd frame's own content-size claim must equal ``decoded``, the table's size for it:
+    ZstdDecompressor.decompress sizes its output from the frame's claim and ignores
+    max_output_size when the claim is present, so a small frame claiming (and holding) gigabytes of
+    zeros would otherwise be allocated in full. CorruptEntryError naming ``what`` otherwise."""
+    import zstandard
+
+    try:
+        claimed = zstandard.frame_content_size(view)
+    except zstandard.ZstdError:
+        raise CorruptEntryError(f"{what} frame has an unreadable header") from None
+    if claimed != decoded:
+        raise CorruptEntryError(f"a zstd frame declares {claimed} bytes, the entry header {decoded}")
+
+
 def table_views(
     payload: memoryview | bytes, table: object, raw_bytes: int, *, what: str, part: str, min_stored: int = 0
 ) -> tuple[list[Any], list[tuple[int, int]]]:
@@ -270,6 +285,7 @@ __all__ = [
     "TensorRecord",
     "buffer_view",
     "build_header",
+    "check_frame_claim",
     "parse_header",
     "table_views",
     "tensor_bytes",

@@ -52,6 +52,7 @@ from kvstore.store.codecs.records import (
     _decompress,
     buffer_view,
     build_header,
+    check_frame_claim,
     parse_header,
     table_views,
     tensor_bytes,
@@ -227,17 +228,10 @@ def _parts(payload: memoryview | bytes, params: Mapping, raw_bytes: int) -> tupl
 def _frame(views: Sequence[Any], sizes: Sequence[tuple[int, int]], i: int) -> tuple[Any, int]:
     """Part ``i`` as a zstd frame whose own size claim matches the table (a frame claiming more
     than the table says would otherwise be allocated in full when decompressed)."""
-    import zstandard
-
     view, (c, d) = views[i], sizes[i]
     if c == 0 and d == 0:
         return view, 0
-    try:
-        claimed = zstandard.frame_content_size(view)
-    except zstandard.ZstdError:
-        raise CorruptEntryError("zstd-split frame has an unreadable header") from None
-    if claimed != d:
-        raise CorruptEntryError(f"a zstd frame declares {claimed} bytes, the entry header {d}")
+    check_frame_claim(view, d, "zstd-split")
     return view, d
 
 

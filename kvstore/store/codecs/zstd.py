@@ -26,6 +26,7 @@ from kvstore.store.codecs.records import (
     TensorRecord,
     buffer_view,
     build_header,
+    check_frame_claim,
     parse_header,
     table_views,
     tensor_bytes,
@@ -122,19 +123,9 @@ def _frames(payload: memoryview | bytes, params: Mapping, raw_bytes: int) -> tup
     """Each zstd frame of ``payload`` (a view) and its ``(compressed, decompressed)`` sizes, checked
     against the entry's frame table, the header's raw size and each frame's own content-size claim;
     CorruptEntryError otherwise."""
-    import zstandard
-
     views, sizes = table_views(payload, params.get("frames"), raw_bytes, what="zstd", part="frame", min_stored=1)
-    # ZstdDecompressor.decompress sizes its output from the frame's own content-size field and
-    # ignores max_output_size when that field is present: a small frame claiming (and holding)
-    # gigabytes of zeros would be allocated in full. Check every frame's claim against the table.
     for v, (_, d) in zip(views, sizes):
-        try:
-            claimed = zstandard.frame_content_size(v)
-        except zstandard.ZstdError:
-            raise CorruptEntryError("zstd frame has an unreadable header") from None
-        if claimed != d:
-            raise CorruptEntryError(f"a zstd frame declares {claimed} bytes, the entry header {d}")
+        check_frame_claim(v, d, "zstd")
     return views, sizes
 
 
