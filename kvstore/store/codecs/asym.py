@@ -66,7 +66,7 @@ from kvstore.errors import CodecError, CorruptEntryError
 from kvstore.store.codecs.base import register_quantizer
 from kvstore.store.codecs.hadamard import _norm, butterfly, hadamard_block, hadamard_rotate
 from kvstore.store.codecs.planes import affine, check_dim, levels, pack, unpack_into
-from kvstore.store.codecs.quant import Stage, _finite_params, _rec, _scratch, _view, sink_then_rest
+from kvstore.store.codecs.quant import Stage, _finite_params, _rec, _scratch, _view, sink_then_rest, value_group
 from kvstore.store.codecs.records import StoredTensorBase, TensorRecord
 
 DEFAULT_PACKING = "zstd:1"
@@ -91,10 +91,7 @@ class Width:
     def group_for(self, role: str, dim: int) -> int:
         if role == "keys":
             return self.group
-        g = min(self.group, dim)
-        if dim % g:
-            raise CodecError(f"a value group of {g} channels does not divide head_dim {dim}")
-        return g
+        return value_group(self.group, dim)
 
     def encode(self, role: str, x: torch.Tensor) -> list[torch.Tensor]:
         """``[codes, scales, zeros]`` of ``x`` (float32 ``[H, m, D]``, no sink)."""

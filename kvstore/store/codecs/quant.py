@@ -130,6 +130,15 @@ def sink_count(n: int, start: int = 0, positions: torch.Tensor | None = None) ->
     return int((positions[:SINK_TOKENS] < SINK_TOKENS).sum())
 
 
+def value_group(group: int, head_dim: int, prefix: str = "") -> int:
+    """The channels a value group spans: ``group``, or the whole head when it is wider; CodecError
+    (its message after ``prefix``) when that does not divide ``head_dim``."""
+    g = min(group, head_dim)
+    if head_dim % g:
+        raise CodecError(f"{prefix}a value group of {g} channels does not divide head_dim {head_dim}")
+    return g
+
+
 def sink_then_rest(reader: Any, dest: torch.Tensor, stage: Stage | None = None) -> torch.Tensor:
     """Check ``dest`` against ``reader``'s shape and dtype (ValueError), copy the reader's sink
     tokens into its first slots (through ``stage`` when given) and return the view of the rest,
@@ -172,10 +181,7 @@ class IntQuantizer:
     def _group(self, role: str, head_dim: int) -> int:
         if role == "keys":
             return self.group_k
-        g = min(self.group_v, head_dim)
-        if head_dim % g:
-            raise CodecError(f"{self.spec}: a value group of {g} channels does not divide head_dim {head_dim}")
-        return g
+        return value_group(self.group_v, head_dim, f"{self.spec}: ")
 
     # -- encoding -------------------------------------------------------------------------------
     def encode(
@@ -439,4 +445,5 @@ __all__ = [
     "checked_sink",
     "sink_count",
     "sink_then_rest",
+    "value_group",
 ]
